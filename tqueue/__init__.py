@@ -1,0 +1,75 @@
+"""tqueue: the data plane between rollout engines and training ranks in LLM RL.
+
+Producers ``put`` per-sample fields; consumers ``get_meta`` / ``get_data`` the fields they
+need for their task and ``ack`` them. A controller owns metadata, storage units own bytes,
+clients talk to both over ZeroMQ.
+
+The client names (which need torch) load on first use, so server processes start
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
+from .config import ClientConfig, ControllerConfig, StorageConfig
+from .errors import (
+    ControllerUnavailableError,
+    FieldTypeError,
+    InvalidArgumentError,
+    PartitionClearedError,
+    ProtocolError,
+    ProtocolVersionError,
+    RemoteError,
+    SchemaError,
+    StorageUnitUnavailableError,
+    TQueueError,
+    UnavailableError,
+    UnknownFieldError,
+    WaitTimeoutError,
+)
+from .launch import LocalCluster
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, Batch, Client, ClientStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "Batch",
+    "BatchMeta",
+    "Client",
+    "ClientConfig",
+    "ClientStats",
+    "ControllerConfig",
+    "ControllerUnavailableError",
+    "FieldSpec",
+    "FieldTypeError",
+    "InvalidArgumentError",
+    "LocalCluster",
+    "PROTOCOL_VERSION",
+    "PartitionClearedError",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "RemoteError",
+    "SchemaError",
+    "StorageConfig",
+    "StorageUnitUnavailableError",
+    "TQueueError",
+    "UnavailableError",
+    "UnknownFieldError",
+    "WaitTimeoutError",
+]
+
+_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(".client", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tqueue' has no attribute {name!r}")

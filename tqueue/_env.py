@@ -1,0 +1,26 @@
+"""The one place that reads environment variables.
+
+``TQUEUE_HOST``             host name used for placement (default: this machine's name)
+``TQUEUE_REQUEST_TIMEOUT``  seconds a server may take to answer an ordinary request
+``TQUEUE_GET_TIMEOUT``      default seconds ``get_meta`` waits for samples
+``TQUEUE_CHUNK_BYTES``      largest payload frame a client sends
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def host() -> str:
+    return os.environ.get("TQUEUE_HOST") or socket.gethostname()
+
+
+def number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None

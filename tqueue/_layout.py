@@ -1,0 +1,145 @@
+"""Byte layout of a field block: how many bytes each sample has and where it sits.
+
+Shared by storage units (which check what arrives) and clients (which read what comes
+back). It needs numpy only, so servers start without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._wire import FieldBlock, FieldSpec
+from .errors import ProtocolError
+
+# torch dtypes by name, with their item size, without importing torch.
+TORCH_ITEMSIZE = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+
+KINDS = ("tensor", "ndarray", "object")
+LAYOUTS = ("dense", "jagged")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a wire name, refusing object, structured and unknown dtypes."""
+    try:
+        dt = np.dtype(name)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"unknown numpy dtype {name!r}") from exc
+    if dt.kind not in "biufcmM" or dt.fields is not None or dt.subdtype is not None:
+        raise ProtocolError(f"numpy dtype {name!r} cannot travel as raw bytes")
+    return dt
+
+
+def itemsize(spec: FieldSpec) -> int:
+    if spec.kind == "tensor":
+        try:
+            return TORCH_ITEMSIZE[spec.dtype]
+        except KeyError:
+            raise ProtocolError(f"unknown torch dtype {spec.dtype!r}") from None
+    if spec.kind == "ndarray":
+        return numpy_dtype(spec.dtype).itemsize
+    if spec.kind == "object":
+        return 1
+    raise ProtocolError(f"unknown field kind {spec.kind!r}")
+
+
+def check_spec(spec: FieldSpec) -> None:
+    """Raise :class:`ProtocolError` unless ``spec`` describes something we can carry."""
+    if spec.kind not in KINDS:
+        raise ProtocolError(f"unknown field kind {spec.kind!r}")
+    if spec.layout not in LAYOUTS:
+        raise ProtocolError(f"unknown field layout {spec.layout!r}")
+    if spec.kind == "object" and spec.layout != "jagged":
+        raise ProtocolError("object fields are jagged")
+    itemsize(spec)
+    if any(d < 0 for d in spec.shape) or spec.ndim < 0:
+        raise ProtocolError(f"negative dimension in {spec}")
+
+
+def sample_sizes(block: FieldBlock) -> np.ndarray:
+    """Bytes of each sample of ``block`` (int64), after checking the header is coherent."""
+    spec = block.spec
+    check_spec(spec)
+    if any(c < 0 for c in block.counts):
+        raise ProtocolError(f"field {block.name!r}: negative sample count in a frame")
+    n = sum(block.counts)
+    if spec.kind == "object":
+        if block.sizes is None or len(block.sizes) != n:
+            raise ProtocolError(f"field {block.name!r}: object field needs {n} sample sizes")
+        sizes = np.asarray(block.sizes, dtype=np.int64)
+    elif spec.layout == "dense":
+        row = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec)
+        sizes = np.full(n, row, dtype=np.int64)
+    else:
+        if block.shapes is None or len(block.shapes) != n * spec.ndim:
+            raise ProtocolError(
+                f"field {block.name!r}: jagged field needs {n} x {spec.ndim} shape entries"
+            )
+        shapes = np.asarray(block.shapes, dtype=np.int64).reshape(n, spec.ndim)
+        sizes = np.prod(shapes, axis=1, dtype=np.int64) * itemsize(spec)
+    if n and sizes.min() < 0:
+        raise ProtocolError(f"field {block.name!r}: negative sample size")
+    return sizes
+
+
+def frame_layout(block: FieldBlock, frames: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check ``frames`` against ``block``; return per-sample (frame index, offset, size)."""
+    sizes = sample_sizes(block)
+    if len(frames) != len(block.counts):
+        raise ProtocolError(
+            f"field {block.name!r}: header declares {len(block.counts)} frame(s), "
+            f"{len(frames)} arrived"
+        )
+    counts = np.asarray(block.counts, dtype=np.int64)
+    frame_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    frame_start = np.concatenate(([0], ends))[bounds[:-1]]
+    frame_total = np.concatenate(([0], ends))[bounds[1:]] - frame_start
+    for i, frame in enumerate(frames):
+        got = nbytes(frame)
+        if got != frame_total[i]:
+            raise ProtocolError(
+                f"field {block.name!r}: frame {i} has {got} bytes, the header declares "
+                f"{int(frame_total[i])}"
+            )
+    offsets = starts - frame_start[frame_of] if len(frame_of) else starts
+    return frame_of, offsets, sizes
+
+
+def nbytes(frame: Any) -> int:
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    return memoryview(buf).nbytes
+
+
+def block_shapes(block: FieldBlock) -> np.ndarray:
+    """Per-sample shapes ``[n, ndim]`` of a tensor block (dense blocks repeat their shape)."""
+    n = sum(block.counts)
+    if block.spec.layout == "dense":
+        return np.tile(np.asarray(block.spec.shape, dtype=np.int64), (n, 1))
+    return np.asarray(block.shapes or [], dtype=np.int64).reshape(n, block.spec.ndim)

@@ -1,0 +1,227 @@
+"""ZeroMQ plumbing shared by every component: one context, a request/reply peer, a server loop.
+
+IO here only moves frames. State lives in the components; errors that cross a socket are
+translated here and nowhere else: a server turns every exception into a typed ``Error``
+reply and goes on, a peer turns an ``Error`` reply back into the exception class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+from typing import Any, Awaitable, Callable, Sequence
+
+import zmq
+import zmq.asyncio
+
+from ._wire import Error, Message, decode, encode, error_reply, salvage_rid
+from .errors import ProtocolError, TQueueError, UnavailableError, from_code
+
+log = logging.getLogger(__name__)
+
+_CONTEXT: tuple[int, zmq.asyncio.Context] | None = None
+
+
+def context() -> zmq.asyncio.Context:
+    """The process's one ZeroMQ context (made anew in a forked child)."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT[0] != os.getpid():
+        _CONTEXT = (os.getpid(), zmq.asyncio.Context())
+    return _CONTEXT[1]
+
+
+def _tune(sock: zmq.Socket) -> None:
+    # Unbounded queues: a ROUTER drops what exceeds its HWM, and dropping a reply would
+    # leave a caller waiting for its timeout. Requests are bounded by their callers.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    # Closing must not wait for peers that are gone; what matters was acknowledged.
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind, letting the OS pick the port for ``:0``, and return the real endpoint."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Peer:
+    """A DEALER connection to one server; many requests in flight, matched by id.
+
+    Must be created and used inside a running event loop.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        unavailable: type[UnavailableError] = UnavailableError,
+        timeout: float = 30.0,
+    ) -> None:
+        self.address = address
+        self.name = name
+        self.timeout = timeout
+        self._unavailable = unavailable
+        self._sock = context().socket(zmq.DEALER)
+        _tune(self._sock)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[tuple[Message, list[Any]]]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.closed = False
+
+    async def request(
+        self, msg: Message, buffers: Sequence[Any] = (), *, timeout: float | None = None
+    ) -> tuple[Message, list[Any]]:
+        """Send ``msg`` with ``buffers`` (zero-copy) and wait for its reply.
+
+        An ``Error`` reply is raised as its exception class; no reply within ``timeout``
+        (default: the peer's) raises this peer's :class:`UnavailableError` subclass.
+        """
+        if self.closed:
+            raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
+        rid = next(self._ids)
+        msg.rid = rid
+        fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        limit = self.timeout if timeout is None else timeout
+        try:
+            await self._sock.send_multipart(encode(msg, buffers), copy=False)
+            reply, frames = await asyncio.wait_for(fut, limit)
+        except asyncio.TimeoutError:
+            raise self._unavailable(
+                f"{self.name} at {self.address} did not answer {type(msg).__name__} "
+                f"within {limit:.1f} s"
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, Error):
+            raise from_code(reply.code, reply.message)
+        return reply, frames
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frames = await self._sock.recv_multipart(copy=False)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg, buffers = decode(frames)
+            except TQueueError as exc:
+                log.warning("dropping malformed reply from %s: %s", self.address, exc)
+                continue
+            fut = self._pending.get(msg.rid)
+            if fut is not None and not fut.done():
+                fut.set_result((msg, buffers))
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._unavailable(f"connection to {self.name} closed"))
+        self._sock.close(linger=0)
+
+
+Handler = Callable[[bytes, Any, list[Any]], Any]
+
+
+class Server:
+    """A ROUTER socket and the loop that dispatches its requests to typed handlers.
+
+    A handler gets ``(identity, message, buffers)`` and returns a reply message, a
+    ``(reply, buffers)`` pair, ``None`` (it will answer later with :meth:`reply`), or an
+    awaitable of one of those. Whatever it raises becomes an error reply; the loop goes on.
+    """
+
+    def __init__(self, endpoint: str, *, name: str, max_header: int) -> None:
+        self.name = name
+        self.max_header = max_header
+        self._sock = context().socket(zmq.ROUTER)
+        _tune(self._sock)
+        self.address = bind(self._sock, endpoint)
+        self._handlers: dict[type, Handler] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def route(self, msg_type: type[Message], handler: Handler) -> None:
+        self._handlers[msg_type] = handler
+
+    def reply(self, ident: bytes, rid: int, msg: Message, buffers: Sequence[Any] = ()) -> None:
+        msg.rid = rid
+        fut = self._sock.send_multipart([ident, *encode(msg, buffers)], copy=False)
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_log_send_failure)
+
+    def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
+        if not isinstance(exc, TQueueError):
+            log.error("%s failed on a request", self.name, exc_info=exc)
+        self.reply(ident, rid, error_reply(rid, exc))
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            if len(frames) < 1:
+                continue
+            ident = frames[0].bytes
+            body = frames[1:]
+            try:
+                msg, buffers = decode(body, max_header=self.max_header)
+            except TQueueError as exc:
+                log.warning("%s: malformed request: %s", self.name, exc)
+                self.reply_error(ident, salvage_rid(body), exc)
+                continue
+            self._dispatch(ident, msg, buffers)
+
+    def _dispatch(self, ident: bytes, msg: Message, buffers: list[Any]) -> None:
+        handler = self._handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise ProtocolError(f"{self.name} does not handle {type(msg).__name__} messages")
+            result = handler(ident, msg, buffers)
+        except Exception as exc:  # every failure becomes a typed reply; the loop goes on
+            self.reply_error(ident, msg.rid, exc)
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.get_running_loop().create_task(self._finish(ident, msg.rid, result))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._send_result(ident, msg.rid, result)
+
+    async def _finish(self, ident: bytes, rid: int, pending: Awaitable[Any]) -> None:
+        try:
+            result = await pending
+        except Exception as exc:  # as in _dispatch: a typed reply, never a dead loop
+            self.reply_error(ident, rid, exc)
+            return
+        self._send_result(ident, rid, result)
+
+    def _send_result(self, ident: bytes, rid: int, result: Any) -> None:
+        if result is None:
+            return
+        if isinstance(result, tuple):
+            self.reply(ident, rid, result[0], result[1])
+        else:
+            self.reply(ident, rid, result)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self._sock.close(linger=0)
+
+
+def _log_send_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("reply could not be sent: %s", fut.exception())

@@ -1,0 +1,366 @@
+"""The wire: every message tqueue sends, as typed structs, and how they become frames.
+
+A message is ``[kind, header, *buffers]``: one byte naming the message type, the header as
+MessagePack (a msgspec Struct, so decoding validates), then one raw frame per payload buffer.
+Payload bytes never pass through MessagePack and nothing is ever unpickled.
+
+Schema evolution follows msgspec's rules: new struct fields get defaults and go last; a
+change that old peers cannot read bumps :data:`PROTOCOL_VERSION`, which the handshake checks.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar, Sequence, Union
+
+import msgspec
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+GroupId = Union[str, int, None]
+
+
+class Kind(enum.IntEnum):
+    ERROR = 1
+    OK = 2
+    HELLO = 3
+    HELLO_REPLY = 4
+    REGISTER_UNIT = 5
+    REGISTERED = 6
+    GRANT = 7
+    GRANTED = 8
+    STORE = 9
+    STORED = 10
+    COMMIT = 11
+    GET_META = 12
+    META = 13
+    FETCH = 14
+    FETCHED = 15
+    ACK = 16
+    CLEAR = 17
+    DROP = 18
+    STATUS = 19
+    STATUS_REPLY = 20
+    CREATE_PARTITION = 21
+
+
+class Message(msgspec.Struct, kw_only=True):
+    """Base of every header. ``rid`` pairs a reply with its request."""
+
+    KIND: ClassVar[Kind]
+    rid: int = 0
+
+
+# --- payload descriptions ---------------------------------------------------------------
+
+
+class FieldSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one field is, independent of any batch.
+
+    ``kind`` is ``tensor`` (torch), ``ndarray`` (numpy) or ``object`` (MessagePack values).
+    ``layout`` is ``dense`` (every sample has ``shape``; a batch stacks them) or ``jagged``
+    (per-sample shapes of ``ndim`` dimensions that may differ; a batch keeps them apart).
+    """
+
+    kind: str
+    dtype: str = ""
+    layout: str = "dense"
+    shape: tuple[int, ...] = ()
+    ndim: int = 0
+
+
+class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One field of a run of samples, as it travels: the header of its raw frames.
+
+    Frame ``i`` holds the bytes of ``counts[i]`` consecutive samples, back to back.
+    ``shapes`` (jagged, flattened ``n * ndim``) or ``sizes`` (object, bytes per sample)
+    give each sample's extent; dense samples all have ``spec.shape``.
+    """
+
+    name: str
+    spec: FieldSpec
+    counts: list[int]
+    shapes: list[int] | None = None
+    sizes: list[int] | None = None
+
+
+class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
+    unit_id: int
+    address: str
+    host: str
+
+
+class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a batch of samples lives and what it holds; no payload.
+
+    Returned by ``put`` (the samples just written) and ``get_meta`` (the samples leased to
+    a task). It is a plain MessagePack-able struct, so ranks can pass it to each other.
+    """
+
+    partition: str
+    partition_uid: int
+    indexes: list[int]
+    units: list[int]
+    fields: list[str]
+    schema: dict[str, FieldSpec]
+    groups: list[GroupId] | None = None
+    task: str | None = None
+    lease: int = 0
+
+    @property
+    def size(self) -> int:
+        """Number of samples."""
+        return len(self.indexes)
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+
+# --- messages -------------------------------------------------------------------------
+
+
+class Error(Message):
+    KIND = Kind.ERROR
+    code: str
+    message: str
+
+
+class Ok(Message):
+    KIND = Kind.OK
+
+
+class Hello(Message):
+    KIND = Kind.HELLO
+    protocol: int
+    role: str = "client"
+    host: str = ""
+
+
+class HelloReply(Message):
+    KIND = Kind.HELLO_REPLY
+    protocol: int
+    server: str
+    units: list[UnitInfo] = []
+
+
+class RegisterUnit(Message):
+    KIND = Kind.REGISTER_UNIT
+    protocol: int
+    address: str
+    host: str
+    capacity: int = 0
+
+
+class Registered(Message):
+    KIND = Kind.REGISTERED
+    unit_id: int
+
+
+class CreatePartition(Message):
+    """Create a partition up front; ``fields`` declares the only fields it accepts."""
+
+    KIND = Kind.CREATE_PARTITION
+    partition: str
+    fields: list[str] | None = None
+    exist_ok: bool = True
+
+
+class Grant(Message):
+    """Ask the controller where to write ``count`` samples (new ones, or ``indexes``)."""
+
+    KIND = Kind.GRANT
+    partition: str
+    count: int
+    blocks: list[FieldBlock]
+    host: str = ""
+    groups: list[GroupId] | None = None
+    partition_uid: int = 0
+    indexes: list[int] | None = None
+
+
+class Granted(Message):
+    KIND = Kind.GRANTED
+    grant_id: int
+    partition_uid: int
+    start: int
+    unit: UnitInfo | None = None
+    schema: dict[str, FieldSpec] = {}
+
+
+class Store(Message):
+    """Payload for a grant; the raw frames follow, one per ``counts`` entry of each block."""
+
+    KIND = Kind.STORE
+    grant_id: int
+    partition: str
+    partition_uid: int
+    start: int
+    count: int
+    blocks: list[FieldBlock]
+    indexes: list[int] | None = None
+
+
+class Stored(Message):
+    KIND = Kind.STORED
+    nbytes: int
+
+
+class Commit(Message):
+    """A unit tells the controller that a grant's bytes are stored."""
+
+    KIND = Kind.COMMIT
+    grant_id: int
+    unit_id: int
+    fields: list[str]
+    nbytes: int
+    partition_bytes: int
+    unit_bytes: int
+
+
+class GetMeta(Message):
+    KIND = Kind.GET_META
+    partition: str
+    fields: list[str]
+    batch_size: int
+    task: str
+    timeout: float | None = None
+
+
+class Meta(Message):
+    KIND = Kind.META
+    meta: BatchMeta
+
+
+class Fetch(Message):
+    KIND = Kind.FETCH
+    partition: str
+    partition_uid: int
+    indexes: list[int]
+    fields: list[str]
+
+
+class Fetched(Message):
+    KIND = Kind.FETCHED
+    blocks: list[FieldBlock]
+
+
+class Ack(Message):
+    KIND = Kind.ACK
+    partition: str
+    partition_uid: int
+    task: str
+    indexes: list[int]
+    lease: int = 0
+
+
+class Clear(Message):
+    KIND = Kind.CLEAR
+    partition: str
+
+
+class Drop(Message):
+    """The controller tells a unit to free a partition's bytes."""
+
+    KIND = Kind.DROP
+    partition_uid: int
+
+
+class StatusRequest(Message):
+    KIND = Kind.STATUS
+
+
+class TaskStatus(msgspec.Struct, kw_only=True):
+    leased: int
+    consumed: int
+
+
+class PartitionStatus(msgspec.Struct, kw_only=True):
+    name: str
+    uid: int
+    samples: int
+    fields: dict[str, FieldSpec]
+    tasks: dict[str, TaskStatus]
+    nbytes: int
+
+
+class UnitStatus(msgspec.Struct, kw_only=True):
+    unit_id: int
+    address: str
+    host: str
+    nbytes: int
+
+
+class WaiterStatus(msgspec.Struct, kw_only=True):
+    partition: str
+    task: str
+    reason: str
+
+
+class StatusReply(Message):
+    KIND = Kind.STATUS_REPLY
+    partitions: list[PartitionStatus]
+    units: list[UnitStatus]
+    waiting: list[WaiterStatus] = []
+
+
+_TYPES: dict[int, type[Message]] = {}
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and issubclass(_cls, Message) and _cls is not Message:
+        _TYPES[int(_cls.KIND)] = _cls
+_KIND_FRAMES = {cls: bytes([kind]) for kind, cls in _TYPES.items()}
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_ANY = msgspec.msgpack.Decoder()
+
+
+def encode(msg: Message, buffers: Sequence[Any] = ()) -> list[Any]:
+    """The frames of ``msg``: kind, header, then ``buffers`` as they are (zero-copy)."""
+    return [_KIND_FRAMES[type(msg)], _ENCODER.encode(msg), *buffers]
+
+
+def _view(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def decode(frames: Sequence[Any], *, max_header: int = 1 << 26) -> tuple[Message, list[Any]]:
+    """Parse ``[kind, header, *buffers]``; buffers come back as they were received.
+
+    Raises :class:`ProtocolError` saying what is wrong; never executes anything.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(f"a message needs a kind and a header frame; got {len(frames)} frame(s)")
+    kind_frame = bytes(_view(frames[0]))
+    if len(kind_frame) != 1 or kind_frame[0] not in _DECODERS:
+        raise ProtocolError(f"unknown message kind {kind_frame[:8]!r}")
+    header = _view(frames[1])
+    if len(header) > max_header:
+        raise ProtocolError(
+            f"{_TYPES[kind_frame[0]].__name__} header of {len(header)} bytes exceeds the "
+            f"limit of {max_header} bytes"
+        )
+    try:
+        msg = _DECODERS[kind_frame[0]].decode(header)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        name = _TYPES[kind_frame[0]].__name__
+        raise ProtocolError(f"bad {name} header: {exc}") from exc
+    return msg, list(frames[2:])
+
+
+def salvage_rid(frames: Sequence[Any]) -> int:
+    """Best-effort request id of a malformed message, so its error reply can be matched."""
+    if len(frames) < 2 or len(_view(frames[1])) > 1 << 20:
+        return 0
+    try:
+        obj = _ANY.decode(_view(frames[1]))
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return 0
+    rid = obj.get("rid") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+
+
+def error_reply(rid: int, exc: BaseException) -> Error:
+    code = getattr(exc, "code", "remote")
+    message = str(exc) if getattr(exc, "code", None) else f"{type(exc).__name__}: {exc}"
+    return Error(rid=rid, code=code, message=message)

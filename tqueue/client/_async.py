@@ -1,0 +1,442 @@
+"""The asynchronous client: metadata with the controller, bytes with storage units directly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .. import _transport
+from .._wire import (
+    PROTOCOL_VERSION,
+    Ack,
+    BatchMeta,
+    Clear,
+    CreatePartition,
+    Fetch,
+    Fetched,
+    GetMeta,
+    Grant,
+    Granted,
+    GroupId,
+    Hello,
+    HelloReply,
+    Meta,
+    StatusReply,
+    StatusRequest,
+    Store,
+    UnitInfo,
+)
+from ..config import ClientConfig
+from ..errors import (
+    ControllerUnavailableError,
+    InvalidArgumentError,
+    ProtocolVersionError,
+    SchemaError,
+    StorageUnitUnavailableError,
+    UnknownFieldError,
+)
+from ._batch import Batch, JaggedAs, Options, Part, assemble
+from ._encode import Encoded, encode, sample_count
+
+
+@dataclasses.dataclass
+class ClientStats:
+    """Payload counters of one client, for throughput and copy accounting.
+
+    ``copied_bytes`` counts copies tqueue made in this process (contiguous copies and
+    packing on put, assembly on get); kernel socket copies are not included.
+    """
+
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    copied_bytes: int = 0
+
+
+class AsyncClient:
+    """Talks to a tqueue cluster from inside an asyncio program.
+
+    Connects lazily on first use. Every call has a timeout: ``request_timeout`` from the
+    config bounds how long a server may take to answer; ``get_meta`` additionally waits
+    up to its own ``timeout`` for samples to become ready.
+    """
+
+    def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or ClientConfig.from_env()
+        self.stats = ClientStats()
+        self._controller: _transport.Peer | None = None
+        self._units: dict[int, UnitInfo] = {}
+        self._unit_peers: dict[int, _transport.Peer] = {}
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+
+    # --- connection -----------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Handshake with the controller (protocol version) and learn the storage units."""
+        if self._controller is not None:
+            return
+        if self._closed:
+            raise InvalidArgumentError("the client is closed")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._controller is not None:
+                return
+            peer = _transport.Peer(
+                self.address,
+                name="controller",
+                unavailable=ControllerUnavailableError,
+                timeout=self.config.request_timeout,
+            )
+            try:
+                reply, _ = await peer.request(
+                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.config.host)
+                )
+            except BaseException:
+                await peer.close()
+                raise
+            _check_hello(reply, "controller")
+            self._units = {u.unit_id: u for u in reply.units}
+            self._controller = peer
+
+    async def _ctl(self) -> _transport.Peer:
+        await self.connect()
+        assert self._controller is not None
+        return self._controller
+
+    async def _unit(self, unit_id: int) -> _transport.Peer:
+        peer = self._unit_peers.get(unit_id)
+        if peer is not None:
+            return peer
+        info = self._units.get(unit_id)
+        if info is None:
+            ctl = await self._ctl()
+            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.config.host))
+            self._units = {u.unit_id: u for u in reply.units}
+            info = self._units.get(unit_id)
+            if info is None:
+                raise StorageUnitUnavailableError(f"storage unit {unit_id} is not registered")
+        return self._connect_unit(info)
+
+    def _connect_unit(self, info: UnitInfo) -> _transport.Peer:
+        peer = self._unit_peers.get(info.unit_id)
+        if peer is None:
+            self._units[info.unit_id] = info
+            peer = self._unit_peers[info.unit_id] = _transport.Peer(
+                info.address,
+                name=f"storage unit {info.unit_id}",
+                unavailable=StorageUnitUnavailableError,
+                timeout=self.config.request_timeout,
+            )
+        return peer
+
+    async def close(self) -> None:
+        """Close every connection. Idempotent."""
+        self._closed = True
+        peers = list(self._unit_peers.values())
+        if self._controller is not None:
+            peers.append(self._controller)
+        self._unit_peers.clear()
+        self._controller = None
+        for peer in peers:
+            await peer.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # --- partitions -----------------------------------------------------------------
+
+    async def create_partition(self, partition: str, *, fields: Sequence[str] | None = None) -> None:
+        """Create ``partition`` now; with ``fields``, only those fields are accepted.
+
+        Partitions are otherwise created by their first put.
+        """
+        ctl = await self._ctl()
+        await ctl.request(
+            CreatePartition(partition=partition, fields=list(fields) if fields is not None else None)
+        )
+
+    async def clear(self, partition: str) -> None:
+        """Free every sample of ``partition`` on every unit; waiting readers get an error."""
+        ctl = await self._ctl()
+        await ctl.request(Clear(partition=partition))
+
+    async def status(self) -> StatusReply:
+        """Partitions, per-task progress, units and waiting callers, from the controller."""
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(StatusRequest())
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    # --- writes ---------------------------------------------------------------------
+
+    async def put(
+        self,
+        partition: str,
+        data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        *,
+        groups: Sequence[GroupId] | GroupId = None,
+    ) -> BatchMeta:
+        """Write new samples to ``partition`` (created on first use) and return their meta.
+
+        ``data`` maps field name to per-sample values (see the module docs of the encoder),
+        or is a list of per-sample mappings. ``groups`` gives each sample's group id (the
+        prompt uid of a GRPO group), or one id for all. Everything is validated before a
+        byte is sent. Returns once the bytes are stored and the controller knows them.
+        """
+        enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
+        group_ids = _groups(groups, enc.count, partition)
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(
+            Grant(
+                partition=partition,
+                count=enc.count,
+                blocks=enc.grant_blocks(),
+                host=self.config.host,
+                groups=group_ids,
+            )
+        )
+        assert isinstance(reply, Granted) and reply.unit is not None
+        await self._store(reply.unit, partition, reply, enc, None)
+        return BatchMeta(
+            partition=partition,
+            partition_uid=reply.partition_uid,
+            indexes=list(range(reply.start, reply.start + enc.count)),
+            units=[reply.unit.unit_id] * enc.count,
+            fields=[b.name for b in enc.blocks],
+            schema=reply.schema,
+            groups=group_ids,
+        )
+
+    async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
+        peer = self._connect_unit(unit)
+        await peer.request(
+            Store(
+                grant_id=grant.grant_id,
+                partition=partition,
+                partition_uid=grant.partition_uid,
+                start=grant.start,
+                count=enc.count,
+                blocks=enc.blocks,
+                indexes=indexes,
+            ),
+            enc.buffers,
+        )
+        self.stats.puts += 1
+        self.stats.put_bytes += enc.nbytes
+        self.stats.copied_bytes += enc.copied
+
+    async def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Add or overwrite fields of the samples of ``meta`` (e.g. a reward worker adding
+        ``rewards``). ``data`` has one value per sample of ``meta``, in its order."""
+        positions = _by_unit(meta)
+        cols, n = sample_count(data, meta.partition)
+        if n != len(meta):
+            raise SchemaError(
+                f"the update of partition {meta.partition!r} has {n} samples, its meta has {len(meta)}"
+            )
+        writes = []
+        for unit_id, pos in positions.items():
+            sub = cols if len(positions) == 1 else _select(cols, pos)
+            enc = encode(sub, partition=meta.partition, chunk_bytes=self.config.chunk_bytes)
+            writes.append((unit_id, [meta.indexes[i] for i in pos.tolist()], enc))
+        ctl = await self._ctl()
+
+        async def write(unit_id: int, indexes: list[int], enc: Encoded) -> None:
+            reply, _ = await ctl.request(
+                Grant(
+                    partition=meta.partition,
+                    partition_uid=meta.partition_uid,
+                    count=enc.count,
+                    blocks=enc.grant_blocks(),
+                    indexes=indexes,
+                )
+            )
+            assert isinstance(reply, Granted)
+            await self._unit(unit_id)
+            await self._store(self._units[unit_id], meta.partition, reply, enc, indexes)
+
+        await asyncio.gather(*(write(*w) for w in writes))
+
+    # --- reads ----------------------------------------------------------------------
+
+    async def get_meta(
+        self,
+        partition: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        task: str,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Lease ``batch_size`` samples of ``partition`` that have every field in ``fields``
+        and that ``task`` has not consumed; wait until enough are ready.
+
+        ``timeout``: seconds to wait (None: the config's ``get_timeout``; ``math.inf``:
+        forever). Raises :class:`~tqueue.errors.WaitTimeoutError` saying what was ready.
+        """
+        wait = _wait(timeout, self.config.get_timeout)
+        if isinstance(fields, str):
+            fields = [fields]
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(
+            GetMeta(
+                partition=partition,
+                fields=list(fields),
+                batch_size=batch_size,
+                task=task,
+                timeout=None if math.isinf(wait) else wait,
+            ),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        )
+        assert isinstance(reply, Meta)
+        return reply.meta
+
+    async def get_data(
+        self,
+        meta: BatchMeta | str,
+        fields: Sequence[str] | None = None,
+        batch_size: int | None = None,
+        *,
+        task: str | None = None,
+        timeout: float | None = None,
+        jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
+        pad_value: float | int | bool = 0,
+        padding_side: str = "right",
+    ) -> Batch:
+        """Fetch the payload of a batch, straight from the storage units, in parallel.
+
+        Either ``get_data(meta, fields=None)`` for a meta from ``get_meta`` (all of its
+        fields by default), or the one-call form ``get_data(partition, fields,
+        batch_size, task=...)`` that leases and fetches together. ``jagged`` chooses how
+        jagged fields come back: ``list`` of per-sample tensors (zero-copy), ``padded``
+        (with ``pad_value`` on ``padding_side``; lengths via ``batch.lengths(field)``), or
+        ``nested`` (a torch jagged nested tensor); one mode, or a mapping per field.
+        """
+        options = Options(jagged=jagged, pad_value=pad_value, padding_side=padding_side)  # type: ignore[arg-type]
+        options.check()
+        if isinstance(meta, str):
+            if fields is None or batch_size is None or task is None:
+                raise InvalidArgumentError(
+                    "get_data(partition, ...) needs fields, batch_size and task"
+                )
+            meta = await self.get_meta(meta, fields, batch_size, task=task, timeout=timeout)
+        elif batch_size is not None or task is not None:
+            raise InvalidArgumentError("get_data(meta) takes no batch_size or task: the meta has them")
+        want = list(meta.fields if fields is None else ([fields] if isinstance(fields, str) else fields))
+        for f in want:
+            if f not in meta.schema:
+                raise UnknownFieldError(
+                    f"field {f!r} is not in the schema of this meta of partition "
+                    f"{meta.partition!r}; known: {sorted(meta.schema)}"
+                )
+        return await self._fetch(meta, want, options)
+
+    async def _fetch(self, meta: BatchMeta, fields: list[str], options: Options) -> Batch:
+        positions = _by_unit(meta)
+
+        async def one(unit_id: int, pos: np.ndarray) -> Part:
+            peer = await self._unit(unit_id)
+            idx = np.asarray(meta.indexes, dtype=np.int64)[pos].tolist()
+            reply, frames = await peer.request(
+                Fetch(partition=meta.partition, partition_uid=meta.partition_uid, indexes=idx, fields=fields)
+            )
+            assert isinstance(reply, Fetched)
+            blocks, at = {}, 0
+            for block in reply.blocks:
+                blocks[block.name] = (block, frames[at : at + len(block.counts)])
+                at += len(block.counts)
+            return Part(positions=pos, blocks=blocks)
+
+        parts = await asyncio.gather(*(one(u, p) for u, p in positions.items())) if len(meta) else []
+        batch, copied = assemble(meta, fields, parts, options)
+        self.stats.gets += 1
+        self.stats.get_bytes += sum(
+            len(f.buffer) if hasattr(f, "buffer") else len(f)
+            for part in parts
+            for _, frames in part.blocks.values()
+            for f in frames
+        )
+        self.stats.copied_bytes += copied
+        return batch
+
+    async def ack(self, meta: BatchMeta) -> None:
+        """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""
+        if meta.task is None:
+            raise InvalidArgumentError("ack takes a meta from get_meta (this one has no task)")
+        ctl = await self._ctl()
+        await ctl.request(
+            Ack(
+                partition=meta.partition,
+                partition_uid=meta.partition_uid,
+                task=meta.task,
+                indexes=list(meta.indexes),
+                lease=meta.lease,
+            )
+        )
+
+
+def _check_hello(reply: Any, server: str) -> None:
+    if not isinstance(reply, HelloReply) or reply.protocol != PROTOCOL_VERSION:
+        got = getattr(reply, "protocol", "?")
+        raise ProtocolVersionError(
+            f"the {server} speaks tqueue protocol {got}, this client speaks {PROTOCOL_VERSION}"
+        )
+
+
+def _wait(timeout: float | None, default: float) -> float:
+    wait = default if timeout is None else timeout
+    if not isinstance(wait, (int, float)) or math.isnan(wait) or wait < 0:
+        raise InvalidArgumentError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
+    return float(wait)
+
+
+def _groups(groups: Sequence[GroupId] | GroupId, count: int, partition: str) -> list[GroupId] | None:
+    if groups is None:
+        return None
+    if isinstance(groups, (str, int)):
+        return [groups] * count
+    out = list(groups)
+    if len(out) != count:
+        raise InvalidArgumentError(
+            f"put to partition {partition!r}: {len(out)} group ids for {count} samples"
+        )
+    for i, g in enumerate(out):
+        if g is not None and type(g) not in (str, int):
+            raise InvalidArgumentError(
+                f"group id of sample {i} in the put to partition {partition!r} is a "
+                f"{type(g).__name__}; group ids are str or int"
+            )
+    return out
+
+
+def _by_unit(meta: BatchMeta) -> dict[int, np.ndarray]:
+    units = np.asarray(meta.units, dtype=np.int64)
+    if len(units) != len(meta.indexes):
+        raise InvalidArgumentError("meta has a different number of units and indexes")
+    return {int(u): np.flatnonzero(units == u) for u in np.unique(units)}
+
+
+def _select(cols: dict[str, Any], pos: np.ndarray) -> dict[str, Any]:
+    """The samples at ``pos`` of each column (a copy for tensors and arrays)."""
+    out: dict[str, Any] = {}
+    for name, value in cols.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value[torch.from_numpy(pos)]
+        elif isinstance(value, np.ndarray):
+            out[name] = value[pos]
+        else:
+            out[name] = [value[i] for i in pos.tolist()]
+    return out

@@ -1,0 +1,323 @@
+"""Assemble what storage units sent back into a :class:`Batch`.
+
+Each unit answers with field blocks and raw frames for the samples it holds. A dense field
+becomes one ``[B, ...]`` tensor: with zero copies when one frame already holds the whole
+batch in order, else with one copy into a fresh tensor. A jagged field becomes per-sample
+views of the received frames (no copy), or on request one padded tensor or one nested
+tensor (one copy). Object fields are decoded from MessagePack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Literal, Mapping, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from .._layout import frame_layout, itemsize, numpy_dtype
+from .._wire import BatchMeta, FieldBlock, FieldSpec
+from ..errors import InvalidArgumentError, ProtocolError
+from ._encode import TORCH_DTYPES
+
+JaggedAs = Literal["list", "padded", "nested"]
+_DECODER = msgspec.msgpack.Decoder()
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to present jagged fields: ``jagged`` is one mode or a per-field mapping."""
+
+    jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
+    pad_value: float | int | bool = 0
+    padding_side: Literal["right", "left"] = "right"
+
+    def mode(self, field: str) -> JaggedAs:
+        mode = self.jagged if isinstance(self.jagged, str) else self.jagged.get(field, "list")
+        if mode not in ("list", "padded", "nested"):
+            raise InvalidArgumentError(f"jagged mode for field {field!r} is {mode!r}; use list, padded or nested")
+        return mode
+
+    def check(self) -> None:
+        if self.padding_side not in ("right", "left"):
+            raise InvalidArgumentError(f"padding_side is 'right' or 'left', got {self.padding_side!r}")
+
+
+@dataclasses.dataclass
+class Part:
+    """One unit's answer: which batch positions it holds, its blocks and their frames."""
+
+    positions: np.ndarray
+    blocks: dict[str, tuple[FieldBlock, list[Any]]]
+
+
+class Batch(Mapping[str, Any]):
+    """A read-only mapping from field name to the field's values for a batch of samples.
+
+    Dense tensor fields are ``[B, ...]`` tensors; jagged ones are lists of per-sample
+    tensors, or padded / nested tensors when asked; object fields are lists. A field's type
+    depends on the field, never on which samples this batch happened to hold.
+    """
+
+    def __init__(self, meta: BatchMeta, values: dict[str, Any], lengths: dict[str, torch.Tensor]) -> None:
+        self._meta = meta
+        self._values = values
+        self._lengths = lengths
+
+    @property
+    def meta(self) -> BatchMeta:
+        return self._meta
+
+    @property
+    def size(self) -> int:
+        """Number of samples."""
+        return len(self._meta.indexes)
+
+    def __getitem__(self, field: str) -> Any:
+        return self._values[field]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def lengths(self, field: str) -> torch.Tensor:
+        """Per-sample length (size of dimension 0) of a jagged tensor field, int64 ``[B]``."""
+        try:
+            return self._lengths[field]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"field {field!r} is not a jagged field of this batch with a length"
+            ) from None
+
+    def to_tensordict(self) -> Any:
+        """A ``tensordict.TensorDict`` with batch size ``[B]`` (needs ``tensordict``)."""
+        try:
+            from tensordict import NonTensorStack, TensorDict
+        except ImportError as exc:
+            raise ImportError("to_tensordict needs tensordict: pip install 'tqueue[tensordict]'") from exc
+        out = TensorDict({}, batch_size=[self.size])
+        for name, value in self._values.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value
+            elif value and isinstance(value[0], torch.Tensor) and value[0].dim() >= 1:
+                out[name] = torch.nested.as_nested_tensor(list(value), layout=torch.jagged)
+            elif isinstance(value, np.ndarray):
+                out[name] = torch.from_numpy(value)
+            else:
+                out[name] = NonTensorStack.from_list(list(value))
+        return out
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}: {_describe(v)}" for k, v in self._values.items())
+        return f"Batch(partition={self._meta.partition!r}, size={self.size}, {{{parts}}})"
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.is_nested:
+            return f"nested {v.dtype}"
+        return f"{v.dtype}{list(v.shape)}"
+    if isinstance(v, np.ndarray):
+        return f"ndarray {v.dtype}{list(v.shape)}"
+    return f"list[{len(v)}]"
+
+
+@dataclasses.dataclass
+class Pieces:
+    """A field's bytes across units: per sample, which buffer, where, how big, what shape."""
+
+    spec: FieldSpec
+    positions: np.ndarray
+    buffers: list[np.ndarray]
+    buffer_of: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    shapes: np.ndarray | None
+    counts: list[tuple[int, int]]  # per buffer: (first sample in positions order, count)
+
+
+def assemble(meta: BatchMeta, fields: Sequence[str], parts: Sequence[Part], options: Options) -> tuple[Batch, int]:
+    """The batch, and how many payload bytes were copied to build it."""
+    options.check()
+    values: dict[str, Any] = {}
+    lengths: dict[str, torch.Tensor] = {}
+    copied = 0
+    size = len(meta.indexes)
+    for field in fields:
+        spec = meta.schema[field]
+        pieces = _gather(field, spec, parts)
+        if spec.kind == "object":
+            values[field] = _objects(pieces, size)
+        elif spec.layout == "dense":
+            values[field], n = _dense(pieces, size)
+            copied += n
+        else:
+            values[field], lens, n = _jagged(field, pieces, size, options)
+            copied += n
+            if lens is not None:
+                lengths[field] = lens
+    return Batch(meta, values, lengths), copied
+
+
+def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
+    positions, buffers, buffer_of, offsets, sizes, shapes, counts = [], [], [], [], [], [], []
+    seen = 0
+    for part in parts:
+        block, frames = part.blocks[field]
+        if block.spec.kind != spec.kind or block.spec.dtype != spec.dtype:
+            raise ProtocolError(f"field {field!r}: a unit sent {block.spec}, the meta says {spec}")
+        frame_of, offs, szs = frame_layout(block, frames)
+        base = len(buffers)
+        at = seen
+        for frame, c in zip(frames, block.counts):
+            buffers.append(np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8))
+            counts.append((at, c))
+            at += c
+        positions.append(part.positions)
+        buffer_of.append(frame_of + base)
+        offsets.append(offs)
+        sizes.append(szs)
+        if spec.kind != "object":
+            n = sum(block.counts)
+            if block.spec.layout == "dense":
+                shapes.append(np.tile(np.asarray(block.spec.shape, dtype=np.int64), (n, 1)))
+            else:
+                shapes.append(np.asarray(block.shapes, dtype=np.int64).reshape(n, block.spec.ndim))
+        seen = at
+    cat = np.concatenate
+    return Pieces(
+        spec=spec,
+        positions=cat(positions),
+        buffers=buffers,
+        buffer_of=cat(buffer_of),
+        offsets=cat(offsets),
+        sizes=cat(sizes),
+        shapes=cat(shapes) if shapes else None,
+        counts=counts,
+    )
+
+
+def _objects(p: Pieces, size: int) -> list[Any]:
+    out: list[Any] = [None] * size
+    for pos, buf, off, n in zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist()):
+        try:
+            out[pos] = _DECODER.decode(p.buffers[buf][off : off + n])
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"object value for batch position {pos} is not valid MessagePack") from exc
+    return out
+
+
+def _empty(spec: FieldSpec, shape: tuple[int, ...]) -> Any:
+    if spec.kind == "tensor":
+        return torch.empty(shape, dtype=TORCH_DTYPES[spec.dtype])
+    return np.empty(shape, dtype=numpy_dtype(spec.dtype))
+
+
+def _bytes_of(out: Any) -> np.ndarray:
+    """A writable uint8 numpy view of a fresh contiguous tensor or array."""
+    if isinstance(out, torch.Tensor):
+        return out.reshape(-1).view(torch.uint8).numpy()
+    return out.reshape(-1).view(np.uint8)
+
+
+def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """A tensor or array over ``raw`` bytes without copying."""
+    if spec.kind == "tensor":
+        return torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype]).view(shape)
+    return raw.view(numpy_dtype(spec.dtype)).reshape(shape)
+
+
+def _dense(p: Pieces, size: int) -> tuple[Any, int]:
+    row = tuple(p.spec.shape)
+    row_bytes = int(np.prod(row, dtype=np.int64)) * itemsize(p.spec)
+    shape = (size, *row)
+    if row_bytes * size == 0:
+        return _empty(p.spec, shape), 0
+    if len(p.buffers) == 1 and np.array_equal(p.positions, np.arange(size)):
+        return _from_bytes(p.spec, p.buffers[0], shape), 0
+    out = _empty(p.spec, shape)
+    dest = _bytes_of(out).reshape(size, row_bytes)
+    for buf, (first, c) in zip(p.buffers, p.counts):
+        pos = p.positions[first : first + c]
+        src = buf.reshape(c, row_bytes)
+        if pos[-1] - pos[0] == c - 1 and (c == 1 or np.all(np.diff(pos) == 1)):
+            dest[pos[0] : pos[0] + c] = src
+        else:
+            dest[pos] = src
+    return out, row_bytes * size
+
+
+def _jagged(field: str, p: Pieces, size: int, options: Options) -> tuple[Any, torch.Tensor | None, int]:
+    assert p.shapes is not None
+    shapes = np.empty((size, p.shapes.shape[1]), dtype=np.int64)
+    shapes[p.positions] = p.shapes
+    lengths = torch.from_numpy(shapes[:, 0].copy()) if shapes.shape[1] else None
+    mode = options.mode(field)
+    if mode == "list" or shapes.shape[1] == 0:
+        views = _views(p, size)
+        if shapes.shape[1] == 0 and mode != "list":
+            return _stack(p.spec, views), None, size * itemsize(p.spec)
+        return views, lengths, 0
+    trail = shapes[:, 1:]
+    if size and not np.all(trail == trail[0]):
+        raise InvalidArgumentError(
+            f"field {field!r}: samples differ beyond their first dimension "
+            f"(e.g. {tuple(shapes[0])} and {tuple(shapes[np.flatnonzero(np.any(trail != trail[0], axis=1))[0]])}); "
+            f"only jagged='list' can hold them"
+        )
+    if mode == "padded":
+        out, n = _padded(p, shapes, size, options)
+        return out, lengths, n
+    if p.spec.kind != "tensor":
+        raise InvalidArgumentError(f"field {field!r} holds numpy arrays; jagged='nested' needs tensors")
+    views = _views(p, size)
+    values = torch.cat(views) if views else _empty(p.spec, (0, *trail[0]))
+    offsets = torch.zeros(size + 1, dtype=torch.int64)
+    torch.cumsum(torch.from_numpy(shapes[:, 0]), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets), lengths, values.numel() * values.element_size()
+
+
+def _views(p: Pieces, size: int) -> list[Any]:
+    out: list[Any] = [None] * size
+    assert p.shapes is not None
+    for k, (pos, buf, off, n) in enumerate(
+        zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist())
+    ):
+        shape = tuple(p.shapes[k].tolist())
+        if n == 0:
+            out[pos] = _empty(p.spec, shape)
+        else:
+            out[pos] = _from_bytes(p.spec, p.buffers[buf][off : off + n], shape)
+    return out
+
+
+def _stack(spec: FieldSpec, views: list[Any]) -> Any:
+    if spec.kind == "tensor":
+        return torch.stack(views) if views else _empty(spec, (0,))
+    return np.stack(views) if views else _empty(spec, (0,))
+
+
+def _padded(p: Pieces, shapes: np.ndarray, size: int, options: Options) -> tuple[Any, int]:
+    assert p.shapes is not None
+    longest = int(shapes[:, 0].max()) if size else 0
+    trail = tuple(int(d) for d in shapes[0, 1:]) if size else ()
+    out = _empty(p.spec, (size, longest, *trail))
+    if isinstance(out, torch.Tensor):
+        out.fill_(options.pad_value)
+    else:
+        out.fill(options.pad_value)
+    step = int(np.prod(trail, dtype=np.int64)) * itemsize(p.spec)
+    dest = _bytes_of(out).reshape(size, longest * step) if size else None
+    left = options.padding_side == "left"
+    copied = 0
+    for pos, buf, off, n in zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist()):
+        if n == 0:
+            continue
+        assert dest is not None
+        at = longest * step - n if left else 0
+        dest[pos, at : at + n] = p.buffers[buf][off : off + n]
+        copied += n
+    return out, copied

@@ -1,0 +1,319 @@
+"""Turn what a producer passes to ``put`` into field blocks and zero-copy buffers.
+
+Accepted per field: a tensor or numpy array whose first dimension is the sample axis
+(dense), a list of per-sample tensors or arrays (jagged: shapes may differ), or a list of
+plain values (object: str, bytes, int, float, bool, None, and lists/dicts of these).
+Everything is checked before anything is sent; a value the wire cannot carry is a
+:class:`~tqueue.errors.FieldTypeError` naming field, partition, sample and type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from .._layout import TORCH_ITEMSIZE
+from .._wire import FieldBlock, FieldSpec
+from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in TORCH_ITEMSIZE if hasattr(torch, name)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TORCH_DTYPES.items()}
+
+# A sample at least this big gets a frame of its own, sent without copying.
+OWN_FRAME = 1 << 16
+
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclasses.dataclass
+class Encoded:
+    count: int
+    blocks: list[FieldBlock]
+    buffers: list[Any]
+    nbytes: int = 0
+    copied: int = 0
+
+    def grant_blocks(self) -> list[FieldBlock]:
+        """The blocks as the controller needs them: specs and shapes, not frame layout."""
+        return [
+            FieldBlock(name=b.name, spec=b.spec, counts=[], shapes=b.shapes) for b in self.blocks
+        ]
+
+
+class _Ctx:
+    def __init__(self, partition: str, field: str) -> None:
+        self.partition = partition
+        self.field = field
+
+    def where(self, sample: int | None = None) -> str:
+        at = f"field {self.field!r} of partition {self.partition!r}"
+        return at if sample is None else f"sample {sample} of {at}"
+
+
+def columns(data: Any, partition: str) -> dict[str, Any]:
+    """Column form of ``data``: a mapping of field to per-sample values, or a list of rows."""
+    if isinstance(data, Mapping):
+        return {_field_name(k, partition): v for k, v in data.items()}
+    if isinstance(data, (list, tuple)) and data and all(isinstance(r, Mapping) for r in data):
+        names: dict[str, None] = {}
+        for row in data:
+            names.update(dict.fromkeys(row))
+        cols: dict[str, Any] = {}
+        for name in names:
+            values = []
+            for i, row in enumerate(data):
+                if name not in row:
+                    raise SchemaError(
+                        f"field {name!r} is missing from sample {i} of the put to partition "
+                        f"{partition!r} (present in other samples)"
+                    )
+                values.append(row[name])
+            cols[_field_name(name, partition)] = values
+        return cols
+    raise FieldTypeError(
+        f"put to partition {partition!r} takes a mapping of field name to per-sample values "
+        f"or a list of per-sample mappings; got {type(data).__name__}"
+    )
+
+
+def _field_name(name: Any, partition: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise FieldTypeError(f"field names are non-empty strings; got {name!r} in partition {partition!r}")
+    return name
+
+
+def sample_count(data: Any, partition: str) -> tuple[dict[str, Any], int]:
+    """Column form of ``data`` and its number of samples, checked to agree across fields."""
+    cols = columns(data, partition)
+    if not cols:
+        raise InvalidArgumentError(f"put to partition {partition!r} has no fields")
+    counts = {name: _count(value, _Ctx(partition, name)) for name, value in cols.items()}
+    distinct = set(counts.values())
+    if len(distinct) > 1:
+        raise SchemaError(
+            f"fields of one write to partition {partition!r} have different sample counts: "
+            + ", ".join(f"{k!r}: {v}" for k, v in counts.items())
+        )
+    n = distinct.pop()
+    if n == 0:
+        raise InvalidArgumentError(f"put to partition {partition!r} has no samples")
+    return cols, n
+
+
+def encode(data: Any, *, partition: str, chunk_bytes: int, count: int | None = None) -> Encoded:
+    cols, n = sample_count(data, partition)
+    if count is not None and n != count:
+        raise SchemaError(
+            f"the write to partition {partition!r} has {n} samples, its meta has {count}"
+        )
+    out = Encoded(count=n, blocks=[], buffers=[])
+    for name, value in cols.items():
+        _encode_field(value, _Ctx(partition, name), chunk_bytes, out)
+    return out
+
+
+def _count(value: Any, ctx: _Ctx) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return value.size(0)
+        if value.dim() == 0:
+            raise SchemaError(
+                f"{ctx.where()} is a 0-d tensor; a field needs a sample dimension "
+                f"(put per-sample scalars as a tensor of shape [N])"
+            )
+        return value.shape[0]
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise SchemaError(f"{ctx.where()} is a 0-d array; a field needs a sample dimension")
+        return value.shape[0]
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    raise FieldTypeError(
+        f"{ctx.where()}: expected per-sample values (a tensor or array with a sample "
+        f"dimension, or a list), got {type(value).__name__}"
+    )
+
+
+def _encode_field(value: Any, ctx: _Ctx, chunk: int, out: Encoded) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            _jagged(list(value.unbind()), ctx, chunk, out, "tensor")
+        else:
+            _dense(*_tensor_bytes(value, ctx), ctx, chunk, out, "tensor")
+    elif isinstance(value, np.ndarray):
+        if value.dtype.kind in "OUS":
+            _objects(value.tolist(), ctx, chunk, out)
+        else:
+            _dense(*_array_bytes(value, ctx), ctx, chunk, out, "ndarray")
+    elif value and all(isinstance(v, torch.Tensor) for v in value):
+        _jagged(value, ctx, chunk, out, "tensor")
+    elif value and all(isinstance(v, np.ndarray) and v.dtype.kind not in "OUS" for v in value):
+        _jagged(value, ctx, chunk, out, "ndarray")
+    else:
+        _objects(value, ctx, chunk, out)
+
+
+def _tensor_bytes(t: torch.Tensor, ctx: _Ctx, sample: int | None = None) -> tuple[memoryview, str, tuple[int, ...], int]:
+    """The raw bytes of ``t`` (no copy when it is a contiguous CPU tensor), dtype, shape, copies."""
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None or t.layout != torch.strided:
+        raise FieldTypeError(
+            f"{ctx.where(sample)}: tensors of dtype {t.dtype} and layout {t.layout} cannot travel"
+        )
+    copied = 0
+    t = t.detach()
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu":
+        t = t.cpu()
+        copied += nbytes
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+        copied += nbytes
+    if not t.is_contiguous():
+        t = t.contiguous()
+        copied += nbytes
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()), name, tuple(t.shape), copied
+
+
+def _array_bytes(a: np.ndarray, ctx: _Ctx, sample: int | None = None) -> tuple[memoryview, str, tuple[int, ...], int]:
+    if a.dtype.kind not in "biufcmM" or a.dtype.fields is not None:
+        raise FieldTypeError(f"{ctx.where(sample)}: numpy arrays of dtype {a.dtype} cannot travel")
+    copied = 0
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+        copied += a.nbytes
+    return memoryview(a.reshape(-1).view(np.uint8)), a.dtype.str, tuple(a.shape), copied
+
+
+def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
+    n, row = shape[0], shape[1:]
+    row_bytes = buf.nbytes // n if n else 0
+    per = max(1, chunk // row_bytes) if row_bytes else n
+    counts = []
+    for a in range(0, n, per):
+        b = min(n, a + per)
+        out.buffers.append(buf[a * row_bytes : b * row_bytes])
+        counts.append(b - a)
+    spec = FieldSpec(kind=kind, dtype=dtype, layout="dense", shape=row)
+    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts))
+    out.nbytes += buf.nbytes
+    out.copied += copied
+
+
+def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
+    grab = _tensor_bytes if kind == "tensor" else _array_bytes
+    shapes: list[int] = []
+    bufs = []
+    dtype0, ndim0 = None, None
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.Tensor if kind == "tensor" else np.ndarray):
+            raise FieldTypeError(f"{ctx.where(i)} is a {type(v).__name__}; the other samples are {kind}s")
+        buf, dtype, shape, copied = grab(v, ctx, i)
+        if dtype0 is None:
+            dtype0, ndim0 = dtype, len(shape)
+        elif dtype != dtype0:
+            raise SchemaError(f"{ctx.where(i)} has dtype {dtype}; sample 0 has {dtype0}")
+        elif len(shape) != ndim0:
+            raise SchemaError(
+                f"{ctx.where(i)} has {len(shape)} dimensions {shape}; sample 0 has {ndim0}"
+            )
+        shapes.extend(shape)
+        bufs.append(buf)
+        out.copied += copied
+    counts = _pack(bufs, chunk, out)
+    spec = FieldSpec(kind=kind, dtype=dtype0 or "", layout="jagged", ndim=ndim0 or 0)
+    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts, shapes=shapes))
+
+
+def _pack(bufs: Sequence[memoryview], chunk: int, out: Encoded) -> list[int]:
+    """Frames for per-sample buffers: big ones alone (no copy), small ones joined."""
+    counts: list[int] = []
+    small: list[memoryview] = []
+    small_bytes = 0
+
+    def flush() -> None:
+        nonlocal small_bytes
+        if small:
+            out.buffers.append(b"".join(small) if len(small) > 1 else small[0])
+            out.copied += small_bytes if len(small) > 1 else 0
+            counts.append(len(small))
+            small.clear()
+            small_bytes = 0
+
+    for buf in bufs:
+        out.nbytes += buf.nbytes
+        if buf.nbytes >= OWN_FRAME:
+            flush()
+            out.buffers.append(buf)
+            counts.append(1)
+            continue
+        small.append(buf)
+        small_bytes += buf.nbytes
+        if small_bytes >= chunk:
+            flush()
+    flush()
+    return counts
+
+
+def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None:
+    sizes: list[int] = []
+    counts: list[int] = []
+    buf = bytearray()
+    in_buf = 0
+    for i, v in enumerate(values):
+        bad = _not_plain(v)
+        if bad is not None:
+            hint = " (put tensors as a field of their own)" if bad in (torch.Tensor, np.ndarray) else ""
+            raise FieldTypeError(
+                f"{ctx.where(i)} holds a value of type {bad.__module__}.{bad.__qualname__}, "
+                f"which the wire cannot carry; plain values are str, bytes, int, float, bool, "
+                f"None and lists/dicts of these{hint}"
+            )
+        before = len(buf)
+        try:
+            _ENCODER.encode_into(v, buf, -1)
+        except OverflowError as exc:
+            raise FieldTypeError(f"{ctx.where(i)}: {exc} (integers must fit in 64 bits)") from exc
+        sizes.append(len(buf) - before)
+        in_buf += 1
+        if len(buf) >= chunk:
+            out.buffers.append(buf)
+            counts.append(in_buf)
+            buf, in_buf = bytearray(), 0
+    if in_buf:
+        out.buffers.append(buf)
+        counts.append(in_buf)
+    spec = FieldSpec(kind="object", layout="jagged")
+    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts, sizes=sizes))
+    out.nbytes += sum(sizes)
+    out.copied += sum(sizes)
+
+
+def _not_plain(v: Any) -> type | None:
+    """The first type in ``v`` that is not a plain value, or None."""
+    t = type(v)
+    if t in _PLAIN:
+        return None
+    if t is list:
+        for x in v:
+            bad = _not_plain(x)
+            if bad is not None:
+                return bad
+        return None
+    if t is dict:
+        for k, x in v.items():
+            if type(k) not in (str, int):
+                return type(k)
+            bad = _not_plain(x)
+            if bad is not None:
+                return bad
+        return None
+    return t

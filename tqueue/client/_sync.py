@@ -1,0 +1,150 @@
+"""The blocking client: the async client driven by one background event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
+
+from .._wire import BatchMeta, GroupId, StatusReply
+from ..config import ClientConfig
+from ._async import AsyncClient, ClientStats
+from ._batch import Batch, JaggedAs
+
+T = TypeVar("T")
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, inner: AsyncClient) -> None:
+    if loop.is_closed():
+        return
+    if thread.is_alive():
+        try:
+            asyncio.run_coroutine_threadsafe(inner.close(), loop).result(timeout=10)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+    if not thread.is_alive():
+        loop.close()
+
+
+class Client:
+    """Talks to a tqueue cluster from ordinary (blocking) code.
+
+    The twin of :class:`AsyncClient`: the same methods, arguments and errors. It owns one
+    daemon thread running an event loop; each call hands its coroutine to that loop and
+    blocks until it is done. Use it as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tqueue-client", daemon=True
+        )
+        self._thread.start()
+        self._inner = AsyncClient(address, config=config)
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._inner)
+
+    @property
+    def address(self) -> str:
+        return self._inner.address
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._inner.config
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._inner.stats
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a tqueue Client cannot be called from its own loop thread")
+        if not self._finalizer.alive:
+            coro.close()
+            raise RuntimeError("the client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def connect(self) -> None:
+        """Sync twin of :meth:`AsyncClient.connect`."""
+        self._run(self._inner.connect())
+
+    def close(self) -> None:
+        """Close connections and stop the loop thread. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "Client":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def create_partition(self, partition: str, *, fields: Sequence[str] | None = None) -> None:
+        """Sync twin of :meth:`AsyncClient.create_partition`."""
+        self._run(self._inner.create_partition(partition, fields=fields))
+
+    def clear(self, partition: str) -> None:
+        """Sync twin of :meth:`AsyncClient.clear`."""
+        self._run(self._inner.clear(partition))
+
+    def status(self) -> StatusReply:
+        """Sync twin of :meth:`AsyncClient.status`."""
+        return self._run(self._inner.status())
+
+    def put(
+        self,
+        partition: str,
+        data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        *,
+        groups: Sequence[GroupId] | GroupId = None,
+    ) -> BatchMeta:
+        """Sync twin of :meth:`AsyncClient.put`."""
+        return self._run(self._inner.put(partition, data, groups=groups))
+
+    def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Sync twin of :meth:`AsyncClient.update`."""
+        self._run(self._inner.update(meta, data))
+
+    def get_meta(
+        self,
+        partition: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        task: str,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Sync twin of :meth:`AsyncClient.get_meta`."""
+        return self._run(self._inner.get_meta(partition, fields, batch_size, task=task, timeout=timeout))
+
+    def get_data(
+        self,
+        meta: BatchMeta | str,
+        fields: Sequence[str] | None = None,
+        batch_size: int | None = None,
+        *,
+        task: str | None = None,
+        timeout: float | None = None,
+        jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
+        pad_value: float | int | bool = 0,
+        padding_side: str = "right",
+    ) -> Batch:
+        """Sync twin of :meth:`AsyncClient.get_data`."""
+        return self._run(
+            self._inner.get_data(
+                meta,
+                fields,
+                batch_size,
+                task=task,
+                timeout=timeout,
+                jagged=jagged,
+                pad_value=pad_value,
+                padding_side=padding_side,
+            )
+        )
+
+    def ack(self, meta: BatchMeta) -> None:
+        """Sync twin of :meth:`AsyncClient.ack`."""
+        self._run(self._inner.ack(meta))

@@ -1,0 +1,69 @@
+"""Typed, frozen configuration of each component.
+
+Defaults come from :mod:`tqueue._env` (environment overrides) when built with
+``from_env()``; plain construction uses the literal defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import _env
+
+__all__ = ["ClientConfig", "ControllerConfig", "StorageConfig"]
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """The controller process.
+
+    ``bind``: ZeroMQ endpoint; port 0 lets the OS choose, the real one is read back.
+    ``max_header_bytes``: larger request headers get a protocol error reply.
+    """
+
+    bind: str = "tcp://127.0.0.1:0"
+    max_header_bytes: int = 16 * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """A storage unit process.
+
+    ``controller``: the controller's address, where the unit registers.
+    ``host``: the host name placement compares with producers' (default: this machine).
+    ``max_header_bytes``: larger request headers get a protocol error reply.
+    """
+
+    controller: str
+    bind: str = "tcp://127.0.0.1:0"
+    host: str = ""
+    max_header_bytes: int = 64 * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """A client inside a producer or consumer.
+
+    ``request_timeout``: seconds a server may take to answer before the client raises
+    :class:`~tqueue.errors.UnavailableError` (a get_meta wait is added on top).
+    ``get_timeout``: default seconds ``get_meta`` waits for enough samples.
+    ``chunk_bytes``: payload is cut into frames of at most this size on sample boundaries;
+    1-8 MiB frames move fastest over loopback.
+    ``host``: the host name used to place this client's puts on a nearby unit.
+    """
+
+    request_timeout: float = 30.0
+    get_timeout: float = 60.0
+    chunk_bytes: int = 4 * MiB
+    host: str = ""
+
+    @classmethod
+    def from_env(cls) -> "ClientConfig":
+        return cls(
+            request_timeout=_env.number("TQUEUE_REQUEST_TIMEOUT", cls.request_timeout),
+            get_timeout=_env.number("TQUEUE_GET_TIMEOUT", cls.get_timeout),
+            chunk_bytes=int(_env.number("TQUEUE_CHUNK_BYTES", cls.chunk_bytes)),
+            host=_env.host(),
+        )

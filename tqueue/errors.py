@@ -1,0 +1,151 @@
+"""Every error tqueue raises, in one tree.
+
+::
+
+    TQueueError                         base of everything below
+    ├── ProtocolError                   a message that does not follow the wire protocol
+    │   └── ProtocolVersionError        the peers speak different protocol versions
+    ├── InvalidArgumentError            (also ValueError) a call's argument is wrong
+    ├── SchemaError                     (also ValueError) field data that does not fit:
+    │                                   sample counts differ, a field is missing from a
+    │                                   sample, dtype or shape differs from the partition's
+    ├── FieldTypeError                  (also TypeError) a value the wire cannot carry
+    ├── UnknownFieldError               (also KeyError) a field the partition does not have
+    ├── PartitionClearedError           the partition was cleared under the call
+    ├── WaitTimeoutError                (also TimeoutError) a wait ran out; says for what
+    ├── UnavailableError                (also ConnectionError) a server did not answer
+    │   ├── ControllerUnavailableError
+    │   └── StorageUnitUnavailableError
+    └── RemoteError                     a server failed on a well-formed request
+
+Servers never raise into their loop: a bad request becomes an error reply carrying a
+``code`` from :data:`CODES`, and the client turns it back into the class above at one
+place, :func:`from_code`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CODES",
+    "ControllerUnavailableError",
+    "FieldTypeError",
+    "InvalidArgumentError",
+    "PartitionClearedError",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "RemoteError",
+    "SchemaError",
+    "StorageUnitUnavailableError",
+    "TQueueError",
+    "UnavailableError",
+    "UnknownFieldError",
+    "WaitTimeoutError",
+    "from_code",
+]
+
+
+class TQueueError(Exception):
+    """Base class of every error tqueue raises."""
+
+    code = "error"
+
+
+class ProtocolError(TQueueError):
+    """A message that does not follow the wire protocol (garbage, truncated, oversized)."""
+
+    code = "protocol"
+
+
+class ProtocolVersionError(ProtocolError):
+    """Client and server speak different protocol versions; the message names both."""
+
+    code = "protocol_version"
+
+
+class InvalidArgumentError(TQueueError, ValueError):
+    """A call's argument is wrong: a negative timeout, a batch size below one."""
+
+    code = "invalid_argument"
+
+
+class SchemaError(TQueueError, ValueError):
+    """Field data that does not fit the call or the partition; names field, partition, sample."""
+
+    code = "schema"
+
+
+class FieldTypeError(TQueueError, TypeError):
+    """A value of a type the wire cannot carry; names field, sample and type. Nothing was sent."""
+
+    code = "field_type"
+
+
+class UnknownFieldError(TQueueError, KeyError):
+    """A field that the partition does not declare."""
+
+    code = "unknown_field"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PartitionClearedError(TQueueError):
+    """The partition was cleared while the call was waiting on it or writing to it."""
+
+    code = "partition_cleared"
+
+
+class WaitTimeoutError(TQueueError, TimeoutError):
+    """A wait ran out of time; the message says what it waited for and what it saw."""
+
+    code = "timeout"
+
+
+class UnavailableError(TQueueError, ConnectionError):
+    """A server did not answer within the request timeout."""
+
+    code = "unavailable"
+
+
+class ControllerUnavailableError(UnavailableError):
+    """The controller did not answer."""
+
+    code = "controller_unavailable"
+
+
+class StorageUnitUnavailableError(UnavailableError):
+    """A storage unit did not answer."""
+
+    code = "unit_unavailable"
+
+
+class RemoteError(TQueueError):
+    """A server failed while handling a well-formed request; its message is passed on."""
+
+    code = "remote"
+
+
+CODES: dict[str, type[TQueueError]] = {
+    cls.code: cls
+    for cls in (
+        TQueueError,
+        ProtocolError,
+        ProtocolVersionError,
+        InvalidArgumentError,
+        SchemaError,
+        FieldTypeError,
+        UnknownFieldError,
+        PartitionClearedError,
+        WaitTimeoutError,
+        UnavailableError,
+        ControllerUnavailableError,
+        StorageUnitUnavailableError,
+        RemoteError,
+    )
+}
+
+
+def from_code(code: str, message: str) -> TQueueError:
+    """The exception for an error reply's ``code``; unknown codes become :class:`RemoteError`."""
+    cls = CODES.get(code, RemoteError)
+    return cls(message)

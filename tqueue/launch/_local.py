@@ -1,0 +1,141 @@
+"""An embedded cluster on one machine: a controller and N storage units as child processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+import weakref
+from typing import Any, Sequence
+
+from ._serve import READY
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 10.0
+
+
+class LocalCluster:
+    """Start a controller and ``num_storage_units`` units on ``host`` with OS-chosen ports.
+
+    Use as a context manager; everything is stopped on exit, also after an exception, and
+    the children also stop by themselves if this process dies (their stdin closes)::
+
+        with tqueue.LocalCluster(num_storage_units=2) as cluster:
+            client = tqueue.Client(cluster.address)
+    """
+
+    def __init__(
+        self,
+        num_storage_units: int = 2,
+        *,
+        host: str = "127.0.0.1",
+        start_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if num_storage_units < 1:
+            raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
+        self.num_storage_units = num_storage_units
+        self.host = host
+        self.start_timeout = start_timeout
+        self.env = env
+        self.address = ""
+        self.unit_addresses: list[str] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def start(self) -> "LocalCluster":
+        try:
+            ctl = self._spawn(["controller", "--bind", f"tcp://{self.host}:0"])
+            self.address = self._ready(ctl)["address"]
+            units = [
+                self._spawn(
+                    ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]
+                )
+                for _ in range(self.num_storage_units)
+            ]
+            self.unit_addresses = [self._ready(u)["address"] for u in units]
+        except BaseException:
+            self.close()
+            raise
+        log.info("local cluster up: controller %s, %d units", self.address, len(self.unit_addresses))
+        return self
+
+    def _spawn(self, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        env = dict(os.environ if self.env is None else self.env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tqueue", *args, "--watch-stdin"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._procs.append(proc)
+        return proc
+
+    def _ready(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + self.start_timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"tqueue server (pid {proc.pid}) did not start within {self.start_timeout} s")
+            ready, _, _ = select.select([proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(
+                        f"tqueue server (pid {proc.pid}) exited with {proc.wait()} before it was ready"
+                    )
+                line += chunk
+        proc.stdout.close()
+        text = line.decode().strip()
+        if not text.startswith(READY):
+            raise RuntimeError(f"unexpected start-up line from tqueue server: {text!r}")
+        return json.loads(text[len(READY) :])
+
+    def client(self, **kwargs: Any) -> Any:
+        """A :class:`tqueue.Client` connected to this cluster."""
+        from ..client import Client
+
+        return Client(self.address, **kwargs)
+
+    def close(self) -> None:
+        """Stop every process (units first). Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in reversed(procs):
+        if proc.stdin is not None and not proc.stdin.closed:
+            try:
+                proc.stdin.close()  # the child sees EOF and stops cleanly
+            except OSError:
+                pass
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            log.warning("tqueue server pid %d did not stop; terminating it", proc.pid)
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
