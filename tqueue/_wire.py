@@ -178,6 +178,7 @@ class Grant(Message):
     groups: list[GroupId] | None = None
     partition_uid: int = 0
     indexes: list[int] | None = None
+    nbytes: int = 0
 
 
 class Granted(Message):

@@ -206,6 +206,7 @@ class AsyncClient:
                 blocks=enc.grant_blocks(),
                 host=self.config.host,
                 groups=group_ids,
+                nbytes=enc.nbytes,
             )
         )
         assert isinstance(reply, Granted) and reply.unit is not None

@@ -165,8 +165,9 @@ class Controller:
         if msg.indexes is None:
             unit = self._place(msg.host)
             start = part.allocate(msg.count, msg.groups)
+            unit.reserved += msg.nbytes
             self._grants[grant_id] = GrantRecord(
-                grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields
+                grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes
             )
             info: UnitInfo | None = unit.info
         else:
@@ -192,12 +193,15 @@ class Controller:
         pool = local or list(self._units.values())
         # ties rotate so that equal units share the work
         turn = next(self._placements)
-        return min(pool, key=lambda u: (u.nbytes, (u.info.unit_id - turn) % len(pool)))
+        return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
     def _commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
         grant = self._grants.pop(msg.grant_id, None)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
+        unit = self._units.get(msg.unit_id)
+        if unit is not None and grant.indexes is None:
+            unit.reserved -= grant.nbytes
         part = self._by_uid.get(grant.partition_uid)
         if part is None:
             raise PartitionClearedError(
@@ -209,7 +213,6 @@ class Controller:
                 f"the unit stored {sorted(msg.fields)}"
             )
         part.commit(grant, msg.unit_id)
-        unit = self._units.get(msg.unit_id)
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes

@@ -35,7 +35,12 @@ def _grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
 @dataclasses.dataclass
 class Unit:
     info: UnitInfo
-    nbytes: int = 0
+    nbytes: int = 0  # stored, as the unit last reported
+    reserved: int = 0  # granted to writes not yet committed
+
+    @property
+    def load(self) -> int:
+        return self.nbytes + self.reserved
 
 
 class TaskState:
@@ -62,6 +67,7 @@ class GrantRecord:
     count: int
     indexes: np.ndarray | None
     fields: frozenset[str]
+    nbytes: int = 0
 
 
 class Partition:

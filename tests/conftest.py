@@ -1,0 +1,77 @@
+"""Shared fixtures: one local cluster per test module, real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+import tqueue
+from tqueue import _wire
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tqueue.LocalCluster]:
+    with tqueue.LocalCluster(num_storage_units=2) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: tqueue.LocalCluster) -> Iterator[tqueue.Client]:
+    with tqueue.Client(cluster.address) as c:
+        yield c
+
+
+@pytest.fixture
+def partition(request: pytest.FixtureRequest) -> str:
+    """A partition name no other test uses (regex-safe, so tests can put it in ``match``)."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)
+    return f"{name}-{next(_names)}"
+
+
+class RawPeer:
+    """A bare DEALER socket for sending hand-made frames to a server."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout: float = 10.0) -> tuple[Any, list[Any]]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no reply within {timeout} s")
+        return _wire.decode(self.sock.recv_multipart())
+
+    def ask(self, frames: list[Any], timeout: float = 10.0) -> Any:
+        self.send(frames)
+        return self.recv(timeout)[0]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw() -> Iterator[Any]:
+    peers: list[RawPeer] = []
+
+    def make(address: str) -> RawPeer:
+        peers.append(RawPeer(address))
+        return peers[-1]
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+def header(msg: Any) -> bytes:
+    return msgspec.msgpack.encode(msg)

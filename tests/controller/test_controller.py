@@ -1,0 +1,169 @@
+"""The controller through real clients: parking, timeouts that explain themselves,
+schemas, placement, leases and acks, clear."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import (
+    InvalidArgumentError,
+    PartitionClearedError,
+    SchemaError,
+    UnknownFieldError,
+    WaitTimeoutError,
+)
+
+
+async def started(coro):
+    """Run ``coro`` as a task up to its first real suspension: its request is then sent,
+    and a later request on the same connection reaches the server after it."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)
+    return task
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_parked_get_meta_is_answered_when_a_put_commits(cluster, partition):
+    asyncio.run(_parked_then_woken(cluster.address, partition))
+
+
+async def _parked_then_woken(address, partition):
+    async with tqueue.AsyncClient(address) as consumer, tqueue.AsyncClient(address) as producer:
+        waiting = await started(consumer.get_meta(partition, ["x"], 4, task="t", timeout=60))
+        # One connection delivers in order: once status answers, the get_meta is parked.
+        status = await consumer.status()
+        assert [(w.partition, w.task) for w in status.waiting] == [(partition, "t")]
+        assert "does not exist yet" in status.waiting[0].reason
+        await producer.put(partition, {"x": torch.arange(2)})
+        assert not waiting.done()
+        await producer.put(partition, {"x": torch.arange(2, 4)})
+        meta = await asyncio.wait_for(waiting, 10)
+        assert meta.indexes == [0, 1, 2, 3] and meta.task == "t"
+
+
+def test_parked_controller_does_not_spin(cluster, client, partition):
+    pid = cluster.pids[0]
+    before = cpu_seconds(pid)
+    with pytest.raises(WaitTimeoutError):
+        client.get_meta(partition, ["x"], 1, task="t", timeout=1.0)
+    assert cpu_seconds(pid) - before < 0.1
+
+
+def test_timeout_says_what_it_waited_for_and_what_was_ready(client, partition):
+    client.put(partition, {"a": torch.zeros(3)})
+    with pytest.raises(
+        WaitTimeoutError,
+        match=rf"timed out after 0.2 s waiting for 5 samples of partition '{partition}' with "
+        rf"fields \['a'\] for task 'train': 3 ready for this task",
+    ) as info:
+        client.get_meta(partition, ["a"], 5, task="train", timeout=0.2)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_timeout_names_fields_never_written(client, partition):
+    client.put(partition, {"a": torch.zeros(3)})
+    with pytest.raises(WaitTimeoutError, match=r"fields never written to it: \['rewards'\] \(known: \['a'\]\)"):
+        client.get_meta(partition, ["a", "rewards"], 1, task="t", timeout=0.1)
+
+
+def test_timeout_on_a_partition_nobody_wrote(client, partition):
+    with pytest.raises(WaitTimeoutError, match="does not exist yet"):
+        client.get_meta(partition, ["a"], 1, task="t", timeout=0)
+
+
+def test_declared_partition_refuses_unknown_fields_at_once(client, partition):
+    client.create_partition(partition, fields=["prompt", "response"])
+    with pytest.raises(UnknownFieldError, match=rf"field 'rewrds' is not declared for partition '{partition}'"):
+        client.get_meta(partition, ["prompt", "rewrds"], 1, task="t", timeout=30)
+    with pytest.raises(UnknownFieldError, match=r"field 'other' is not declared .* \['prompt', 'response'\]"):
+        client.put(partition, {"prompt": ["p"], "other": [1]})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"timeout": -1}, r"timeout must be >= 0 seconds", id="negative-timeout"),
+        pytest.param({"timeout": float("nan")}, r"timeout must be >= 0 seconds", id="nan-timeout"),
+        pytest.param({"batch_size": 0}, r"batch_size must be at least 1, got 0", id="batch-size"),
+        pytest.param({"task": ""}, r"get_meta needs a task name", id="no-task"),
+        pytest.param({"fields": ["a", "a"]}, r"distinct field names", id="duplicate-fields"),
+    ],
+)
+def test_bad_get_meta_arguments(client, partition, kwargs, match):
+    args = {"fields": ["a"], "batch_size": 1, "task": "t", "timeout": 1.0} | kwargs
+    with pytest.raises(InvalidArgumentError, match=match):
+        client.get_meta(partition, args.pop("fields"), args.pop("batch_size"), **args)
+
+
+@pytest.mark.parametrize(
+    "second, match",
+    [
+        pytest.param({"x": torch.zeros(2, 4, dtype=torch.int64)}, r"has dtype float32; this write has dtype int64", id="dtype"),
+        pytest.param({"x": torch.zeros(2, 5)}, r"has per-sample shape \(4,\); this write has \(5,\)", id="shape"),
+        pytest.param(
+            {"x": [torch.zeros(4), torch.zeros(3)]},
+            r"has per-sample shape \(4,\); sample 1 of this write has shape \(3,\)",
+            id="jagged-into-dense",
+        ),
+        pytest.param({"x": ["a", "b"]}, r"holds tensor values; this write has object values", id="kind"),
+    ],
+)
+def test_later_writes_must_match_the_field(client, partition, second, match):
+    client.put(partition, {"x": torch.zeros(2, 4)})
+    with pytest.raises(SchemaError, match=rf"field 'x' of partition '{partition}' {match}"):
+        client.put(partition, second)
+
+
+def test_a_put_is_placed_whole_on_one_unit_and_visible_at_once(client, partition):
+    metas = [client.put(partition, {"x": torch.zeros(64, 1024)}) for _ in range(4)]
+    for m in metas:
+        assert len(set(m.units)) == 1
+    assert len({m.units[0] for m in metas}) == 2  # equal puts spread over both units
+    got = client.get_meta(partition, ["x"], 256, task="t", timeout=0)
+    assert got.indexes == list(range(256))
+
+
+def test_a_task_never_gets_a_sample_twice_other_tasks_get_their_own(client, partition):
+    client.put(partition, {"x": torch.arange(4)}, groups=["g0", "g0", "g1", "g1"])
+    first = client.get_meta(partition, ["x"], 4, task="actor", timeout=1)
+    assert first.groups == ["g0", "g0", "g1", "g1"]
+    with pytest.raises(WaitTimeoutError, match="0 ready for this task"):
+        client.get_meta(partition, ["x"], 1, task="actor", timeout=0)  # leased, not acked
+    client.ack(first)
+    client.ack(first)  # twice is harmless
+    with pytest.raises(WaitTimeoutError, match="0 ready for this task"):
+        client.get_meta(partition, ["x"], 1, task="actor", timeout=0)  # consumed
+    ref = client.get_meta(partition, ["x"], 4, task="ref", timeout=0)
+    assert ref.indexes == first.indexes
+    status = {p.name: p for p in client.status().partitions}[partition]
+    assert status.tasks["actor"].consumed == 4 and status.tasks["ref"].leased == 4
+
+
+def test_clear_frees_bytes_wakes_waiters_and_allows_reuse(cluster, client, partition):
+    old = client.put(partition, {"x": torch.zeros(8, 1000)})
+    assert {p.name: p for p in client.status().partitions}[partition].nbytes == 8 * 4000
+
+    async def scenario():
+        async with tqueue.AsyncClient(cluster.address) as a:
+            waiting = await started(a.get_meta(partition, ["y"], 1, task="t", timeout=60))
+            await a.status()  # parked once this answers
+            await a.clear(partition)
+            with pytest.raises(PartitionClearedError, match="cleared while get_meta waited"):
+                await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(scenario())
+    assert partition not in {p.name for p in client.status().partitions}
+    new = client.put(partition, {"x": torch.ones(2, 1000)})
+    assert new.partition_uid != old.partition_uid and new.indexes == [0, 1]
+    with pytest.raises(PartitionClearedError):
+        client.update(old, {"x": torch.zeros(8, 1000)})

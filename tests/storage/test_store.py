@@ -1,0 +1,86 @@
+"""The unit's columnar store alone: bytes kept as received, reads coalesced, rollback exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tqueue._wire import FieldBlock, FieldSpec
+from tqueue.errors import SchemaError
+from tqueue.storage._store import SMALL_RUN, Store
+
+ROW = 1 << 17  # bigger than SMALL_RUN: each run goes out as its own zero-copy slice
+
+
+def dense(name, counts, row_bytes=ROW):
+    return FieldBlock(name=name, spec=FieldSpec(kind="tensor", dtype="uint8", shape=(row_bytes,)), counts=counts)
+
+
+def rows(values, row_bytes=ROW):
+    return bytearray(b"".join(bytes([v]) * row_bytes for v in values))
+
+
+def test_read_slices_received_frames_without_copy():
+    s = Store()
+    frame = rows(range(6))
+    s.write(1, "p", np.arange(6), [dense("x", [6])], [frame])
+    blocks, frames = s.read(1, "p", np.array([1, 2, 3]), ["x"])
+    assert blocks[0].counts == [3] and len(frames) == 1
+    assert bytes(frames[0]) == bytes(rows([1, 2, 3]))
+    frame[ROW] = 99  # the answer is a view of the stored frame
+    assert frames[0][0] == 99 and s.copied == 0
+
+
+def test_scattered_read_gives_one_frame_per_run():
+    s = Store()
+    s.write(1, "p", np.arange(6), [dense("x", [3, 3])], [rows([0, 1, 2]), rows([3, 4, 5])])
+    blocks, frames = s.read(1, "p", np.array([5, 0, 1, 2, 3]), ["x"])
+    # 5 | 0 1 2 | 3: runs break at the frame edge and where order jumps
+    assert blocks[0].counts == [1, 3, 1] and len(frames) == 3
+    assert b"".join(bytes(f) for f in frames) == bytes(rows([5, 0, 1, 2, 3]))
+
+
+def test_tiny_runs_are_joined_into_one_frame():
+    s = Store()
+    small = 16
+    s.write(1, "p", np.arange(8), [dense("x", [8], small)], [rows(range(8), small)])
+    blocks, frames = s.read(1, "p", np.array([7, 5, 3, 1]), ["x"])
+    assert blocks[0].counts == [4] and len(frames) == 1
+    assert bytes(frames[0]) == bytes(rows([7, 5, 3, 1], small))
+    assert s.copied == 4 * small < SMALL_RUN
+
+
+def test_overwrite_frees_the_old_piece_and_rollback_restores_it():
+    s = Store()
+    s.write(1, "p", np.arange(2), [dense("x", [2])], [rows([1, 2])])
+    assert s.nbytes == 2 * ROW
+    undo = s.write(1, "p", np.arange(2), [dense("x", [2])], [rows([7, 8])])
+    assert s.nbytes == 2 * ROW  # the first piece has no live sample left
+    assert bytes(s.read(1, "p", np.arange(2), ["x"])[1][0]) == bytes(rows([7, 8]))
+    undo()
+    assert s.nbytes == 2 * ROW
+    assert bytes(s.read(1, "p", np.arange(2), ["x"])[1][0]) == bytes(rows([1, 2]))
+
+
+def test_rollback_of_a_first_write_forgets_the_partition():
+    s = Store()
+    undo = s.write(3, "p", np.arange(2), [dense("x", [2])], [rows([1, 2])])
+    undo()
+    assert s.nbytes == 0 and 3 not in s.partitions
+
+
+def test_drop_then_rollback_does_not_double_count():
+    s = Store()
+    undo = s.write(3, "p", np.arange(2), [dense("x", [2])], [rows([1, 2])])
+    assert s.drop(3) == 2 * ROW and s.nbytes == 0
+    undo()
+    assert s.nbytes == 0
+
+
+def test_reading_a_missing_field_names_sample_and_field():
+    s = Store()
+    s.write(1, "p", np.arange(2), [dense("x", [2])], [rows([1, 2])])
+    with pytest.raises(SchemaError, match=r"sample 5 of partition 'p' has no field 'x' on this unit"):
+        s.read(1, "p", np.array([0, 5]), ["x"])
+    with pytest.raises(SchemaError, match=r"sample 0 of partition 'p' has no field 'y'"):
+        s.read(1, "p", np.array([0]), ["y"])
