@@ -1,5 +1,282 @@
-"""Placeholder until the demo is written."""
-def add_arguments(p):
-    pass
-def run_demo(args):
-    return 0
+"""``tqueue demo``: a simulated GRPO data flow on the embedded local cluster.
+
+Producer processes play inference engines: for each prompt they "generate" a group of
+responses of random lengths and put the group (prompt ids, response ids, log-probs, the
+prompt text and a metadata dict) to the partition of the current step. Consumer processes
+play data-parallel ranks: each leases its share of every step, fetches the fields it
+trains on, checks them, and acks. The launcher shows progress as reports arrive, clears
+each step once it is consumed, and ends with a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+FIELDS = ["prompt_ids", "response_ids", "log_probs", "prompt", "meta"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--producers", type=int, default=3, help="producer processes (default 3)")
+    p.add_argument("--consumers", type=int, default=2, help="consumer processes, one per DP rank (default 2)")
+    p.add_argument("--units", type=int, default=2, help="storage units (default 2)")
+    p.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step (default 64)")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
+    p.add_argument("--max-response", type=int, default=2048, help="longest response in tokens")
+    p.add_argument("--quick", action="store_true", help="a small run (CI)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    address: str
+    steps: int
+    prompts: int
+    group_size: int
+    producers: int
+    consumers: int
+    units: int
+    max_response: int
+
+    @property
+    def per_step(self) -> int:
+        return self.prompts * self.group_size
+
+
+def _producer(plan: Plan, rank: int, out: Connection) -> None:
+    import torch
+
+    from .client import Client
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    with Client(plan.address) as client:
+        for step in range(plan.steps):
+            for prompt in range(rank, plan.prompts, plan.producers):
+                uid = f"s{step}-p{prompt}"
+                n = plan.group_size
+                plen = int(torch.randint(128, 1024, (1,), generator=g))
+                lens = torch.randint(16, plan.max_response, (n,), generator=g).tolist()
+                prompt_ids = torch.randint(0, 150_000, (plen,), generator=g)
+                started = time.perf_counter()
+                client.put(
+                    f"train/step-{step}",
+                    {
+                        "prompt_ids": [prompt_ids] * n,
+                        "response_ids": [torch.randint(0, 150_000, (k,), generator=g) for k in lens],
+                        "log_probs": [-torch.rand(k, generator=g) for k in lens],
+                        "prompt": [f"<prompt {uid}> " + "lorem ipsum " * 170] * n,
+                        "meta": [{"uid": uid, "sample": i, "finish_reason": "stop", "step": step} for i in range(n)],
+                    },
+                    groups=uid,
+                )
+                _send(out, {"kind": "put", "samples": n, "seconds": time.perf_counter() - started})
+        _send(out, {"kind": "done", "copied": client.stats.copied_bytes, "put_bytes": client.stats.put_bytes})
+
+
+def _consumer(plan: Plan, rank: int, out: Connection) -> None:
+    import torch
+
+    from .client import Client
+
+    share = plan.per_step // plan.consumers + (1 if rank < plan.per_step % plan.consumers else 0)
+    got = 0
+    with Client(plan.address) as client:
+        for step in range(plan.steps):
+            partition = f"train/step-{step}"
+            t0 = time.perf_counter()
+            meta = client.get_meta(partition, FIELDS, share, task="actor_train", timeout=300)
+            t1 = time.perf_counter()
+            batch = client.get_data(meta, jagged={"response_ids": "padded", "log_probs": "padded"})
+            t2 = time.perf_counter()
+            # the fields of one sample belong together, and to its group
+            if not torch.equal(batch.lengths("response_ids"), batch.lengths("log_probs")):
+                raise AssertionError("response_ids and log_probs of a sample differ in length")
+            for i, m in enumerate(batch["meta"]):
+                if meta.groups is None or meta.groups[i] != m["uid"] or not batch["prompt"][i].startswith(f"<prompt {m['uid']}>"):
+                    raise AssertionError(f"sample {meta.indexes[i]}: fields of different samples mixed up")
+            client.ack(meta)
+            _send(out, {"kind": "get", "step": step, "samples": len(meta), "wait": t1 - t0, "fetch": t2 - t1, "bytes": client.stats.get_bytes - got})
+            got = client.stats.get_bytes
+        _send(out, {"kind": "done", "copied": client.stats.copied_bytes})
+
+
+def _send(out: Connection, msg: dict[str, Any]) -> None:
+    out.send_bytes(json.dumps(msg).encode())
+
+
+class _Progress:
+    def __init__(self, total: int, stream: Any) -> None:
+        self.total = total
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.done = 0
+        self.last_tenth = -1
+        self.started = time.perf_counter()
+
+    def update(self, done: int, delivered: int) -> None:
+        self.done = done
+        frac = done / self.total if self.total else 1.0
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        line = (
+            f"[{'#' * int(30 * frac):<30}] {100 * frac:5.1f}%  {done}/{self.total} samples  "
+            f"{done / elapsed:8.0f} samples/s  {delivered / elapsed / 1e9:5.2f} GB/s"
+        )
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif int(frac * 10) != self.last_tenth:
+            self.last_tenth = int(frac * 10)
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .client import Client
+    from .launch import LocalCluster
+
+    if args.quick:
+        args.producers, args.consumers, args.steps, args.prompts, args.group_size = 2, 2, 2, 8, 4
+        args.max_response = min(args.max_response, 512)
+    ctx = mp.get_context("spawn")
+    with LocalCluster(num_storage_units=args.units) as cluster:
+        plan = Plan(
+            address=cluster.address,
+            steps=args.steps,
+            prompts=args.prompts,
+            group_size=args.group_size,
+            producers=args.producers,
+            consumers=args.consumers,
+            units=args.units,
+            max_response=args.max_response,
+        )
+        print(
+            f"tqueue demo: {plan.producers} producers -> {plan.units} "
+            f"storage units -> {plan.consumers} DP ranks; {plan.steps} steps x {plan.prompts} prompts x "
+            f"{plan.group_size} responses; controller at {cluster.address}",
+            flush=True,
+        )
+        pipes: dict[Connection, str] = {}
+        procs = []
+        for role, target, count in (("producer", _producer, plan.producers), ("consumer", _consumer, plan.consumers)):
+            for rank in range(count):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=target, args=(plan, rank, send), name=f"{role}-{rank}", daemon=True)
+                proc.start()
+                send.close()
+                pipes[recv] = role
+                procs.append(proc)
+        result = _watch(plan, pipes, procs, cluster.address)
+        for proc in procs:
+            proc.join(timeout=30)
+        with Client(cluster.address) as client:
+            for p in client.status().partitions:
+                client.clear(p.name)
+    _summary(plan, result)
+    return 0 if result["ok"] else 1
+
+
+def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: str) -> dict[str, Any]:
+    from .client import Client
+
+    total = plan.per_step * plan.steps
+    progress = _Progress(total, sys.stderr)
+    waits: list[float] = []
+    fetches: list[float] = []
+    puts: list[float] = []
+    consumed = 0
+    per_step = [0] * plan.steps
+    last = 0.0
+    copied = 0
+    delivered = 0
+    put_bytes = 0
+    first: float | None = None  # from the first report: process start-up is not data plane time
+    live = dict(pipes)
+    ok = True
+    with Client(address) as client:
+        while live:
+            ready = wait(list(live), timeout=600)
+            if not ready:
+                print("demo: no progress for 600 s; giving up", file=sys.stderr)
+                ok = False
+                break
+            for conn in ready:
+                try:
+                    msg = json.loads(conn.recv_bytes())
+                except EOFError:
+                    live.pop(conn)
+                    continue
+                if first is None:
+                    first = time.perf_counter() - msg.get("seconds", 0.0)
+                    progress.started = first
+                last = time.perf_counter()
+                if msg["kind"] == "put":
+                    puts.append(msg["seconds"])
+                elif msg["kind"] == "get":
+                    waits.append(msg["wait"])
+                    fetches.append(msg["fetch"])
+                    consumed += msg["samples"]
+                    delivered += msg["bytes"]
+                    per_step[msg["step"]] += msg["samples"]
+                    if per_step[msg["step"]] == plan.per_step:
+                        client.clear(f"train/step-{msg['step']}")
+                    progress.update(consumed, delivered)
+                elif msg["kind"] == "done":
+                    copied += msg["copied"]
+                    put_bytes += msg.get("put_bytes", 0)
+    progress.close()
+    elapsed = last - first if first is not None else float("nan")
+    ok = ok and consumed == total and all(p.exitcode in (0, None) for p in procs)
+    return {
+        "ok": ok,
+        "elapsed": elapsed,
+        "consumed": consumed,
+        "delivered": delivered,
+        "put_bytes": put_bytes,
+        "copied": copied,
+        "waits": waits,
+        "fetches": fetches,
+        "puts": puts,
+    }
+
+
+def _summary(plan: Plan, r: dict[str, Any]) -> None:
+    el = r["elapsed"]
+    rows = [
+        ("samples consumed", f"{r['consumed']} of {plan.per_step * plan.steps}"),
+        ("data plane time (first put to last ack)", f"{el:.2f} s"),
+        ("samples/s", f"{r['consumed'] / el:,.0f}"),
+        ("payload delivered", f"{r['delivered'] / 1e6:,.1f} MB"),
+        ("GB/s delivered", f"{r['delivered'] / el / 1e9:.3f}"),
+        ("put latency p50 / p99", f"{1e3 * _pct(r['puts'], .5):.2f} / {1e3 * _pct(r['puts'], .99):.2f} ms"),
+        ("get_meta wait p50 / p99", f"{1e3 * _pct(r['waits'], .5):.2f} / {1e3 * _pct(r['waits'], .99):.2f} ms"),
+        ("get_data p50 / p99", f"{1e3 * _pct(r['fetches'], .5):.2f} / {1e3 * _pct(r['fetches'], .99):.2f} ms"),
+        ("bytes copied per byte delivered", f"{r['copied'] / max(r['delivered'], 1):.2f}"),
+        ("result", "OK" if r["ok"] else "FAILED"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"\n| {'metric':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
+    for k, v in rows:
+        print(f"| {k:<{width}} | {v} |")
+    print(
+        "\nCopies counted are those tqueue makes in user space (packing small samples on put, "
+        "padding on get); socket copies by the kernel are not counted."
+    )
+    sys.stdout.flush()
