@@ -84,3 +84,10 @@ def test_no_controller_is_a_typed_unavailable_error():
     finally:
         silent.close(0)
         ctx.term()
+
+
+def test_a_refused_put_sends_nothing(client, partition):
+    with pytest.raises(tqueue.FieldTypeError, match=r"sample 1 of field 'bad'"):
+        client.put(partition, {"x": torch.zeros(2), "bad": ["ok", {1, 2}]})
+    assert partition not in {p.name for p in client.status().partitions}
+    assert client.stats.puts == 0 and client.stats.put_bytes == 0

@@ -82,3 +82,20 @@ def test_servers_stop_when_their_launcher_is_killed():
 def test_zero_units_is_refused():
     with pytest.raises(ValueError, match="num_storage_units must be at least 1"):
         tqueue.LocalCluster(num_storage_units=0)
+
+
+def test_puts_go_to_a_unit_on_the_producers_host():
+    with tqueue.LocalCluster(num_storage_units=3, unit_hosts=["node-a", "node-b", "node-b"]) as cluster:
+        ids = {}
+        with cluster.client() as c:
+            ids = {u.host: [] for u in c.status().units}
+            for u in c.status().units:
+                ids[u.host].append(u.unit_id)
+        for host in ("node-a", "node-b"):
+            config = tqueue.ClientConfig(host=host)
+            with tqueue.Client(cluster.address, config=config) as producer:
+                placed = {producer.put(f"p-{host}", {"x": torch.zeros(4, 1 << 16)}).units[0] for _ in range(4)}
+            assert placed <= set(ids[host])
+        assert placed == set(ids["node-b"])  # both node-b units share that host's puts
+        with tqueue.Client(cluster.address, config=tqueue.ClientConfig(host="node-z")) as remote:
+            assert remote.put("p-z", {"x": torch.zeros(1)}).units[0] in range(3)  # no local unit: any

@@ -22,6 +22,9 @@ STOP_TIMEOUT = 10.0
 class LocalCluster:
     """Start a controller and ``num_storage_units`` units on ``host`` with OS-chosen ports.
 
+    ``unit_hosts`` gives each unit the host name it reports for placement (default: this
+    machine's), to simulate several hosts on one machine.
+
     Use as a context manager; everything is stopped on exit, also after an exception, and
     the children also stop by themselves if this process dies (their stdin closes)::
 
@@ -36,9 +39,13 @@ class LocalCluster:
         host: str = "127.0.0.1",
         start_timeout: float = 60.0,
         env: dict[str, str] | None = None,
+        unit_hosts: Sequence[str] | None = None,
     ) -> None:
         if num_storage_units < 1:
             raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
+        if unit_hosts is not None and len(unit_hosts) != num_storage_units:
+            raise ValueError(f"unit_hosts names {len(unit_hosts)} hosts for {num_storage_units} units")
+        self.unit_hosts = list(unit_hosts) if unit_hosts is not None else None
         self.num_storage_units = num_storage_units
         self.host = host
         self.start_timeout = start_timeout
@@ -59,8 +66,9 @@ class LocalCluster:
             units = [
                 self._spawn(
                     ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]
+                    + (["--host", self.unit_hosts[i]] if self.unit_hosts else [])
                 )
-                for _ in range(self.num_storage_units)
+                for i in range(self.num_storage_units)
             ]
             self.unit_addresses = [self._ready(u)["address"] for u in units]
         except BaseException:
