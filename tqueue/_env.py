@@ -4,6 +4,7 @@
 ``TQUEUE_REQUEST_TIMEOUT``  seconds a server may take to answer an ordinary request
 ``TQUEUE_GET_TIMEOUT``      default seconds ``get_meta`` waits for samples
 ``TQUEUE_CHUNK_BYTES``      largest payload frame a client sends
+``TQUEUE_BUFFER_POOL_BYTES`` idle batch buffers a client keeps for reuse
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--controller", required=True, help="the controller's address")
     s.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (port 0: OS picks)")
     s.add_argument("--host", default="", help="host name for placement (default: this machine)")
+    s.add_argument("--trim-delay", type=float, default=5.0, help="idle seconds before freed memory goes back to the OS")
     s.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes")
 
     d = sub.add_parser("demo", help="simulated GRPO data flow on a local cluster")
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .launch._serve import run
 
         run(
-            StorageConfig(controller=args.controller, bind=args.bind, host=args.host),
+            StorageConfig(controller=args.controller, bind=args.bind, host=args.host, trim_delay=args.trim_delay),
             watch_stdin=args.watch_stdin,
         )
         return 0

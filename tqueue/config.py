@@ -34,12 +34,16 @@ class StorageConfig:
     ``controller``: the controller's address, where the unit registers.
     ``host``: the host name placement compares with producers' (default: this machine).
     ``max_header_bytes``: larger request headers get a protocol error reply.
+    ``trim_delay``: seconds without writes after a partition is freed before the unit hands
+    free heap pages back to the OS. Until then the next writes land in pages that are already
+    mapped, which roughly doubles the receive rate; 0 trims at once.
     """
 
     controller: str
     bind: str = "tcp://127.0.0.1:0"
     host: str = ""
     max_header_bytes: int = 64 * MiB
+    trim_delay: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +56,15 @@ class ClientConfig:
     ``chunk_bytes``: payload is cut into frames of at most this size on sample boundaries;
     1-8 MiB frames move fastest over loopback.
     ``host``: the host name used to place this client's puts on a nearby unit.
+    ``buffer_pool_bytes``: idle batch buffers kept for reuse, so that assembling a batch
+    copies into memory that is already mapped (0 turns the pool off).
     """
 
     request_timeout: float = 30.0
     get_timeout: float = 60.0
-    chunk_bytes: int = 4 * MiB
+    chunk_bytes: int = 1 * MiB
     host: str = ""
+    buffer_pool_bytes: int = 2048 * MiB
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
@@ -66,4 +73,5 @@ class ClientConfig:
             get_timeout=_env.number("TQUEUE_GET_TIMEOUT", cls.get_timeout),
             chunk_bytes=int(_env.number("TQUEUE_CHUNK_BYTES", cls.chunk_bytes)),
             host=_env.host(),
+            buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
         )

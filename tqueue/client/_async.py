@@ -42,6 +42,7 @@ from ..errors import (
 )
 from ._batch import Batch, JaggedAs, Options, Part, assemble
 from ._encode import Encoded, encode, sample_count
+from ._pool import BufferPool
 
 
 @dataclasses.dataclass
@@ -71,6 +72,7 @@ class AsyncClient:
         self.address = address
         self.config = config or ClientConfig.from_env()
         self.stats = ClientStats()
+        self._pool = BufferPool(self.config.buffer_pool_bytes)
         self._controller: _transport.Peer | None = None
         self._units: dict[int, UnitInfo] = {}
         self._unit_peers: dict[int, _transport.Peer] = {}
@@ -362,7 +364,7 @@ class AsyncClient:
             return Part(positions=pos, blocks=blocks)
 
         parts = await asyncio.gather(*(one(u, p) for u, p in positions.items())) if len(meta) else []
-        batch, copied = assemble(meta, fields, parts, options)
+        batch, copied = assemble(meta, fields, parts, options, self._pool)
         self.stats.gets += 1
         self.stats.get_bytes += sum(
             len(f.buffer) if hasattr(f, "buffer") else len(f)

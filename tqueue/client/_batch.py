@@ -20,6 +20,7 @@ from .._layout import frame_layout, itemsize, numpy_dtype
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
+from ._pool import BufferPool
 
 JaggedAs = Literal["list", "padded", "nested"]
 _DECODER = msgspec.msgpack.Decoder()
@@ -139,7 +140,9 @@ class Pieces:
     counts: list[tuple[int, int]]  # per buffer: (first sample in positions order, count)
 
 
-def assemble(meta: BatchMeta, fields: Sequence[str], parts: Sequence[Part], options: Options) -> tuple[Batch, int]:
+def assemble(
+    meta: BatchMeta, fields: Sequence[str], parts: Sequence[Part], options: Options, pool: BufferPool
+) -> tuple[Batch, int]:
     """The batch, and how many payload bytes were copied to build it."""
     options.check()
     values: dict[str, Any] = {}
@@ -152,10 +155,10 @@ def assemble(meta: BatchMeta, fields: Sequence[str], parts: Sequence[Part], opti
         if spec.kind == "object":
             values[field] = _objects(pieces, size)
         elif spec.layout == "dense":
-            values[field], n = _dense(pieces, size)
+            values[field], n = _dense(pieces, size, pool)
             copied += n
         else:
-            values[field], lens, n = _jagged(field, pieces, size, options)
+            values[field], lens, n = _jagged(field, pieces, size, options, pool)
             copied += n
             if lens is not None:
                 lengths[field] = lens
@@ -216,13 +219,6 @@ def _empty(spec: FieldSpec, shape: tuple[int, ...]) -> Any:
     return np.empty(shape, dtype=numpy_dtype(spec.dtype))
 
 
-def _bytes_of(out: Any) -> np.ndarray:
-    """A writable uint8 numpy view of a fresh contiguous tensor or array."""
-    if isinstance(out, torch.Tensor):
-        return out.reshape(-1).view(torch.uint8).numpy()
-    return out.reshape(-1).view(np.uint8)
-
-
 def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any:
     """A tensor or array over ``raw`` bytes without copying."""
     if spec.kind == "tensor":
@@ -230,7 +226,7 @@ def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any
     return raw.view(numpy_dtype(spec.dtype)).reshape(shape)
 
 
-def _dense(p: Pieces, size: int) -> tuple[Any, int]:
+def _dense(p: Pieces, size: int, pool: BufferPool) -> tuple[Any, int]:
     row = tuple(p.spec.shape)
     row_bytes = int(np.prod(row, dtype=np.int64)) * itemsize(p.spec)
     shape = (size, *row)
@@ -238,19 +234,22 @@ def _dense(p: Pieces, size: int) -> tuple[Any, int]:
         return _empty(p.spec, shape), 0
     if len(p.buffers) == 1 and np.array_equal(p.positions, np.arange(size)):
         return _from_bytes(p.spec, p.buffers[0], shape), 0
-    out = _empty(p.spec, shape)
-    dest = _bytes_of(out).reshape(size, row_bytes)
+    raw = pool.take(size * row_bytes)
+    dest = torch.from_numpy(raw)  # torch copies with two threads; numpy with one
+    rows = dest.view(size, row_bytes)
     for buf, (first, c) in zip(p.buffers, p.counts):
         pos = p.positions[first : first + c]
-        src = buf.reshape(c, row_bytes)
+        src = torch.from_numpy(buf)
         if pos[-1] - pos[0] == c - 1 and (c == 1 or np.all(np.diff(pos) == 1)):
-            dest[pos[0] : pos[0] + c] = src
+            dest[pos[0] * row_bytes : (pos[0] + c) * row_bytes].copy_(src)
         else:
-            dest[pos] = src
-    return out, row_bytes * size
+            rows.index_copy_(0, torch.from_numpy(pos), src.view(c, row_bytes))
+    return _from_bytes(p.spec, raw, shape), row_bytes * size
 
 
-def _jagged(field: str, p: Pieces, size: int, options: Options) -> tuple[Any, torch.Tensor | None, int]:
+def _jagged(
+    field: str, p: Pieces, size: int, options: Options, pool: BufferPool
+) -> tuple[Any, torch.Tensor | None, int]:
     assert p.shapes is not None
     shapes = np.empty((size, p.shapes.shape[1]), dtype=np.int64)
     shapes[p.positions] = p.shapes
@@ -269,15 +268,19 @@ def _jagged(field: str, p: Pieces, size: int, options: Options) -> tuple[Any, to
             f"only jagged='list' can hold them"
         )
     if mode == "padded":
-        out, n = _padded(p, shapes, size, options)
+        out, n = _padded(p, shapes, size, options, pool)
         return out, lengths, n
     if p.spec.kind != "tensor":
         raise InvalidArgumentError(f"field {field!r} holds numpy arrays; jagged='nested' needs tensors")
     views = _views(p, size)
-    values = torch.cat(views) if views else _empty(p.spec, (0, *trail[0]))
+    total = int(shapes[:, 0].sum())
+    nbytes = int(p.sizes.sum())
+    values = _from_bytes(p.spec, pool.take(nbytes), (total, *(int(d) for d in trail[0]))) if size else _empty(p.spec, (0,))
+    if views:
+        torch.cat(views, out=values)
     offsets = torch.zeros(size + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(shapes[:, 0]), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets), lengths, values.numel() * values.element_size()
+    return torch.nested.nested_tensor_from_jagged(values, offsets), lengths, nbytes
 
 
 def _views(p: Pieces, size: int) -> list[Any]:
@@ -300,24 +303,24 @@ def _stack(spec: FieldSpec, views: list[Any]) -> Any:
     return np.stack(views) if views else _empty(spec, (0,))
 
 
-def _padded(p: Pieces, shapes: np.ndarray, size: int, options: Options) -> tuple[Any, int]:
-    assert p.shapes is not None
+def _padded(p: Pieces, shapes: np.ndarray, size: int, options: Options, pool: BufferPool) -> tuple[Any, int]:
     longest = int(shapes[:, 0].max()) if size else 0
     trail = tuple(int(d) for d in shapes[0, 1:]) if size else ()
-    out = _empty(p.spec, (size, longest, *trail))
+    step = int(np.prod(trail, dtype=np.int64)) * itemsize(p.spec)
+    raw = pool.take(size * longest * step)
+    out = _from_bytes(p.spec, raw, (size, longest, *trail))
     if isinstance(out, torch.Tensor):
         out.fill_(options.pad_value)
     else:
         out.fill(options.pad_value)
-    step = int(np.prod(trail, dtype=np.int64)) * itemsize(p.spec)
-    dest = _bytes_of(out).reshape(size, longest * step) if size else None
+    if size * longest * step == 0:
+        return out, 0
+    dest = torch.from_numpy(raw).view(size, longest * step)
     left = options.padding_side == "left"
     copied = 0
     for pos, buf, off, n in zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist()):
-        if n == 0:
-            continue
-        assert dest is not None
-        at = longest * step - n if left else 0
-        dest[pos, at : at + n] = p.buffers[buf][off : off + n]
-        copied += n
+        if n:
+            at = longest * step - n if left else 0
+            dest[pos, at : at + n].copy_(torch.from_numpy(p.buffers[buf][off : off + n]))
+            copied += n
     return out, copied

@@ -7,6 +7,7 @@ next ``get_meta``), and serves any subset of fields and samples without copying.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -46,6 +47,7 @@ class StorageUnit:
         self.data = _Data()
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
+        self._trim: asyncio.TimerHandle | None = None
         s = self._server
         s.route(Hello, self._hello)
         s.route(Store, self._store)
@@ -68,6 +70,8 @@ class StorageUnit:
         await self._server.serve()
 
     async def close(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
         if self._controller is not None:
             await self._controller.close()
         await self._server.close()
@@ -81,6 +85,8 @@ class StorageUnit:
         return HelloReply(protocol=PROTOCOL_VERSION, server="storage")
 
     async def _store(self, ident: bytes, msg: Store, frames: list[Any]) -> Stored:
+        if self._trim is not None:
+            self._schedule_trim()  # still busy: keep the freed pages for these writes
         if msg.indexes is None:
             indexes = np.arange(msg.start, msg.start + msg.count, dtype=np.int64)
         else:
@@ -115,9 +121,23 @@ class StorageUnit:
     def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Ok:
         freed = self.data.drop(msg.partition_uid)
         if freed:
-            _memory.trim()
+            self._schedule_trim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         return Ok()
+
+
+    def _schedule_trim(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
+        if self.config.trim_delay <= 0:
+            _memory.trim()
+        else:
+            self._trim = asyncio.get_running_loop().call_later(self.config.trim_delay, self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trim = None
+        _memory.trim()
 
 
 def _frame_bytes(frame: Any) -> int:

@@ -1,0 +1,1 @@
+"""tqueue's benchmark suite (end-to-end against peers, and micro-benchmarks)."""

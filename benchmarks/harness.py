@@ -1,0 +1,136 @@
+"""What every benchmarked system implements, what it reports, and process plumbing.
+
+A *system* moves the workload batch from producer processes to consumer processes in a
+*scenario* and reports one :class:`Result` per repeat. Timestamps come from
+``time.perf_counter()``, which is CLOCK_MONOTONIC on Linux and so comparable across the
+processes of one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    producers: int
+    consumers: int
+    group: int = 0  # >0: producers stream puts of this many samples
+    multimodal: bool = False
+
+    def shares(self, size: int, parts: int) -> list[tuple[int, int]]:
+        """Split ``range(size)`` into ``parts`` contiguous (start, stop) ranges."""
+        step, extra = divmod(size, parts)
+        out, at = [], 0
+        for i in range(parts):
+            n = step + (1 if i < extra else 0)
+            out.append((at, at + n))
+            at += n
+        return out
+
+
+SCENARIOS = {
+    "1to1": Scenario("1to1", producers=1, consumers=1),
+    "1to4": Scenario("1to4", producers=1, consumers=4),
+    "8to4": Scenario("8to4", producers=8, consumers=4, group=8),
+    "mm1to1": Scenario("mm1to1", producers=1, consumers=1, multimodal=True),
+}
+
+
+@dataclasses.dataclass
+class Result:
+    """One repeat of one scenario at one size. Times in seconds; None where not applicable.
+
+    ``put_s``: producer-side time to hand the data to the system (slowest producer).
+    ``get_meta_s``: consumer-side metadata step (slowest consumer), if the system has one.
+    ``get_s``: consumer-side time to hold the data after metadata (slowest consumer).
+    ``e2e_s``: first producer start to last consumer holding its data.
+    """
+
+    system: str
+    scenario: str
+    size: int
+    transport: str
+    nbytes: int
+    put_s: float
+    get_meta_s: float | None
+    get_s: float
+    e2e_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.e2e_s / 1e9
+
+
+class System(Protocol):
+    name: str
+    transport: str
+    copies: str  # how many copies of each payload byte each path makes, in words
+
+    def unavailable(self) -> str | None:
+        """Why this system cannot run here (not installed...), or None."""
+
+    def start(self) -> None: ...
+
+    def run(self, scenario: Scenario, size: int) -> Result: ...
+
+    def stop(self) -> None: ...
+
+
+class Worker:
+    """A spawned process running ``target(conn, *args)``; talks JSON over a pipe (no pickle
+    of payload: only the target and its small arguments cross at spawn)."""
+
+    def __init__(self, target: Callable[..., None], *args: Any, name: str = "worker") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.conn.send_bytes(json.dumps(msg).encode())
+
+    def recv(self, timeout: float = 600.0) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.proc.name} sent nothing for {timeout} s")
+        msg = json.loads(self.conn.recv_bytes())
+        if "error" in msg:
+            raise RuntimeError(f"{self.proc.name}: {msg['error']}")
+        return msg
+
+    def stop(self) -> None:
+        try:
+            self.send({"cmd": "stop"})
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=10)
+        self.conn.close()
+
+
+def serve(conn: Connection, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """Worker side: answer commands until ``stop``; exceptions go back as ``error``."""
+    import traceback
+
+    while True:
+        msg = json.loads(conn.recv_bytes())
+        if msg["cmd"] == "stop":
+            return
+        try:
+            reply = handlers[msg["cmd"]](msg)
+        except Exception:  # the driver raises it with the worker's traceback
+            reply = {"error": traceback.format_exc()}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+def now() -> float:
+    return time.perf_counter()

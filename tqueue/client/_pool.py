@@ -1,0 +1,66 @@
+"""Recycled output buffers for batch assembly.
+
+Copying into fresh memory costs page faults (about 1.3-2.7 GB/s here) while copying into
+memory that is already mapped runs at 8 GB/s with torch's two-thread copy. A batch's tensors
+are views of a pooled buffer; when the last of them is garbage collected the buffer goes back
+to the pool, so steady-state training copies into warm memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+
+import numpy as np
+
+MiB = 1 << 20
+MIN_POOLED = 1 * MiB  # smaller buffers are cheap to allocate and not worth tracking
+GRAIN = 1 * MiB
+
+
+class BufferPool:
+    """Idle buffers, best fit first; at most ``max_idle_bytes`` kept idle."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[tuple[int, int, np.ndarray]] = []  # (capacity, id, buffer)
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of ``nbytes``; back to the pool when it is collected."""
+        if nbytes < MIN_POOLED or self.max_idle_bytes <= 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        buf = None
+        with self._lock:
+            i = bisect.bisect_left(self._idle, (nbytes, -1))
+            # best fit, but do not hand out a buffer more than 1.5x the request
+            if i < len(self._idle) and self._idle[i][0] <= nbytes + nbytes // 2:
+                cap, _, buf = self._idle.pop(i)
+                self._idle_bytes -= cap
+                self.reused += 1
+        if buf is None:
+            buf = np.empty(-(-nbytes // GRAIN) * GRAIN, dtype=np.uint8)
+            self.allocated += 1
+        view = buf[:nbytes]
+        weakref.finalize(view, self._give_back, buf)
+        return view
+
+    def _give_back(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._idle_bytes + buf.nbytes > self.max_idle_bytes:
+                return  # dropped: numpy frees it
+            bisect.insort(self._idle, (buf.nbytes, id(buf), buf))
+            self._idle_bytes += buf.nbytes
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
