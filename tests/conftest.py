@@ -27,6 +27,19 @@ def client(cluster: tqueue.LocalCluster) -> Iterator[tqueue.Client]:
         yield c
 
 
+PATHS = {
+    "socket": tqueue.ClientConfig(shm=False),
+    "shm": tqueue.ClientConfig(shm=True, shm_min_bytes=0),
+}
+
+
+@pytest.fixture(params=list(PATHS))
+def any_client(cluster: tqueue.LocalCluster, request: pytest.FixtureRequest) -> Iterator[tqueue.Client]:
+    """A client on each payload path: sockets only, and the unit's shared-memory arena."""
+    with tqueue.Client(cluster.address, config=PATHS[request.param]) as c:
+        yield c
+
+
 @pytest.fixture
 def partition(request: pytest.FixtureRequest) -> str:
     """A partition name no other test uses (regex-safe, so tests can put it in ``match``)."""

@@ -5,6 +5,7 @@
 ``TQUEUE_GET_TIMEOUT``      default seconds ``get_meta`` waits for samples
 ``TQUEUE_CHUNK_BYTES``      largest payload frame a client sends
 ``TQUEUE_BUFFER_POOL_BYTES`` idle batch buffers a client keeps for reuse
+``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host
 """
 
 from __future__ import annotations

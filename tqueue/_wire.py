@@ -44,6 +44,9 @@ class Kind(enum.IntEnum):
     STATUS = 19
     STATUS_REPLY = 20
     CREATE_PARTITION = 21
+    ALLOC = 22
+    ALLOCATED = 23
+    RELEASE = 24
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -87,9 +90,13 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A storage unit; ``shm`` is the path of its shared-memory arena ("" if it has none),
+    which clients on the same ``host`` map to write and read payload without sockets."""
+
     unit_id: int
     address: str
     host: str
+    shm: str = ""
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +158,7 @@ class RegisterUnit(Message):
     address: str
     host: str
     capacity: int = 0
+    shm: str = ""
 
 
 class Registered(Message):
@@ -190,8 +198,27 @@ class Granted(Message):
     schema: dict[str, FieldSpec] = {}
 
 
+class Alloc(Message):
+    """A same-host writer asks a unit for ``nbytes`` of its arena to copy payload into."""
+
+    KIND = Kind.ALLOC
+    nbytes: int
+
+
+class Allocated(Message):
+    """The arena range granted (``offset`` -1: the arena is full, send frames instead)."""
+
+    KIND = Kind.ALLOCATED
+    offset: int
+    length: int = 0
+
+
 class Store(Message):
-    """Payload for a grant; the raw frames follow, one per ``counts`` entry of each block."""
+    """Payload for a grant: one frame per ``counts`` entry of each block, in order.
+
+    With ``shm`` (a writer on the unit's host), each frame is either an arena range
+    ``[offset, length]`` inside the ``region`` it allocated, or ``[]``: the next raw frame.
+    """
 
     KIND = Kind.STORE
     grant_id: int
@@ -201,6 +228,8 @@ class Store(Message):
     count: int
     blocks: list[FieldBlock]
     indexes: list[int] | None = None
+    region: int = -1
+    shm: list[list[int]] | None = None
 
 
 class Stored(Message):
@@ -235,16 +264,31 @@ class Meta(Message):
 
 
 class Fetch(Message):
+    """Read fields of samples; ``shm``: the reader maps the unit's arena."""
+
     KIND = Kind.FETCH
     partition: str
     partition_uid: int
     indexes: list[int]
     fields: list[str]
+    shm: bool = False
 
 
 class Fetched(Message):
+    """Blocks, then their frames. With ``shm``, each frame is an arena range or ``[]`` (the
+    next raw frame); the ranges stay valid until the reader sends ``Release(hold)``."""
+
     KIND = Kind.FETCHED
     blocks: list[FieldBlock]
+    shm: list[list[int]] | None = None
+    hold: int = 0
+
+
+class Release(Message):
+    """A reader no longer looks at the arena ranges of these holds."""
+
+    KIND = Kind.RELEASE
+    holds: list[int]
 
 
 class Ack(Message):

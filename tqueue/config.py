@@ -37,6 +37,10 @@ class StorageConfig:
     ``trim_delay``: seconds without writes after a partition is freed before the unit hands
     free heap pages back to the OS. Until then the next writes land in pages that are already
     mapped, which roughly doubles the receive rate; 0 trims at once.
+    ``shm_bytes``: size of the shared-memory arena that producers and consumers on this host
+    write and read directly (address space; pages are used only as data arrives). 0: none.
+    ``hold_timeout``: seconds after which a same-host reader's zero-copy hold on arena bytes
+    lapses if it never released it (a reader that died).
     """
 
     controller: str
@@ -44,6 +48,8 @@ class StorageConfig:
     host: str = ""
     max_header_bytes: int = 64 * MiB
     trim_delay: float = 5.0
+    shm_bytes: int = 8192 * MiB
+    hold_timeout: float = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +61,14 @@ class ClientConfig:
     ``get_timeout``: default seconds ``get_meta`` waits for enough samples.
     ``chunk_bytes``: payload is cut into frames of at most this size on sample boundaries;
     1-8 MiB frames move fastest over loopback.
-    ``host``: the host name used to place this client's puts on a nearby unit.
+    ``host``: the host name used to place this client's puts on a nearby unit ("": this
+    machine's name, or ``TQUEUE_HOST``).
     ``buffer_pool_bytes``: idle batch buffers kept for reuse, so that assembling a batch
     copies into memory that is already mapped (0 turns the pool off).
+    ``shm``: use a unit's shared-memory arena when the unit is on this host (same ``host``
+    name and its arena can be mapped); otherwise payload goes over the socket.
+    ``shm_min_bytes``: smaller writes go over the socket even on the unit's host (the arena
+    costs one more round trip, which only pays off for bigger writes).
     """
 
     request_timeout: float = 30.0
@@ -65,6 +76,8 @@ class ClientConfig:
     chunk_bytes: int = 1 * MiB
     host: str = ""
     buffer_pool_bytes: int = 2048 * MiB
+    shm: bool = True
+    shm_min_bytes: int = 1 * MiB
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
@@ -74,4 +87,5 @@ class ClientConfig:
             chunk_bytes=int(_env.number("TQUEUE_CHUNK_BYTES", cls.chunk_bytes)),
             host=_env.host(),
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
+            shm=bool(_env.number("TQUEUE_SHM", 1)),
         )

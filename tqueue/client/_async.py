@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .. import _transport
+from .. import _env, _transport
 from .._wire import (
     PROTOCOL_VERSION,
     Ack,
+    Alloc,
+    Allocated,
     BatchMeta,
     Clear,
     CreatePartition,
     Fetch,
     Fetched,
+    FieldBlock,
     GetMeta,
     Grant,
     Granted,
@@ -26,6 +30,7 @@ from .._wire import (
     Hello,
     HelloReply,
     Meta,
+    Release,
     StatusReply,
     StatusRequest,
     Store,
@@ -35,14 +40,19 @@ from ..config import ClientConfig
 from ..errors import (
     ControllerUnavailableError,
     InvalidArgumentError,
+    ProtocolError,
     ProtocolVersionError,
     SchemaError,
     StorageUnitUnavailableError,
+    UnavailableError,
     UnknownFieldError,
 )
 from ._batch import Batch, JaggedAs, Options, Part, assemble
 from ._encode import Encoded, encode, sample_count
 from ._pool import BufferPool
+from ._shm import ArenaMap, aligned, open_arena
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -71,8 +81,12 @@ class AsyncClient:
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
         self.address = address
         self.config = config or ClientConfig.from_env()
+        self.host = self.config.host or _env.host()
         self.stats = ClientStats()
         self._pool = BufferPool(self.config.buffer_pool_bytes)
+        self._arenas: dict[int, ArenaMap | None] = {}
+        self._releases: dict[int, list[int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._controller: _transport.Peer | None = None
         self._units: dict[int, UnitInfo] = {}
         self._unit_peers: dict[int, _transport.Peer] = {}
@@ -92,6 +106,7 @@ class AsyncClient:
         async with self._connecting:
             if self._controller is not None:
                 return
+            self._loop = asyncio.get_running_loop()
             peer = _transport.Peer(
                 self.address,
                 name="controller",
@@ -100,7 +115,7 @@ class AsyncClient:
             )
             try:
                 reply, _ = await peer.request(
-                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.config.host)
+                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.host)
                 )
             except BaseException:
                 await peer.close()
@@ -121,7 +136,7 @@ class AsyncClient:
         info = self._units.get(unit_id)
         if info is None:
             ctl = await self._ctl()
-            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.config.host))
+            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.host))
             self._units = {u.unit_id: u for u in reply.units}
             info = self._units.get(unit_id)
             if info is None:
@@ -143,6 +158,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close every connection. Idempotent."""
         self._closed = True
+        await self._flush_releases()
         peers = list(self._unit_peers.values())
         if self._controller is not None:
             peers.append(self._controller)
@@ -206,7 +222,7 @@ class AsyncClient:
                 partition=partition,
                 count=enc.count,
                 blocks=enc.grant_blocks(),
-                host=self.config.host,
+                host=self.host,
                 groups=group_ids,
                 nbytes=enc.nbytes,
             )
@@ -225,21 +241,57 @@ class AsyncClient:
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
         peer = self._connect_unit(unit)
-        await peer.request(
-            Store(
-                grant_id=grant.grant_id,
-                partition=partition,
-                partition_uid=grant.partition_uid,
-                start=grant.start,
-                count=enc.count,
-                blocks=enc.blocks,
-                indexes=indexes,
-            ),
-            enc.buffers,
+        store = Store(
+            grant_id=grant.grant_id,
+            partition=partition,
+            partition_uid=grant.partition_uid,
+            start=grant.start,
+            count=enc.count,
+            blocks=enc.blocks,
+            indexes=indexes,
         )
+        buffers: Sequence[Any] = enc.buffers
+        copied = enc.copied
+        arena = self._arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
+        if arena is not None:
+            placed = await self._into_arena(peer, arena, enc)
+            if placed is not None:
+                store.blocks, store.shm, store.region = placed
+                buffers = ()
+                copied += enc.nbytes
+        await peer.request(store, buffers)
         self.stats.puts += 1
         self.stats.put_bytes += enc.nbytes
-        self.stats.copied_bytes += enc.copied
+        self.stats.copied_bytes += copied
+
+    async def _into_arena(
+        self, peer: _transport.Peer, arena: ArenaMap, enc: Encoded
+    ) -> tuple[list[FieldBlock], list[list[int]], int] | None:
+        """Copy a write's payload into the unit's arena: one range per field."""
+        fields, at = [], 0
+        for block in enc.blocks:
+            bufs = enc.buffers[at : at + len(block.counts)]
+            at += len(block.counts)
+            fields.append((block, bufs, sum(memoryview(b).nbytes for b in bufs)))
+        reply, _ = await peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)))
+        assert isinstance(reply, Allocated)
+        if reply.offset < 0:
+            return None  # the arena is full: the socket path still works
+        blocks, refs, off = [], [], reply.offset
+        for block, bufs, n in fields:
+            arena.fill(off, bufs)
+            blocks.append(
+                FieldBlock(name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes, sizes=block.sizes)
+            )
+            refs.append([off, n])
+            off += aligned(n)
+        return blocks, refs, reply.offset
+
+    def _arena(self, unit: UnitInfo) -> ArenaMap | None:
+        if unit.unit_id not in self._arenas:
+            local = self.config.shm and unit.shm and unit.host == self.host
+            self._arenas[unit.unit_id] = open_arena(unit.shm) if local else None
+        return self._arenas[unit.unit_id]
 
     async def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add or overwrite fields of the samples of ``meta`` (e.g. a reward worker adding
@@ -352,11 +404,20 @@ class AsyncClient:
 
         async def one(unit_id: int, pos: np.ndarray) -> Part:
             peer = await self._unit(unit_id)
+            arena = self._arena(self._units[unit_id])
             idx = np.asarray(meta.indexes, dtype=np.int64)[pos].tolist()
             reply, frames = await peer.request(
-                Fetch(partition=meta.partition, partition_uid=meta.partition_uid, indexes=idx, fields=fields)
+                Fetch(
+                    partition=meta.partition,
+                    partition_uid=meta.partition_uid,
+                    indexes=idx,
+                    fields=fields,
+                    shm=arena is not None,
+                )
             )
             assert isinstance(reply, Fetched)
+            if reply.shm is not None and arena is not None:
+                frames = self._resolve(unit_id, arena, reply, frames)
             blocks, at = {}, 0
             for block in reply.blocks:
                 blocks[block.name] = (block, frames[at : at + len(block.counts)])
@@ -374,6 +435,43 @@ class AsyncClient:
         )
         self.stats.copied_bytes += copied
         return batch
+
+    def _resolve(self, unit_id: int, arena: ArenaMap, reply: Fetched, raw: list[Any]) -> list[Any]:
+        """Frames of a same-host reply: arena views (holding the unit's hold) and raw frames."""
+        assert reply.shm is not None
+        ranges = [r for r in reply.shm if r]
+        if not ranges:
+            return raw
+        hold = reply.hold
+        views = iter(arena.views(ranges, lambda: self._release_soon(unit_id, hold)))
+        frames = iter(raw)
+        return [next(views) if r else next(frames) for r in reply.shm]
+
+    def _release_soon(self, unit_id: int, hold: int) -> None:
+        """Queue a hold's release; called from whichever thread dropped the last view."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # the unit lets the hold lapse after its hold_timeout
+        try:
+            loop.call_soon_threadsafe(self._queue_release, unit_id, hold)
+        except RuntimeError:
+            pass
+
+    def _queue_release(self, unit_id: int, hold: int) -> None:
+        if not self._releases:
+            asyncio.get_running_loop().create_task(self._flush_releases())
+        self._releases.setdefault(unit_id, []).append(hold)
+
+    async def _flush_releases(self) -> None:
+        pending, self._releases = self._releases, {}
+        for unit_id, holds in pending.items():
+            peer = self._unit_peers.get(unit_id)
+            if peer is None or peer.closed:
+                continue
+            try:
+                await peer.request(Release(holds=holds))
+            except (UnavailableError, ProtocolError) as exc:
+                log.warning("could not release %d arena holds on unit %d: %s", len(holds), unit_id, exc)
 
     async def ack(self, meta: BatchMeta) -> None:
         """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""

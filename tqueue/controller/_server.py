@@ -118,7 +118,7 @@ class Controller:
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
         _check_protocol(msg.protocol, "controller")
         unit_id = next(self._unit_ids)
-        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host)
+        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm)
         self._units[unit_id] = Unit(info=info)
         self._unit_peers[unit_id] = _transport.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError

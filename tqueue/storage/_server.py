@@ -8,14 +8,19 @@ next ``get_meta``), and serves any subset of fields and samples without copying.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 from typing import Any
 
 import numpy as np
 
 from .. import _env, _memory, _transport
+from .._layout import nbytes as nbytes_of
 from .._wire import (
     PROTOCOL_VERSION,
+    Alloc,
+    Allocated,
     Commit,
     Drop,
     Fetch,
@@ -24,14 +29,18 @@ from .._wire import (
     HelloReply,
     Ok,
     RegisterUnit,
+    Release,
     Store,
     Stored,
 )
 from ..config import StorageConfig
 from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
+from ._arena import Arena, Region
 from ._store import Store as _Data
 
 log = logging.getLogger(__name__)
+
+ALLOC_TIMEOUT = 120.0  # an arena range not stored within this long goes back to the pool
 
 
 class StorageUnit:
@@ -44,15 +53,22 @@ class StorageUnit:
             config.bind, name="storage unit", max_header=config.max_header_bytes
         )
         self.address = self._server.address
-        self.data = _Data()
+        self._loop = asyncio.get_running_loop()
+        self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
+        self.data = _Data(self.arena, self._release_soon)
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
+        self._allocs: dict[int, tuple[Region, asyncio.TimerHandle]] = {}
+        self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle]] = {}
+        self._hold_ids = itertools.count(1)
         s = self._server
         s.route(Hello, self._hello)
         s.route(Store, self._store)
         s.route(Fetch, self._fetch)
         s.route(Drop, self._drop)
+        s.route(Alloc, self._alloc)
+        s.route(Release, self._release)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements."""
@@ -60,7 +76,12 @@ class StorageUnit:
             self.config.controller, name="controller", unavailable=ControllerUnavailableError
         )
         reply, _ = await self._controller.request(
-            RegisterUnit(protocol=PROTOCOL_VERSION, address=self.address, host=self.host)
+            RegisterUnit(
+                protocol=PROTOCOL_VERSION,
+                address=self.address,
+                host=self.host,
+                shm=self.arena.path if self.arena is not None else "",
+            )
         )
         self.unit_id = reply.unit_id
         self._server.name = f"storage unit {self.unit_id}"
@@ -75,6 +96,9 @@ class StorageUnit:
         if self._controller is not None:
             await self._controller.close()
         await self._server.close()
+        self.data.partitions.clear()
+        if self.arena is not None:
+            self.arena.close()
 
     def _hello(self, ident: bytes, msg: Hello, bufs: list[Any]) -> HelloReply:
         if msg.protocol != PROTOCOL_VERSION:
@@ -84,7 +108,7 @@ class StorageUnit:
             )
         return HelloReply(protocol=PROTOCOL_VERSION, server="storage")
 
-    async def _store(self, ident: bytes, msg: Store, frames: list[Any]) -> Stored:
+    async def _store(self, ident: bytes, msg: Store, raw: list[Any]) -> Stored:
         if self._trim is not None:
             self._schedule_trim()  # still busy: keep the freed pages for these writes
         if msg.indexes is None:
@@ -93,30 +117,127 @@ class StorageUnit:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
             if len(indexes) != msg.count:
                 raise ProtocolError(f"Store lists {len(indexes)} indexes for {msg.count} samples")
-        rollback = self.data.write(msg.partition_uid, msg.partition, indexes, msg.blocks, frames)
-        nbytes = sum(_frame_bytes(f) for f in frames)
-        part = self.data.partitions[msg.partition_uid]
-        assert self._controller is not None
+        region = self._take_alloc(msg.region) if msg.region >= 0 else None
         try:
-            await self._controller.request(
-                Commit(
-                    grant_id=msg.grant_id,
-                    unit_id=self.unit_id,
-                    fields=[b.name for b in msg.blocks],
-                    nbytes=nbytes,
-                    partition_bytes=part.nbytes,
-                    unit_bytes=self.data.nbytes,
-                )
+            frames, where = self._frames(msg, raw, region)
+            pending = self.data.write(
+                msg.partition_uid, msg.partition, indexes, msg.blocks, frames, arena=where, region=region
             )
-        except BaseException:
-            rollback()
-            raise
+            nbytes = sum(nbytes_of(f) for f in frames)
+            part = self.data.partitions[msg.partition_uid]
+            assert self._controller is not None
+            try:
+                await self._controller.request(
+                    Commit(
+                        grant_id=msg.grant_id,
+                        unit_id=self.unit_id,
+                        fields=[b.name for b in msg.blocks],
+                        nbytes=nbytes,
+                        partition_bytes=part.nbytes,
+                        unit_bytes=self.data.nbytes,
+                    )
+                )
+            except BaseException:
+                pending.rollback()
+                raise
+            pending.commit()
+        finally:
+            if region is not None:
+                assert self.arena is not None
+                self.arena.decref(region)  # the allocation's own reference
         return Stored(nbytes=nbytes)
+
+    def _frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:
+        """The write's frames in block order, raw ones and arena ranges interleaved."""
+        if msg.shm is None:
+            if region is not None:
+                raise ProtocolError("a Store with an arena region lists no arena ranges")
+            return raw, [-1] * len(raw)
+        if region is None or self.arena is None:
+            raise ProtocolError("arena ranges in a Store without an allocated region")
+        frames: list[Any] = []
+        where: list[int] = []
+        it = iter(raw)
+        for ref in msg.shm:
+            if not ref:
+                frame = next(it, None)
+                if frame is None:
+                    raise ProtocolError("the Store lists more raw frames than arrived")
+                frames.append(frame)
+                where.append(-1)
+                continue
+            if len(ref) != 2:
+                raise ProtocolError(f"an arena range is [offset, length], got {ref}")
+            off, length = ref
+            if length < 0 or off < region.offset or off + length > region.end:
+                raise ProtocolError(
+                    f"arena range [{off}, {off + length}) lies outside the allocated region "
+                    f"[{region.offset}, {region.end})"
+                )
+            frames.append(self.arena.view[off : off + length])
+            where.append(off)
+        if next(it, None) is not None:
+            raise ProtocolError("raw frames beyond what the Store lists")
+        return frames, where
+
+    def _alloc(self, ident: bytes, msg: Alloc, bufs: list[Any]) -> Allocated:
+        if self.arena is None or msg.nbytes <= 0:
+            return Allocated(offset=-1)
+        region = self.arena.alloc(msg.nbytes)
+        if region is None:
+            return Allocated(offset=-1)
+        # a writer that never stores gives the range back after the request timeout
+        timer = self._loop.call_later(ALLOC_TIMEOUT, self._expire_alloc, region.offset)
+        self._allocs[region.offset] = (region, timer)
+        return Allocated(offset=region.offset, length=region.length)
+
+    def _take_alloc(self, offset: int) -> Region:
+        entry = self._allocs.pop(offset, None)
+        if entry is None:
+            raise ProtocolError(f"arena region {offset} was not allocated (or has expired)")
+        entry[1].cancel()
+        return entry[0]
+
+    def _expire_alloc(self, offset: int) -> None:
+        entry = self._allocs.pop(offset, None)
+        if entry is not None and self.arena is not None:
+            log.warning("unit %d: arena region %d was allocated but never stored", self.unit_id, offset)
+            self.arena.decref(entry[0])
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
-        blocks, frames = self.data.read(msg.partition_uid, msg.partition, indexes, msg.fields)
-        return Fetched(blocks=blocks), frames
+        shm = msg.shm and self.arena is not None
+        reply = self.data.read(msg.partition_uid, msg.partition, indexes, msg.fields, shm=shm)
+        hold = 0
+        if reply.held:
+            hold = next(self._hold_ids)
+            timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
+            self._holds[hold] = (reply.held, timer)
+        return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold), reply.frames
+
+    def _release(self, ident: bytes, msg: Release, bufs: list[Any]) -> Ok:
+        for hold in msg.holds:
+            self._end_hold(hold)
+        return Ok()
+
+    def _end_hold(self, hold: int) -> None:
+        entry = self._holds.pop(hold, None)
+        if entry is None or self.arena is None:
+            return
+        entry[1].cancel()
+        for region in entry[0]:
+            self.arena.decref(region)
+
+    def _release_soon(self, region: Region) -> None:
+        """Drop a reference from any thread (ZeroMQ lets go of sent buffers in its own)."""
+        try:
+            self._loop.call_soon_threadsafe(self._decref, region)
+        except RuntimeError:
+            pass  # the loop is closed: the unit is gone and its arena with it
+
+    def _decref(self, region: Region) -> None:
+        if self.arena is not None:
+            self.arena.decref(region)
 
     def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Ok:
         freed = self.data.drop(msg.partition_uid)
@@ -131,14 +252,14 @@ class StorageUnit:
             self._trim.cancel()
             self._trim = None
         if self.config.trim_delay <= 0:
-            _memory.trim()
+            self._trim_now()
         else:
             self._trim = asyncio.get_running_loop().call_later(self.config.trim_delay, self._trim_now)
 
     def _trim_now(self) -> None:
         self._trim = None
         _memory.trim()
+        if self.arena is not None:
+            self.arena.punch()
 
 
-def _frame_bytes(frame: Any) -> int:
-    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)

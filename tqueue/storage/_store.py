@@ -1,13 +1,15 @@
 """Columnar payload store of a storage unit, free of IO.
 
 Received frames are kept as they arrived: a write becomes, per field, a *piece* that holds
-the frames and, per sample, which frame and which byte range. Reads slice those frames
-(memoryviews, no copy) and coalesce consecutive samples into one range. Only tiny runs,
-which ZeroMQ would copy anyway, are joined into one frame.
+the frames and, per sample, which frame and which byte range. A frame is either a ZeroMQ
+frame or a range of the unit's shared-memory arena that a same-host producer filled. Reads
+slice those frames (no copy) and coalesce consecutive samples into one range. Only tiny
+runs, which ZeroMQ would copy anyway, are joined into one frame.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -16,6 +18,7 @@ import numpy as np
 from .._layout import block_shapes, frame_layout, nbytes
 from .._wire import FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError, SchemaError
+from ._arena import Arena, Region
 
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16
@@ -23,12 +26,14 @@ JOIN_LIMIT = 4 << 20
 
 
 class Piece:
-    __slots__ = ("spec", "frames", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes")
+    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes")
 
-    def __init__(self, block: FieldBlock, frames: Sequence[Any]) -> None:
+    def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
         self.frame_of, self.offsets, self.sizes = frame_layout(block, frames)
         self.spec = block.spec
         self.frames = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        self.arena = list(arena)  # absolute arena offset of each frame, -1 if not in the arena
+        self.region = region if any(a >= 0 for a in self.arena) else None
         self.shapes = None if block.spec.kind == "object" or block.spec.layout == "dense" else (
             block_shapes(block)
         )
@@ -61,14 +66,41 @@ class PartitionData:
         self.nbytes = 0
 
 
-class Store:
-    """All partitions held by one unit."""
+@dataclasses.dataclass
+class Pending:
+    """An installed write, waiting for the controller's commit: ``commit()`` or ``rollback()``."""
 
-    def __init__(self) -> None:
+    commit: Callable[[], None]
+    rollback: Callable[[], None]
+
+
+@dataclasses.dataclass
+class ReadReply:
+    """What a read sends: blocks; raw frames; per output frame an arena range or ``[]``
+    (the next raw frame), when the reader maps the arena; the regions it holds."""
+
+    blocks: list[FieldBlock]
+    frames: list[Any]
+    refs: list[list[int]] | None
+    held: list[Region]
+
+
+class Store:
+    """All partitions held by one unit.
+
+    ``release_soon`` drops a region reference from any thread (a send of arena bytes ends
+    in ZeroMQ's own thread); the server makes it thread-safe.
+    """
+
+    def __init__(self, arena: Arena | None = None, release_soon: Callable[[Region], None] | None = None) -> None:
         self.partitions: dict[int, PartitionData] = {}
         self.nbytes = 0
         self.copied = 0
+        self.arena = arena
+        self._release_soon = release_soon
         self._piece_ids = itertools.count()
+
+    # --- writes ---------------------------------------------------------------------
 
     def write(
         self,
@@ -77,14 +109,18 @@ class Store:
         indexes: np.ndarray,
         blocks: Sequence[FieldBlock],
         frames: Sequence[Any],
-    ) -> Callable[[], None]:
-        """Install a write; return the function that undoes it (if the commit fails)."""
+        *,
+        arena: Sequence[int] | None = None,
+        region: Region | None = None,
+    ) -> Pending:
+        """Install a write; pieces it overwrites stay until ``commit()``."""
         if uid <= 0:
             raise ProtocolError(f"bad partition uid {uid}")
         if len(indexes) and indexes.min() < 0:
             raise ProtocolError("negative sample index")
         if len(np.unique(indexes)) != len(indexes):
             raise InvalidArgumentError(f"partition {name!r}: a sample is written twice in one call")
+        where = list(arena) if arena is not None else [-1] * len(frames)
         pieces = []
         at = 0
         for block in blocks:
@@ -99,28 +135,38 @@ class Store:
                     f"field {block.name!r}: header declares {len(block.counts)} frame(s), "
                     f"{len(take)} arrived"
                 )
-            pieces.append((block.name, Piece(block, take)))
+            pieces.append((block.name, Piece(block, take, where[at : at + len(block.counts)], region)))
             at += len(block.counts)
         if at != len(frames):
             raise ProtocolError(f"{len(frames) - at} frame(s) beyond what the header declares")
         part = self.partitions.get(uid)
         if part is None:
             part = self.partitions[uid] = PartitionData(uid, name)
-        undo = [self._install(part, field, piece, indexes) for field, piece in pieces]
+        for _, piece in pieces:
+            if piece.region is not None:
+                assert self.arena is not None
+                self.arena.incref(piece.region)
+        steps = [self._install(part, field, piece, indexes) for field, piece in pieces]
+
+        def commit() -> None:
+            for _, _, dead in steps:
+                for piece in dead:
+                    self._free(piece)
 
         def rollback() -> None:
             if self.partitions.get(uid) is not part:
-                return  # dropped meanwhile: its bytes are already gone and accounted
-            for step in reversed(undo):
-                step()
+                return  # dropped meanwhile: its pieces are already freed and accounted
+            for undo, new, _ in reversed(steps):
+                undo()
+                self._free(new)
             if not any(col.pieces for col in part.columns.values()):
                 del self.partitions[uid]
 
-        return rollback
+        return Pending(commit=commit, rollback=rollback)
 
     def _install(
         self, part: PartitionData, field: str, piece: Piece, indexes: np.ndarray
-    ) -> Callable[[], None]:
+    ) -> tuple[Callable[[], None], Piece, list[Piece]]:
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
@@ -132,25 +178,6 @@ class Store:
         col.piece_of[indexes] = pid
         col.row_of[indexes] = np.arange(len(indexes))
         self._account(part, piece.nbytes)
-        released = self._release(part, col, old_pieces)
-
-        def undo() -> None:
-            col.piece_of[indexes] = old_pieces
-            col.row_of[indexes] = old_rows
-            for old_pid, old_piece, count in released:
-                col.pieces[old_pid] = old_piece
-                old_piece.live += count
-                if old_piece.live == count:
-                    self._account(part, old_piece.nbytes)
-            del col.pieces[pid]
-            self._account(part, -piece.nbytes)
-
-        return undo
-
-    def _release(
-        self, part: PartitionData, col: Column, old_pieces: np.ndarray
-    ) -> list[tuple[int, Piece, int]]:
-        """Drop samples' references to the pieces they were overwritten from."""
         released = []
         ids, counts = np.unique(old_pieces[old_pieces >= 0], return_counts=True)
         for old_pid, count in zip(ids.tolist(), counts.tolist()):
@@ -160,7 +187,24 @@ class Store:
             if old.live == 0:
                 del col.pieces[old_pid]
                 self._account(part, -old.nbytes)
-        return released
+
+        def undo() -> None:
+            col.piece_of[indexes] = old_pieces
+            col.row_of[indexes] = old_rows
+            for old_pid, old, count in released:
+                if old.live == 0:
+                    self._account(part, old.nbytes)
+                col.pieces[old_pid] = old
+                old.live += count
+            del col.pieces[pid]
+            self._account(part, -piece.nbytes)
+
+        return undo, piece, [old for _, old, _ in released if old.live == 0]
+
+    def _free(self, piece: Piece) -> None:
+        if piece.region is not None and self.arena is not None:
+            self.arena.decref(piece.region)
+            piece.region = None
 
     def _account(self, part: PartitionData, delta: int) -> None:
         part.nbytes += delta
@@ -170,27 +214,35 @@ class Store:
         part = self.partitions.pop(uid, None)
         if part is None:
             return 0
+        for col in part.columns.values():
+            for piece in col.pieces.values():
+                self._free(piece)
         self.nbytes -= part.nbytes
         return part.nbytes
 
-    def read(
-        self, uid: int, name: str, indexes: np.ndarray, fields: Sequence[str]
-    ) -> tuple[list[FieldBlock], list[Any]]:
-        """Blocks and frames for ``fields`` of ``indexes``, in the order asked."""
+    # --- reads ----------------------------------------------------------------------
+
+    def read(self, uid: int, name: str, indexes: np.ndarray, fields: Sequence[str], *, shm: bool = False) -> ReadReply:
+        """``fields`` of ``indexes`` in the order asked. With ``shm`` the reader maps the arena:
+        arena bytes go as ranges, each region they lie in gets one reference (the hold)."""
         part = self.partitions.get(uid)
         if part is None:
             raise SchemaError(f"partition {name!r} has no data on this unit")
-        blocks: list[FieldBlock] = []
-        frames: list[Any] = []
+        out = ReadReply(blocks=[], frames=[], refs=[] if shm else None, held=[])
+        held: dict[int, Region] = {}
         for field in fields:
-            block, out = self._read_field(part, field, indexes)
-            blocks.append(block)
-            frames.extend(out)
-        return blocks, frames
+            block, runs = self._read_field(part, field, indexes)
+            block.counts = self._emit(runs, out, held, shm)
+            out.blocks.append(block)
+        for region in held.values():
+            assert self.arena is not None
+            self.arena.incref(region)
+        out.held = list(held.values())
+        return out
 
     def _read_field(
         self, part: PartitionData, field: str, indexes: np.ndarray
-    ) -> tuple[FieldBlock, list[Any]]:
+    ) -> tuple[FieldBlock, list[tuple[Piece, int, int, int, int]]]:
         col = part.columns.get(field)
         if len(indexes) == 0:
             raise InvalidArgumentError("a read needs at least one sample")
@@ -207,57 +259,45 @@ class Store:
         key = np.empty(n, dtype=np.int64)
         start = np.empty(n, dtype=np.int64)
         size = np.empty(n, dtype=np.int64)
-        views: dict[int, Any] = {}
-        shapes: np.ndarray | None = None
-        dense_shapes = set()
-        first: Piece | None = None
-        for pid in np.unique(pids).tolist():
+        sources: list[tuple[Piece, int]] = []
+        layouts = set()
+        unique = np.unique(pids).tolist()
+        for pid in unique:
             piece = col.pieces[pid]
-            first = first or piece
             sel = pids == pid
             r = rows[sel]
-            base = len(views)
-            for i, frame in enumerate(piece.frames):
-                views[base + i] = frame
-            key[sel] = piece.frame_of[r] + base
+            key[sel] = piece.frame_of[r] + len(sources)
             start[sel] = piece.offsets[r]
             size[sel] = piece.sizes[r]
-            if piece.spec.kind != "object":
-                if piece.shapes is None:
-                    dense_shapes.add(tuple(piece.spec.shape))
-                else:
-                    dense_shapes.add(None)
-        assert first is not None
-        spec = first.spec
-        block_shapes_out: list[int] | None = None
-        sizes_out: list[int] | None = None
+            sources.extend((piece, i) for i in range(len(piece.frames)))
+            layouts.add(tuple(piece.spec.shape) if piece.shapes is None else None)
+        spec = col.pieces[unique[0]].spec
+        block = FieldBlock(name=field, spec=spec, counts=[])
         if spec.kind == "object":
-            sizes_out = size.tolist()
-        elif len(dense_shapes) == 1 and None not in dense_shapes:
-            spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="dense", shape=next(iter(dense_shapes)))
+            block.sizes = size.tolist()
+        elif len(layouts) == 1 and None not in layouts:
+            block.spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="dense", shape=next(iter(layouts)))
         else:
             ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
             shapes = np.empty((n, ndim), dtype=np.int64)
-            for pid in np.unique(pids).tolist():
+            for pid in unique:
                 piece = col.pieces[pid]
                 sel = pids == pid
                 shapes[sel] = piece.shapes[rows[sel]] if piece.shapes is not None else piece.spec.shape
-            spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="jagged", ndim=ndim)
-            block_shapes_out = shapes.reshape(-1).tolist()
-        counts, out = self._runs(key, start, size, views)
-        return FieldBlock(name=field, spec=spec, counts=counts, shapes=block_shapes_out, sizes=sizes_out), out
-
-    def _runs(
-        self, key: np.ndarray, start: np.ndarray, size: np.ndarray, views: dict[int, Any]
-    ) -> tuple[list[int], list[Any]]:
-        """Coalesce consecutive byte ranges into frames; join tiny neighbours."""
-        if len(key) == 0:
-            return [], []
+            block.spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="jagged", ndim=ndim)
+            block.shapes = shapes.reshape(-1).tolist()
         end = start + size
         brk = np.flatnonzero((key[1:] != key[:-1]) | (start[1:] != end[:-1])) + 1
-        bounds = np.concatenate(([0], brk, [len(key)])).tolist()
+        bounds = np.concatenate(([0], brk, [n])).tolist()
+        runs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            piece, frame = sources[int(key[a])]
+            runs.append((piece, frame, int(start[a]), int(end[b - 1]), b - a))
+        return block, runs
+
+    def _emit(self, runs: list[tuple[Piece, int, int, int, int]], out: ReadReply, held: dict[int, Region], shm: bool) -> list[int]:
+        """Turn runs into frames (or arena ranges); return samples per output frame."""
         counts: list[int] = []
-        out: list[Any] = []
         small: list[Any] = []
         pending = [0, 0]  # samples, bytes in ``small``
 
@@ -265,25 +305,47 @@ class Store:
             if not small:
                 return
             if len(small) > 1:
-                out.append(b"".join(small))
+                out.frames.append(b"".join(small))
                 self.copied += pending[1]
             else:
-                out.append(small[0])
+                out.frames.append(small[0])
+            if out.refs is not None:
+                out.refs.append([])
             counts.append(pending[0])
             small.clear()
             pending[:] = [0, 0]
 
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            view = views[int(key[a])][int(start[a]) : int(end[b - 1])]
-            if len(view) < SMALL_RUN:
+        for piece, frame, a, b, count in runs:
+            base = piece.arena[frame]
+            if base >= 0 and shm:
+                flush()
+                assert out.refs is not None and piece.region is not None
+                out.refs.append([base + a, b - a])
+                held[piece.region.offset] = piece.region
+                counts.append(count)
+                continue
+            if base >= 0:
+                view = self._arena_view(piece.region, base + a, b - a)
+            else:
+                view = piece.frames[frame][a:b]
+            if b - a < SMALL_RUN:
                 small.append(view)
-                pending[0] += b - a
-                pending[1] += len(view)
+                pending[0] += count
+                pending[1] += b - a
                 if pending[1] >= JOIN_LIMIT:
                     flush()
                 continue
             flush()
-            out.append(view)
-            counts.append(b - a)
+            out.frames.append(view)
+            if out.refs is not None:
+                out.refs.append([])
+            counts.append(count)
         flush()
-        return counts, out
+        return counts
+
+    def _arena_view(self, region: Region | None, offset: int, length: int) -> Any:
+        """Arena bytes for a send: the region is held until ZeroMQ lets go of the buffer."""
+        assert self.arena is not None and region is not None and self._release_soon is not None
+        self.arena.incref(region)
+        release = self._release_soon
+        return self.arena.anchor(offset, length, lambda: release(region))

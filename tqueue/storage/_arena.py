@@ -1,0 +1,130 @@
+"""A unit's shared-memory arena, for producers and consumers on the unit's host.
+
+The arena is one anonymous memory file (``memfd``) that the unit maps once; clients on the
+same host map it through ``/proc/<pid>/fd/<n>`` and copy payload straight in (put) or read
+it in place (get). It vanishes with the unit, so a crash leaves nothing in ``/dev/shm``.
+
+Memory is handed out in *regions*, each with a reference count: one per stored piece that
+lives in it, one per reader that still holds a zero-copy view (a *hold*), one per send in
+flight. A region returns to the free list only when the count reaches zero, so bytes a
+reader is looking at are never reused under it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import weakref
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class Region:
+    __slots__ = ("offset", "length", "refs")
+
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+        self.refs = 1
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class Arena:
+    def __init__(self, size: int, name: str = "tqueue-arena") -> None:
+        self.size = (size // ALIGN) * ALIGN
+        self.fd = os.memfd_create(name, 0)
+        os.ftruncate(self.fd, self.size)
+        self.mm = mmap.mmap(self.fd, self.size)
+        self.view = memoryview(self.mm)
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, length), by offset
+        self._regions: dict[int, Region] = {}
+        self._punched = True  # nothing has been written yet
+        self.used = 0
+
+    # --- allocation -----------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes`` (one reference), or None if the arena is full."""
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                region = self._regions[off] = Region(off, need)
+                self.used += need
+                self._punched = False
+                return region
+        return None
+
+    def region_at(self, offset: int) -> Region | None:
+        return self._regions.get(offset)
+
+    def incref(self, region: Region) -> None:
+        region.refs += 1
+
+    def decref(self, region: Region) -> None:
+        region.refs -= 1
+        if region.refs > 0:
+            return
+        if region.refs < 0:
+            log.error("arena region at %d released too often", region.offset)
+            return
+        del self._regions[region.offset]
+        self.used -= region.length
+        self._give_back(region.offset, region.length)
+
+    def _give_back(self, off: int, length: int) -> None:
+        i = bisect.bisect_left(self._free, (off, 0))
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+            i -= 1
+            off, length = self._free[i][0], self._free[i][1] + length
+            del self._free[i]
+        if i < len(self._free) and off + length == self._free[i][0]:
+            length += self._free[i][1]
+            del self._free[i]
+        self._free.insert(i, (off, length))
+
+    # --- memory ---------------------------------------------------------------------
+
+    def anchor(self, offset: int, length: int, on_release: Callable[[], None]) -> Any:
+        """A buffer over arena bytes whose collection calls ``on_release`` (in any thread)."""
+        buf = (ctypes.c_uint8 * length).from_buffer(self.mm, offset)
+        weakref.finalize(buf, on_release)
+        return buf
+
+    def punch(self) -> int:
+        """Hand the pages of free ranges back to the OS; return how many bytes."""
+        if self._punched:
+            return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        freed = 0
+        for off, length in self._free:
+            if libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(off), ctypes.c_long(length)) == 0:
+                freed += length
+        self._punched = True
+        return freed
+
+    def close(self) -> None:
+        """Unmap, unless stored pieces or sends still use the memory (then the process's
+        exit unmaps it; the memory file goes with the last mapping)."""
+        try:
+            self.view.release()
+            self.mm.close()
+        except BufferError:
+            log.debug("arena still in use at close; left mapped until exit")
+            return
+        os.close(self.fd)
