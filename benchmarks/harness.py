@@ -94,13 +94,22 @@ class Worker:
         self.proc.start()
         child.close()
 
+    def ready(self, timeout: float = 120.0) -> "Worker":
+        """Wait until the worker answers (its imports and set-up are done)."""
+        self.send({"cmd": "ping"})
+        self.recv(timeout)
+        return self
+
     def send(self, msg: dict[str, Any]) -> None:
         self.conn.send_bytes(json.dumps(msg).encode())
 
     def recv(self, timeout: float = 600.0) -> dict[str, Any]:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"{self.proc.name} sent nothing for {timeout} s")
-        msg = json.loads(self.conn.recv_bytes())
+        try:
+            msg = json.loads(self.conn.recv_bytes())
+        except EOFError:
+            raise RuntimeError(f"{self.proc.name} exited with code {self.proc.join(5) or self.proc.exitcode}") from None
         if "error" in msg:
             raise RuntimeError(f"{self.proc.name}: {msg['error']}")
         return msg
@@ -121,6 +130,7 @@ def serve(conn: Connection, handlers: dict[str, Callable[[dict[str, Any]], dict[
     """Worker side: answer commands until ``stop``; exceptions go back as ``error``."""
     import traceback
 
+    handlers = {"ping": lambda msg: {"pong": True}, **handlers}
     while True:
         msg = json.loads(conn.recv_bytes())
         if msg["cmd"] == "stop":

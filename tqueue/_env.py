@@ -6,6 +6,8 @@
 ``TQUEUE_CHUNK_BYTES``      largest payload frame a client sends
 ``TQUEUE_BUFFER_POOL_BYTES`` idle batch buffers a client keeps for reuse
 ``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host
+``TQUEUE_KEEP_FREED_BYTES`` freed heap glibc may keep mapped in a client process (0: leave
+                          malloc alone)
 """
 
 from __future__ import annotations

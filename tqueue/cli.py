@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from typing import Sequence
+
+
+from .config import StorageConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,8 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--controller", required=True, help="the controller's address")
     s.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (port 0: OS picks)")
     s.add_argument("--host", default="", help="host name for placement (default: this machine)")
-    s.add_argument("--trim-delay", type=float, default=5.0, help="idle seconds before freed memory goes back to the OS")
+    for field in dataclasses.fields(StorageConfig):
+        if field.name not in ("controller", "bind", "host"):
+            s.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=type(field.default),
+                default=field.default,
+                help=f"StorageConfig.{field.name} (default {field.default})",
+            )
     s.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes")
+
+    b = sub.add_parser("bench", help="end-to-end benchmark against peers (source checkout)", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/e2e.py (--help there)")
 
     d = sub.add_parser("demo", help="simulated GRPO data flow on a local cluster")
     from .demo import add_arguments
@@ -32,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark script
+        return _bench(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -45,16 +62,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(ControllerConfig(bind=args.bind), watch_stdin=args.watch_stdin)
         return 0
     if args.command == "storage-unit":
-        from .config import StorageConfig
         from .launch._serve import run
 
-        run(
-            StorageConfig(controller=args.controller, bind=args.bind, host=args.host, trim_delay=args.trim_delay),
-            watch_stdin=args.watch_stdin,
-        )
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(StorageConfig)}
+        run(StorageConfig(**options), watch_stdin=args.watch_stdin)
         return 0
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args)
     return 2
+
+
+def _bench(argv: list[str]) -> int:
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "e2e.py"
+    if not script.exists():
+        print("tqueue bench runs benchmarks/e2e.py from a source checkout; none found next to the package", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    spec = importlib.util.spec_from_file_location("benchmarks.e2e", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks.e2e"] = module
+    spec.loader.exec_module(module)
+    return int(module.main(argv))

@@ -10,10 +10,19 @@ from ..harness import Result, Scenario, Worker, now, serve
 from ..workload import fields, make_batch, nbytes, verify
 
 
-def _producer(conn: Connection, address: str, rank: int) -> None:
+def _client(address: str, transport: str) -> Any:
+    import dataclasses
+
     import tqueue
 
-    client = tqueue.Client(address)
+    config = tqueue.ClientConfig.from_env()
+    client = tqueue.Client(address, config=dataclasses.replace(config, shm=transport == "shm"))
+    client.connect()
+    return client
+
+
+def _producer(conn: Connection, address: str, rank: int, transport: str) -> None:
+    client = _client(address, transport)
     state: dict[str, Any] = {}
 
     def prepare(msg: dict[str, Any]) -> dict[str, Any]:
@@ -38,10 +47,8 @@ def _producer(conn: Connection, address: str, rank: int) -> None:
         client.close()
 
 
-def _consumer(conn: Connection, address: str, rank: int) -> None:
-    import tqueue
-
-    client = tqueue.Client(address)
+def _consumer(conn: Connection, address: str, rank: int, transport: str) -> None:
+    client = _client(address, transport)
 
     def get(msg: dict[str, Any]) -> dict[str, Any]:
         t0 = now()
@@ -61,16 +68,21 @@ def _consumer(conn: Connection, address: str, rank: int) -> None:
 
 
 class TQueueSystem:
-    """``transport``: ``tcp`` (the default path) or ``auto`` (same-host path where possible)."""
+    """``transport``: ``tcp`` (sockets only) or ``shm`` (the same-host path, chosen
+    automatically because producers, units and consumers share this host)."""
 
     def __init__(self, transport: str = "tcp", units: int = 2) -> None:
-        self.name = "tqueue"
+        self.name = "tqueue" if transport == "tcp" else "tqueue-shm"
         self.transport = transport
         self.units = units
         self.copies = (
-            "put: dense tensors 0 user-space copies (frames are views), small jagged samples and "
-            "objects packed once; unit: 0 (stores received frames, answers with slices); "
-            "get: 1 copy into the batch tensor (0 when one frame holds the whole field in order)"
+            "put: dense tensors 0 user-space copies (frames are views of the tensor), small "
+            "jagged samples and objects packed once; kernel: 1 copy each way; unit: 0 (keeps "
+            "received frames, answers with slices); get: 1 copy into a pooled batch buffer"
+            if transport == "tcp"
+            else "put: 1 copy into the unit's shared-memory arena; no socket; get: 0 copies "
+            "when a field's samples lie in one range in order (views under a hold), else 1 "
+            "copy into a pooled batch buffer"
         )
         self._cluster: Any = None
         self._producers: list[Worker] = []
@@ -90,9 +102,9 @@ class TQueueSystem:
     def _workers(self, scenario: Scenario) -> None:
         addr = self._cluster.address
         while len(self._producers) < scenario.producers:
-            self._producers.append(Worker(_producer, addr, len(self._producers), name=f"tq-producer-{len(self._producers)}"))
+            self._producers.append(Worker(_producer, addr, len(self._producers), self.transport, name=f"tq-producer-{len(self._producers)}").ready())
         while len(self._consumers) < scenario.consumers:
-            self._consumers.append(Worker(_consumer, addr, len(self._consumers), name=f"tq-consumer-{len(self._consumers)}"))
+            self._consumers.append(Worker(_consumer, addr, len(self._consumers), self.transport, name=f"tq-consumer-{len(self._consumers)}").ready())
 
     def run(self, scenario: Scenario, size: int) -> Result:
         self._workers(scenario)

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import _env, _transport
+from .. import _env, _memory, _transport
 from .._wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -107,6 +107,8 @@ class AsyncClient:
             if self._controller is not None:
                 return
             self._loop = asyncio.get_running_loop()
+            if self.config.keep_freed_bytes > 0:
+                _memory.keep_freed(self.config.keep_freed_bytes)
             peer = _transport.Peer(
                 self.address,
                 name="controller",

@@ -193,12 +193,16 @@ class Partition:
 
     def find_ready(self, task: TaskState, mask: np.uint64, count: int) -> np.ndarray | None:
         """The first ``count`` samples that have every field in ``mask`` and that ``task``
-        has neither leased nor consumed, in index order; None if there are fewer."""
+        has neither leased nor consumed, in index order; None if there are fewer.
+
+        Scans from the task's low-water mark in windows that start small (a few times
+        ``count``) and double, so the usual case touches little more than it returns."""
         found: list[np.ndarray] = []
         need = count
         start = task.lo
+        window = max(4 * count, 1024)
         while start < self.n and need > 0:
-            end = min(self.n, start + SCAN_CHUNK)
+            end = min(self.n, start + window)
             ok = (self.mask[start:end] & mask) == mask
             ok &= task.state[start:end] == AVAILABLE
             hit = np.flatnonzero(ok)[:need]
@@ -206,6 +210,7 @@ class Partition:
                 found.append(hit + start)
                 need -= len(hit)
             start = end
+            window = min(2 * window, SCAN_CHUNK)
         if need > 0:
             return None
         return np.concatenate(found) if len(found) > 1 else found[0]
@@ -236,13 +241,15 @@ class Partition:
         return len(mine)
 
     def _advance(self, task: TaskState) -> None:
+        window = 1024
         while task.lo < self.n:
-            end = min(self.n, task.lo + SCAN_CHUNK)
+            end = min(self.n, task.lo + window)
             free = np.flatnonzero(task.state[task.lo : end] == AVAILABLE)
             if len(free):
                 task.lo += int(free[0])
                 return
             task.lo = end
+            window = min(2 * window, SCAN_CHUNK)
 
     def groups_of(self, indexes: np.ndarray) -> list[GroupId] | None:
         if not self.has_groups:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,20 +11,23 @@ import subprocess
 import sys
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from ..config import StorageConfig
 from ._serve import READY
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 10.0
+_UNIT_OPTIONS = {f.name for f in dataclasses.fields(StorageConfig)} - {"controller", "bind", "host"}
 
 
 class LocalCluster:
     """Start a controller and ``num_storage_units`` units on ``host`` with OS-chosen ports.
 
     ``unit_hosts`` gives each unit the host name it reports for placement (default: this
-    machine's), to simulate several hosts on one machine.
+    machine's), to simulate several hosts on one machine. ``storage`` sets
+    :class:`~tqueue.config.StorageConfig` options of every unit, e.g. ``{"shm_bytes": 0}``.
 
     Use as a context manager; everything is stopped on exit, also after an exception, and
     the children also stop by themselves if this process dies (their stdin closes)::
@@ -40,12 +44,18 @@ class LocalCluster:
         start_timeout: float = 60.0,
         env: dict[str, str] | None = None,
         unit_hosts: Sequence[str] | None = None,
+        storage: Mapping[str, Any] | None = None,
     ) -> None:
         if num_storage_units < 1:
             raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
         if unit_hosts is not None and len(unit_hosts) != num_storage_units:
             raise ValueError(f"unit_hosts names {len(unit_hosts)} hosts for {num_storage_units} units")
         self.unit_hosts = list(unit_hosts) if unit_hosts is not None else None
+        self.unit_args: list[str] = []
+        for key, value in (storage or {}).items():
+            if key not in _UNIT_OPTIONS:
+                raise ValueError(f"unknown storage option {key!r}; known: {sorted(_UNIT_OPTIONS)}")
+            self.unit_args += ["--" + key.replace("_", "-"), str(value)]
         self.num_storage_units = num_storage_units
         self.host = host
         self.start_timeout = start_timeout
@@ -67,6 +77,7 @@ class LocalCluster:
                 self._spawn(
                     ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]
                     + (["--host", self.unit_hosts[i]] if self.unit_hosts else [])
+                    + self.unit_args
                 )
                 for i in range(self.num_storage_units)
             ]

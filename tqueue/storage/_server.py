@@ -54,11 +54,13 @@ class StorageUnit:
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
+        _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
         self.data = _Data(self.arena, self._release_soon)
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
+        self._retained = 0  # bytes freed since memory last went back to the OS
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle]] = {}
         self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle]] = {}
         self._hold_ids = itertools.count(1)
@@ -242,22 +244,26 @@ class StorageUnit:
     def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Ok:
         freed = self.data.drop(msg.partition_uid)
         if freed:
-            self._schedule_trim()
+            self._retained += freed
+            if self._retained > self.config.retain_bytes:
+                self._trim_now()
+            else:
+                self._schedule_trim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         return Ok()
 
 
     def _schedule_trim(self) -> None:
+        """(Re)arm the idle timer that returns retained memory to the OS."""
+        if self._trim is not None:
+            self._trim.cancel()
+        self._trim = self._loop.call_later(self.config.trim_delay, self._trim_now)
+
+    def _trim_now(self) -> None:
         if self._trim is not None:
             self._trim.cancel()
             self._trim = None
-        if self.config.trim_delay <= 0:
-            self._trim_now()
-        else:
-            self._trim = asyncio.get_running_loop().call_later(self.config.trim_delay, self._trim_now)
-
-    def _trim_now(self) -> None:
-        self._trim = None
+        self._retained = 0
         _memory.trim()
         if self.arena is not None:
             self.arena.punch()

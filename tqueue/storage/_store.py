@@ -118,8 +118,10 @@ class Store:
             raise ProtocolError(f"bad partition uid {uid}")
         if len(indexes) and indexes.min() < 0:
             raise ProtocolError("negative sample index")
-        if len(np.unique(indexes)) != len(indexes):
-            raise InvalidArgumentError(f"partition {name!r}: a sample is written twice in one call")
+        if len(indexes) > 1 and not np.all(np.diff(indexes) == 1):  # not a plain range
+            ordered = np.sort(indexes)
+            if np.any(ordered[1:] == ordered[:-1]):
+                raise InvalidArgumentError(f"partition {name!r}: a sample is written twice in one call")
         where = list(arena) if arena is not None else [-1] * len(frames)
         pieces = []
         at = 0

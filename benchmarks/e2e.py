@@ -1,0 +1,247 @@
+"""End-to-end benchmark: tqueue beside its peers, on the same batch, in one run.
+
+    python benchmarks/e2e.py [--quick] [--sizes 256,1024] [--scenarios 1to1,1to4]
+                             [--systems tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
+                             [--repeats 5] [--warmup 1] [--out bench-results]
+
+(also ``tqueue bench`` from a source checkout). Peers that are not installed are skipped
+with a line saying so; ``bash benchmarks/install_peers.sh`` installs them. Every figure is
+the median of ``--repeats`` runs after ``--warmup`` unrecorded ones, with min and max.
+Writes ``results.md``, ``results.json`` and ``throughput.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import SCENARIOS, Result  # noqa: E402
+
+# name -> (module, class, constructor kwargs)
+SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tqueue": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp"}),
+    "tqueue-shm": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "shm"}),
+    "zmq-raw": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "tcp"}),
+    "zmq-raw-ipc": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "ipc"}),
+    "ray": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": False}),
+    "ray-zerocopy": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": True}),
+    "transferqueue": ("benchmarks.systems.tq_sys", "TransferQueueSystem", {}),
+}
+OURS = ("tqueue", "tqueue-shm")
+QUICK = {"sizes": [256], "scenarios": ["1to1", "1to4"], "repeats": 2, "warmup": 1}
+
+
+def make_system(name: str) -> tuple[Any | None, str | None]:
+    module, cls, kwargs = SYSTEMS[name]
+    try:
+        system = getattr(importlib.import_module(module), cls)(**kwargs)
+    except (ImportError, AttributeError) as exc:
+        return None, f"{name}: not available ({exc})"
+    reason = system.unavailable()
+    return (None, f"{name}: skipped, {reason}") if reason else (system, None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: list[Result] = []
+    notes: list[str] = []
+    copies: dict[str, str] = {}
+    started = time.time()
+    for name in args.systems:
+        system, note = make_system(name)
+        if system is None:
+            print(note, flush=True)
+            notes.append(str(note))
+            continue
+        copies[name] = system.copies
+        print(f"{name}: starting", flush=True)
+        system.start()
+        try:
+            for scenario in args.scenarios:
+                for size in args.sizes:
+                    if size > args.max_size.get(name, 1 << 30):
+                        notes.append(f"{name}: {scenario} at {size} samples skipped (over --max-size)")
+                        continue
+                    sc = SCENARIOS[scenario]
+                    for _ in range(args.warmup):
+                        system.run(sc, size)
+                    runs = []
+                    for _ in range(args.repeats):
+                        r = system.run(sc, size)
+                        r.system = name  # one class may serve several names
+                        runs.append(r)
+                    results.extend(runs)
+                    med = statistics.median(r.gbps for r in runs)
+                    print(f"  {scenario:7s} {size:6d} samples  {med:6.2f} GB/s", flush=True)
+        finally:
+            system.stop()
+    return {
+        "results": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in results],
+        "notes": notes,
+        "copies": copies,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "seconds": time.time() - started,
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+
+
+def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (system, scenario, size): medians, min and max over the repeats."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in data["results"]:
+        groups.setdefault((r["system"], r["scenario"], r["size"]), []).append(r)
+    rows = []
+    for (system, scenario, size), runs in groups.items():
+        def med(key: str) -> float | None:
+            vals = [r[key] for r in runs if r[key] is not None]
+            return statistics.median(vals) if vals else None
+
+        gbps = [r["gbps"] for r in runs]
+        rows.append(
+            {
+                "system": system,
+                "scenario": scenario,
+                "size": size,
+                "mb": runs[0]["nbytes"] / 1e6,
+                "gbps": statistics.median(gbps),
+                "gbps_min": min(gbps),
+                "gbps_max": max(gbps),
+                "put_ms": 1e3 * med("put_s"),  # type: ignore[operator]
+                "get_meta_ms": None if med("get_meta_s") is None else 1e3 * med("get_meta_s"),  # type: ignore[operator]
+                "get_ms": 1e3 * med("get_s"),  # type: ignore[operator]
+                "runs": len(runs),
+            }
+        )
+    return rows
+
+
+def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| scenario | samples | MB | system | end-to-end GB/s (min-max) | put ms | get_meta ms | get ms |",
+        "|---|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["scenario"], r["size"], r["system"])):
+        meta = "-" if r["get_meta_ms"] is None else f"{r['get_meta_ms']:.1f}"
+        out.append(
+            f"| {r['scenario']} | {r['size']} | {r['mb']:.0f} | {r['system']} | "
+            f"{r['gbps']:.2f} ({r['gbps_min']:.2f}-{r['gbps_max']:.2f}) | {r['put_ms']:.1f} | "
+            f"{meta} | {r['get_ms']:.1f} |"
+        )
+    out += ["", "Ratios of tqueue's end-to-end GB/s to each peer's (medians, same batch, same run):", ""]
+    out += ["| scenario | samples | ours | peer | ratio |", "|---|---:|---|---|---:|"]
+    index = {(r["system"], r["scenario"], r["size"]): r for r in rows}
+    for (system, scenario, size), r in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        if system in OURS:
+            continue
+        for ours in OURS:
+            mine = index.get((ours, scenario, size))
+            if mine:
+                out.append(f"| {scenario} | {size} | {ours} | {system} | {mine['gbps'] / r['gbps']:.2f}x |")
+    out += ["", "Put and get alone against raw ZeroMQ for the same bytes (rates, medians):", ""]
+    out += ["| scenario | samples | tqueue put GB/s | tqueue get GB/s | zmq-raw GB/s | put / raw | get / raw |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for (system, scenario, size), raw in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        mine = index.get(("tqueue", scenario, size))
+        if system != "zmq-raw" or mine is None:
+            continue
+        nbytes = mine["mb"] * 1e6
+        put, get = nbytes / mine["put_ms"] / 1e6, nbytes / mine["get_ms"] / 1e6
+        out.append(
+            f"| {scenario} | {size} | {put:.2f} | {get:.2f} | {raw['gbps']:.2f} | "
+            f"{put / raw['gbps']:.0%} | {get / raw['gbps']:.0%} |"
+        )
+    out += ["", "Copies of each payload byte, per system:", ""]
+    out += [f"* **{k}**: {v}" for k, v in data["copies"].items()]
+    if data["notes"]:
+        out += ["", "Notes:", ""] + [f"* {n}" for n in data["notes"]]
+    m = data["machine"]
+    out += ["", f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}; run took {data['seconds']:.0f} s."]
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    scenarios = sorted({r["scenario"] for r in rows})
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        for system in sorted({r["system"] for r in rows}):
+            pts = sorted((r["size"], r["gbps"], r["gbps_min"], r["gbps_max"]) for r in rows if r["system"] == system and r["scenario"] == scenario)
+            if not pts:
+                continue
+            xs, ys, lo, hi = zip(*pts)
+            ax.errorbar(xs, ys, yerr=[[y - l for y, l in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]], marker="o", capsize=3, label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_title(scenario)
+        ax.set_xlabel("batch size (samples)")
+        ax.set_ylabel("end-to-end GB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI mode: 256 samples, 1to1 and 1to4, 2 repeats")
+    p.add_argument("--sizes", default="256,1024,4096,16384")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--systems", default="tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-size", default="", help="per-system size cap, e.g. transferqueue=4096")
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.scenarios = args.scenarios.split(",")
+    args.systems = args.systems.split(",")
+    args.max_size = {k: int(v) for k, v in (kv.split("=") for kv in args.max_size.split(",") if kv)}
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    unknown = [s for s in args.systems if s not in SYSTEMS] + [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown systems or scenarios: {unknown}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    data = run(args)
+    rows = summarize(data)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data["summary"] = rows
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    note = plot(rows, out / "throughput.png")
+    if note:
+        data["notes"].append(note)
+    text = markdown(data, rows)
+    (out / "results.md").write_text(text)
+    print("\n" + text)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + ("" if note else f", {out / 'throughput.png'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

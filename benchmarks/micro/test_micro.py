@@ -1,0 +1,99 @@
+"""Micro-benchmarks: the wire codec on a realistic batch header, get_meta latency against
+partition size, and the DP split planner."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import tqueue  # noqa: E402
+from tqueue import _wire  # noqa: E402
+from tqueue.client._encode import encode  # noqa: E402
+from benchmarks.workload import make_batch  # noqa: E402
+
+pytest.importorskip("pytest_benchmark")
+
+N = 1024
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    batch = make_batch(N)
+    batch["responses_jagged"] = [torch.zeros(int(k), dtype=torch.int32) for k in np.random.default_rng(0).integers(16, 2048, N)]
+    return encode(batch, partition="train/step-0", chunk_bytes=1 << 20)
+
+
+def test_encode_put_fields(benchmark):
+    """Client-side: validate and encode a 1024-sample batch into blocks and zero-copy frames."""
+    batch = make_batch(N)
+    benchmark(encode, batch, partition="p", chunk_bytes=1 << 20)
+
+
+def test_store_header_encode(benchmark, encoded):
+    msg = _wire.Store(grant_id=1, partition="train/step-0", partition_uid=1, start=0, count=N, blocks=encoded.blocks)
+    benchmark(_wire.encode, msg)
+
+
+def test_store_header_decode(benchmark, encoded):
+    msg = _wire.Store(grant_id=1, partition="train/step-0", partition_uid=1, start=0, count=N, blocks=encoded.blocks)
+    frames = _wire.encode(msg)
+    benchmark(_wire.decode, frames)
+
+
+def test_batch_meta_decode(benchmark):
+    meta = _wire.BatchMeta(
+        partition="train/step-0",
+        partition_uid=1,
+        indexes=list(range(N)),
+        units=[0] * N,
+        fields=["input_ids", "responses"],
+        schema={"input_ids": _wire.FieldSpec(kind="tensor", dtype="int64", shape=(4096,))},
+        groups=[f"uid-{i // 8}" for i in range(N)],
+        task="actor_train",
+        lease=1,
+    )
+    frames = _wire.encode(_wire.Meta(meta=meta))
+    benchmark(_wire.decode, frames)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with tqueue.LocalCluster(num_storage_units=1) as c:
+        yield c
+
+
+@pytest.mark.parametrize("size", [100, 10_000, 1_000_000], ids=["1e2", "1e4", "1e6"])
+def test_get_meta_latency(benchmark, cluster, size):
+    """One get_meta round trip (sync client) leasing a 256-sample batch (64 for 1e2) from a
+    partition of ``size`` ready samples; each round takes the next batch."""
+    batch = min(256, size // 2 + 1 if size < 256 else 256)
+    with tqueue.Client(cluster.address) as client:
+        name = f"lat-{size}"
+        for a in range(0, size, 65536):
+            client.put(name, {"x": torch.arange(a, min(size, a + 65536))})
+        per_task = size // batch
+        calls = itertools.count()
+
+        def one():
+            i = next(calls)
+            client.get_meta(name, ["x"], batch, task=f"t{i // per_task}", timeout=1)
+
+        benchmark.pedantic(one, rounds=300 if size >= 10_000 else 100, warmup_rounds=5)
+        client.clear(name)
+
+
+def test_dp_split_planner_4096(benchmark):
+    """Token-balanced split of one round of 4096 samples over 8 DP ranks, micro-batches of
+    at most 16384 tokens (skewed lengths)."""
+    balance = pytest.importorskip("tqueue.controller._balance")
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(6.5, 1.0, 4096).astype(np.int64) + 16, 8192)
+    benchmark(balance.plan_round, lengths, 8, max_tokens_per_micro_batch=16384)
