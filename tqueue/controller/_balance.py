@@ -11,7 +11,9 @@ and breaks ties by position, so every caller that plans the same round gets the 
 The balancing is the Karmarkar-Karp largest differencing method generalised to k-way partitions:
 a heap holds partial solutions, each a k-tuple of (sum, items); the two with the largest spread
 (largest sum minus smallest sum) are merged by pairing the largest sum of one with the smallest
-sum of the other, until one solution remains.
+sum of the other, until one solution remains. A local pass then trades samples between the
+heaviest part and light ones while that lowers the heaviest (swaps only where sizes must stay
+equal); it never makes the largest sum worse.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import numpy as np
 
 __all__ = ["RoundPlan", "balanced_partition", "micro_batches", "plan_round"]
 
-Lengths = Union[Sequence[int], np.ndarray]
-
 # A subset's items are a tree of joins (None for no item, an int position for one, a pair for a
 # join) flattened once at the end, so merging costs O(1) per subset however large it grows.
 _Tree = Union[None, int, tuple]
@@ -36,7 +36,9 @@ _Tree = Union[None, int, tuple]
 # public API
 
 
-def balanced_partition(lengths: Lengths, parts: int, *, equal_size: bool = True) -> list[list[int]]:
+def balanced_partition(
+    lengths: Sequence[int] | np.ndarray, parts: int, *, equal_size: bool = True
+) -> list[list[int]]:
     """Divide positions ``0 .. len(lengths)-1`` into ``parts`` lists with balanced length sums.
 
     Guarantees:
@@ -56,7 +58,10 @@ def balanced_partition(lengths: Lengths, parts: int, *, equal_size: bool = True)
     taken in descending length order. With ``equal_size`` each initial partial solution is a
     group of ``parts`` consecutive items of that order, one item per subset, so every merge keeps
     the subsets' cardinalities equal; without it each item seeds a solution of one item and
-    ``parts - 1`` empty subsets.
+    ``parts - 1`` empty subsets. With ``equal_size`` a pass of swaps follows (the heaviest part
+    trades a sample with a light part while that lowers it; sizes unchanged): groups of
+    consecutive sorted items give KK little to cancel a heavy part with, and on heavy-tailed
+    lengths it can leave a part or two ~1% heavy at 8+ parts, which the swaps remove.
 
     Raises ValueError if ``parts < 1``, if a length is not a non-negative integer (naming the
     first bad position), or if ``equal_size`` and ``len(lengths) % parts != 0``.
@@ -72,10 +77,15 @@ def _partition(vals: list[int], parts: int, equal_size: bool) -> list[list[int]]
             f"split into {parts} equal parts ({n} % {parts} = {n % parts})"
         )
     order = sorted(range(n), key=vals.__getitem__, reverse=True)  # stable: ties by position
-    return _canonical(_kk(vals, order, parts, equal_size))
+    groups = _kk(vals, order, parts, equal_size)
+    if equal_size:
+        groups = _refine(groups, vals, moves=False)
+    return _canonical(groups)
 
 
-def micro_batches(lengths: Lengths, max_tokens: int, *, count: int | None = None) -> list[list[int]]:
+def micro_batches(
+    lengths: Sequence[int] | np.ndarray, max_tokens: int, *, count: int | None = None
+) -> list[list[int]]:
     """Split one rank's samples into micro-batches of at most ``max_tokens`` tokens.
 
     Positions are 0-based into ``lengths``. Guarantees:
@@ -93,10 +103,10 @@ def micro_batches(lengths: Lengths, max_tokens: int, *, count: int | None = None
 
     Balancing: oversize samples each take a micro-batch; the rest are split by Karmarkar-Karp
     (``equal_size=False``) into the remaining number; where that breaks the cap (KK balances
-    sums but does not know the cap) the heaviest micro-batch trades samples with lighter ones
-    until it fits. If it still does not fit, FFD's bins are used instead: split, heaviest first,
-    up to that number and balanced by the same trades, which never raise the largest sum, so the
-    cap holds.
+    sums but does not know the cap) the heaviest micro-batches trade samples with light ones
+    until they fit. If that fails, FFD's bins are used instead: split, heaviest first, up to that
+    number and balanced by the same trades (moves and swaps between heavy and light
+    micro-batches), which never raise the largest sum, so the cap holds.
 
     Raises ValueError if ``max_tokens < 1``, if a length is not a non-negative integer, or if
     ``count`` is outside ``[minimum, len(lengths)]``.
@@ -135,7 +145,10 @@ class RoundPlan:
 
 
 def plan_round(
-    lengths: Lengths, dp_size: int, *, max_tokens_per_micro_batch: int | None = None
+    lengths: Sequence[int] | np.ndarray,
+    dp_size: int,
+    *,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> RoundPlan:
     """Plan one round: balanced ranks of equal size, each cut into the same number of micro-batches.
 
@@ -184,7 +197,7 @@ def plan_round(
 # argument checks
 
 
-def _as_lengths(lengths: Lengths) -> list[int]:
+def _as_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
     """The lengths as a list of Python ints, or ValueError naming the first bad position."""
     if isinstance(lengths, np.ndarray):
         if lengths.ndim != 1:
@@ -200,10 +213,14 @@ def _as_lengths(lengths: Lengths) -> list[int]:
             bad = np.flatnonzero(lengths < 0)
             if bad.size:
                 i = int(bad[0])
-                raise ValueError(f"lengths[{i}] is {int(lengths[i])}: lengths must be non-negative integers")
-        return [int(x) for x in lengths.tolist()]
+                raise ValueError(
+                    f"lengths[{i}] is {int(lengths[i])}: lengths must be non-negative integers"
+                )
+        return lengths.tolist()  # Python ints
     if isinstance(lengths, (str, bytes)):
-        raise ValueError(f"lengths must be a sequence of non-negative integers, got {type(lengths).__name__}")
+        raise ValueError(
+            f"lengths must be a sequence of non-negative integers, got {type(lengths).__name__}"
+        )
     out = []
     for i, x in enumerate(lengths):
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
@@ -225,8 +242,9 @@ def _count_in_range(count: int, minimum: int, n: int, cap: int) -> int:
         raise ValueError(f"count must be an integer, got {count!r}")
     if not minimum <= count <= n:
         raise ValueError(
-            f"count={count} is outside [{minimum}, {n}]: {n} samples need at least {minimum} "
-            f"micro-batches of at most {cap} tokens, and each micro-batch needs a sample"
+            f"count={count} is outside [{minimum}, {n}]: first-fit decreasing packs these {n} "
+            f"samples into no fewer than {minimum} micro-batches of at most {cap} tokens, and "
+            f"each micro-batch needs at least one sample"
         )
     return int(count)
 
@@ -358,7 +376,9 @@ def _first_fit_decreasing(
     return oversize, bins
 
 
-def _pack(vals: list[int], cap: int, count: int, oversize: list[int], ffd: list[list[int]]) -> list[list[int]]:
+def _pack(
+    vals: list[int], cap: int, count: int, oversize: list[int], ffd: list[list[int]]
+) -> list[list[int]]:
     """Exactly ``count`` non-empty bins; needs ``len(oversize) + len(ffd) <= count <= items``."""
     k = count - len(oversize)
     normal = [p for b in ffd for p in b]
@@ -392,35 +412,48 @@ def _split(ffd: list[list[int]], k: int, vals: list[int]) -> list[list[int]]:
     return bins
 
 
-def _refine(bins: list[list[int]], vals: list[int], until: int = 0) -> list[list[int]]:
-    """Improve the heaviest bin by a move or a swap with the lightest bin that allows one,
-    until the heaviest holds at most ``until`` tokens, no step helps, or a step limit.
+_PARTNERS = 4  # lightest bins a heavy bin tries to trade with
 
-    Every step lowers the heaviest bin and leaves its partner below the old maximum, so the
-    largest sum never grows (a cap that held still holds) and the sorted sums fall
-    lexicographically. Moves never empty a bin."""
+
+def _refine(
+    bins: list[list[int]], vals: list[int], until: int = 0, moves: bool = True
+) -> list[list[int]]:
+    """Lower heavy bins by moving a sample to, or swapping one with, a light bin (swaps only,
+    keeping every bin's size, if not ``moves``).
+
+    The heaviest bin that has not been found stuck trades with the lightest bin that allows an
+    improvement (among the few lightest); a bin no trade can lower is marked stuck and the next
+    heaviest goes on. Stops when the heaviest open bin holds at most ``until`` tokens (with
+    ``until`` > 0, also as soon as a bin above ``until`` is stuck: the caller then gives up on
+    these bins), when every bin is stuck, or at a step limit.
+
+    Every trade leaves both bins below the heavier one's old sum, so the largest sum never grows
+    (a cap that held still holds) and the sorted sums fall lexicographically. Moves never empty
+    a bin."""
     k = len(bins)
     if k < 2:
         return bins
     bins = [list(b) for b in bins]
     sums = _sums(bins, vals)
-    for _ in range(2 * k + 16):
-        hi = max(range(k), key=sums.__getitem__)
-        if sums[hi] <= until:
+    stuck = [False] * k
+    for _ in range(4 * k + 16):
+        order = sorted(range(k), key=sums.__getitem__)  # stable: ties by bin index
+        hi = next((i for i in reversed(order) if not stuck[i]), None)
+        if hi is None or sums[hi] <= until:
             break
-        lo = min(range(k), key=sums.__getitem__)
         step = None
-        if sums[hi] - sums[lo] > 1:
-            step = _best_exchange(bins[hi], bins[lo], vals, sums[hi] - sums[lo])
-            if step is None:  # the lightest cannot help: try the others, lightest first
-                for lo in sorted(range(k), key=sums.__getitem__)[1:]:
-                    if sums[hi] - sums[lo] <= 1:
-                        break
-                    step = _best_exchange(bins[hi], bins[lo], vals, sums[hi] - sums[lo])
-                    if step is not None:
-                        break
+        for lo in order[:_PARTNERS]:
+            diff = sums[hi] - sums[lo]
+            if diff <= 1:
+                break
+            step = _best_exchange(bins[hi], bins[lo], vals, diff, moves)
+            if step is not None:
+                break
         if step is None:
-            break
+            if until:
+                break
+            stuck[hi] = True
+            continue
         out, into = step
         if out is not None:
             bins[hi].remove(out)
@@ -435,14 +468,14 @@ def _refine(bins: list[list[int]], vals: list[int], until: int = 0) -> list[list
 
 
 def _best_exchange(
-    heavy: list[int], light: list[int], vals: list[int], diff: int
+    heavy: list[int], light: list[int], vals: list[int], diff: int, moves: bool = True
 ) -> tuple[int | None, int | None] | None:
     """The move (x, None) or swap (x, y) from ``heavy`` to ``light`` that shifts d tokens,
-    0 < d < diff, with d nearest diff / 2; None if there is none."""
+    0 < d < diff, with d nearest diff / 2; None if there is none. Moves only if ``moves``."""
     best = diff  # score max(d, diff - d); must beat diff
     step = None
     hv = sorted((vals[p], p) for p in heavy)
-    if len(heavy) > 1:
+    if moves and len(heavy) > 1:
         i = bisect.bisect_left(hv, (diff // 2, -1))
         for x, p in hv[max(0, i - 1) : i + 2]:
             if 0 < x < diff and max(x, diff - x) < best:
