@@ -10,6 +10,7 @@ putting a consumer's pieces back into one batch (:func:`assemble`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from typing import Any
 
@@ -19,6 +20,19 @@ from benchmarks.harness import Scenario
 from benchmarks.workload import make_batch, select
 
 SEED = 0  # every producer generates with this seed; samples differ by their start index
+
+
+def missing(*modules: str) -> list[str]:
+    """Which of ``modules`` cannot be imported here (checked without importing them)."""
+    out = []
+    for m in modules:
+        try:
+            found = importlib.util.find_spec(m) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(m)
+    return out
 
 
 def repo_root() -> str:
