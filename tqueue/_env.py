@@ -8,6 +8,8 @@
 ``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host
 ``TQUEUE_KEEP_FREED_BYTES`` freed heap glibc may keep mapped in a client process (0: leave
                           malloc alone)
+``TQUEUE_NATIVE``           0: plan rounds with the pure-Python planner even where its C
+                          extension is built
 """
 
 from __future__ import annotations

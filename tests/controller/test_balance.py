@@ -1,9 +1,15 @@
-"""Token balance for a round: balanced_partition, micro_batches and plan_round."""
+"""Token balance for a round: balanced_partition, micro_batches and plan_round.
+
+Every test runs twice, on the Python planner and on its C inner routines (ids ``python`` and
+``native``; the latter skips where tqueue._native_balance is not built), and the last section
+checks that the two give identical results on many random inputs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 
@@ -12,6 +18,23 @@ import pytest
 
 from tqueue.controller import _balance
 from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_round
+
+
+NOT_BUILT = (
+    "tqueue._native_balance is not built (no C compiler when tqueue was installed, or its build "
+    "failed): only the Python planner can be tested"
+)
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def implementation(request):
+    """Every test on both implementations of the inner routines."""
+    if request.param == "native" and _balance._native_balance is None:
+        pytest.skip(NOT_BUILT)
+    previous = _balance.use_native(request.param == "native")
+    assert _balance.IMPLEMENTATION == request.param
+    yield request.param
+    _balance.use_native(previous == "native")
 
 
 def random_lengths(seed: int, n: int, high: int = 5000) -> list[int]:
@@ -397,9 +420,149 @@ def test_plan_round_rejects_bad_arguments(lengths, dp_size, cap, match):
         plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap)
 
 
-def test_module_does_not_import_torch():
-    code = "import sys, tqueue.controller._balance; print('torch' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+def test_module_does_not_import_torch(implementation):
+    """Nor does the extension; TQUEUE_NATIVE=0 picks the Python path at import."""
+    code = (
+        "import sys, tqueue.controller._balance as b; "
+        "print('torch' in sys.modules, b.IMPLEMENTATION)"
     )
-    assert out.stdout.strip() == "False"
+    env = dict(os.environ, TQUEUE_NATIVE="1" if implementation == "native" else "0")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env
+    )
+    assert out.stdout.split() == ["False", implementation]
+
+
+# ---------------------------------------------------------------------------------------------
+# the C inner routines: exactly the Python ones
+
+
+def native_module():
+    if _balance._native_balance is None:
+        pytest.skip(NOT_BUILT)
+    return _balance._native_balance
+
+
+def once(implementation: str) -> None:
+    """The tests below call both implementations themselves: run them once, as [native]."""
+    if implementation == "python":
+        pytest.skip("compares both implementations: runs once, as [native]")
+
+
+def fuzz_lengths(rng: np.random.Generator, n: int, kind: int) -> list[int]:
+    """Lengths with many ties, zeros, a heavy tail, or all equal."""
+    if kind == 0:
+        return rng.integers(0, 4, size=n).tolist()  # mostly ties, zeros among them
+    if kind == 1:
+        return rng.integers(1, 10**6, size=n).tolist()
+    if kind == 2:
+        return np.clip(rng.lognormal(7.0, 1.5, size=n), 0, 131072).astype(np.int64).tolist()
+    if kind == 3:
+        return [int(rng.integers(0, 3))] * n
+    return rng.integers(200, 1000, size=n).tolist()  # tight against caps of ~1000
+
+
+def test_native_inner_routines_match_python(implementation):
+    once(implementation)
+    native = native_module()
+    rng = np.random.default_rng(2024)
+    for case in range(1500):
+        n = int(rng.integers(0, 160))
+        vals = fuzz_lengths(rng, n, case % 5)
+        parts = int(rng.choice([1, 2, 3, 4, 7, 8, 16, 64]))
+        equal_size = bool(case % 2)
+        order = sorted(range(n), key=vals.__getitem__, reverse=True)
+        if equal_size:
+            order = order[: n - n % parts]
+        if case % 3 == 0:  # not sorted by length: KK's result still depends only on its input
+            order = rng.permutation(order).tolist()
+        args = (vals, order, parts, equal_size)
+        assert native.kk(*args) == _balance._kk_python(*args), args
+
+        cap = int(rng.integers(1, 2 * max(vals, default=1) + 2))
+        positions = rng.permutation(n)[: int(rng.integers(0, n + 1))].tolist()
+        for where in (positions, range(n)):
+            args = (vals, where, cap)
+            assert native.first_fit_decreasing(*args) == _balance._first_fit_decreasing_python(
+                *args
+            ), args
+
+        cuts = sorted(rng.integers(0, n + 1, size=parts - 1).tolist())
+        bins = [positions[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        bins = [list(b) for b in np.array_split(rng.permutation(n), parts)] if case % 4 else bins
+        bins = [[int(p) for p in b] for b in bins]
+        until = int(rng.choice([0, 0, cap, sum(vals) // parts + 1]))
+        args = (bins, vals, until, bool(case % 3))
+        assert native.refine(*args) == _balance._refine_python(*args), args
+
+        assert native.descending(vals, positions) == sorted(
+            positions, key=vals.__getitem__, reverse=True
+        )
+        groups = [*bins, [], *bins[:2]] if case % 2 else bins  # empties; equal first positions
+        assert native.canonical(groups) == _balance._canonical_python(groups), groups
+
+
+@pytest.mark.parametrize("cap", [None, 1, 700, 1000, 4096, 16384], ids=lambda c: f"cap{c}")
+def test_native_and_python_plan_identically(implementation, cap):
+    once(implementation)
+    native_module()
+    rng = np.random.default_rng(cap or 0)
+    for case in range(40):
+        dp_size = int(rng.choice([1, 2, 3, 4, 8]))
+        n = dp_size * int(rng.integers(1, 80))
+        lengths = fuzz_lengths(rng, n, case % 5)
+        plans = []
+        for flag in (False, True):
+            _balance.use_native(flag)
+            out = [
+                plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap),
+                balanced_partition(lengths, dp_size),
+                balanced_partition(lengths, dp_size + 1, equal_size=False),
+            ]
+            if cap is not None:
+                minimum = len(micro_batches(lengths, cap))
+                for count in {minimum, (minimum + n) // 2, n}:
+                    out.append(micro_batches(lengths, cap, count=count))
+            plans.append(out)
+        assert plans[0] == plans[1], (lengths, dp_size, cap)
+    _balance.use_native(True)
+
+
+def test_native_plans_4096_samples_as_python(implementation):
+    once(implementation)
+    native_module()
+    for kind, cap in [("lognormal", 16384), ("lognormal", 4096), ("few_long_many_short", 8192)]:
+        lengths = skewed_lengths(kind, seed=7)
+        for dp_size in (4, 8):
+            _balance.use_native(False)
+            expected = plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap)
+            _balance.use_native(True)
+            assert plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap) == expected
+
+
+def test_lengths_beyond_int64_take_the_python_path(implementation):
+    """The C routines refuse what int64 cannot hold; the planner then runs them in Python."""
+    huge = [2**70, 1, 2**64, 5, 3, 2**63]
+    assert balanced_partition(huge, 2) == [[0, 1, 4], [2, 3, 5]]  # 2**70 with the two least
+    assert micro_batches([100, 200, 300], 10**30) == [[0, 1, 2]]
+    assert micro_batches([2**63 - 2, 2**63 - 2, 1], 2**63 - 1) == [[0, 2], [1]]  # total > int64
+    if implementation == "native":
+        native = native_module()
+        with pytest.raises(OverflowError):
+            native.kk(huge, [0, 2, 5, 4, 3, 1], 2, True)
+        with pytest.raises(OverflowError):  # fits in int64, the total does not
+            native.kk([2**62, 2**62, 2**62, 1], [0, 1, 2, 3], 2, True)
+        with pytest.raises(OverflowError):
+            native.first_fit_decreasing([1, 2], [0, 1], 2**64)
+        with pytest.raises(OverflowError):
+            native.refine([[0], [1]], [-1, 2], 0, True)
+
+
+def test_use_native_without_the_extension(implementation, monkeypatch):
+    monkeypatch.setattr(_balance, "_native_balance", None)
+    with pytest.raises(RuntimeError, match="not built"):
+        _balance.use_native(True)
+    assert _balance.IMPLEMENTATION == implementation  # unchanged by the refusal
+    _balance.use_native(False)
+    assert _balance.IMPLEMENTATION == "python"
+    assert balanced_partition([1, 2, 3, 4], 2) == [[0, 3], [1, 2]]

@@ -4,9 +4,17 @@ The controller forms a round of ``dp_size * batch_size`` samples and hands each 
 number of samples with nearly the same number of tokens, then cuts every rank's share into the
 same number of micro-batches, each under a token cap where the samples allow it.
 
-Everything here is pure Python over integers (numpy only to read array inputs): the controller
+Everything here is Python over integers (numpy only to read array inputs): the controller
 process never imports torch. Every function is deterministic: it looks only at the length values
 and breaks ties by position, so every caller that plans the same round gets the identical plan.
+
+The inner routines (Karmarkar-Karp, first-fit decreasing, the refining trades, two sorts) have C
+twins in the optional extension ``tqueue._native_balance`` (native/balance.c), built at install
+time where a compiler is found. They return exactly what the Python ones return, so the plan does
+not depend on which ran. ``IMPLEMENTATION`` says which is in use: "native" where the extension is
+built, unless ``TQUEUE_NATIVE=0`` or ``use_native(False)`` chose Python. At 4096 samples the C
+path plans a round in a few ms where Python takes tens (native/README.md has the numbers); the
+controller's event loop waits for the whole plan, and so does every other request to it.
 
 The balancing is the Karmarkar-Karp largest differencing method generalised to k-way partitions:
 a heap holds partial solutions, each a k-tuple of (sum, items); the two with the largest spread
@@ -25,11 +33,99 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from .. import _env
+
+try:  # the C versions of the inner routines (native/balance.c), where they were built
+    from .. import _native_balance
+except ImportError:  # no compiler at install time, or the build failed: pure Python
+    _native_balance = None
+
 __all__ = ["RoundPlan", "balanced_partition", "micro_batches", "plan_round"]
 
 # A subset's items are a tree of joins (None for no item, an int position for one, a pair for a
 # join) flattened once at the end, so merging costs O(1) per subset however large it grows.
 _Tree = Union[None, int, tuple]
+
+
+# ---------------------------------------------------------------------------------------------
+# implementation: C twins where built, else Python
+
+_native = None  # the extension module while the native path is in use
+IMPLEMENTATION = "python"  # "native" or "python": which versions of the inner routines run
+
+
+def use_native(flag: bool) -> str:
+    """Run the C versions of the inner routines (``flag`` true) or the Python ones; returns the
+    previous ``IMPLEMENTATION``. Raises RuntimeError for ``use_native(True)`` where the
+    extension was not built. Both give identical plans: this only changes the speed."""
+    global _native, IMPLEMENTATION
+    previous = IMPLEMENTATION
+    if flag and _native_balance is None:
+        raise RuntimeError(
+            "tqueue._native_balance is not built (no C compiler when tqueue was installed, or "
+            "its build failed): only the Python planner is available"
+        )
+    _native = _native_balance if flag else None
+    IMPLEMENTATION = "native" if flag else "python"
+    return previous
+
+
+use_native(_native_balance is not None and bool(_env.number("TQUEUE_NATIVE", 1)))
+
+
+def _kk(vals: list[int], order: list[int], parts: int, equal_size: bool) -> list[list[int]]:
+    """``_kk_python``'s result, from C where in use. The C version refuses (OverflowError)
+    lengths or totals beyond int64, which Python ints hold: those take the Python path."""
+    if _native is not None:
+        try:
+            return _native.kk(vals, order, parts, equal_size)
+        except OverflowError:
+            pass
+    return _kk_python(vals, order, parts, equal_size)
+
+
+def _first_fit_decreasing(
+    vals: list[int], positions: Sequence[int], cap: int
+) -> tuple[list[int], list[list[int]]]:
+    """``_first_fit_decreasing_python``'s result, from C where in use (as ``_kk``)."""
+    if _native is not None:
+        try:
+            return _native.first_fit_decreasing(vals, positions, cap)
+        except OverflowError:
+            pass
+    return _first_fit_decreasing_python(vals, positions, cap)
+
+
+def _refine(
+    bins: list[list[int]], vals: list[int], until: int = 0, moves: bool = True
+) -> list[list[int]]:
+    """``_refine_python``'s result, from C where in use (as ``_kk``)."""
+    if _native is not None:
+        try:
+            return _native.refine(bins, vals, until, moves)
+        except OverflowError:
+            pass
+    return _refine_python(bins, vals, until, moves)
+
+
+def _descending(vals: list[int], positions: Sequence[int]) -> list[int]:
+    """The positions, longest first; stable, so equal lengths keep their order (as _kk needs)."""
+    if _native is not None:
+        try:
+            return _native.descending(vals, positions)
+        except OverflowError:
+            pass
+    return sorted(positions, key=vals.__getitem__, reverse=True)
+
+
+def _canonical(groups: list[list[int]]) -> list[list[int]]:
+    """``_canonical_python``'s result, from C where in use (as ``_kk``)."""
+    if _native is not None:
+        try:
+            return _native.canonical(groups)
+        except OverflowError:
+            pass
+    return _canonical_python(groups)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +172,7 @@ def _partition(vals: list[int], parts: int, equal_size: bool) -> list[list[int]]
             f"equal_size=True needs len(lengths) divisible by parts: {n} samples cannot be "
             f"split into {parts} equal parts ({n} % {parts} = {n % parts})"
         )
-    order = sorted(range(n), key=vals.__getitem__, reverse=True)  # stable: ties by position
+    order = _descending(vals, range(n))
     groups = _kk(vals, order, parts, equal_size)
     if equal_size:
         groups = _refine(groups, vals, moves=False)
@@ -173,7 +269,7 @@ def plan_round(
     if not vals:
         raise ValueError("plan_round needs at least one sample; lengths is empty")
     ranks = _partition(vals, dp_size, equal_size=True)
-    token_sums = [sum(vals[p] for p in rank) for rank in ranks]
+    token_sums = _sums(ranks, vals)
     if max_tokens_per_micro_batch is None:
         return RoundPlan(ranks, [[list(rank)] for rank in ranks], 1, token_sums)
 
@@ -221,6 +317,9 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
         raise ValueError(
             f"lengths must be a sequence of non-negative integers, got {type(lengths).__name__}"
         )
+    if isinstance(lengths, (list, tuple)) and all(type(x) is int for x in lengths):
+        if not lengths or min(lengths) >= 0:  # the common case, without the loop below
+            return list(lengths)
     out = []
     for i, x in enumerate(lengths):
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
@@ -275,7 +374,9 @@ def _flatten(tree: _Tree) -> list[int]:
     return out
 
 
-def _kk(vals: list[int], order: list[int], parts: int, equal_size: bool) -> list[list[int]]:
+def _kk_python(
+    vals: list[int], order: list[int], parts: int, equal_size: bool
+) -> list[list[int]]:
     """k-way largest differencing over the positions ``order`` (descending by length).
 
     With ``equal_size`` ``len(order)`` must be a multiple of ``parts``. Returns ``parts`` lists
@@ -330,7 +431,7 @@ def _kk(vals: list[int], order: list[int], parts: int, equal_size: bool) -> list
     return [_flatten(s[3]) for s in final] + [[] for _ in range(k - len(final))]
 
 
-def _canonical(groups: list[list[int]]) -> list[list[int]]:
+def _canonical_python(groups: list[list[int]]) -> list[list[int]]:
     """Each group sorted ascending; groups ordered by first position, empty groups last."""
     out = [sorted(g) for g in groups]
     out.sort(key=lambda g: (0, g[0]) if g else (1, 0))
@@ -341,7 +442,7 @@ def _canonical(groups: list[list[int]]) -> list[list[int]]:
 # micro-batches
 
 
-def _first_fit_decreasing(
+def _first_fit_decreasing_python(
     vals: list[int], positions: Sequence[int], cap: int
 ) -> tuple[list[int], list[list[int]]]:
     """Oversize positions (each needs a micro-batch of its own) and FFD bins for the rest.
@@ -384,7 +485,7 @@ def _pack(
     normal = [p for b in ffd for p in b]
     bins: list[list[int]] = []
     if k:
-        order = sorted(normal, key=vals.__getitem__, reverse=True)
+        order = _descending(vals, normal)
         # KK balances the sums but does not know the cap: repair it where it breaks the cap,
         # and where that fails, balance FFD's bins, which respect it.
         bins = _refine(_kk(vals, order, k, equal_size=False), vals, until=cap)
@@ -394,7 +495,7 @@ def _pack(
 
 
 def _sums(bins: list[list[int]], vals: list[int]) -> list[int]:
-    return [sum(vals[p] for p in b) for b in bins]
+    return [sum(map(vals.__getitem__, b)) for b in bins]
 
 
 def _split(ffd: list[list[int]], k: int, vals: list[int]) -> list[list[int]]:
@@ -403,19 +504,19 @@ def _split(ffd: list[list[int]], k: int, vals: list[int]) -> list[list[int]]:
     sums = _sums(bins, vals)
     while len(bins) < k:
         i = max((j for j in range(len(bins)) if len(bins[j]) > 1), key=sums.__getitem__)
-        order = sorted(bins[i], key=vals.__getitem__, reverse=True)
+        order = _descending(vals, bins[i])
         left, right = _kk(vals, order, 2, equal_size=False)
         bins[i] = left
-        sums[i] = sum(vals[p] for p in left)
+        sums[i] = sum(map(vals.__getitem__, left))
         bins.append(right)
-        sums.append(sum(vals[p] for p in right))
+        sums.append(sum(map(vals.__getitem__, right)))
     return bins
 
 
 _PARTNERS = 4  # lightest bins a heavy bin tries to trade with
 
 
-def _refine(
+def _refine_python(
     bins: list[list[int]], vals: list[int], until: int = 0, moves: bool = True
 ) -> list[list[int]]:
     """Lower heavy bins by moving a sample to, or swapping one with, a light bin (swaps only,
