@@ -144,25 +144,31 @@ def assemble(
     meta: BatchMeta, fields: Sequence[str], parts: Sequence[Part], options: Options, pool: BufferPool
 ) -> tuple[Batch, int]:
     """The batch, and how many payload bytes were copied to build it."""
-    options.check()
     values: dict[str, Any] = {}
     lengths: dict[str, torch.Tensor] = {}
     copied = 0
-    size = len(meta.indexes)
     for field in fields:
-        spec = meta.schema[field]
-        pieces = _gather(field, spec, parts)
-        if spec.kind == "object":
-            values[field] = _objects(pieces, size)
-        elif spec.layout == "dense":
-            values[field], n = _dense(pieces, size, pool)
-            copied += n
-        else:
-            values[field], lens, n = _jagged(field, pieces, size, options, pool)
-            copied += n
-            if lens is not None:
-                lengths[field] = lens
+        values[field], lens, n = assemble_field(meta, field, parts, options, pool)
+        copied += n
+        if lens is not None:
+            lengths[field] = lens
     return Batch(meta, values, lengths), copied
+
+
+def assemble_field(
+    meta: BatchMeta, field: str, parts: Sequence[Part], options: Options, pool: BufferPool
+) -> tuple[Any, torch.Tensor | None, int]:
+    """One field's value for the batch, its per-sample lengths (jagged), bytes copied."""
+    options.check()
+    size = len(meta.indexes)
+    spec = meta.schema[field]
+    pieces = _gather(field, spec, parts)
+    if spec.kind == "object":
+        return _objects(pieces, size), None, 0
+    if spec.layout == "dense":
+        value, n = _dense(pieces, size, pool)
+        return value, None, n
+    return _jagged(field, pieces, size, options, pool)
 
 
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:

@@ -39,6 +39,9 @@ class Encoded:
     buffers: list[Any]
     nbytes: int = 0
     copied: int = 0
+    # per block, the field's bytes as one buffer where they are contiguous (dense fields):
+    # the same-host path copies that in one go instead of frame by frame
+    whole: list[Any] = dataclasses.field(default_factory=list)
 
     def grant_blocks(self) -> list[FieldBlock]:
         """The blocks as the controller needs them: specs and shapes, not frame layout."""
@@ -204,6 +207,7 @@ def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx
         counts.append(b - a)
     spec = FieldSpec(kind=kind, dtype=dtype, layout="dense", shape=row)
     out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts))
+    out.whole.append(buf)
     out.nbytes += buf.nbytes
     out.copied += copied
 
@@ -231,6 +235,7 @@ def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: st
     counts = _pack(bufs, chunk, out)
     spec = FieldSpec(kind=kind, dtype=dtype0 or "", layout="jagged", ndim=ndim0 or 0)
     out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts, shapes=shapes))
+    out.whole.append(None)
 
 
 def _pack(bufs: Sequence[memoryview], chunk: int, out: Encoded) -> list[int]:
@@ -293,6 +298,7 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
         counts.append(in_buf)
     spec = FieldSpec(kind="object", layout="jagged")
     out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts, sizes=sizes))
+    out.whole.append(None)
     out.nbytes += sum(sizes)
     out.copied += sum(sizes)
 
