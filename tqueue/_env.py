@@ -3,6 +3,8 @@
 ``TQUEUE_HOST``             host name used for placement (default: this machine's name)
 ``TQUEUE_REQUEST_TIMEOUT``  seconds a server may take to answer an ordinary request
 ``TQUEUE_GET_TIMEOUT``      default seconds ``get_meta`` waits for samples
+``TQUEUE_PUT_TIMEOUT``      default seconds a put waits for memory or staleness admission
+``TQUEUE_LEASE_TIMEOUT``    default seconds a consumer's lease lasts before it expires
 ``TQUEUE_CHUNK_BYTES``      largest payload frame a client sends
 ``TQUEUE_BUFFER_POOL_BYTES`` idle batch buffers a client keeps for reuse
 ``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host

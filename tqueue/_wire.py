@@ -47,6 +47,13 @@ class Kind(enum.IntEnum):
     ALLOC = 22
     ALLOCATED = 23
     RELEASE = 24
+    RENEW = 25
+    FAIL = 26
+    SET_VERSION = 27
+    ADMISSION = 28
+    RESERVE = 29
+    DROPPED = 30
+    SEAL = 31
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -115,6 +122,14 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     groups: list[GroupId] | None = None
     task: str | None = None
     lease: int = 0
+    lease_timeout: float | None = None
+    versions: list[int] | None = None
+    dp_rank: int = -1
+    dp_size: int = 0
+    round: int = -1
+    global_batch_size: int = 0
+    num_microbatches: int = 1
+    micro_batch_indices: list[list[int]] | None = None
 
     @property
     def size(self) -> int:
@@ -123,6 +138,24 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
 
     def __len__(self) -> int:
         return len(self.indexes)
+
+    def select(self, positions: Sequence[int]) -> "BatchMeta":
+        """The meta of some of these samples (by position), e.g. to fail or clear them."""
+        pick = list(positions)
+
+        def take(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else [values[i] for i in pick]
+
+        return msgspec.structs.replace(
+            self,
+            indexes=take(self.indexes),
+            units=take(self.units),
+            groups=take(self.groups),
+            versions=take(self.versions),
+            micro_batch_indices=None,
+            num_microbatches=1,
+            global_batch_size=len(pick),
+        )
 
 
 # --- messages -------------------------------------------------------------------------
@@ -167,12 +200,16 @@ class Registered(Message):
 
 
 class CreatePartition(Message):
-    """Create a partition up front; ``fields`` declares the only fields it accepts."""
+    """Create a partition up front, with options (see ``controller._state.Options``)."""
 
     KIND = Kind.CREATE_PARTITION
     partition: str
     fields: list[str] | None = None
     exist_ok: bool = True
+    tasks: list[str] | None = None
+    group_size: int = 0
+    on_member_failure: str = "drop_group"
+    auto_free: bool = True
 
 
 class Grant(Message):
@@ -187,6 +224,9 @@ class Grant(Message):
     partition_uid: int = 0
     indexes: list[int] | None = None
     nbytes: int = 0
+    versions: list[int] | None = None
+    timeout: float | None = None  # how long the grant may wait for memory or admission
+    reserved: int = 0  # samples of this write already admitted by a reserve()
 
 
 class Granted(Message):
@@ -250,12 +290,25 @@ class Commit(Message):
 
 
 class GetMeta(Message):
+    """Lease samples to a task. ``policy``: ``first_ready`` or ``groups`` (whole groups;
+    ``batch_size`` in samples). With ``dp_size``, the request is rank ``dp_rank``'s share
+    of ``round`` (``dp_size * batch_size`` samples split by tokens, see _rounds)."""
+
     KIND = Kind.GET_META
     partition: str
     fields: list[str]
     batch_size: int
     task: str
     timeout: float | None = None
+    lease_timeout: float | None = None
+    policy: str = "first_ready"
+    dp_rank: int = -1
+    dp_size: int = 0
+    round: int = -1
+    max_tokens_per_micro_batch: int = 0
+    balance_by: list[str] | None = None
+    max_staleness: int | None = None
+    round_uid: int = 0  # partition incarnation the caller's round count refers to
 
 
 class Meta(Message):
@@ -301,15 +354,80 @@ class Ack(Message):
 
 
 class Clear(Message):
+    """Free a partition, or only ``indexes`` of it."""
+
     KIND = Kind.CLEAR
     partition: str
+    partition_uid: int = 0
+    indexes: list[int] | None = None
 
 
 class Drop(Message):
-    """The controller tells a unit to free a partition's bytes."""
+    """The controller tells a unit to free a partition's bytes (or some samples')."""
 
     KIND = Kind.DROP
     partition_uid: int
+    indexes: list[int] | None = None
+
+
+class Dropped(Message):
+    """What a unit holds after a drop: in all, and of that partition."""
+
+    KIND = Kind.DROPPED
+    unit_bytes: int
+    partition_bytes: int = 0
+
+
+class Renew(Message):
+    KIND = Kind.RENEW
+    partition: str
+    partition_uid: int
+    task: str
+    lease: int
+    timeout: float | None = None
+
+
+class Fail(Message):
+    """Samples (``indexes``) or members of ``group`` that were never put (``count``) failed."""
+
+    KIND = Kind.FAIL
+    partition: str
+    reason: str
+    partition_uid: int = 0
+    indexes: list[int] | None = None
+    group: GroupId = None
+    count: int = 0
+
+
+class Seal(Message):
+    """No more samples will be put to this partition."""
+
+    KIND = Kind.SEAL
+    partition: str
+
+
+class SetVersion(Message):
+    """The trainer's current policy weight version."""
+
+    KIND = Kind.SET_VERSION
+    version: int
+
+
+class Admission(Message):
+    """Producers may hold at most ``(version + max_staleness + 1) * batch_size`` samples
+    produced or in flight (AReaL-style); ``max_staleness`` < 0 turns the bound off."""
+
+    KIND = Kind.ADMISSION
+    max_staleness: int
+    batch_size: int
+
+
+class Reserve(Message):
+    """Admit ``count`` samples ahead of their put (waits like a put)."""
+
+    KIND = Kind.RESERVE
+    count: int
+    timeout: float | None = None
 
 
 class StatusRequest(Message):
@@ -319,15 +437,26 @@ class StatusRequest(Message):
 class TaskStatus(msgspec.Struct, kw_only=True):
     leased: int
     consumed: int
+    refused: int = 0
+    expired: int = 0
 
 
 class PartitionStatus(msgspec.Struct, kw_only=True):
+    """``samples``: committed; ``ready``: committed and not excluded; ``excluded``: aborted,
+    failed or cleared samples, by reason in ``reasons``."""
+
     name: str
     uid: int
     samples: int
     fields: dict[str, FieldSpec]
     tasks: dict[str, TaskStatus]
     nbytes: int
+    ready: int = 0
+    excluded: int = 0
+    reasons: dict[str, int] = {}
+    in_flight: int = 0
+    groups_complete: int = 0
+    sealed: bool = False
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):
@@ -335,12 +464,16 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     address: str
     host: str
     nbytes: int
+    capacity: int = 0
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):
+    """A parked call: ``kind`` is ``get_meta``, ``put`` or ``reserve``."""
+
     partition: str
     task: str
     reason: str
+    kind: str = "get_meta"
 
 
 class StatusReply(Message):
@@ -348,6 +481,9 @@ class StatusReply(Message):
     partitions: list[PartitionStatus]
     units: list[UnitStatus]
     waiting: list[WaiterStatus] = []
+    version: int = 0
+    admitted: int = 0
+    admission_limit: int = -1
 
 
 _TYPES: dict[int, type[Message]] = {}

@@ -21,10 +21,13 @@ class ControllerConfig:
 
     ``bind``: ZeroMQ endpoint; port 0 lets the OS choose, the real one is read back.
     ``max_header_bytes``: larger request headers get a protocol error reply.
+    ``capacity_bytes``: payload the whole cluster may hold (0: no limit beyond the units').
+    A put that would exceed it waits, up to its timeout, for memory to be freed.
     """
 
     bind: str = "tcp://127.0.0.1:0"
     max_header_bytes: int = 16 * MiB
+    capacity_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,8 @@ class StorageConfig:
 
     ``controller``: the controller's address, where the unit registers.
     ``host``: the host name placement compares with producers' (default: this machine).
+    ``capacity_bytes``: payload this unit may hold (0: no limit); puts that would exceed it
+    go to another unit, or wait.
     ``max_header_bytes``: larger request headers get a protocol error reply.
     ``retain_bytes``: freed payload memory the unit keeps mapped for the next writes, which
     then land in warm pages (about twice the receive rate of fresh ones). Once more than
@@ -47,6 +52,7 @@ class StorageConfig:
     controller: str
     bind: str = "tcp://127.0.0.1:0"
     host: str = ""
+    capacity_bytes: int = 0
     max_header_bytes: int = 64 * MiB
     retain_bytes: int = 2048 * MiB
     trim_delay: float = 60.0
@@ -61,6 +67,9 @@ class ClientConfig:
     ``request_timeout``: seconds a server may take to answer before the client raises
     :class:`~tqueue.errors.UnavailableError` (a get_meta wait is added on top).
     ``get_timeout``: default seconds ``get_meta`` waits for enough samples.
+    ``put_timeout``: default seconds a put waits for memory or staleness admission.
+    ``lease_timeout``: default seconds a consumer holds samples before they return to its
+    task's pool unless acked or renewed (a consumer that died loses nothing).
     ``chunk_bytes``: payload is cut into frames of at most this size on sample boundaries;
     1-8 MiB frames move fastest over loopback.
     ``host``: the host name used to place this client's puts on a nearby unit ("": this
@@ -78,6 +87,8 @@ class ClientConfig:
 
     request_timeout: float = 30.0
     get_timeout: float = 60.0
+    put_timeout: float = 60.0
+    lease_timeout: float = 600.0
     chunk_bytes: int = 1 * MiB
     host: str = ""
     buffer_pool_bytes: int = 2048 * MiB
@@ -90,6 +101,8 @@ class ClientConfig:
         return cls(
             request_timeout=_env.number("TQUEUE_REQUEST_TIMEOUT", cls.request_timeout),
             get_timeout=_env.number("TQUEUE_GET_TIMEOUT", cls.get_timeout),
+            put_timeout=_env.number("TQUEUE_PUT_TIMEOUT", cls.put_timeout),
+            lease_timeout=_env.number("TQUEUE_LEASE_TIMEOUT", cls.lease_timeout),
             chunk_bytes=int(_env.number("TQUEUE_CHUNK_BYTES", cls.chunk_bytes)),
             host=_env.host(),
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),

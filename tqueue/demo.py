@@ -2,10 +2,13 @@
 
 Producer processes play inference engines: for each prompt they "generate" a group of
 responses of random lengths and put the group (prompt ids, response ids, log-probs, the
-prompt text and a metadata dict) to the partition of the current step. Consumer processes
-play data-parallel ranks: each leases its share of every step, fetches the fields it
-trains on, checks them, and acks. The launcher shows progress as reports arrive, clears
-each step once it is consumed, and ends with a summary table.
+prompt text and a metadata dict), tagged with its prompt uid and the policy version, to the
+partition of the current step. They may run at most one step ahead of the trainer (the
+staleness bound); beyond that their puts wait. Consumer processes play data-parallel ranks:
+each takes its token-balanced share of whole groups of every step, in micro-batches, checks
+it and acks; rank 0 then advances the trainer's version. The launcher seals each step once
+all its groups are in; a sealed step frees itself when the trainer has consumed it. Progress
+shows as reports arrive; a summary table ends the run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from multiprocessing.connection import Connection, wait
@@ -30,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=64, help="prompts per step (default 64)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
     p.add_argument("--max-response", type=int, default=2048, help="longest response in tokens")
+    p.add_argument("--max-tokens", type=int, default=16384, help="tokens per micro-batch (default 16384)")
     p.add_argument("--quick", action="store_true", help="a small run (CI)")
 
 
@@ -43,6 +48,7 @@ class Plan:
     consumers: int
     units: int
     max_response: int
+    max_tokens: int
 
     @property
     def per_step(self) -> int:
@@ -74,8 +80,10 @@ def _producer(plan: Plan, rank: int, out: Connection) -> None:
                         "meta": [{"uid": uid, "sample": i, "finish_reason": "stop", "step": step} for i in range(n)],
                     },
                     groups=uid,
+                    version=step,
+                    timeout=600,  # the staleness bound may hold it until the trainer advances
                 )
-                _send(out, {"kind": "put", "samples": n, "seconds": time.perf_counter() - started})
+                _send(out, {"kind": "put", "step": step, "samples": n, "seconds": time.perf_counter() - started})
         _send(out, {"kind": "done", "copied": client.stats.copied_bytes, "put_bytes": client.stats.put_bytes})
 
 
@@ -84,13 +92,23 @@ def _consumer(plan: Plan, rank: int, out: Connection) -> None:
 
     from .client import Client
 
-    share = plan.per_step // plan.consumers + (1 if rank < plan.per_step % plan.consumers else 0)
+    share = plan.per_step // plan.consumers
     got = 0
     with Client(plan.address) as client:
         for step in range(plan.steps):
             partition = f"train/step-{step}"
             t0 = time.perf_counter()
-            meta = client.get_meta(partition, FIELDS, share, task="actor_train", timeout=300)
+            meta = client.get_meta(
+                partition,
+                FIELDS,
+                share,
+                task="actor_train",
+                timeout=300,
+                policy="groups",
+                dp_rank=rank,
+                dp_size=plan.consumers,
+                max_tokens_per_micro_batch=plan.max_tokens,
+            )
             t1 = time.perf_counter()
             batch = client.get_data(meta, jagged={"response_ids": "padded", "log_probs": "padded"})
             t2 = time.perf_counter()
@@ -100,8 +118,14 @@ def _consumer(plan: Plan, rank: int, out: Connection) -> None:
             for i, m in enumerate(batch["meta"]):
                 if meta.groups is None or meta.groups[i] != m["uid"] or not batch["prompt"][i].startswith(f"<prompt {m['uid']}>"):
                     raise AssertionError(f"sample {meta.indexes[i]}: fields of different samples mixed up")
+            if sorted(set(meta.groups or [])) and any(meta.groups.count(g) != plan.group_size for g in set(meta.groups)):
+                raise AssertionError("a GRPO group arrived incomplete")
+            tokens = int(batch.lengths("prompt_ids").sum() + batch.lengths("response_ids").sum())
             client.ack(meta)
-            _send(out, {"kind": "get", "step": step, "samples": len(meta), "wait": t1 - t0, "fetch": t2 - t1, "bytes": client.stats.get_bytes - got})
+            if rank == 0:
+                client.set_version(step + 1)  # the trainer moves on: producers may too
+            _send(out, {"kind": "get", "step": step, "samples": len(meta), "wait": t1 - t0, "fetch": t2 - t1,
+                        "bytes": client.stats.get_bytes - got, "tokens": tokens, "micro": meta.num_microbatches})
             got = client.stats.get_bytes
         _send(out, {"kind": "done", "copied": client.stats.copied_bytes})
 
@@ -155,6 +179,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.quick:
         args.producers, args.consumers, args.steps, args.prompts, args.group_size = 2, 2, 2, 8, 4
         args.max_response = min(args.max_response, 512)
+    if args.prompts % args.consumers:
+        print(f"tqueue demo: --prompts ({args.prompts}) must be a multiple of --consumers ({args.consumers}): "
+              "every DP rank takes whole groups", file=sys.stderr)
+        return 2
     ctx = mp.get_context("spawn")
     with LocalCluster(num_storage_units=args.units) as cluster:
         plan = Plan(
@@ -166,6 +194,7 @@ def run_demo(args: argparse.Namespace) -> int:
             consumers=args.consumers,
             units=args.units,
             max_response=args.max_response,
+            max_tokens=args.max_tokens,
         )
         print(
             f"tqueue demo: {plan.producers} producers -> {plan.units} "
@@ -173,6 +202,10 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{plan.group_size} responses; controller at {cluster.address}",
             flush=True,
         )
+        with Client(cluster.address) as admin:
+            for step in range(plan.steps):
+                admin.create_partition(f"train/step-{step}", group_size=plan.group_size, tasks=["actor_train"])
+            admin.set_staleness(max_staleness=1, batch_size=plan.per_step)
         pipes: dict[Connection, str] = {}
         procs = []
         for role, target, count in (("producer", _producer, plan.producers), ("consumer", _consumer, plan.consumers)):
@@ -187,8 +220,10 @@ def run_demo(args: argparse.Namespace) -> int:
         for proc in procs:
             proc.join(timeout=30)
         with Client(cluster.address) as client:
-            for p in client.status().partitions:
-                client.clear(p.name)
+            left = [p.name for p in client.status().partitions]
+            result["left"] = left
+            for name in left:
+                client.clear(name)
     _summary(plan, result)
     return 0 if result["ok"] else 1
 
@@ -203,6 +238,9 @@ def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: 
     puts: list[float] = []
     consumed = 0
     per_step = [0] * plan.steps
+    put_per_step = [0] * plan.steps
+    tokens: dict[int, list[int]] = {}
+    micro: set[int] = set()
     last = 0.0
     copied = 0
     delivered = 0
@@ -229,14 +267,17 @@ def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: 
                 last = time.perf_counter()
                 if msg["kind"] == "put":
                     puts.append(msg["seconds"])
+                    put_per_step[msg["step"]] += msg["samples"]
+                    if put_per_step[msg["step"]] == plan.per_step:
+                        client.seal(f"train/step-{msg['step']}")  # frees itself once consumed
                 elif msg["kind"] == "get":
                     waits.append(msg["wait"])
                     fetches.append(msg["fetch"])
                     consumed += msg["samples"]
                     delivered += msg["bytes"]
                     per_step[msg["step"]] += msg["samples"]
-                    if per_step[msg["step"]] == plan.per_step:
-                        client.clear(f"train/step-{msg['step']}")
+                    tokens.setdefault(msg["step"], []).append(msg["tokens"])
+                    micro.add(msg["micro"])
                     progress.update(consumed, delivered)
                 elif msg["kind"] == "done":
                     copied += msg["copied"]
@@ -254,6 +295,8 @@ def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: 
         "waits": waits,
         "fetches": fetches,
         "puts": puts,
+        "imbalance": statistics.median(max(t) / max(min(t), 1) for t in tokens.values()) if tokens else float("nan"),
+        "micro": sorted(micro),
     }
 
 
@@ -269,6 +312,9 @@ def _summary(plan: Plan, r: dict[str, Any]) -> None:
         ("get_meta wait p50 / p99", f"{1e3 * _pct(r['waits'], .5):.2f} / {1e3 * _pct(r['waits'], .99):.2f} ms"),
         ("get_data p50 / p99", f"{1e3 * _pct(r['fetches'], .5):.2f} / {1e3 * _pct(r['fetches'], .99):.2f} ms"),
         ("bytes copied per byte delivered", f"{r['copied'] / max(r['delivered'], 1):.2f}"),
+        ("DP token imbalance (max/min rank, median step)", f"{r['imbalance']:.3f}"),
+        ("micro-batches per rank", ", ".join(map(str, r["micro"]))),
+        ("steps left unfreed at the end", str(len(r.get("left", [])))),
         ("result", "OK" if r["ok"] else "FAILED"),
     ]
     width = max(len(k) for k, _ in rows)

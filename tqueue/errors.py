@@ -13,6 +13,7 @@
     ├── UnknownFieldError               (also KeyError) a field the partition does not have
     ├── PartitionClearedError           the partition was cleared under the call
     ├── WaitTimeoutError                (also TimeoutError) a wait ran out; says for what
+    │   └── StorageFullError            a put waited for memory in vain; says asked/used/allowed
     ├── UnavailableError                (also ConnectionError) a server did not answer
     │   ├── ControllerUnavailableError
     │   └── StorageUnitUnavailableError
@@ -35,6 +36,7 @@ __all__ = [
     "ProtocolVersionError",
     "RemoteError",
     "SchemaError",
+    "StorageFullError",
     "StorageUnitUnavailableError",
     "TQueueError",
     "UnavailableError",
@@ -101,6 +103,13 @@ class WaitTimeoutError(TQueueError, TimeoutError):
     code = "timeout"
 
 
+class StorageFullError(WaitTimeoutError):
+    """A write waited its whole timeout for memory; the message says how much it asked,
+    how much is used and how much is allowed. Nothing already stored was dropped for it."""
+
+    code = "full"
+
+
 class UnavailableError(TQueueError, ConnectionError):
     """A server did not answer within the request timeout."""
 
@@ -137,6 +146,7 @@ CODES: dict[str, type[TQueueError]] = {
         UnknownFieldError,
         PartitionClearedError,
         WaitTimeoutError,
+        StorageFullError,
         UnavailableError,
         ControllerUnavailableError,
         StorageUnitUnavailableError,

@@ -167,3 +167,29 @@ def test_clear_frees_bytes_wakes_waiters_and_allows_reuse(cluster, client, parti
     assert new.partition_uid != old.partition_uid and new.indexes == [0, 1]
     with pytest.raises(PartitionClearedError):
         client.update(old, {"x": torch.zeros(8, 1000)})
+
+
+def test_status_reports_progress_exclusions_and_waiting_calls(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.create_partition(partition, group_size=2)
+            await c.put(partition, {"x": torch.zeros(4, 100)}, groups=["a", "a", "b", "b"])
+            await c.fail(partition, group="b", count=1, reason="timeout")
+            meta = await c.get_meta(partition, ["x"], 2, task="actor", timeout=5)
+            await c.ack(meta)
+            await c.get_meta(partition, ["x"], 2, task="ref", timeout=5)
+            waiting = await started(c.get_meta(partition, ["x"], 2, task="actor", timeout=60))
+            status = await c.status()
+            part = {p.name: p for p in status.partitions}[partition]
+            assert (part.samples, part.ready, part.excluded) == (4, 2, 2)
+            assert part.reasons == {"member failed: timeout": 2}
+            assert part.nbytes == 4 * 400 and part.groups_complete == 2 and not part.sealed
+            assert (part.tasks["actor"].consumed, part.tasks["ref"].leased) == (2, 2)
+            [w] = [w for w in status.waiting if w.partition == partition]
+            assert (w.kind, w.task) == ("get_meta", "actor")
+            assert "0 ready for this task (4 samples committed" in w.reason
+            await c.clear(partition)
+            with pytest.raises(PartitionClearedError):
+                await waiting
+
+    asyncio.run(main())

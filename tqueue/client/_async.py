@@ -18,8 +18,10 @@ from .._wire import (
     Alloc,
     Allocated,
     BatchMeta,
+    Admission,
     Clear,
     CreatePartition,
+    Fail,
     Fetch,
     Fetched,
     FieldBlock,
@@ -31,6 +33,10 @@ from .._wire import (
     HelloReply,
     Meta,
     Release,
+    Renew,
+    Reserve,
+    Seal,
+    SetVersion,
     StatusReply,
     StatusRequest,
     Store,
@@ -87,6 +93,8 @@ class AsyncClient:
         self._pool = BufferPool(self.config.buffer_pool_bytes)
         self._arenas: dict[int, ArenaMap | None] = {}
         self._releases: dict[int, list[int]] = {}
+        self._reserved = 0  # samples admitted by reserve() and not yet put
+        self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
         self._loop: asyncio.AbstractEventLoop | None = None
         self._controller: _transport.Peer | None = None
         self._units: dict[int, UnitInfo] = {}
@@ -179,20 +187,97 @@ class AsyncClient:
 
     # --- partitions -----------------------------------------------------------------
 
-    async def create_partition(self, partition: str, *, fields: Sequence[str] | None = None) -> None:
-        """Create ``partition`` now; with ``fields``, only those fields are accepted.
+    async def create_partition(
+        self,
+        partition: str,
+        *,
+        fields: Sequence[str] | None = None,
+        tasks: Sequence[str] | None = None,
+        group_size: int = 0,
+        on_member_failure: str = "drop_group",
+        auto_free: bool = True,
+    ) -> None:
+        """Create ``partition`` now, with options; otherwise its first put creates it.
 
-        Partitions are otherwise created by their first put.
+        ``fields``: the only fields it accepts. ``tasks``: the tasks that must consume every
+        sample before it frees itself (default: the tasks that asked for samples).
+        ``group_size``: samples per GRPO group, for ``policy="groups"``.
+        ``on_member_failure``: ``"drop_group"`` aborts a group when a member fails,
+        ``"mask_member"`` releases it without that member. ``auto_free``: free the
+        partition once every task has consumed every sample.
         """
         ctl = await self._ctl()
         await ctl.request(
-            CreatePartition(partition=partition, fields=list(fields) if fields is not None else None)
+            CreatePartition(
+                partition=partition,
+                fields=list(fields) if fields is not None else None,
+                tasks=list(tasks) if tasks is not None else None,
+                group_size=group_size,
+                on_member_failure=on_member_failure,
+                auto_free=auto_free,
+            )
         )
 
-    async def clear(self, partition: str) -> None:
-        """Free every sample of ``partition`` on every unit; waiting readers get an error."""
+    async def clear(self, target: str | BatchMeta) -> None:
+        """Free a partition (by name), or only the samples of a meta, on every unit.
+
+        Readers waiting on a cleared partition get :class:`PartitionClearedError`; a later
+        put to its name starts a new partition (indexes are never reused)."""
         ctl = await self._ctl()
-        await ctl.request(Clear(partition=partition))
+        if isinstance(target, BatchMeta):
+            msg = Clear(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes))
+        else:
+            msg = Clear(partition=target)
+        await ctl.request(msg)
+
+    async def seal(self, partition: str) -> None:
+        """Say that no more samples will be put to ``partition``; once every task has
+        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
+        ctl = await self._ctl()
+        await ctl.request(Seal(partition=partition))
+
+    async def fail(
+        self,
+        target: str | BatchMeta,
+        *,
+        reason: str,
+        group: GroupId = None,
+        count: int = 1,
+    ) -> None:
+        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
+        that will never be put. The partition's ``on_member_failure`` decides whether the
+        group is aborted or released without them; either way they are never served."""
+        ctl = await self._ctl()
+        if isinstance(target, BatchMeta):
+            msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
+        else:
+            if group is None:
+                raise InvalidArgumentError("fail(partition, ...) needs the group whose members failed")
+            msg = Fail(partition=target, group=group, count=count, reason=reason)
+        await ctl.request(msg)
+
+    async def set_version(self, version: int) -> None:
+        """The trainer's current policy weight version (admission and staleness use it)."""
+        ctl = await self._ctl()
+        await ctl.request(SetVersion(version=version))
+
+    async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
+        """Bound how far producers run ahead of the trainer, AReaL-style: at most
+        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
+        and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
+        ctl = await self._ctl()
+        await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size))
+
+    async def reserve(self, count: int, *, timeout: float | None = None) -> None:
+        """Admit ``count`` samples before generating them (waits like a put, up to
+        ``timeout``); the next puts of this client draw on the reservation."""
+        wait = _wait(timeout, self.config.put_timeout)
+        ctl = await self._ctl()
+        await ctl.request(
+            Reserve(count=count, timeout=None if math.isinf(wait) else wait),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        )
+        self._reserved += count
 
     async def status(self) -> StatusReply:
         """Partitions, per-task progress, units and waiting callers, from the controller."""
@@ -209,16 +294,27 @@ class AsyncClient:
         data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
         *,
         groups: Sequence[GroupId] | GroupId = None,
+        version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Write new samples to ``partition`` (created on first use) and return their meta.
 
         ``data`` maps field name to per-sample values (see the module docs of the encoder),
         or is a list of per-sample mappings. ``groups`` gives each sample's group id (the
-        prompt uid of a GRPO group), or one id for all. Everything is validated before a
-        byte is sent. Returns once the bytes are stored and the controller knows them.
+        prompt uid of a GRPO group), or one id for all; ``version`` the policy version that
+        produced them (one, or one per sample). Everything is validated before a byte is
+        sent. Returns once the bytes are stored and the controller knows them.
+
+        When the memory budget or the staleness bound has no room, the put waits up to
+        ``timeout`` seconds (None: the config's ``put_timeout``; 0: not at all), then
+        raises :class:`StorageFullError` (memory) or :class:`WaitTimeoutError` (staleness),
+        saying what it asked for and what was used and allowed.
         """
         enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
         group_ids = _groups(groups, enc.count, partition)
+        versions = _versions(version, enc.count, partition)
+        wait = _wait(timeout, self.config.put_timeout)
+        reserved = min(self._reserved, enc.count)
         ctl = await self._ctl()
         reply, _ = await ctl.request(
             Grant(
@@ -228,8 +324,13 @@ class AsyncClient:
                 host=self.host,
                 groups=group_ids,
                 nbytes=enc.nbytes,
-            )
+                versions=versions,
+                timeout=None if math.isinf(wait) else wait,
+                reserved=reserved,
+            ),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
         )
+        self._reserved -= reserved
         assert isinstance(reply, Granted) and reply.unit is not None
         await self._store(reply.unit, partition, reply, enc, None)
         return BatchMeta(
@@ -240,6 +341,7 @@ class AsyncClient:
             fields=[b.name for b in enc.blocks],
             schema=reply.schema,
             groups=group_ids,
+            versions=versions,
         )
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
@@ -338,16 +440,43 @@ class AsyncClient:
         *,
         task: str,
         timeout: float | None = None,
+        lease_timeout: float | None = None,
+        policy: str = "first_ready",
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        round: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
+        balance_by: Sequence[str] | None = None,
+        max_staleness: int | None = None,
     ) -> BatchMeta:
         """Lease ``batch_size`` samples of ``partition`` that have every field in ``fields``
         and that ``task`` has not consumed; wait until enough are ready.
 
         ``timeout``: seconds to wait (None: the config's ``get_timeout``; ``math.inf``:
         forever). Raises :class:`~tqueue.errors.WaitTimeoutError` saying what was ready.
+        ``lease_timeout``: the samples return to the task's pool unless acked (or renewed)
+        in time (None: the config's ``lease_timeout``; ``math.inf``: never).
+        ``policy``: ``first_ready``, or ``groups`` for whole GRPO groups only.
+        ``dp_rank`` / ``dp_size``: this rank's token-balanced share of a round of
+        ``dp_size * batch_size`` samples; every caller asking for the same round and rank
+        (tensor/pipeline parallel peers) gets the identical meta. Rounds count per client
+        (``round`` overrides). ``max_tokens_per_micro_batch`` caps micro-batches (every rank
+        gets the same number); ``balance_by`` names the jagged fields whose lengths are the
+        tokens (default: the jagged fields asked for).
+        ``max_staleness``: refuse (and count) samples older than the trainer's version
+        minus this.
         """
         wait = _wait(timeout, self.config.get_timeout)
+        lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
         if isinstance(fields, str):
             fields = [fields]
+        key = (partition, task, dp_rank, dp_size)
+        seen_uid, next_round = self._round_of.get(key, (0, 0))
+        if dp_size is not None:
+            if dp_rank is None:
+                raise InvalidArgumentError("dp_size needs dp_rank")
+            if round is None:
+                round = next_round
         ctl = await self._ctl()
         reply, _ = await ctl.request(
             GetMeta(
@@ -356,11 +485,39 @@ class AsyncClient:
                 batch_size=batch_size,
                 task=task,
                 timeout=None if math.isinf(wait) else wait,
+                lease_timeout=None if math.isinf(lease) else lease,
+                policy=policy,
+                dp_rank=-1 if dp_rank is None else dp_rank,
+                dp_size=dp_size or 0,
+                round=-1 if round is None else round,
+                round_uid=seen_uid,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch or 0,
+                balance_by=list(balance_by) if balance_by is not None else None,
+                max_staleness=max_staleness,
             ),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
         )
         assert isinstance(reply, Meta)
-        return reply.meta
+        meta = reply.meta
+        if dp_size is not None:
+            self._round_of[key] = (meta.partition_uid, meta.round + 1)
+        return meta
+
+    async def renew(self, meta: BatchMeta, *, lease_timeout: float | None = None) -> None:
+        """Extend the lease of a meta from ``get_meta`` by ``lease_timeout`` from now."""
+        if meta.task is None or not meta.lease:
+            raise InvalidArgumentError("renew takes a meta from get_meta (this one holds no lease)")
+        lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
+        ctl = await self._ctl()
+        await ctl.request(
+            Renew(
+                partition=meta.partition,
+                partition_uid=meta.partition_uid,
+                task=meta.task,
+                lease=meta.lease,
+                timeout=None if math.isinf(lease) else lease,
+            )
+        )
 
     async def get_data(
         self,
@@ -370,6 +527,14 @@ class AsyncClient:
         *,
         task: str | None = None,
         timeout: float | None = None,
+        lease_timeout: float | None = None,
+        policy: str = "first_ready",
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        round: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
+        balance_by: Sequence[str] | None = None,
+        max_staleness: int | None = None,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
         pad_value: float | int | bool = 0,
         padding_side: str = "right",
@@ -378,10 +543,11 @@ class AsyncClient:
 
         Either ``get_data(meta, fields=None)`` for a meta from ``get_meta`` (all of its
         fields by default), or the one-call form ``get_data(partition, fields,
-        batch_size, task=...)`` that leases and fetches together. ``jagged`` chooses how
-        jagged fields come back: ``list`` of per-sample tensors (zero-copy), ``padded``
-        (with ``pad_value`` on ``padding_side``; lengths via ``batch.lengths(field)``), or
-        ``nested`` (a torch jagged nested tensor); one mode, or a mapping per field.
+        batch_size, task=..., ...)`` that leases (with every option of ``get_meta``) and
+        fetches together. ``jagged`` chooses how jagged fields come back: ``list`` of
+        per-sample tensors (zero-copy), ``padded`` (with ``pad_value`` on
+        ``padding_side``; lengths via ``batch.lengths(field)``), or ``nested`` (a torch
+        jagged nested tensor); one mode, or a mapping per field.
         """
         options = Options(jagged=jagged, pad_value=pad_value, padding_side=padding_side)  # type: ignore[arg-type]
         options.check()
@@ -390,9 +556,23 @@ class AsyncClient:
                 raise InvalidArgumentError(
                     "get_data(partition, ...) needs fields, batch_size and task"
                 )
-            meta = await self.get_meta(meta, fields, batch_size, task=task, timeout=timeout)
-        elif batch_size is not None or task is not None:
-            raise InvalidArgumentError("get_data(meta) takes no batch_size or task: the meta has them")
+            meta = await self.get_meta(
+                meta,
+                fields,
+                batch_size,
+                task=task,
+                timeout=timeout,
+                lease_timeout=lease_timeout,
+                policy=policy,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                round=round,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                balance_by=balance_by,
+                max_staleness=max_staleness,
+            )
+        elif batch_size is not None or task is not None or dp_size is not None:
+            raise InvalidArgumentError("get_data(meta) takes no batch_size, task or dp options: the meta has them")
         want = list(meta.fields if fields is None else ([fields] if isinstance(fields, str) else fields))
         for f in want:
             if f not in meta.schema:
@@ -508,11 +688,22 @@ def _check_hello(reply: Any, server: str) -> None:
         )
 
 
-def _wait(timeout: float | None, default: float) -> float:
+def _wait(timeout: float | None, default: float, name: str = "timeout") -> float:
     wait = default if timeout is None else timeout
     if not isinstance(wait, (int, float)) or math.isnan(wait) or wait < 0:
-        raise InvalidArgumentError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
+        raise InvalidArgumentError(f"{name} must be >= 0 seconds (or math.inf), got {timeout!r}")
     return float(wait)
+
+
+def _versions(version: int | Sequence[int] | None, count: int, partition: str) -> list[int] | None:
+    if version is None:
+        return None
+    if isinstance(version, int):
+        return [version] * count
+    out = [int(v) for v in version]
+    if len(out) != count:
+        raise InvalidArgumentError(f"put to partition {partition!r}: {len(out)} versions for {count} samples")
+    return out
 
 
 def _groups(groups: Sequence[GroupId] | GroupId, count: int, partition: str) -> list[GroupId] | None:

@@ -81,13 +81,51 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def create_partition(self, partition: str, *, fields: Sequence[str] | None = None) -> None:
+    def create_partition(
+        self,
+        partition: str,
+        *,
+        fields: Sequence[str] | None = None,
+        tasks: Sequence[str] | None = None,
+        group_size: int = 0,
+        on_member_failure: str = "drop_group",
+        auto_free: bool = True,
+    ) -> None:
         """Sync twin of :meth:`AsyncClient.create_partition`."""
-        self._run(self._inner.create_partition(partition, fields=fields))
+        self._run(
+            self._inner.create_partition(
+                partition,
+                fields=fields,
+                tasks=tasks,
+                group_size=group_size,
+                on_member_failure=on_member_failure,
+                auto_free=auto_free,
+            )
+        )
 
-    def clear(self, partition: str) -> None:
+    def clear(self, target: str | BatchMeta) -> None:
         """Sync twin of :meth:`AsyncClient.clear`."""
-        self._run(self._inner.clear(partition))
+        self._run(self._inner.clear(target))
+
+    def seal(self, partition: str) -> None:
+        """Sync twin of :meth:`AsyncClient.seal`."""
+        self._run(self._inner.seal(partition))
+
+    def fail(self, target: str | BatchMeta, *, reason: str, group: GroupId = None, count: int = 1) -> None:
+        """Sync twin of :meth:`AsyncClient.fail`."""
+        self._run(self._inner.fail(target, reason=reason, group=group, count=count))
+
+    def set_version(self, version: int) -> None:
+        """Sync twin of :meth:`AsyncClient.set_version`."""
+        self._run(self._inner.set_version(version))
+
+    def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
+        """Sync twin of :meth:`AsyncClient.set_staleness`."""
+        self._run(self._inner.set_staleness(max_staleness, batch_size))
+
+    def reserve(self, count: int, *, timeout: float | None = None) -> None:
+        """Sync twin of :meth:`AsyncClient.reserve`."""
+        self._run(self._inner.reserve(count, timeout=timeout))
 
     def status(self) -> StatusReply:
         """Sync twin of :meth:`AsyncClient.status`."""
@@ -99,9 +137,11 @@ class Client:
         data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
         *,
         groups: Sequence[GroupId] | GroupId = None,
+        version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Sync twin of :meth:`AsyncClient.put`."""
-        return self._run(self._inner.put(partition, data, groups=groups))
+        return self._run(self._inner.put(partition, data, groups=groups, version=version, timeout=timeout))
 
     def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Sync twin of :meth:`AsyncClient.update`."""
@@ -115,9 +155,37 @@ class Client:
         *,
         task: str,
         timeout: float | None = None,
+        lease_timeout: float | None = None,
+        policy: str = "first_ready",
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        round: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
+        balance_by: Sequence[str] | None = None,
+        max_staleness: int | None = None,
     ) -> BatchMeta:
         """Sync twin of :meth:`AsyncClient.get_meta`."""
-        return self._run(self._inner.get_meta(partition, fields, batch_size, task=task, timeout=timeout))
+        return self._run(
+            self._inner.get_meta(
+                partition,
+                fields,
+                batch_size,
+                task=task,
+                timeout=timeout,
+                lease_timeout=lease_timeout,
+                policy=policy,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                round=round,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                balance_by=balance_by,
+                max_staleness=max_staleness,
+            )
+        )
+
+    def renew(self, meta: BatchMeta, *, lease_timeout: float | None = None) -> None:
+        """Sync twin of :meth:`AsyncClient.renew`."""
+        self._run(self._inner.renew(meta, lease_timeout=lease_timeout))
 
     def get_data(
         self,
@@ -127,6 +195,14 @@ class Client:
         *,
         task: str | None = None,
         timeout: float | None = None,
+        lease_timeout: float | None = None,
+        policy: str = "first_ready",
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        round: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
+        balance_by: Sequence[str] | None = None,
+        max_staleness: int | None = None,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
         pad_value: float | int | bool = 0,
         padding_side: str = "right",
@@ -139,6 +215,14 @@ class Client:
                 batch_size,
                 task=task,
                 timeout=timeout,
+                lease_timeout=lease_timeout,
+                policy=policy,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                round=round,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                balance_by=balance_by,
+                max_staleness=max_staleness,
                 jagged=jagged,
                 pad_value=pad_value,
                 padding_side=padding_side,

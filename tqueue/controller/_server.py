@@ -1,8 +1,9 @@
 """The controller: one event loop that owns all metadata and never sees payload bytes.
 
-Nothing here blocks. A ``get_meta`` that cannot be served yet is parked with its deadline
-and answered the moment a commit makes enough samples ready, or with a timeout error that
-says what it waited for. Storage units register here and are told to drop data on clear.
+Nothing here blocks. A call that cannot be served yet is parked with its deadline: a
+``get_meta`` until enough samples are ready, a put's grant until memory frees or the
+trainer's version admits more samples. Each is answered the moment that happens, or with a
+typed error at its deadline that says what it waited for. Leases expire on timers.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from .. import _transport
 from .._wire import (
     PROTOCOL_VERSION,
     Ack,
+    Admission,
     BatchMeta,
     Clear,
     Commit,
     CreatePartition,
     Drop,
+    Dropped,
+    Fail,
     GetMeta,
     Grant,
     Granted,
@@ -35,6 +39,10 @@ from .._wire import (
     PartitionStatus,
     Registered,
     RegisterUnit,
+    Renew,
+    Reserve,
+    Seal,
+    SetVersion,
     StatusReply,
     StatusRequest,
     TaskStatus,
@@ -47,15 +55,21 @@ from ..errors import (
     InvalidArgumentError,
     PartitionClearedError,
     ProtocolVersionError,
+    StorageFullError,
     StorageUnitUnavailableError,
     TQueueError,
     WaitTimeoutError,
 )
-from ._state import GrantRecord, Partition, Unit
+from ._rounds import RoundBook
+from ._state import FAILURE_POLICIES, LEASED, GrantRecord, Options, Partition, Unit
 
 log = logging.getLogger(__name__)
 
 DROP_TIMEOUT = 30.0
+# A put's bytes must be committed within this long after its grant, else the grant lapses
+# (a producer that died between grant and store) and the partition can be freed.
+GRANT_TIMEOUT = 600.0
+POLICIES = ("first_ready", "groups")
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +77,36 @@ class _Waiter:
     ident: bytes
     req: GetMeta
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _ParkedWrite:
+    """A grant (or reserve) waiting for memory or for the trainer's version."""
+
+    ident: bytes
+    req: Grant | Reserve
+    reason: str = ""
+    full: bool = False  # waiting for memory (else for admission)
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Lease:
+    lease_id: int
+    partition_uid: int
+    task: str
+    indexes: np.ndarray
+    timer: asyncio.TimerHandle | None = None
+
+
+class _Wait(Exception):
+    """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
+
+    def __init__(self, reason: str, *, full: bool, never: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.full = full
+        self.never = never  # waiting cannot help
 
 
 class Controller:
@@ -74,27 +118,43 @@ class Controller:
             self.config.bind, name="controller", max_header=self.config.max_header_bytes
         )
         self.address = self._server.address
+        self._loop = asyncio.get_running_loop()
         self._partitions: dict[str, Partition] = {}
         self._by_uid: dict[int, Partition] = {}
         self._units: dict[int, Unit] = {}
         self._unit_peers: dict[int, _transport.Peer] = {}
         self._grants: dict[int, GrantRecord] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
+        self._parked: list[_ParkedWrite] = []
+        self._leases: dict[int, _Lease] = {}
+        self._rounds: dict[tuple[int, str], RoundBook] = {}
+        self._version = 0
+        self._admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
+        self._admitted = 0
         self._uids = itertools.count(1)
         self._grant_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._unit_ids = itertools.count(0)
         self._placements = itertools.count()
         s = self._server
-        s.route(Hello, self._hello)
-        s.route(RegisterUnit, self._register_unit)
-        s.route(CreatePartition, self._create_partition)
-        s.route(Grant, self._grant)
-        s.route(Commit, self._commit)
-        s.route(GetMeta, self._get_meta)
-        s.route(Ack, self._ack)
-        s.route(Clear, self._clear)
-        s.route(StatusRequest, self._status)
+        for msg_type, handler in (
+            (Hello, self._hello),
+            (RegisterUnit, self._register_unit),
+            (CreatePartition, self._create_partition),
+            (Grant, self._grant),
+            (Commit, self._commit),
+            (GetMeta, self._get_meta),
+            (Ack, self._ack),
+            (Renew, self._renew),
+            (Fail, self._fail),
+            (Clear, self._clear),
+            (Seal, self._seal),
+            (SetVersion, self._set_version),
+            (Admission, self._set_admission),
+            (Reserve, self._reserve),
+            (StatusRequest, self._status),
+        ):
+            s.route(msg_type, handler)
 
     async def serve(self) -> None:
         log.info("controller serving at %s", self.address)
@@ -110,90 +170,245 @@ class Controller:
     def _hello(self, ident: bytes, msg: Hello, bufs: list[Any]) -> HelloReply:
         _check_protocol(msg.protocol, "controller")
         return HelloReply(
-            protocol=PROTOCOL_VERSION,
-            server="controller",
-            units=[u.info for u in self._units.values()],
+            protocol=PROTOCOL_VERSION, server="controller", units=[u.info for u in self._units.values()]
         )
 
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
         _check_protocol(msg.protocol, "controller")
         unit_id = next(self._unit_ids)
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm)
-        self._units[unit_id] = Unit(info=info)
+        self._units[unit_id] = Unit(info=info, capacity=msg.capacity)
         self._unit_peers[unit_id] = _transport.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError
         )
         log.info("storage unit %d registered at %s (host %s)", unit_id, msg.address, msg.host)
+        self._loop.call_soon(self._retry_parked)
         return Registered(unit_id=unit_id)
 
-    # --- writes ---------------------------------------------------------------------
+    # --- partitions -----------------------------------------------------------------
 
-    def _partition(self, name: str, declared: list[str] | None = None) -> Partition:
+    def _partition(self, name: str, options: Options | None = None) -> Partition:
         part = self._partitions.get(name)
         if part is None:
             if not isinstance(name, str) or not name:
                 raise InvalidArgumentError("a partition name is a non-empty string")
-            part = Partition(name, next(self._uids), declared)
+            part = Partition(name, next(self._uids), options)
             self._partitions[name] = part
             self._by_uid[part.uid] = part
             log.info("partition %r created (uid %d)", name, part.uid)
         return part
 
     def _create_partition(self, ident: bytes, msg: CreatePartition, bufs: list[Any]) -> Ok:
+        if msg.on_member_failure not in FAILURE_POLICIES:
+            raise InvalidArgumentError(
+                f"on_member_failure is one of {list(FAILURE_POLICIES)}, got {msg.on_member_failure!r}"
+            )
+        if msg.group_size < 0:
+            raise InvalidArgumentError(f"group_size must be >= 0, got {msg.group_size}")
         if msg.partition in self._partitions:
             if not msg.exist_ok:
                 raise InvalidArgumentError(f"partition {msg.partition!r} already exists")
             return Ok()
-        self._partition(msg.partition, msg.fields)
+        self._partition(
+            msg.partition,
+            Options(
+                fields=frozenset(msg.fields) if msg.fields is not None else None,
+                tasks=frozenset(msg.tasks) if msg.tasks is not None else None,
+                group_size=msg.group_size,
+                on_member_failure=msg.on_member_failure,
+                auto_free=msg.auto_free,
+            ),
+        )
         return Ok()
 
-    def _grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted:
+    def _live(self, name: str, uid: int) -> Partition:
+        part = self._partitions.get(name)
+        if part is None or (uid and part.uid != uid):
+            raise PartitionClearedError(f"partition {name!r} was cleared (or never existed)")
+        return part
+
+    # --- writes ---------------------------------------------------------------------
+
+    def _grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted | None:
         if msg.count < 1:
             raise InvalidArgumentError(f"partition {msg.partition!r}: a write needs samples")
-        if msg.indexes is None:
-            part = self._partition(msg.partition)
-        else:
-            part = self._live(msg.partition, msg.partition_uid)
-        added = part.check_blocks(msg.blocks, msg.count)
         if msg.groups is not None and len(msg.groups) != msg.count:
             raise InvalidArgumentError(
                 f"partition {msg.partition!r}: {len(msg.groups)} group ids for {msg.count} samples"
             )
-        part.add_specs(added)
-        fields = frozenset(b.name for b in msg.blocks)
-        grant_id = next(self._grant_ids)
-        if msg.indexes is None:
-            unit = self._place(msg.host)
-            start = part.allocate(msg.count, msg.groups)
-            unit.reserved += msg.nbytes
-            self._grants[grant_id] = GrantRecord(
-                grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes
+        if msg.versions is not None and len(msg.versions) != msg.count:
+            raise InvalidArgumentError(
+                f"partition {msg.partition!r}: {len(msg.versions)} versions for {msg.count} samples"
             )
-            info: UnitInfo | None = unit.info
-        else:
-            indexes = np.asarray(msg.indexes, dtype=np.int64)
-            if len(indexes) != msg.count:
-                raise InvalidArgumentError("count and indexes disagree")
-            part.check_indexes(indexes)
-            start, info = 0, None
-            self._grants[grant_id] = GrantRecord(grant_id, part.uid, -1, 0, msg.count, indexes, fields)
-        return Granted(
-            grant_id=grant_id,
-            partition_uid=part.uid,
-            start=start,
-            unit=info,
-            schema=dict(part.specs),
-        )
+        if msg.indexes is not None:
+            return self._grant_update(msg)
+        try:
+            return self._grant_put(msg)
+        except _Wait as wait:
+            return self._park(ident, msg, wait)
 
-    def _place(self, host: str) -> Unit:
-        """A unit on the producer's host if there is one, the least loaded among those."""
+    def _grant_put(self, msg: Grant) -> Granted:
+        part = self._partitions.get(msg.partition)
+        if part is not None and part.sealed:
+            raise InvalidArgumentError(f"partition {msg.partition!r} is sealed: it takes no more samples")
+        if part is not None:
+            added = part.check_blocks(msg.blocks, msg.count)
+        else:  # validate against a scratch partition: nothing is created for a refused put
+            added = Partition(msg.partition, 0).check_blocks(msg.blocks, msg.count)
+        unit = self._place(msg)
+        self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
+        part = self._partition(msg.partition)
+        part.add_specs(added)
+        start = part.allocate(msg.count, msg.groups, msg.versions)
+        part.record_lengths(msg.blocks, slice(start, start + msg.count))
+        unit.reserved += msg.nbytes
+        grant_id = next(self._grant_ids)
+        fields = frozenset(b.name for b in msg.blocks)
+        self._grants[grant_id] = GrantRecord(
+            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes
+        )
+        self._loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
+        return Granted(grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs))
+
+    def _grant_update(self, msg: Grant) -> Granted:
+        part = self._live(msg.partition, msg.partition_uid)
+        added = part.check_blocks(msg.blocks, msg.count)
+        indexes = np.asarray(msg.indexes, dtype=np.int64)
+        if len(indexes) != msg.count:
+            raise InvalidArgumentError("count and indexes disagree")
+        part.check_indexes(indexes)
+        part.add_specs(added)
+        part.record_lengths(msg.blocks, indexes)
+        grant_id = next(self._grant_ids)
+        fields = frozenset(b.name for b in msg.blocks)
+        self._grants[grant_id] = GrantRecord(grant_id, part.uid, -1, 0, msg.count, indexes, fields)
+        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
+
+    def _place(self, msg: Grant) -> Unit:
+        """A unit on the producer's host with room, the least loaded among those."""
         if not self._units:
-            raise StorageUnitUnavailableError("no storage unit is registered with the controller")
-        local = [u for u in self._units.values() if host and u.info.host == host]
-        pool = local or list(self._units.values())
-        # ties rotate so that equal units share the work
-        turn = next(self._placements)
+            raise _Wait("no storage unit is registered with the controller yet", full=True)
+        need = msg.nbytes
+        cap = self.config.capacity_bytes
+        used = sum(u.load for u in self._units.values())
+        if cap and used + need > cap:
+            raise _Wait(
+                f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
+                f"bytes used of {cap} allowed in the cluster",
+                full=True,
+                never=need > cap,
+            )
+        roomy = [u for u in self._units.values() if u.fits(need)]
+        if not roomy:
+            largest = max((u.capacity or math.inf) for u in self._units.values())
+            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in self._units.values())
+            raise _Wait(
+                f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
+                f"({per_unit} bytes used of allowed)",
+                full=True,
+                never=need > largest,
+            )
+        local = [u for u in roomy if msg.host and u.info.host == msg.host]
+        pool = local or roomy
+        turn = next(self._placements)  # ties rotate so that equal units share the work
         return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
+
+    def _admit(self, count: int, partition: str) -> None:
+        """AReaL-style staleness admission: raise _Wait if ``count`` more samples would put
+        producers more than ``max_staleness`` versions ahead of the trainer."""
+        if self._admission is None or count <= 0:
+            return
+        k, batch = self._admission
+        limit = (self._version + k + 1) * batch
+        if self._admitted + count > limit:
+            raise _Wait(
+                f"{count} samples for partition {partition!r} wait for the trainer: "
+                f"{self._admitted} samples admitted of {limit} allowed (trainer version "
+                f"{self._version}, max_staleness {k}, batch_size {batch})",
+                full=False,
+                never=count > (k + 1) * batch,
+            )
+        self._admitted += count
+
+    def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
+        timeout = msg.timeout or 0.0
+        if wait.never or timeout <= 0:
+            raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
+        parked = _ParkedWrite(ident, msg, wait.reason, wait.full)
+        if not math.isinf(timeout):
+            parked.timer = self._loop.call_later(timeout, self._expire_parked, parked)
+        self._parked.append(parked)
+        return None
+
+    def _expire_parked(self, parked: _ParkedWrite) -> None:
+        if parked in self._parked:
+            self._parked.remove(parked)
+        what = "put" if isinstance(parked.req, Grant) else "reserve"
+        err = (StorageFullError if parked.full else WaitTimeoutError)(
+            f"{what} timed out after {parked.req.timeout} s: {parked.reason}"
+        )
+        self._server.reply_error(parked.ident, parked.req.rid, err)
+
+    def _retry_parked(self) -> None:
+        for parked in list(self._parked):
+            try:
+                if isinstance(parked.req, Grant):
+                    reply: Any = self._grant_put(parked.req)
+                else:
+                    self._admit(parked.req.count, "(reserved)")
+                    reply = Ok()
+            except _Wait as wait:
+                parked.reason, parked.full = wait.reason, wait.full
+                continue
+            except TQueueError as exc:
+                reply = exc
+            self._parked.remove(parked)
+            if parked.timer is not None:
+                parked.timer.cancel()
+            if isinstance(reply, Exception):
+                self._server.reply_error(parked.ident, parked.req.rid, reply)
+            else:
+                self._server.reply(parked.ident, parked.req.rid, reply)
+
+    def _reserve(self, ident: bytes, msg: Reserve, bufs: list[Any]) -> Ok | None:
+        if msg.count < 1:
+            raise InvalidArgumentError(f"reserve needs a count of at least 1, got {msg.count}")
+        try:
+            self._admit(msg.count, "(reserved)")
+        except _Wait as wait:
+            return self._park(ident, msg, wait)
+        return Ok()
+
+    def _set_version(self, ident: bytes, msg: SetVersion, bufs: list[Any]) -> Ok:
+        if msg.version > self._version:
+            self._version = msg.version
+            log.info("trainer version %d", msg.version)
+            self._retry_parked()
+        return Ok()
+
+    def _set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
+        if msg.max_staleness < 0:
+            self._admission = None
+        else:
+            if msg.batch_size < 1:
+                raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
+            self._admission = (msg.max_staleness, msg.batch_size)
+        self._retry_parked()
+        return Ok()
+
+    def _lapse_grant(self, grant_id: int) -> None:
+        grant = self._grants.pop(grant_id, None)
+        if grant is None:
+            return  # committed (or its partition is gone)
+        log.warning("grant %d was never committed; its %d samples are dropped", grant_id, grant.count)
+        unit = self._units.get(grant.unit_id)
+        if unit is not None:
+            unit.reserved -= grant.nbytes
+        part = self._by_uid.get(grant.partition_uid)
+        if part is not None:
+            part.forget(grant)
+            self._maybe_free(part)
+        self._retry_parked()
 
     def _commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
         grant = self._grants.pop(msg.grant_id, None)
@@ -208,6 +423,7 @@ class Controller:
                 f"the partition of grant {msg.grant_id} was cleared before its data was stored"
             )
         if set(msg.fields) != grant.fields:
+            part.forget(grant)
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, "
                 f"the unit stored {sorted(msg.fields)}"
@@ -230,25 +446,89 @@ class Controller:
             raise self._timeout_error(msg)
         waiter = _Waiter(ident, msg)
         if msg.timeout is not None:
-            loop = asyncio.get_running_loop()
-            waiter.timer = loop.call_later(msg.timeout, self._expire, waiter)
+            waiter.timer = self._loop.call_later(msg.timeout, self._expire, waiter)
         self._waiters.setdefault(msg.partition, []).append(waiter)
         return None
+
+    def _select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
+        mask, missing = part.field_mask(msg.fields)
+        if missing:
+            return None
+        task = part.task(msg.task)
+        min_version = None if msg.max_staleness is None else self._version - msg.max_staleness
+        if msg.policy == "groups":
+            size = part.options.group_size
+            if not size:
+                raise InvalidArgumentError(
+                    f"policy 'groups' needs a group_size on partition {part.name!r} (create_partition)"
+                )
+            if count % size:
+                raise InvalidArgumentError(
+                    f"batch of {count} samples is not a whole number of groups of {size} "
+                    f"(partition {part.name!r})"
+                )
+            return part.find_groups(task, mask, count // size, min_version)
+        return part.find_ready(task, mask, count, min_version)
 
     def _try_serve(self, msg: GetMeta) -> Meta | None:
         part = self._partitions.get(msg.partition)
         if part is None:
             return None
-        mask, missing = part.field_mask(msg.fields)
-        if missing:
-            return None
-        task = part.task(msg.task)
-        indexes = part.find_ready(task, mask, msg.batch_size)
+        if msg.dp_size:
+            return self._serve_round(part, msg)
+        indexes = self._select(part, msg, msg.batch_size)
         if indexes is None:
             return None
-        lease = next(self._lease_ids)
-        part.lease(task, indexes, lease)
-        meta = BatchMeta(
+        lease = self._lease(part, msg.task, indexes, msg.lease_timeout)
+        return Meta(meta=self._meta(part, msg, indexes, lease))
+
+    def _serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
+        key = (part.uid, msg.task)
+        book = self._rounds.get(key)
+        if book is None:
+            book = self._rounds[key] = RoundBook(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch)
+        book.check(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch, f"partition {part.name!r}, task {msg.task!r}")
+        # a caller counting rounds of an earlier partition of this name starts over
+        number = 0 if msg.round_uid and msg.round_uid != part.uid else msg.round
+        rnd = book.rounds.get(number)
+        if rnd is None:
+            if number < book.next:
+                raise InvalidArgumentError(
+                    f"round {number} of task {msg.task!r} on partition {part.name!r} is too old"
+                )
+            if number > book.next:
+                return None  # earlier rounds are not formed yet
+            indexes = self._select(part, msg, msg.dp_size * msg.batch_size)
+            if indexes is None:
+                return None
+            fields = msg.balance_by if msg.balance_by is not None else msg.fields
+            lengths = part.balance_lengths(indexes, fields)
+            groups = None
+            if msg.policy == "groups":  # whole groups per rank
+                ordinals = part.group[indexes]
+                groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
+            rnd = book.form(indexes, lengths, [], groups)
+            rnd.leases = [self._lease(part, msg.task, share, msg.lease_timeout) for share in rnd.shares]
+            self._loop.call_soon(self._wake, part.name)  # peers of other ranks may be waiting
+        meta = rnd.metas[msg.dp_rank]
+        if meta is None:
+            share = rnd.shares[msg.dp_rank]
+            meta = self._meta(part, msg, share, rnd.leases[msg.dp_rank])
+            meta = _with(
+                meta,
+                dp_rank=msg.dp_rank,
+                dp_size=msg.dp_size,
+                round=rnd.number,
+                global_batch_size=rnd.size,
+                num_microbatches=rnd.num_micro,
+                micro_batch_indices=rnd.micro[msg.dp_rank],
+            )
+            rnd.metas[msg.dp_rank] = meta
+        return Meta(meta=meta)
+
+    def _meta(self, part: Partition, msg: GetMeta, indexes: np.ndarray, lease: int) -> BatchMeta:
+        versions = part.version[indexes]
+        return BatchMeta(
             partition=part.name,
             partition_uid=part.uid,
             indexes=indexes.tolist(),
@@ -258,8 +538,46 @@ class Controller:
             groups=part.groups_of(indexes),
             task=msg.task,
             lease=lease,
+            lease_timeout=msg.lease_timeout,
+            versions=versions.tolist() if (versions >= 0).any() else None,
+            global_batch_size=len(indexes),
         )
-        return Meta(meta=meta)
+
+    def _lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
+        lease_id = next(self._lease_ids)
+        part.lease(part.task(task), indexes, lease_id)
+        record = _Lease(lease_id, part.uid, task, indexes)
+        if timeout is not None and not math.isinf(timeout):
+            record.timer = self._loop.call_later(timeout, self._expire_lease, lease_id)
+        self._leases[lease_id] = record
+        return lease_id
+
+    def _expire_lease(self, lease_id: int) -> None:
+        record = self._leases.pop(lease_id, None)
+        part = self._by_uid.get(record.partition_uid) if record else None
+        if record is None or part is None:
+            return
+        back = part.expire(part.task(record.task), record.indexes, lease_id)
+        if back:
+            log.info(
+                "lease %d of task %r expired: %d samples of partition %r are ready again",
+                lease_id, record.task, back, part.name,
+            )
+            self._wake(part.name)
+
+    def _renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
+        record = self._leases.get(msg.lease)
+        if record is None:
+            raise InvalidArgumentError(
+                f"lease {msg.lease} of task {msg.task!r} on partition {msg.partition!r} is "
+                f"no longer held (acknowledged or expired)"
+            )
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
+        if msg.timeout is not None and not math.isinf(msg.timeout):
+            record.timer = self._loop.call_later(msg.timeout, self._expire_lease, msg.lease)
+        return Ok()
 
     def _wake(self, partition: str) -> None:
         waiters = self._waiters.get(partition)
@@ -308,13 +626,21 @@ class Controller:
         else:
             ready = part.count_ready(part.tasks.get(msg.task), mask)
             note = ""
+        if msg.policy == "groups":
+            note += f"; {len(part.groups.order)} groups complete"
+        if msg.dp_size:
+            book = self._rounds.get((part.uid, msg.task))
+            formed = book.next if book else 0
+            note += f"; round {msg.round} asked, {formed} rounds formed"
         return (
             f"{ready} ready for this task ({part.committed} samples committed in the "
             f"partition){note}"
         )
 
     def _ack(self, ident: bytes, msg: Ack, bufs: list[Any]) -> Ok:
-        part = self._live(msg.partition, msg.partition_uid)
+        part = self._partitions.get(msg.partition)
+        if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
+            return Ok()  # freed or cleared: nothing is left to acknowledge
         task = part.tasks.get(msg.task)
         if task is None:
             raise InvalidArgumentError(
@@ -324,45 +650,102 @@ class Controller:
         if len(indexes) and (indexes.min() < 0 or indexes.max() >= part.n):
             raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
         part.ack(task, indexes, msg.lease)
+        record = self._leases.get(msg.lease)
+        if record is not None:
+            held = (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
+            if not held.any():  # the whole lease is acknowledged
+                del self._leases[msg.lease]
+                if record.timer is not None:
+                    record.timer.cancel()
+        self._maybe_free(part)
         return Ok()
 
-    def _live(self, name: str, uid: int) -> Partition:
-        part = self._partitions.get(name)
-        if part is None or (uid and part.uid != uid):
-            raise PartitionClearedError(f"partition {name!r} was cleared (or never existed)")
-        return part
+    # --- failures and cleanup -------------------------------------------------------
 
-    # --- cleanup --------------------------------------------------------------------
+    def _seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:
+        part = self._partitions.get(msg.partition)
+        if part is not None and not part.sealed:
+            part.sealed = True
+            log.info("partition %r sealed with %d samples", part.name, part.committed)
+            self._maybe_free(part)
+        return Ok()
+
+    def _fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
+        part = self._live(msg.partition, msg.partition_uid) if msg.partition_uid else self._partition(msg.partition)
+        if msg.indexes is not None:
+            indexes = np.asarray(msg.indexes, dtype=np.int64)
+            part.check_indexes(indexes)
+            part.fail_samples(indexes, msg.reason)
+        elif msg.group is not None and msg.count > 0:
+            part.fail_members(msg.group, msg.count, msg.reason)
+        else:
+            raise InvalidArgumentError("fail needs the samples (a meta) or a group and a count")
+        self._wake(part.name)
+        self._maybe_free(part)
+        return Ok()
+
+    def _maybe_free(self, part: Partition) -> None:
+        if part.finished() and self._forget(part, None):
+            log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
+            self._loop.create_task(self._drop_everywhere(part, None))
 
     async def _clear(self, ident: bytes, msg: Clear, bufs: list[Any]) -> Ok:
-        part = self._partitions.pop(msg.partition, None)
-        if part is None:
+        part = self._partitions.get(msg.partition)
+        if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
+            return Ok()  # already gone: clearing is idempotent
+        if msg.indexes is not None:
+            indexes = np.asarray(msg.indexes, dtype=np.int64)
+            part.check_indexes(indexes)
+            part.exclude(indexes, "cleared")
+            await self._drop_everywhere(part, indexes)
+            self._maybe_free(part)
             return Ok()
-        del self._by_uid[part.uid]
-        for waiter in list(self._waiters.get(part.name, [])):
-            self._finish(waiter)
-            self._server.reply_error(
-                waiter.ident,
-                waiter.req.rid,
-                PartitionClearedError(f"partition {part.name!r} was cleared while get_meta waited"),
-            )
-        self._grants = {g: r for g, r in self._grants.items() if r.partition_uid != part.uid}
-        await self._drop_everywhere(part)
-        log.info("partition %r cleared (uid %d)", part.name, part.uid)
+        await self._free(part, f"partition {part.name!r} was cleared while get_meta waited")
         return Ok()
 
-    async def _drop_everywhere(self, part: Partition) -> None:
+    async def _free(self, part: Partition, cleared: str | None) -> None:
+        if self._forget(part, cleared):
+            await self._drop_everywhere(part, None)
+            log.info("partition %r freed (uid %d)", part.name, part.uid)
+
+    def _forget(self, part: Partition, cleared: str | None) -> bool:
+        """Forget a partition at once (a put to its name starts a new one); its bytes are
+        dropped next. ``cleared``: waiters on the name get this error (an explicit clear).
+        False if it was already forgotten."""
+        if self._by_uid.pop(part.uid, None) is None:
+            return False
+        if self._partitions.get(part.name) is part:
+            del self._partitions[part.name]
+        if cleared is not None:
+            for waiter in list(self._waiters.get(part.name, [])):
+                self._finish(waiter)
+                self._server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
+        self._grants = {g: r for g, r in self._grants.items() if r.partition_uid != part.uid}
+        for lease_id in [i for i, r in self._leases.items() if r.partition_uid == part.uid]:
+            record = self._leases.pop(lease_id)
+            if record.timer is not None:
+                record.timer.cancel()
+        for key in [k for k in self._rounds if k[0] == part.uid]:
+            del self._rounds[key]
+        return True
+
+    async def _drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
         units = list(self._unit_peers.items())
+        listed = None if indexes is None else indexes.tolist()
         results = await asyncio.gather(
-            *(peer.request(Drop(partition_uid=part.uid), timeout=DROP_TIMEOUT) for _, peer in units),
+            *(peer.request(Drop(partition_uid=part.uid, indexes=listed), timeout=DROP_TIMEOUT) for _, peer in units),
             return_exceptions=True,
         )
         for (unit_id, _), result in zip(units, results):
             if isinstance(result, BaseException):
                 log.warning("unit %d did not drop partition %r: %s", unit_id, part.name, result)
-            elif unit_id in self._units:
-                self._units[unit_id].nbytes -= part.unit_bytes.get(unit_id, 0)
+                continue
+            reply = result[0]
+            if unit_id in self._units and isinstance(reply, Dropped):
+                self._units[unit_id].nbytes = reply.unit_bytes
+                part.unit_bytes[unit_id] = reply.partition_bytes
+        self._retry_parked()
 
     # --- status ---------------------------------------------------------------------
 
@@ -374,14 +757,23 @@ class Controller:
                 samples=p.committed,
                 fields=dict(p.specs),
                 tasks={
-                    t: TaskStatus(leased=s.leased, consumed=s.consumed) for t, s in p.tasks.items()
+                    t: TaskStatus(leased=s.leased, consumed=s.consumed, refused=s.refused, expired=s.expired)
+                    for t, s in p.tasks.items()
                 },
                 nbytes=p.nbytes,
+                ready=p.committed - p.excluded,
+                excluded=p.excluded,
+                reasons=dict(p.reasons),
+                in_flight=p.in_flight,
+                groups_complete=len(p.groups.order),
+                sealed=p.sealed,
             )
             for p in self._partitions.values()
         ]
         units = [
-            UnitStatus(unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes)
+            UnitStatus(
+                unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes, capacity=u.capacity
+            )
             for u in self._units.values()
         ]
         waiting = [
@@ -394,7 +786,32 @@ class Controller:
             for ws in self._waiters.values()
             for w in ws
         ]
-        return StatusReply(partitions=parts, units=units, waiting=waiting)
+        waiting += [
+            WaiterStatus(
+                partition=getattr(p.req, "partition", ""),
+                task="",
+                reason=p.reason,
+                kind="put" if isinstance(p.req, Grant) else "reserve",
+            )
+            for p in self._parked
+        ]
+        limit = -1
+        if self._admission is not None:
+            limit = (self._version + self._admission[0] + 1) * self._admission[1]
+        return StatusReply(
+            partitions=parts,
+            units=units,
+            waiting=waiting,
+            version=self._version,
+            admitted=self._admitted,
+            admission_limit=limit,
+        )
+
+
+def _with(meta: BatchMeta, **changes: Any) -> BatchMeta:
+    import msgspec
+
+    return msgspec.structs.replace(meta, **changes)
 
 
 def _check_protocol(protocol: int, server: str) -> None:
@@ -408,9 +825,19 @@ def _check_protocol(protocol: int, server: str) -> None:
 def _check_get(msg: GetMeta) -> None:
     if msg.batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
-    if msg.timeout is not None and (math.isnan(msg.timeout) or msg.timeout < 0):
-        raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {msg.timeout}")
+    for name, value in (("timeout", msg.timeout), ("lease_timeout", msg.lease_timeout)):
+        if value is not None and (math.isnan(value) or value < 0):
+            raise InvalidArgumentError(f"{name} must be >= 0 seconds or None, got {value}")
     if not msg.task:
         raise InvalidArgumentError("get_meta needs a task name")
     if not msg.fields or len(set(msg.fields)) != len(msg.fields):
         raise InvalidArgumentError(f"get_meta needs distinct field names, got {msg.fields}")
+    if msg.policy not in POLICIES:
+        raise InvalidArgumentError(f"policy is one of {list(POLICIES)}, got {msg.policy!r}")
+    if msg.dp_size:
+        if msg.dp_size < 1 or not 0 <= msg.dp_rank < msg.dp_size:
+            raise InvalidArgumentError(f"dp_rank must be in [0, dp_size), got {msg.dp_rank} of {msg.dp_size}")
+        if msg.round < 0:
+            raise InvalidArgumentError(f"round must be >= 0, got {msg.round}")
+    if msg.max_staleness is not None and msg.max_staleness < 0:
+        raise InvalidArgumentError(f"max_staleness must be >= 0, got {msg.max_staleness}")

@@ -1,12 +1,14 @@
-"""Controller metadata, free of IO: partitions, their fields and samples, tasks, grants.
+"""Controller metadata, free of IO: partitions, their fields, samples, groups and tasks.
 
 Per-sample state is kept in numpy arrays so a scan for ready samples is vectorised and a
 partition of a million samples costs tens of megabytes, not a dict entry per sample.
-A sample's fields are a bitmask; bit 63 says the sample's first put is committed.
+A sample's fields are a bitmask: bit 63 says its first put is committed, bit 62 that it is
+excluded (aborted, failed, cleared) and is never served again.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Iterable, Sequence
 
@@ -16,11 +18,15 @@ from .._wire import FieldBlock, FieldSpec, GroupId, UnitInfo
 from ..errors import InvalidArgumentError, SchemaError, UnknownFieldError
 
 COMMITTED = np.uint64(1 << 63)
-MAX_FIELDS = 63
+EXCLUDED = np.uint64(1 << 62)
+MAX_FIELDS = 62
 SCAN_CHUNK = 1 << 16
+NO_VERSION = -1
 
 # per task, per sample
-AVAILABLE, LEASED, CONSUMED = 0, 1, 2
+AVAILABLE, LEASED, CONSUMED, REFUSED = 0, 1, 2, 3
+
+FAILURE_POLICIES = ("drop_group", "mask_member")
 
 
 def _grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
@@ -35,12 +41,35 @@ def _grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
 @dataclasses.dataclass
 class Unit:
     info: UnitInfo
+    capacity: int = 0  # bytes the unit may hold; 0: no limit
     nbytes: int = 0  # stored, as the unit last reported
     reserved: int = 0  # granted to writes not yet committed
 
     @property
     def load(self) -> int:
         return self.nbytes + self.reserved
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.capacity or self.load + nbytes <= self.capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a partition behaves; fixed when it is created.
+
+    ``fields``: the only fields it accepts (None: any). ``tasks``: the tasks that must
+    consume every sample before the partition frees itself (None: those that asked).
+    ``group_size``: samples per group (GRPO ``n``), needed to release whole groups.
+    ``on_member_failure``: ``drop_group`` aborts a group when a member fails;
+    ``mask_member`` releases the group without it. ``auto_free``: once sealed (no more
+    samples will come), free the partition when every task has consumed every sample.
+    """
+
+    fields: frozenset[str] | None = None
+    tasks: frozenset[str] | None = None
+    group_size: int = 0
+    on_member_failure: str = "drop_group"
+    auto_free: bool = True
 
 
 class TaskState:
@@ -49,9 +78,12 @@ class TaskState:
     def __init__(self, cap: int) -> None:
         self.state = np.zeros(cap, dtype=np.uint8)
         self.lease = np.zeros(cap, dtype=np.int64)
-        self.lo = 0  # every sample below lo is leased or consumed
+        self.lo = 0  # every sample below lo is leased, consumed or refused
+        self.group_lo = 0  # every complete group before it is taken by this task
         self.leased = 0
         self.consumed = 0
+        self.refused = 0
+        self.expired = 0
 
     def ensure(self, cap: int) -> None:
         self.state = _grow(self.state, cap)
@@ -70,21 +102,63 @@ class GrantRecord:
     nbytes: int = 0
 
 
+class Groups:
+    """Members of each group, by explicit id; completion order; failures."""
+
+    def __init__(self) -> None:
+        self.ordinal: dict[GroupId, int] = {}
+        self.ids: list[GroupId] = []
+        self.members: list[list[int]] = []
+        self.committed: list[int] = []
+        self.failed: list[int] = []  # members that will never come
+        self.aborted: list[bool] = []
+        self.complete: list[bool] = []
+        self.order: list[int] = []  # complete groups, in the order they completed
+
+    def of(self, gid: GroupId) -> int:
+        g = self.ordinal.get(gid)
+        if g is None:
+            g = self.ordinal[gid] = len(self.ids)
+            self.ids.append(gid)
+            self.members.append([])
+            self.committed.append(0)
+            self.failed.append(0)
+            self.aborted.append(False)
+            self.complete.append(False)
+        return g
+
+    def check(self, g: int, size: int) -> None:
+        if size and not self.complete[g] and self.committed[g] + self.failed[g] >= size:
+            self.complete[g] = True
+            self.order.append(g)
+
+
 class Partition:
-    def __init__(self, name: str, uid: int, declared: Sequence[str] | None = None) -> None:
+    def __init__(self, name: str, uid: int, options: Options | None = None) -> None:
         self.name = name
         self.uid = uid
-        self.declared = frozenset(declared) if declared is not None else None
+        self.options = options or Options()
         self.specs: dict[str, FieldSpec] = {}
         self.bits: dict[str, np.uint64] = {}
         self.n = 0
         self.mask = np.zeros(1024, dtype=np.uint64)
         self.unit = np.full(1024, -1, dtype=np.int16)
-        self.groups: list[GroupId] = []
+        self.version = np.full(1024, NO_VERSION, dtype=np.int64)
+        self.group = np.full(1024, -1, dtype=np.int64)
+        self.lengths: dict[str, np.ndarray] = {}  # jagged tensor fields: size of dim 0
+        self.groups = Groups()
         self.has_groups = False
         self.tasks: dict[str, TaskState] = {}
         self.unit_bytes: dict[int, int] = {}
         self.committed = 0
+        self.excluded = 0
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.in_flight = 0  # grants not yet committed
+        self.sealed = False  # no more samples will be put
+
+    @property
+    def declared(self) -> frozenset[str] | None:
+        return self.options.fields
 
     # --- schema ---------------------------------------------------------------------
 
@@ -128,6 +202,21 @@ class Partition:
             self.specs[name] = spec
             self.bits[name] = np.uint64(1 << len(self.bits))
 
+    def record_lengths(self, blocks: Sequence[FieldBlock], where: slice | np.ndarray) -> None:
+        """Remember dim 0 of each sample of jagged tensor fields (for token balancing)."""
+        for block in blocks:
+            spec = self.specs.get(block.name)
+            if spec is None or spec.kind == "object" or spec.layout != "jagged" or spec.ndim == 0:
+                continue
+            arr = self.lengths.get(block.name)
+            arr = _grow(arr if arr is not None else np.zeros(1024, dtype=np.int64), self.n)
+            if block.spec.layout == "dense":
+                arr[where] = block.spec.shape[0] if block.spec.shape else 1
+            else:
+                shapes = np.asarray(block.shapes, dtype=np.int64).reshape(-1, block.spec.ndim)
+                arr[where] = shapes[:, 0]
+            self.lengths[block.name] = arr
+
     def field_mask(self, fields: Iterable[str]) -> tuple[np.uint64, list[str]]:
         """Bitmask of ``fields`` plus the committed bit, and the fields never written yet."""
         mask = COMMITTED
@@ -147,18 +236,24 @@ class Partition:
 
     # --- samples --------------------------------------------------------------------
 
-    def allocate(self, count: int, groups: Sequence[GroupId] | None) -> int:
+    def allocate(self, count: int, groups: Sequence[GroupId] | None, versions: Sequence[int] | None) -> int:
         start = self.n
         self.n += count
-        self.mask = _grow(self.mask, self.n)
-        self.unit = _grow(self.unit, self.n, -1)
+        for attr, fill in (("mask", 0), ("unit", -1), ("version", NO_VERSION), ("group", -1)):
+            setattr(self, attr, _grow(getattr(self, attr), self.n, fill))
         for task in self.tasks.values():
             task.ensure(len(self.mask))
-        if groups is None:
-            self.groups.extend([None] * count)
-        else:
-            self.groups.extend(groups)
+        if versions is not None:
+            self.version[start : self.n] = versions
+        if groups is not None:
             self.has_groups = True
+            for i, gid in enumerate(groups):
+                if gid is None:
+                    continue
+                g = self.groups.of(gid)
+                self.group[start + i] = g
+                self.groups.members[g].append(start + i)
+        self.in_flight += 1
         return start
 
     def check_indexes(self, indexes: np.ndarray) -> None:
@@ -177,13 +272,66 @@ class Partition:
         bits = COMMITTED
         for name in grant.fields:
             bits |= self.bits[name]
-        if grant.indexes is None:
-            sl = slice(grant.start, grant.start + grant.count)
-            self.mask[sl] |= bits
-            self.unit[sl] = unit_id
-            self.committed += grant.count
-        else:
+        if grant.indexes is not None:
             self.mask[grant.indexes] |= bits
+            return
+        sl = slice(grant.start, grant.start + grant.count)
+        self.mask[sl] |= bits
+        self.unit[sl] = unit_id
+        self.committed += grant.count
+        self.in_flight -= 1
+        size = self.options.group_size
+        for g in np.unique(self.group[sl]).tolist():
+            if g < 0:
+                continue
+            members = int(np.count_nonzero(self.group[sl] == g))
+            self.groups.committed[g] += members
+            if self.groups.aborted[g]:  # a late member of an aborted group
+                self.exclude(np.flatnonzero(self.group[sl] == g) + grant.start, "group aborted")
+            self.groups.check(g, size)
+
+    def forget(self, grant: GrantRecord) -> None:
+        """A grant that will never commit (its write failed)."""
+        if grant.indexes is None:
+            self.in_flight -= 1
+            self.mask[grant.start : grant.start + grant.count] |= EXCLUDED
+
+    def exclude(self, indexes: np.ndarray, reason: str) -> int:
+        """Never serve these samples again; count them under ``reason``."""
+        fresh = indexes[(self.mask[indexes] & (EXCLUDED | COMMITTED)) == COMMITTED]
+        self.mask[indexes] |= EXCLUDED
+        self.excluded += len(fresh)
+        self.reasons[reason] += len(fresh)
+        for task in self.tasks.values():
+            held = fresh[task.state[fresh] == LEASED]
+            task.leased -= len(held)
+            task.state[held] = AVAILABLE  # excluded anyway: the bit keeps them out
+        return len(fresh)
+
+    def fail_members(self, gid: GroupId, count: int, reason: str) -> None:
+        g = self.groups.of(gid)
+        self.has_groups = True
+        self.groups.failed[g] += count
+        if self.options.on_member_failure == "drop_group":
+            self.abort_group(g, f"member failed: {reason}")
+        self.groups.check(g, self.options.group_size)
+
+    def fail_samples(self, indexes: np.ndarray, reason: str) -> None:
+        self.exclude(indexes, f"failed: {reason}")
+        if self.options.on_member_failure == "drop_group":
+            for g in np.unique(self.group[indexes]).tolist():
+                if g >= 0:
+                    self.abort_group(g, f"member failed: {reason}")
+
+    def abort_group(self, g: int, reason: str) -> None:
+        if self.groups.aborted[g]:
+            return
+        self.groups.aborted[g] = True
+        members = np.asarray(self.groups.members[g], dtype=np.int64)
+        if len(members):
+            self.exclude(members, reason)
+
+    # --- serving --------------------------------------------------------------------
 
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
@@ -191,9 +339,21 @@ class Partition:
             state = self.tasks[name] = TaskState(len(self.mask))
         return state
 
-    def find_ready(self, task: TaskState, mask: np.uint64, count: int) -> np.ndarray | None:
-        """The first ``count`` samples that have every field in ``mask`` and that ``task``
-        has neither leased nor consumed, in index order; None if there are fewer.
+    def _ok(self, task: TaskState, mask: np.uint64, a: int, b: int, min_version: int | None) -> np.ndarray:
+        ok = (self.mask[a:b] & (mask | EXCLUDED)) == mask
+        ok &= task.state[a:b] == AVAILABLE
+        if min_version is not None:
+            stale = ok & (self.version[a:b] < min_version) & (self.version[a:b] != NO_VERSION)
+            if stale.any():
+                task.state[a:b][stale] = REFUSED
+                task.refused += int(stale.sum())
+                ok &= ~stale
+        return ok
+
+    def find_ready(self, task: TaskState, mask: np.uint64, count: int, min_version: int | None = None) -> np.ndarray | None:
+        """The first ``count`` samples that have every field in ``mask``, that are not
+        excluded, and that ``task`` has neither leased nor consumed, in index order; None if
+        there are fewer. Samples older than ``min_version`` are refused (and counted).
 
         Scans from the task's low-water mark in windows that start small (a few times
         ``count``) and double, so the usual case touches little more than it returns."""
@@ -203,9 +363,7 @@ class Partition:
         window = max(4 * count, 1024)
         while start < self.n and need > 0:
             end = min(self.n, start + window)
-            ok = (self.mask[start:end] & mask) == mask
-            ok &= task.state[start:end] == AVAILABLE
-            hit = np.flatnonzero(ok)[:need]
+            hit = np.flatnonzero(self._ok(task, mask, start, end, min_version))[:need]
             if len(hit):
                 found.append(hit + start)
                 need -= len(hit)
@@ -215,10 +373,42 @@ class Partition:
             return None
         return np.concatenate(found) if len(found) > 1 else found[0]
 
+    def find_groups(self, task: TaskState, mask: np.uint64, count: int, min_version: int | None = None) -> np.ndarray | None:
+        """Live members of the first ``count`` complete groups whose every live member has
+        the fields and is available to ``task``, in completion order; None if fewer are
+        ready. A group with a member older than ``min_version`` is refused whole."""
+        chosen: list[np.ndarray] = []
+        order = self.groups.order
+        i = task.group_lo
+        prefix = True  # groups before group_lo are all taken by this task
+        while i < len(order) and len(chosen) < count:
+            g = order[i]
+            i += 1
+            members = np.asarray(self.groups.members[g], dtype=np.int64)
+            live = members[(self.mask[members] & EXCLUDED) == 0]
+            if self.groups.aborted[g] or not len(live) or not np.any(task.state[live] == AVAILABLE):
+                if prefix:
+                    task.group_lo = i
+                continue
+            prefix = False
+            if np.any(task.state[live] != AVAILABLE):
+                continue
+            if min_version is not None:
+                versions = self.version[live]
+                if np.any((versions < min_version) & (versions != NO_VERSION)):
+                    task.state[live] = REFUSED
+                    task.refused += len(live)
+                    continue
+            if np.all((self.mask[live] & (mask | EXCLUDED)) == mask):
+                chosen.append(live)
+        if len(chosen) < count:
+            return None
+        return np.concatenate(chosen)
+
     def count_ready(self, task: TaskState | None, mask: np.uint64) -> int:
         if self.n == 0:
             return 0
-        ok = (self.mask[: self.n] & mask) == mask
+        ok = (self.mask[: self.n] & (mask | EXCLUDED)) == mask
         if task is not None:
             ok &= task.state[: self.n] == AVAILABLE
         return int(ok.sum())
@@ -240,6 +430,18 @@ class Partition:
         task.consumed += len(mine)
         return len(mine)
 
+    def expire(self, task: TaskState, indexes: np.ndarray, lease_id: int) -> int:
+        """Samples still held by ``lease_id`` become available again."""
+        held = indexes[(task.state[indexes] == LEASED) & (task.lease[indexes] == lease_id)]
+        task.state[held] = AVAILABLE
+        task.lease[held] = 0
+        task.leased -= len(held)
+        task.expired += len(held)
+        if len(held):
+            task.lo = min(task.lo, int(held.min()))
+            task.group_lo = 0  # cheap to rescan: complete groups only
+        return len(held)
+
     def _advance(self, task: TaskState) -> None:
         window = 1024
         while task.lo < self.n:
@@ -254,7 +456,33 @@ class Partition:
     def groups_of(self, indexes: np.ndarray) -> list[GroupId] | None:
         if not self.has_groups:
             return None
-        return [self.groups[i] for i in indexes.tolist()]
+        ids = self.groups.ids
+        return [ids[g] if g >= 0 else None for g in self.group[indexes].tolist()]
+
+    def balance_lengths(self, indexes: np.ndarray, fields: Sequence[str]) -> np.ndarray:
+        """Tokens per sample for balancing: the sum of dim 0 over the jagged fields asked."""
+        total = np.zeros(len(indexes), dtype=np.int64)
+        for name in fields:
+            arr = self.lengths.get(name)
+            if arr is not None:
+                total += arr[indexes]
+        return total if total.any() else np.ones(len(indexes), dtype=np.int64)
+
+    # --- lifetime -------------------------------------------------------------------
+
+    def finished(self) -> bool:
+        """Sealed, and every task that must read the partition consumed every live sample."""
+        if not self.options.auto_free or not self.sealed or self.in_flight:
+            return False
+        names = self.options.tasks if self.options.tasks is not None else self.tasks.keys()
+        if not names:
+            return False
+        live = self.committed - self.excluded
+        for name in names:
+            task = self.tasks.get(name)
+            if task is None or task.consumed + task.refused < live:
+                return False
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,7 @@ from .._wire import (
     Allocated,
     Commit,
     Drop,
+    Dropped,
     Fetch,
     Fetched,
     Hello,
@@ -82,6 +83,7 @@ class StorageUnit:
                 protocol=PROTOCOL_VERSION,
                 address=self.address,
                 host=self.host,
+                capacity=self.config.capacity_bytes,
                 shm=self.arena.path if self.arena is not None else "",
             )
         )
@@ -241,8 +243,11 @@ class StorageUnit:
         if self.arena is not None:
             self.arena.decref(region)
 
-    def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Ok:
-        freed = self.data.drop(msg.partition_uid)
+    def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Dropped:
+        if msg.indexes is None:
+            freed = self.data.drop(msg.partition_uid)
+        else:
+            freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
         if freed:
             self._retained += freed
             if self._retained > self.config.retain_bytes:
@@ -250,8 +255,8 @@ class StorageUnit:
             else:
                 self._schedule_trim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
-        return Ok()
-
+        part = self.data.partitions.get(msg.partition_uid)
+        return Dropped(unit_bytes=self.data.nbytes, partition_bytes=part.nbytes if part else 0)
 
     def _schedule_trim(self) -> None:
         """(Re)arm the idle timer that returns retained memory to the OS."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._layout import block_shapes, frame_layout, nbytes
 from .._wire import FieldBlock, FieldSpec
-from ..errors import InvalidArgumentError, ProtocolError, SchemaError
+from ..errors import InvalidArgumentError, PartitionClearedError, ProtocolError, SchemaError
 from ._arena import Arena, Region
 
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
@@ -212,6 +212,27 @@ class Store:
         part.nbytes += delta
         self.nbytes += delta
 
+    def drop_samples(self, uid: int, indexes: np.ndarray) -> int:
+        """Free some samples' bytes (pieces go once no sample uses them); return bytes freed."""
+        part = self.partitions.get(uid)
+        if part is None:
+            return 0
+        before = part.nbytes
+        for col in part.columns.values():
+            inside = indexes[indexes < len(col.piece_of)]
+            pids = col.piece_of[inside]
+            held = inside[pids >= 0]
+            ids, counts = np.unique(col.piece_of[held], return_counts=True)
+            col.piece_of[held] = -1
+            for pid, count in zip(ids.tolist(), counts.tolist()):
+                piece = col.pieces[pid]
+                piece.live -= count
+                if piece.live == 0:
+                    del col.pieces[pid]
+                    self._account(part, -piece.nbytes)
+                    self._free(piece)
+        return before - part.nbytes
+
     def drop(self, uid: int) -> int:
         part = self.partitions.pop(uid, None)
         if part is None:
@@ -229,7 +250,7 @@ class Store:
         arena bytes go as ranges, each region they lie in gets one reference (the hold)."""
         part = self.partitions.get(uid)
         if part is None:
-            raise SchemaError(f"partition {name!r} has no data on this unit")
+            raise PartitionClearedError(f"partition {name!r} has no data on this unit (cleared?)")
         out = ReadReply(blocks=[], frames=[], refs=[] if shm else None, held=[])
         held: dict[int, Region] = {}
         for field in fields:

@@ -1,0 +1,110 @@
+"""Flow control: the staleness bound and the memory budget make puts wait (parked, no
+polling) and then either proceed or fail with a typed error that says why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import StorageFullError, WaitTimeoutError
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Units of 4 MiB each; a cluster of its own, for the budget and the staleness bound."""
+    with tqueue.LocalCluster(num_storage_units=2, storage={"capacity_bytes": 4 << 20}) as c:
+        yield c
+
+
+def mib(n: int) -> dict:
+    return {"x": torch.zeros(4 * n, 1 << 16)}  # samples of 256 KiB (float32)
+
+
+async def parked(coro):
+    """Start ``coro``; one loop turn sends its request, and it must still be pending."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+def test_producer_blocks_at_the_staleness_bound_until_the_trainer_advances(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as producer, tqueue.AsyncClient(cluster.address) as trainer:
+            await trainer.set_staleness(max_staleness=1, batch_size=4)  # (v + 2) * 4 samples
+            try:
+                await producer.put(partition, {"x": torch.arange(8)}, version=0)
+                blocked = await parked(producer.put(partition, {"x": torch.arange(2)}, version=0, timeout=60))
+                status = await trainer.status()
+                assert [w.kind for w in status.waiting] == ["put"]
+                assert "8 samples admitted of 8 allowed (trainer version 0, max_staleness 1" in status.waiting[0].reason
+                pid = cluster.pids[0]
+                before = cpu_seconds(pid)
+                with pytest.raises(asyncio.TimeoutError):  # still blocked a second later...
+                    await asyncio.wait_for(asyncio.shield(blocked), 1.0)
+                assert cpu_seconds(pid) - before < 0.1  # ...and the controller idles meanwhile
+                await trainer.set_version(1)
+                meta = await asyncio.wait_for(blocked, 10)
+                assert meta.indexes == [8, 9] and meta.versions == [0, 0]
+                with pytest.raises(WaitTimeoutError, match=r"for the trainer: 10 samples admitted of 12 allowed"):
+                    await producer.reserve(3, timeout=0.1)
+                await producer.reserve(2, timeout=1)
+                await producer.put(partition, {"x": torch.arange(2)}, version=1, timeout=0)  # reserved
+            finally:
+                await trainer.set_staleness(None)
+
+    asyncio.run(main())
+
+
+def test_consumers_refuse_stale_samples_and_count_them(cluster, client, partition):
+    client.set_version(5)
+    client.put(partition, {"x": torch.arange(4)}, version=[2, 4, 5, 3])
+    meta = client.get_meta(partition, ["x"], 2, task="t", max_staleness=1, timeout=5)
+    assert meta.indexes == [1, 2] and meta.versions == [4, 5]
+    with pytest.raises(WaitTimeoutError):
+        client.get_meta(partition, ["x"], 1, task="t", max_staleness=1, timeout=0)
+    status = {p.name: p for p in client.status().partitions}[partition]
+    assert status.tasks["t"].refused == 2  # counted, not silently lost
+    assert client.get_meta(partition, ["x"], 4, task="other", timeout=5).indexes == [0, 1, 2, 3]
+
+
+def test_put_over_budget_waits_then_succeeds_when_memory_is_freed(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.put(f"{partition}-a", mib(3))
+            await c.put(f"{partition}-b", mib(3))  # one per unit: both nearly full
+            blocked = await parked(c.put(partition, mib(2), timeout=60))
+            status = await c.status()
+            assert [w.kind for w in status.waiting] == ["put"]
+            assert "fits on no storage unit" in status.waiting[0].reason
+            await c.clear(f"{partition}-a")
+            meta = await asyncio.wait_for(blocked, 10)
+            assert len(meta) == 8
+            await c.clear(partition)
+            await c.clear(f"{partition}-b")
+
+    asyncio.run(main())
+
+
+def test_put_over_budget_raises_after_its_timeout(cluster, client, partition):
+    client.put(f"{partition}-a", mib(3))
+    client.put(f"{partition}-b", mib(3))
+    try:
+        with pytest.raises(StorageFullError, match=r"put timed out after 0.2 s: a write of 2097152 bytes .* fits on no storage unit \(unit 0: \d+ of 4194304"):
+            client.put(partition, mib(2), timeout=0.2)
+        with pytest.raises(StorageFullError, match=r"a write of 8388608 bytes"):
+            client.put(partition, mib(8), timeout=60)  # can never fit: no wait
+    finally:
+        client.clear(f"{partition}-a")
+        client.clear(f"{partition}-b")
+    assert partition not in {p.name for p in client.status().partitions}  # nothing half-made

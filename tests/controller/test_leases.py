@@ -1,0 +1,88 @@
+"""Leases: a consumer that dies loses nothing; no task sees a sample twice unless its lease
+expired without an ack; renewals and stale acks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import InvalidArgumentError, WaitTimeoutError
+
+CONSUMER = """
+import json, sys, tqueue
+client = tqueue.Client(sys.argv[1])
+meta = client.get_meta(sys.argv[2], ["x"], 4, task="train", timeout=30, lease_timeout=float(sys.argv[3]))
+print(json.dumps(meta.indexes), flush=True)
+sys.stdin.read()  # hold the lease until killed
+"""
+
+
+def test_sigkilled_consumer_loses_nothing_and_each_sample_is_consumed_once(cluster, client, partition):
+    client.put(partition, {"x": torch.arange(8)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER, cluster.address, partition, "1.0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        held = json.loads(proc.stdout.readline())  # the handshake: it holds a lease
+        assert len(held) == 4
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stdin.close()
+    delivered = []
+    with tqueue.Client(cluster.address) as other:
+        for _ in range(2):  # the 4 free samples now, the 4 dead ones once their lease expires
+            meta = other.get_meta(partition, ["x"], 4, task="train", timeout=10)
+            batch = other.get_data(meta)
+            assert batch["x"].tolist() == meta.indexes
+            delivered += meta.indexes
+            other.ack(meta)
+    assert sorted(delivered) == list(range(8))  # each exactly once among the living
+    assert set(held) <= set(delivered)
+    status = {p.name: p for p in client.status().partitions}[partition].tasks["train"]
+    assert (status.consumed, status.leased, status.expired) == (8, 0, 4)
+
+
+def test_without_expiry_a_leased_sample_is_not_served_again(client, partition):
+    client.put(partition, {"x": torch.arange(2)})
+    client.get_meta(partition, ["x"], 2, task="t", timeout=1, lease_timeout=float("inf"))
+    with pytest.raises(WaitTimeoutError, match="0 ready for this task"):
+        client.get_meta(partition, ["x"], 1, task="t", timeout=0.2)
+
+
+def test_renew_keeps_samples_and_stale_acks_are_ignored(cluster, client, partition):
+    client.put(partition, {"x": torch.arange(2)})
+    first = client.get_meta(partition, ["x"], 2, task="t", timeout=1, lease_timeout=0.3)
+    client.renew(first, lease_timeout=60)
+    with pytest.raises(WaitTimeoutError):
+        client.get_meta(partition, ["x"], 2, task="t", timeout=0.6)  # outlives the old 0.3 s
+    client.renew(first, lease_timeout=0.1)
+    with tqueue.Client(cluster.address) as other:
+        second = other.get_meta(partition, ["x"], 2, task="t", timeout=10)  # after expiry
+        assert second.indexes == first.indexes and second.lease != first.lease
+        client.ack(first)  # too late: the samples are leased to someone else now
+        status = {p.name: p for p in client.status().partitions}[partition].tasks["t"]
+        assert (status.leased, status.consumed) == (2, 0)
+        other.ack(second)
+    status = {p.name: p for p in client.status().partitions}[partition].tasks["t"]
+    assert (status.leased, status.consumed) == (0, 2)
+    with pytest.raises(InvalidArgumentError, match="no longer held"):
+        client.renew(second)
+
+
+def test_bad_lease_timeout(client, partition):
+    with pytest.raises(InvalidArgumentError, match=r"lease_timeout must be >= 0 seconds"):
+        client.get_meta(partition, ["x"], 1, task="t", lease_timeout=-1)
