@@ -40,6 +40,29 @@ SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "transferqueue": ("benchmarks.systems.tq_sys", "TransferQueueSystem", {}),
 }
 OURS = ("tqueue", "tqueue-shm")
+# bytes per sample (the workload) and how many copies of a batch a run holds at once
+# (producer, store, consumer, and the previous run's memory kept warm)
+SAMPLE_BYTES = 133_000
+IMAGE_BYTES = 240_000
+COPIES_HELD = 4
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def too_big(scenario: str, size: int) -> str | None:
+    """Why a run would not fit in this machine's memory, or None."""
+    per = SAMPLE_BYTES + (IMAGE_BYTES if SCENARIOS[scenario].multimodal else 0)
+    need = COPIES_HELD * per * size
+    have = available_memory()
+    if need > 0.8 * have:
+        return f"{scenario} at {size} samples skipped: needs about {need / 1e9:.0f} GB, {have / 1e9:.0f} GB available"
+    return None
 QUICK = {"sizes": [256], "scenarios": ["1to1", "1to4"], "repeats": 2, "warmup": 1}
 
 
@@ -73,17 +96,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if size > args.max_size.get(name, 1 << 30):
                         notes.append(f"{name}: {scenario} at {size} samples skipped (over --max-size)")
                         continue
+                    reason = too_big(scenario, size)
+                    if reason:
+                        if reason not in notes:
+                            notes.append(reason)
+                            print(reason, flush=True)
+                        continue
                     sc = SCENARIOS[scenario]
-                    for _ in range(args.warmup):
-                        system.run(sc, size)
-                    runs = []
-                    for _ in range(args.repeats):
-                        r = system.run(sc, size)
-                        r.system = name  # one class may serve several names
-                        runs.append(r)
+                    try:
+                        for _ in range(args.warmup):
+                            system.run(sc, size)
+                        runs = []
+                        for _ in range(args.repeats):
+                            r = system.run(sc, size)
+                            r.system = name  # one class may serve several names
+                            runs.append(r)
+                    except Exception as exc:  # noted in the output; the system is restarted
+                        note = f"{name}: {scenario} at {size} samples failed: {type(exc).__name__}: {str(exc)[:200]}"
+                        notes.append(note)
+                        print(note, flush=True)
+                        system.stop()
+                        system.start()
+                        continue
                     results.extend(runs)
                     med = statistics.median(r.gbps for r in runs)
                     print(f"  {scenario:7s} {size:6d} samples  {med:6.2f} GB/s", flush=True)
+                    if args.on_progress:
+                        args.on_progress(results, notes, copies)
         finally:
             system.stop()
     return {
@@ -96,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "platform": platform.platform(),
         },
         "seconds": time.time() - started,
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "on_progress")},
     }
 
 
@@ -225,21 +264,40 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    data = run(args)
+def write(data: dict[str, Any], out: pathlib.Path, *, final: bool) -> str:
     rows = summarize(data)
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data["summary"] = rows
     (out / "results.json").write_text(json.dumps(data, indent=1))
-    note = plot(rows, out / "throughput.png")
+    note = plot(rows, out / "throughput.png") if final else None
     if note:
         data["notes"].append(note)
     text = markdown(data, rows)
     (out / "results.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = pathlib.Path(args.out)
+    started = time.time()
+
+    def progress(results: list[Result], notes: list[str], copies: dict[str, str]) -> None:
+        partial = {
+            "results": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in results],
+            "notes": notes + ["(partial: the run is still going)"],
+            "copies": copies,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "seconds": time.time() - started,
+            "args": {},
+        }
+        write(partial, out, final=False)
+
+    args.on_progress = progress
+    data = run(args)
+    text = write(data, out, final=True)
     print("\n" + text)
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + ("" if note else f", {out / 'throughput.png'}"))
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'throughput.png'}")
     return 0
 
 

@@ -39,7 +39,7 @@ def keep_freed(retain: int) -> bool:
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     if not _tuned:
-        retain = max(0, min(retain, (1 << 31) - 1))  # mallopt takes an int
+        retain = max(0, min(retain, (1 << 31) - 1))  # mallopt takes an int: at most 2 GiB
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         libc.mallopt(_M_TRIM_THRESHOLD, retain)
         _tuned.append(retain)

@@ -54,7 +54,7 @@ class StorageConfig:
     host: str = ""
     capacity_bytes: int = 0
     max_header_bytes: int = 64 * MiB
-    retain_bytes: int = 2048 * MiB
+    retain_bytes: int = 4096 * MiB
     trim_delay: float = 60.0
     shm_bytes: int = 8192 * MiB
     hold_timeout: float = 3600.0
@@ -91,10 +91,10 @@ class ClientConfig:
     lease_timeout: float = 600.0
     chunk_bytes: int = 1 * MiB
     host: str = ""
-    buffer_pool_bytes: int = 2048 * MiB
+    buffer_pool_bytes: int = 4096 * MiB
     shm: bool = True
     shm_min_bytes: int = 1 * MiB
-    keep_freed_bytes: int = 1024 * MiB
+    keep_freed_bytes: int = 4096 * MiB
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
