@@ -34,7 +34,7 @@ from .errors import (
 from .launch import LocalCluster
 
 if TYPE_CHECKING:
-    from .client import AsyncClient, Batch, Client, ClientStats
+    from .client import AsyncClient, Batch, Client, ClientStats, FieldStats
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "ControllerConfig",
     "ControllerUnavailableError",
     "FieldSpec",
+    "FieldStats",
     "FieldTypeError",
     "InvalidArgumentError",
     "LocalCluster",
@@ -66,7 +67,7 @@ __all__ = [
     "WaitTimeoutError",
 ]
 
-_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats"}
+_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "FieldStats"}
 
 
 def __getattr__(name: str) -> Any:

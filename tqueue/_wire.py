@@ -54,6 +54,10 @@ class Kind(enum.IntEnum):
     RESERVE = 29
     DROPPED = 30
     SEAL = 31
+    MOVE = 32
+    POSTPONE = 33
+    SEALED = 34
+    SELECT = 35
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -130,6 +134,17 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     global_batch_size: int = 0
     num_microbatches: int = 1
     micro_batch_indices: list[list[int]] | None = None
+    versions_max: list[int] | None = None
+    segments: list[list[list[int]]] | None = None  # per sample: [[version, first_token], ...]
+    revisions: list[int] | None = None
+    status: str = "ok"  # a put's fate: "ok", "aborted" (discarded) or "recycled"
+    sealed: bool = False  # the partition takes no more samples (its target was reached)
+    recycled_to: str = ""
+
+    @property
+    def pads(self) -> int:
+        """Number of pad rows (index -1): masked filler that makes a batch divide evenly."""
+        return sum(1 for i in self.indexes if i < 0)
 
     @property
     def size(self) -> int:
@@ -152,6 +167,9 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             units=take(self.units),
             groups=take(self.groups),
             versions=take(self.versions),
+            versions_max=take(self.versions_max),
+            segments=take(self.segments),
+            revisions=take(self.revisions),
             micro_batch_indices=None,
             num_microbatches=1,
             global_batch_size=len(pick),
@@ -210,6 +228,10 @@ class CreatePartition(Message):
     group_size: int = 0
     on_member_failure: str = "drop_group"
     auto_free: bool = True
+    target: int = 0  # seal once this many samples are complete (over-sampling)
+    target_groups: int = 0  # ... or this many whole groups
+    recycle_to: str = ""  # late puts go there as partial samples instead of being discarded
+    prefetch: str = ""  # a consumer short of samples may take ready ones from this partition
 
 
 class Grant(Message):
@@ -227,15 +249,24 @@ class Grant(Message):
     versions: list[int] | None = None
     timeout: float | None = None  # how long the grant may wait for memory or admission
     reserved: int = 0  # samples of this write already admitted by a reserve()
+    partial: bool = False  # unfinished samples: stored, never served until completed
+    complete: bool = False  # (update) the samples are finished now
+    segment: list[int] | None = None  # (update) [version, first_token] of a resumed rollout
 
 
 class Granted(Message):
+    """Where to write; ``status`` "aborted": the partition is sealed, nothing is to be sent;
+    "recycled": the samples go to ``partition`` (the recycle partition) as partial."""
+
     KIND = Kind.GRANTED
     grant_id: int
     partition_uid: int
     start: int
     unit: UnitInfo | None = None
     schema: dict[str, FieldSpec] = {}
+    status: str = "ok"
+    partition: str = ""
+    sealed: bool = False
 
 
 class Alloc(Message):
@@ -309,6 +340,7 @@ class GetMeta(Message):
     balance_by: list[str] | None = None
     max_staleness: int | None = None
     round_uid: int = 0  # partition incarnation the caller's round count refers to
+    pad: bool = False  # once the partition is sealed and drained, fill the batch with pad rows
 
 
 class Meta(Message):
@@ -376,6 +408,44 @@ class Dropped(Message):
     KIND = Kind.DROPPED
     unit_bytes: int
     partition_bytes: int = 0
+
+
+class Move(Message):
+    """The controller tells a unit to re-key samples' data from one partition to another."""
+
+    KIND = Kind.MOVE
+    src_uid: int
+    dst_uid: int
+    dst_name: str
+    src_indexes: list[int]
+    dst_indexes: list[int]
+
+
+class Postpone(Message):
+    """Move samples (their data kept, partial or not) to a later partition."""
+
+    KIND = Kind.POSTPONE
+    partition: str
+    partition_uid: int
+    indexes: list[int]
+    to: str
+    whole_groups: bool = False
+
+
+class Sealed(Message):
+    """Wait until a partition is sealed (answered then, or at the timeout)."""
+
+    KIND = Kind.SEALED
+    partition: str
+    timeout: float | None = None
+
+
+class Select(Message):
+    """The meta of every live sample with ``fields`` (no lease), e.g. to compute metrics."""
+
+    KIND = Kind.SELECT
+    partition: str
+    fields: list[str]
 
 
 class Renew(Message):

@@ -45,8 +45,10 @@ def test_unsealed_partitions_are_never_freed_under_a_late_task(client, partition
 def test_a_sealed_partition_takes_no_more_samples(client, partition):
     client.put(partition, {"x": torch.zeros(2, 10)})
     client.seal(partition)
-    with pytest.raises(tqueue.InvalidArgumentError, match=rf"partition '{partition}' is sealed"):
-        client.put(partition, {"x": torch.zeros(1, 10)})
+    late = client.put(partition, {"x": torch.zeros(1, 10)})  # accepted, discarded, and said so
+    assert (late.status, late.sealed, late.indexes) == ("aborted", True, [])
+    status = names(client)[partition]
+    assert status.samples == 2 and status.reasons == {"discarded after seal": 1}
 
 
 def test_clear_a_meta_frees_just_those_samples(client, partition):

@@ -1,7 +1,7 @@
 """The client library used inside producers and consumers."""
 
-from ._async import AsyncClient, ClientStats
+from ._async import AsyncClient, ClientStats, FieldStats
 from ._batch import Batch
 from ._sync import Client
 
-__all__ = ["AsyncClient", "Batch", "Client", "ClientStats"]
+__all__ = ["AsyncClient", "Batch", "Client", "ClientStats", "FieldStats"]

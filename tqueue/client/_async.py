@@ -32,10 +32,13 @@ from .._wire import (
     Hello,
     HelloReply,
     Meta,
+    Postpone,
     Release,
     Renew,
     Reserve,
     Seal,
+    Sealed,
+    Select,
     SetVersion,
     StatusReply,
     StatusRequest,
@@ -60,6 +63,17 @@ from ._pool import BufferPool
 from ._shm import ArenaMap, aligned, open_arena
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldStats:
+    """Statistics of a scalar field over a partition's live samples."""
+
+    count: int
+    mean: float
+    std: float
+    min: float
+    max: float
 
 
 @dataclasses.dataclass
@@ -196,6 +210,10 @@ class AsyncClient:
         group_size: int = 0,
         on_member_failure: str = "drop_group",
         auto_free: bool = True,
+        target: int = 0,
+        target_groups: int = 0,
+        recycle_to: str = "",
+        prefetch: str = "",
     ) -> None:
         """Create ``partition`` now, with options; otherwise its first put creates it.
 
@@ -205,6 +223,11 @@ class AsyncClient:
         ``on_member_failure``: ``"drop_group"`` aborts a group when a member fails,
         ``"mask_member"`` releases it without that member. ``auto_free``: free the
         partition once every task has consumed every sample.
+        ``target`` / ``target_groups``: over-sampling; once that many samples (or whole
+        groups) are complete, the partition seals itself and aborts the surplus: later puts
+        are discarded, or with ``recycle_to`` stored there as partial samples.
+        ``prefetch``: a consumer short of samples here, once this partition is sealed and
+        drained, takes ready samples from that (later) partition; they count as taken there.
         """
         ctl = await self._ctl()
         await ctl.request(
@@ -215,6 +238,10 @@ class AsyncClient:
                 group_size=group_size,
                 on_member_failure=on_member_failure,
                 auto_free=auto_free,
+                target=target,
+                target_groups=target_groups,
+                recycle_to=recycle_to,
+                prefetch=prefetch,
             )
         )
 
@@ -296,6 +323,7 @@ class AsyncClient:
         groups: Sequence[GroupId] | GroupId = None,
         version: int | Sequence[int] | None = None,
         timeout: float | None = None,
+        partial: bool = False,
     ) -> BatchMeta:
         """Write new samples to ``partition`` (created on first use) and return their meta.
 
@@ -309,6 +337,11 @@ class AsyncClient:
         ``timeout`` seconds (None: the config's ``put_timeout``; 0: not at all), then
         raises :class:`StorageFullError` (memory) or :class:`WaitTimeoutError` (staleness),
         saying what it asked for and what was used and allowed.
+
+        ``partial``: unfinished rollouts; stored but never served until :meth:`complete`.
+        A put to a sealed partition (its over-sampling target was reached) sends nothing and
+        returns a meta with ``status="aborted"``, or, where the partition recycles late
+        samples, stores them as partial samples there (``status="recycled"``).
         """
         enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
         group_ids = _groups(groups, enc.count, partition)
@@ -327,21 +360,33 @@ class AsyncClient:
                 versions=versions,
                 timeout=None if math.isinf(wait) else wait,
                 reserved=reserved,
+                partial=partial,
             ),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
         )
         self._reserved -= reserved
-        assert isinstance(reply, Granted) and reply.unit is not None
-        await self._store(reply.unit, partition, reply, enc, None)
+        assert isinstance(reply, Granted)
+        fields = [b.name for b in enc.blocks]
+        if reply.status == "aborted":
+            return BatchMeta(
+                partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],
+                fields=fields, schema={}, status="aborted", sealed=True,
+            )
+        assert reply.unit is not None
+        where = reply.partition or partition
+        await self._store(reply.unit, where, reply, enc, None)
         return BatchMeta(
-            partition=partition,
+            partition=where,
             partition_uid=reply.partition_uid,
             indexes=list(range(reply.start, reply.start + enc.count)),
             units=[reply.unit.unit_id] * enc.count,
-            fields=[b.name for b in enc.blocks],
+            fields=fields,
             schema=reply.schema,
             groups=group_ids,
             versions=versions,
+            status=reply.status,
+            sealed=reply.sealed,
+            recycled_to=where if reply.status == "recycled" else "",
         )
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
@@ -400,7 +445,20 @@ class AsyncClient:
 
     async def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add or overwrite fields of the samples of ``meta`` (e.g. a reward worker adding
-        ``rewards``). ``data`` has one value per sample of ``meta``, in its order."""
+        ``rewards``). ``data`` has one value per sample of ``meta``, in its order.
+
+        Atomic per sample: all of a sample's fields live on one unit, which installs a write
+        whole, so a reader gets every field old or every field new, never a mix."""
+        await self._update(meta, data)
+
+    async def _update(
+        self,
+        meta: BatchMeta,
+        data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        *,
+        complete: bool = False,
+        segment: tuple[int, int] | None = None,
+    ) -> None:
         positions = _by_unit(meta)
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
@@ -422,6 +480,8 @@ class AsyncClient:
                     count=enc.count,
                     blocks=enc.grant_blocks(),
                     indexes=indexes,
+                    complete=complete,
+                    segment=list(segment) if segment is not None else None,
                 )
             )
             assert isinstance(reply, Granted)
@@ -429,6 +489,114 @@ class AsyncClient:
             await self._store(self._units[unit_id], meta.partition, reply, enc, indexes)
 
         await asyncio.gather(*(write(*w) for w in writes))
+
+    async def complete(
+        self,
+        meta: BatchMeta,
+        data: Mapping[str, Any],
+        *,
+        version: int,
+        first_token: int,
+        append: Sequence[str] = (),
+        splice: Mapping[str, int | Sequence[int]] | None = None,
+        lengths: Sequence[int] | None = None,
+        finished: bool = True,
+    ) -> None:
+        """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
+        update: a new segment of tokens produced by ``version``, starting at response token
+        ``first_token``.
+
+        Fields in ``append`` (the new response tokens, their log-probs) are appended to
+        what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
+        the engine returned the field for the whole sequence (routed experts
+        ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
+        earlier segments' weights, are kept; the new array supplies the rest. With
+        ``lengths`` each spliced result must have exactly that many rows (prompt plus
+        response tokens). Other fields are replaced. The samples record the segment
+        ``(version, first_token)``; once ``finished`` they are visible to consumers.
+        """
+        cols, n = sample_count(data, meta.partition)
+        if n != len(meta):
+            raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
+        splice = dict(splice or {})
+        for name in [*append, *splice]:
+            if name not in cols:
+                raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
+        old = await self.get_data(meta, [*append, *splice]) if (append or splice) else None
+        new = dict(cols)
+        for name in append:
+            assert old is not None
+            new[name] = [torch.cat([o, x]) for o, x in zip(_rows(old[name]), _rows(cols[name]))]
+        for name, at in splice.items():
+            assert old is not None
+            offsets = [at] * n if isinstance(at, int) else list(at)
+            out = []
+            for i, (o, x, k) in enumerate(zip(_rows(old[name]), _rows(cols[name]), offsets)):
+                if len(o) < k or len(x) < k:
+                    raise SchemaError(
+                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}): "
+                        f"splicing at row {k} needs that many rows, stored {len(o)}, new {len(x)}"
+                    )
+                row = torch.cat([o[:k], x[k:]])
+                if lengths is not None and len(row) != lengths[i]:
+                    raise SchemaError(
+                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}) "
+                        f"would have {len(row)} rows after the splice; its sequence has {lengths[i]} tokens"
+                    )
+                out.append(row)
+            new[name] = out
+        await self._update(meta, new, complete=finished, segment=(version, first_token))
+
+    async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
+        """Move these samples (with ``whole_groups``, every member of their groups) to a later
+        partition, data kept and partial ones still partial; returns their meta there."""
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(
+            Postpone(
+                partition=meta.partition,
+                partition_uid=meta.partition_uid,
+                indexes=[i for i in meta.indexes if i >= 0],
+                to=to,
+                whole_groups=whole_groups,
+            )
+        )
+        assert isinstance(reply, Meta)
+        return reply.meta
+
+    async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
+        """Wait until ``partition`` is sealed (its over-sampling target reached, or
+        ``seal``): producers of the surplus learn it here without polling."""
+        wait = _wait(timeout, self.config.get_timeout)
+        ctl = await self._ctl()
+        await ctl.request(
+            Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        )
+
+    async def field_stats(self, partition: str, field: str) -> FieldStats:
+        """count, mean, std, min and max of a scalar field over the partition's live samples:
+        aborted, failed, postponed and partial samples and pad rows are left out."""
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(Select(partition=partition, fields=[field]))
+        assert isinstance(reply, Meta)
+        meta = reply.meta
+        if not len(meta):
+            return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)
+        values = (await self.get_data(meta, [field]))[field]
+        if isinstance(values, list):
+            values = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        values = torch.as_tensor(values).to(torch.float64)
+        if values.dim() > 1 and values[0].numel() == 1:
+            values = values.reshape(-1)
+        if values.dim() != 1:
+            raise InvalidArgumentError(f"field {field!r} of partition {partition!r} is not one number per sample")
+        return FieldStats(
+            count=len(values),
+            mean=float(values.mean()),
+            std=float(values.std(unbiased=False)),
+            min=float(values.min()),
+            max=float(values.max()),
+        )
 
     # --- reads ----------------------------------------------------------------------
 
@@ -448,6 +616,7 @@ class AsyncClient:
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
         max_staleness: int | None = None,
+        pad: bool = False,
     ) -> BatchMeta:
         """Lease ``batch_size`` samples of ``partition`` that have every field in ``fields``
         and that ``task`` has not consumed; wait until enough are ready.
@@ -465,6 +634,9 @@ class AsyncClient:
         tokens (default: the jagged fields asked for).
         ``max_staleness``: refuse (and count) samples older than the trainer's version
         minus this.
+        ``pad``: once the partition is sealed and has fewer samples left than asked, return
+        them with pad rows (index -1; all-zero tensors, ``batch.is_pad``) instead of waiting,
+        so that a batch still divides evenly across ranks and micro-batches.
         """
         wait = _wait(timeout, self.config.get_timeout)
         lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
@@ -494,6 +666,7 @@ class AsyncClient:
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch or 0,
                 balance_by=list(balance_by) if balance_by is not None else None,
                 max_staleness=max_staleness,
+                pad=pad,
             ),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
         )
@@ -535,6 +708,7 @@ class AsyncClient:
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
         max_staleness: int | None = None,
+        pad: bool = False,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
         pad_value: float | int | bool = 0,
         padding_side: str = "right",
@@ -570,6 +744,7 @@ class AsyncClient:
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                 balance_by=balance_by,
                 max_staleness=max_staleness,
+                pad=pad,
             )
         elif batch_size is not None or task is not None or dp_size is not None:
             raise InvalidArgumentError("get_data(meta) takes no batch_size, task or dp options: the meta has them")
@@ -590,8 +765,12 @@ class AsyncClient:
         positions = _by_unit(meta)
         values: dict[str, Any] = {}
         lengths: dict[str, torch.Tensor] = {}
-        if not len(meta):
-            return Batch(meta, {f: assemble_field(meta, f, [], options, self._pool)[0] for f in fields}, {})
+        if not positions:  # nothing to fetch: an empty batch, or pad rows only
+            for f in fields:
+                values[f], lens, _ = assemble_field(meta, f, [], options, self._pool)
+                if lens is not None:
+                    lengths[f] = lens
+            return Batch(meta, values, lengths)
         parts = list(await asyncio.gather(*(self._fetch_part(meta, u, p, fields) for u, p in positions.items())))
         received = sum(nbytes(f) for part in parts for _, frames in part.blocks.values() for f in frames)
         copied = 0
@@ -729,7 +908,14 @@ def _by_unit(meta: BatchMeta) -> dict[int, np.ndarray]:
     units = np.asarray(meta.units, dtype=np.int64)
     if len(units) != len(meta.indexes):
         raise InvalidArgumentError("meta has a different number of units and indexes")
-    return {int(u): np.flatnonzero(units == u) for u in np.unique(units)}
+    return {int(u): np.flatnonzero(units == u) for u in np.unique(units) if u >= 0}  # -1: pad rows
+
+
+def _rows(value: Any) -> list[Any]:
+    """Per-sample values of a field (a list, or a tensor split along its first dimension)."""
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    return list(value)
 
 
 def _select(cols: dict[str, Any], pos: np.ndarray) -> dict[str, Any]:

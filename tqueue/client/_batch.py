@@ -84,6 +84,28 @@ class Batch(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._values)
 
+    @property
+    def is_pad(self) -> torch.Tensor:
+        """Bool ``[B]``: which rows are padding (all-zero tensors, None objects)."""
+        return torch.tensor([i < 0 for i in self._meta.indexes], dtype=torch.bool)
+
+    def token_versions(self, field: str) -> list[torch.Tensor]:
+        """Per sample, the policy version that produced each row of a jagged field (its
+        tokens), from the sample's segments ``(version, first_token)``; -1 where unknown."""
+        values = self._values[field]
+        meta = self._meta
+        out = []
+        for i, value in enumerate(values):
+            n = len(value)
+            versions = torch.full((n,), -1, dtype=torch.int64)
+            segments = meta.segments[i] if meta.segments is not None else None
+            if segments is None and meta.versions is not None:
+                segments = [[meta.versions[i], 0]]
+            for version, first in segments or []:
+                versions[first:] = version
+            out.append(versions)
+        return out
+
     def lengths(self, field: str) -> torch.Tensor:
         """Per-sample length (size of dimension 0) of a jagged tensor field, int64 ``[B]``."""
         try:
@@ -165,10 +187,13 @@ def assemble_field(
     pieces = _gather(field, spec, parts)
     if spec.kind == "object":
         return _objects(pieces, size), None, 0
+    pads = np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0) if size else np.zeros(0, np.int64)
     if spec.layout == "dense":
         value, n = _dense(pieces, size, pool)
+        if len(pads):
+            value[torch.from_numpy(pads) if isinstance(value, torch.Tensor) else pads] = 0
         return value, None, n
-    return _jagged(field, pieces, size, options, pool)
+    return _jagged(field, pieces, size, options, pool, pads)
 
 
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
@@ -196,7 +221,12 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
             else:
                 shapes.append(np.asarray(block.shapes, dtype=np.int64).reshape(n, block.spec.ndim))
         seen = at
-    cat = np.concatenate
+    def cat(arrays: list[np.ndarray], width: int = 0) -> np.ndarray:
+        if arrays:
+            return np.concatenate(arrays)
+        return np.zeros((0, width) if width else 0, dtype=np.int64)
+
+    ndim = len(spec.shape) if spec.layout == "dense" else spec.ndim
     return Pieces(
         spec=spec,
         positions=cat(positions),
@@ -204,7 +234,7 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
         buffer_of=cat(buffer_of),
         offsets=cat(offsets),
         sizes=cat(sizes),
-        shapes=cat(shapes) if shapes else None,
+        shapes=cat(shapes, ndim) if spec.kind != "object" else None,
         counts=counts,
     )
 
@@ -223,6 +253,12 @@ def _empty(spec: FieldSpec, shape: tuple[int, ...]) -> Any:
     if spec.kind == "tensor":
         return torch.empty(shape, dtype=TORCH_DTYPES[spec.dtype])
     return np.empty(shape, dtype=numpy_dtype(spec.dtype))
+
+
+def _zeros(spec: FieldSpec, shape: tuple[int, ...]) -> Any:
+    if spec.kind == "tensor":
+        return torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype])
+    return np.zeros(shape, dtype=numpy_dtype(spec.dtype))
 
 
 def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any:
@@ -254,15 +290,17 @@ def _dense(p: Pieces, size: int, pool: BufferPool) -> tuple[Any, int]:
 
 
 def _jagged(
-    field: str, p: Pieces, size: int, options: Options, pool: BufferPool
+    field: str, p: Pieces, size: int, options: Options, pool: BufferPool, pads: np.ndarray
 ) -> tuple[Any, torch.Tensor | None, int]:
     assert p.shapes is not None
-    shapes = np.empty((size, p.shapes.shape[1]), dtype=np.int64)
+    shapes = np.zeros((size, p.shapes.shape[1]), dtype=np.int64)
     shapes[p.positions] = p.shapes
+    if len(pads) and len(p.shapes):  # pad rows: no rows, the trailing dims of a real sample
+        shapes[pads, 1:] = p.shapes[0, 1:]
     lengths = torch.from_numpy(shapes[:, 0].copy()) if shapes.shape[1] else None
     mode = options.mode(field)
     if mode == "list" or shapes.shape[1] == 0:
-        views = _views(p, size)
+        views = _views(p, size, shapes)
         if shapes.shape[1] == 0 and mode != "list":
             return _stack(p.spec, views), None, size * itemsize(p.spec)
         return views, lengths, 0
@@ -278,7 +316,7 @@ def _jagged(
         return out, lengths, n
     if p.spec.kind != "tensor":
         raise InvalidArgumentError(f"field {field!r} holds numpy arrays; jagged='nested' needs tensors")
-    views = _views(p, size)
+    views = _views(p, size, shapes)
     total = int(shapes[:, 0].sum())
     nbytes = int(p.sizes.sum())
     values = _from_bytes(p.spec, pool.take(nbytes), (total, *(int(d) for d in trail[0]))) if size else _empty(p.spec, (0,))
@@ -289,8 +327,10 @@ def _jagged(
     return torch.nested.nested_tensor_from_jagged(values, offsets), lengths, nbytes
 
 
-def _views(p: Pieces, size: int) -> list[Any]:
+def _views(p: Pieces, size: int, shapes: np.ndarray) -> list[Any]:
     out: list[Any] = [None] * size
+    if size > len(p.positions):  # pad rows: zero-filled, no rows of their own
+        out = [_zeros(p.spec, tuple(row)) for row in shapes.tolist()]
     assert p.shapes is not None
     for k, (pos, buf, off, n) in enumerate(
         zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist())

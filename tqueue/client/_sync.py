@@ -9,7 +9,7 @@ from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from .._wire import BatchMeta, GroupId, StatusReply
 from ..config import ClientConfig
-from ._async import AsyncClient, ClientStats
+from ._async import AsyncClient, ClientStats, FieldStats
 from ._batch import Batch, JaggedAs
 
 T = TypeVar("T")
@@ -90,6 +90,10 @@ class Client:
         group_size: int = 0,
         on_member_failure: str = "drop_group",
         auto_free: bool = True,
+        target: int = 0,
+        target_groups: int = 0,
+        recycle_to: str = "",
+        prefetch: str = "",
     ) -> None:
         """Sync twin of :meth:`AsyncClient.create_partition`."""
         self._run(
@@ -100,6 +104,10 @@ class Client:
                 group_size=group_size,
                 on_member_failure=on_member_failure,
                 auto_free=auto_free,
+                target=target,
+                target_groups=target_groups,
+                recycle_to=recycle_to,
+                prefetch=prefetch,
             )
         )
 
@@ -139,13 +147,54 @@ class Client:
         groups: Sequence[GroupId] | GroupId = None,
         version: int | Sequence[int] | None = None,
         timeout: float | None = None,
+        partial: bool = False,
     ) -> BatchMeta:
         """Sync twin of :meth:`AsyncClient.put`."""
-        return self._run(self._inner.put(partition, data, groups=groups, version=version, timeout=timeout))
+        return self._run(
+            self._inner.put(partition, data, groups=groups, version=version, timeout=timeout, partial=partial)
+        )
 
     def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Sync twin of :meth:`AsyncClient.update`."""
         self._run(self._inner.update(meta, data))
+
+    def complete(
+        self,
+        meta: BatchMeta,
+        data: Mapping[str, Any],
+        *,
+        version: int,
+        first_token: int,
+        append: Sequence[str] = (),
+        splice: Mapping[str, int | Sequence[int]] | None = None,
+        lengths: Sequence[int] | None = None,
+        finished: bool = True,
+    ) -> None:
+        """Sync twin of :meth:`AsyncClient.complete`."""
+        self._run(
+            self._inner.complete(
+                meta,
+                data,
+                version=version,
+                first_token=first_token,
+                append=append,
+                splice=splice,
+                lengths=lengths,
+                finished=finished,
+            )
+        )
+
+    def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
+        """Sync twin of :meth:`AsyncClient.postpone`."""
+        return self._run(self._inner.postpone(meta, to, whole_groups=whole_groups))
+
+    def sealed(self, partition: str, *, timeout: float | None = None) -> None:
+        """Sync twin of :meth:`AsyncClient.sealed`."""
+        self._run(self._inner.sealed(partition, timeout=timeout))
+
+    def field_stats(self, partition: str, field: str) -> FieldStats:
+        """Sync twin of :meth:`AsyncClient.field_stats`."""
+        return self._run(self._inner.field_stats(partition, field))
 
     def get_meta(
         self,
@@ -163,6 +212,7 @@ class Client:
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
         max_staleness: int | None = None,
+        pad: bool = False,
     ) -> BatchMeta:
         """Sync twin of :meth:`AsyncClient.get_meta`."""
         return self._run(
@@ -180,6 +230,7 @@ class Client:
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                 balance_by=balance_by,
                 max_staleness=max_staleness,
+                pad=pad,
             )
         )
 
@@ -203,6 +254,7 @@ class Client:
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
         max_staleness: int | None = None,
+        pad: bool = False,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
         pad_value: float | int | bool = 0,
         padding_side: str = "right",
@@ -223,6 +275,7 @@ class Client:
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                 balance_by=balance_by,
                 max_staleness=max_staleness,
+                pad=pad,
                 jagged=jagged,
                 pad_value=pad_value,
                 padding_side=padding_side,

@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .. import _transport
@@ -40,8 +41,12 @@ from .._wire import (
     Registered,
     RegisterUnit,
     Renew,
+    Move,
+    Postpone,
     Reserve,
     Seal,
+    Sealed,
+    Select,
     SetVersion,
     StatusReply,
     StatusRequest,
@@ -61,7 +66,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ._rounds import RoundBook
-from ._state import FAILURE_POLICIES, LEASED, GrantRecord, Options, Partition, Unit
+from ._state import EXCLUDED, FAILURE_POLICIES, HIDDEN, LEASED, GrantRecord, Moved, Options, Partition, Unit
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,8 @@ class Controller:
         self._parked: list[_ParkedWrite] = []
         self._leases: dict[int, _Lease] = {}
         self._rounds: dict[tuple[int, str], RoundBook] = {}
+        self._sealed_waiters: dict[str, list[_Waiter]] = {}
+        self._prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self._version = 0
         self._admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
         self._admitted = 0
@@ -149,6 +156,9 @@ class Controller:
             (Fail, self._fail),
             (Clear, self._clear),
             (Seal, self._seal),
+            (Sealed, self._sealed),
+            (Postpone, self._postpone),
+            (Select, self._select_all),
             (SetVersion, self._set_version),
             (Admission, self._set_admission),
             (Reserve, self._reserve),
@@ -203,8 +213,11 @@ class Controller:
             raise InvalidArgumentError(
                 f"on_member_failure is one of {list(FAILURE_POLICIES)}, got {msg.on_member_failure!r}"
             )
-        if msg.group_size < 0:
-            raise InvalidArgumentError(f"group_size must be >= 0, got {msg.group_size}")
+        for name in ("group_size", "target", "target_groups"):
+            if getattr(msg, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
+        if msg.target_groups and not msg.group_size:
+            raise InvalidArgumentError("target_groups needs a group_size")
         if msg.partition in self._partitions:
             if not msg.exist_ok:
                 raise InvalidArgumentError(f"partition {msg.partition!r} already exists")
@@ -217,6 +230,10 @@ class Controller:
                 group_size=msg.group_size,
                 on_member_failure=msg.on_member_failure,
                 auto_free=msg.auto_free,
+                target=msg.target,
+                target_groups=msg.target_groups,
+                recycle_to=msg.recycle_to,
+                prefetch=msg.prefetch,
             ),
         )
         return Ok()
@@ -250,7 +267,7 @@ class Controller:
     def _grant_put(self, msg: Grant) -> Granted:
         part = self._partitions.get(msg.partition)
         if part is not None and part.sealed:
-            raise InvalidArgumentError(f"partition {msg.partition!r} is sealed: it takes no more samples")
+            return self._late_put(part, msg)
         if part is not None:
             added = part.check_blocks(msg.blocks, msg.count)
         else:  # validate against a scratch partition: nothing is created for a refused put
@@ -265,10 +282,25 @@ class Controller:
         grant_id = next(self._grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         self._grants[grant_id] = GrantRecord(
-            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes
+            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes, partial=msg.partial
         )
         self._loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
-        return Granted(grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs))
+        return Granted(
+            grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
+            partition=part.name,
+        )
+
+    def _late_put(self, part: Partition, msg: Grant) -> Granted:
+        """A put to a sealed partition: recycled as partial samples into the partition's
+        ``recycle_to``, or accepted and discarded (the producer learns it from the reply)."""
+        recycle = part.options.recycle_to
+        if recycle and recycle != part.name:
+            redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
+            granted = self._grant_put(redirected)
+            part.reasons["recycled after seal"] += msg.count
+            return msgspec.structs.replace(granted, status="recycled", sealed=True)
+        part.reasons["discarded after seal"] += msg.count
+        return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=True, partition=part.name)
 
     def _grant_update(self, msg: Grant) -> Granted:
         part = self._live(msg.partition, msg.partition_uid)
@@ -281,7 +313,10 @@ class Controller:
         part.record_lengths(msg.blocks, indexes)
         grant_id = next(self._grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
-        self._grants[grant_id] = GrantRecord(grant_id, part.uid, -1, 0, msg.count, indexes, fields)
+        segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
+        self._grants[grant_id] = GrantRecord(
+            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment
+        )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
     def _place(self, msg: Grant) -> Unit:
@@ -428,11 +463,14 @@ class Controller:
                 f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, "
                 f"the unit stored {sorted(msg.fields)}"
             )
+        was_sealed = part.sealed
         part.commit(grant, msg.unit_id)
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         self._wake(part.name)
+        if part.sealed and not was_sealed:
+            self._on_sealed(part)
         return Ok()
 
     # --- reads ----------------------------------------------------------------------
@@ -451,6 +489,7 @@ class Controller:
         return None
 
     def _select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
+        """Samples for a request (index -1: a pad row), or None if it must wait."""
         mask, missing = part.field_mask(msg.fields)
         if missing:
             return None
@@ -468,7 +507,92 @@ class Controller:
                     f"(partition {part.name!r})"
                 )
             return part.find_groups(task, mask, count // size, min_version)
-        return part.find_ready(task, mask, count, min_version)
+        found = part.find_ready(task, mask, count, min_version)
+        if found is not None or not part.drained() or part.uid in self._prefetching:
+            return found
+        if part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
+            return None  # samples are on their way in; their landing wakes this request
+        if msg.pad:
+            ready = part.all_ready(task, mask, min_version)
+            if len(ready):
+                return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
+        return None
+
+    def _prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
+        """Move ready samples of the next partition in, to fill a drained one's short batch."""
+        src = self._partitions.get(part.options.prefetch)
+        if src is None or src is part:
+            return False
+        smask, missing = src.field_mask(msg.fields)
+        if missing:
+            return False
+        need = count - len(part.all_ready(part.task(msg.task), mask, min_version))
+        taken = src.all_ready(src.task(msg.task), smask, min_version)[:need]
+        if len(taken) < need:
+            return False
+        moved = src.take_out(taken, f"prefetched into {part.name!r}")
+        idx = part.reserve_in(moved)
+        self._prefetching.add(part.uid)
+        task = self._loop.create_task(self._land(moved, part, idx))
+        task.add_done_callback(lambda _: self._prefetching.discard(part.uid))
+        return True
+
+    async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray) -> None:
+        """Re-key the samples' data on their units, then make them visible in ``dst``."""
+        units = moved.units
+        calls = []
+        for unit_id in np.unique(units).tolist():
+            peer = self._unit_peers.get(unit_id)
+            sel = units == unit_id
+            if peer is None:
+                continue
+            calls.append(
+                peer.request(
+                    Move(
+                        src_uid=moved.uid,
+                        dst_uid=dst.uid,
+                        dst_name=dst.name,
+                        src_indexes=moved.indexes[sel].tolist(),
+                        dst_indexes=idx[sel].tolist(),
+                    ),
+                    timeout=DROP_TIMEOUT,
+                )
+            )
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("moving samples into partition %r failed on a unit: %s", dst.name, result)
+        dst.land(idx, moved)
+        self._wake(dst.name)
+
+    async def _postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
+        part = self._live(msg.partition, msg.partition_uid)
+        if msg.to == part.name:
+            raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
+        idx = np.asarray(msg.indexes, dtype=np.int64)
+        part.check_indexes(idx)
+        if msg.whole_groups:
+            members = [part.groups.members[g] for g in np.unique(part.group[idx]).tolist() if g >= 0]
+            idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
+            idx = idx[(part.mask[idx] & EXCLUDED) == 0]
+        dst = self._partition(msg.to)
+        if dst.sealed:
+            raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
+        moved = part.take_out(idx, f"postponed to {msg.to!r}")
+        new = dst.reserve_in(moved)
+        await self._land(moved, dst, new)
+        self._maybe_free(part)
+        return Meta(meta=self._meta_of(dst, new, list(dst.specs), None, 0, None))
+
+    def _select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:
+        part = self._partitions.get(msg.partition)
+        if part is None:
+            raise PartitionClearedError(f"partition {msg.partition!r} does not exist (or was freed)")
+        mask, missing = part.field_mask(msg.fields)
+        if missing:
+            idx = np.zeros(0, dtype=np.int64)
+        else:
+            idx = np.flatnonzero((part.mask[: part.n] & (mask | HIDDEN)) == mask)
+        return Meta(meta=self._meta_of(part, idx, list(msg.fields), None, 0, None))
 
     def _try_serve(self, msg: GetMeta) -> Meta | None:
         part = self._partitions.get(msg.partition)
@@ -527,24 +651,47 @@ class Controller:
         return Meta(meta=meta)
 
     def _meta(self, part: Partition, msg: GetMeta, indexes: np.ndarray, lease: int) -> BatchMeta:
-        versions = part.version[indexes]
+        return self._meta_of(part, indexes, list(msg.fields), msg.task, lease, msg.lease_timeout)
+
+    def _meta_of(
+        self, part: Partition, indexes: np.ndarray, fields: list[str], task: str | None, lease: int, lease_timeout: float | None
+    ) -> BatchMeta:
+        real = indexes >= 0
+        safe = np.where(real, indexes, 0)
+
+        def per_sample(arr: np.ndarray, pad: int) -> list[int]:
+            return np.where(real, arr[safe], pad).tolist()
+
+        versions = np.where(real, part.version[safe], -1)
+        groups = part.groups_of(safe)
+        if groups is not None and not real.all():
+            groups = [g if r else None for g, r in zip(groups, real.tolist())]
+        segments = part.segments_of(indexes[real])
+        if segments is not None and not real.all():
+            it = iter(segments)
+            segments = [next(it) if r else [] for r in real.tolist()]
         return BatchMeta(
             partition=part.name,
             partition_uid=part.uid,
             indexes=indexes.tolist(),
-            units=part.unit[indexes].tolist(),
-            fields=list(msg.fields),
+            units=per_sample(part.unit, -1),
+            fields=fields,
             schema=dict(part.specs),
-            groups=part.groups_of(indexes),
-            task=msg.task,
+            groups=groups,
+            task=task,
             lease=lease,
-            lease_timeout=msg.lease_timeout,
+            lease_timeout=lease_timeout,
             versions=versions.tolist() if (versions >= 0).any() else None,
+            versions_max=per_sample(part.version_max, -1) if (versions >= 0).any() else None,
+            segments=segments,
+            revisions=per_sample(part.revision, 0) if part.revision[safe].any() else None,
             global_batch_size=len(indexes),
+            sealed=part.sealed,
         )
 
     def _lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
         lease_id = next(self._lease_ids)
+        indexes = indexes[indexes >= 0]  # pad rows are nobody's
         part.lease(part.task(task), indexes, lease_id)
         record = _Lease(lease_id, part.uid, task, indexes)
         if timeout is not None and not math.isinf(timeout):
@@ -666,9 +813,41 @@ class Controller:
         part = self._partitions.get(msg.partition)
         if part is not None and not part.sealed:
             part.sealed = True
-            log.info("partition %r sealed with %d samples", part.name, part.committed)
-            self._maybe_free(part)
+            self._on_sealed(part)
         return Ok()
+
+    def _on_sealed(self, part: Partition) -> None:
+        log.info("partition %r sealed with %d complete samples", part.name, part.complete)
+        for waiter in self._sealed_waiters.pop(part.name, []):
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            self._server.reply(waiter.ident, waiter.req.rid, Ok())
+        self._wake(part.name)  # a drained, sealed partition may now pad or prefetch
+        self._maybe_free(part)
+
+    def _sealed(self, ident: bytes, msg: Sealed, bufs: list[Any]) -> Ok | None:
+        part = self._partitions.get(msg.partition)
+        if part is not None and part.sealed:
+            return Ok()
+        if msg.timeout is not None and msg.timeout <= 0:
+            raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
+        waiter = _Waiter(ident, msg)  # type: ignore[arg-type]
+        if msg.timeout is not None:
+            waiter.timer = self._loop.call_later(msg.timeout, self._expire_sealed, waiter)
+        self._sealed_waiters.setdefault(msg.partition, []).append(waiter)
+        return None
+
+    def _expire_sealed(self, waiter: _Waiter) -> None:
+        waiters = self._sealed_waiters.get(waiter.req.partition, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        part = self._partitions.get(waiter.req.partition)
+        have = f"{part.complete} complete samples" if part else "it does not exist yet"
+        self._server.reply_error(
+            waiter.ident,
+            waiter.req.rid,
+            WaitTimeoutError(f"partition {waiter.req.partition!r} was not sealed within {waiter.req.timeout} s ({have})"),
+        )
 
     def _fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
         part = self._live(msg.partition, msg.partition_uid) if msg.partition_uid else self._partition(msg.partition)

@@ -3,7 +3,8 @@
 Per-sample state is kept in numpy arrays so a scan for ready samples is vectorised and a
 partition of a million samples costs tens of megabytes, not a dict entry per sample.
 A sample's fields are a bitmask: bit 63 says its first put is committed, bit 62 that it is
-excluded (aborted, failed, cleared) and is never served again.
+excluded (aborted, failed, cleared, moved away) and is never served again, bit 61 that it is
+partial (an unfinished rollout: stored, not served until completed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from ..errors import InvalidArgumentError, SchemaError, UnknownFieldError
 
 COMMITTED = np.uint64(1 << 63)
 EXCLUDED = np.uint64(1 << 62)
-MAX_FIELDS = 62
+PARTIAL = np.uint64(1 << 61)
+HIDDEN = EXCLUDED | PARTIAL
+MAX_FIELDS = 61
 SCAN_CHUNK = 1 << 16
 NO_VERSION = -1
 
@@ -63,6 +66,10 @@ class Options:
     ``on_member_failure``: ``drop_group`` aborts a group when a member fails;
     ``mask_member`` releases the group without it. ``auto_free``: once sealed (no more
     samples will come), free the partition when every task has consumed every sample.
+    ``target`` / ``target_groups``: over-sampling; the partition seals itself once this many
+    samples (or whole groups) are complete, and aborts the surplus. ``recycle_to``: puts that
+    arrive after the seal go to that partition as partial samples instead of being discarded.
+    ``prefetch``: a consumer short of samples here may take ready ones from that partition.
     """
 
     fields: frozenset[str] | None = None
@@ -70,6 +77,10 @@ class Options:
     group_size: int = 0
     on_member_failure: str = "drop_group"
     auto_free: bool = True
+    target: int = 0
+    target_groups: int = 0
+    recycle_to: str = ""
+    prefetch: str = ""
 
 
 class TaskState:
@@ -100,6 +111,27 @@ class GrantRecord:
     indexes: np.ndarray | None
     fields: frozenset[str]
     nbytes: int = 0
+    partial: bool = False
+    complete: bool = False
+    segment: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass
+class Moved:
+    """Samples in transit between partitions (see ``Partition.take_out``)."""
+
+    fields: dict[str, FieldSpec]
+    has: dict[str, np.ndarray]
+    partial: np.ndarray
+    units: np.ndarray
+    version: np.ndarray
+    version_max: np.ndarray
+    revision: np.ndarray
+    segments: list[list[tuple[int, int]] | None]
+    groups: list[GroupId] | None
+    lengths: dict[str, np.ndarray]
+    indexes: np.ndarray  # where they were
+    uid: int  # the partition they left
 
 
 class Groups:
@@ -143,7 +175,10 @@ class Partition:
         self.n = 0
         self.mask = np.zeros(1024, dtype=np.uint64)
         self.unit = np.full(1024, -1, dtype=np.int16)
-        self.version = np.full(1024, NO_VERSION, dtype=np.int64)
+        self.version = np.full(1024, NO_VERSION, dtype=np.int64)  # oldest segment's
+        self.version_max = np.full(1024, NO_VERSION, dtype=np.int64)
+        self.revision = np.zeros(1024, dtype=np.int64)  # committed updates
+        self.segments: dict[int, list[tuple[int, int]]] = {}  # samples of several segments
         self.group = np.full(1024, -1, dtype=np.int64)
         self.lengths: dict[str, np.ndarray] = {}  # jagged tensor fields: size of dim 0
         self.groups = Groups()
@@ -155,6 +190,8 @@ class Partition:
         self.reasons: collections.Counter[str] = collections.Counter()
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
+        self.complete = 0  # committed, finished and not excluded
+        self.groups_done = 0  # complete groups counted toward target_groups
 
     @property
     def declared(self) -> frozenset[str] | None:
@@ -239,12 +276,16 @@ class Partition:
     def allocate(self, count: int, groups: Sequence[GroupId] | None, versions: Sequence[int] | None) -> int:
         start = self.n
         self.n += count
-        for attr, fill in (("mask", 0), ("unit", -1), ("version", NO_VERSION), ("group", -1)):
+        for attr, fill in (
+            ("mask", 0), ("unit", -1), ("version", NO_VERSION), ("version_max", NO_VERSION),
+            ("revision", 0), ("group", -1),
+        ):
             setattr(self, attr, _grow(getattr(self, attr), self.n, fill))
         for task in self.tasks.values():
             task.ensure(len(self.mask))
         if versions is not None:
             self.version[start : self.n] = versions
+            self.version_max[start : self.n] = versions
         if groups is not None:
             self.has_groups = True
             for i, gid in enumerate(groups):
@@ -273,22 +314,83 @@ class Partition:
         for name in grant.fields:
             bits |= self.bits[name]
         if grant.indexes is not None:
-            self.mask[grant.indexes] |= bits
+            idx = grant.indexes
+            self.mask[idx] |= bits
+            self.revision[idx] += 1
+            if grant.segment is not None:
+                self.add_segment(idx, *grant.segment)
+            if grant.complete:
+                finished = idx[(self.mask[idx] & PARTIAL) != 0]
+                self.mask[finished] &= ~PARTIAL
+                self._count_complete(finished)
             return
         sl = slice(grant.start, grant.start + grant.count)
+        if grant.partial:
+            bits |= PARTIAL
         self.mask[sl] |= bits
         self.unit[sl] = unit_id
         self.committed += grant.count
         self.in_flight -= 1
+        if not grant.partial:
+            self._count_complete(np.arange(grant.start, grant.start + grant.count))
+
+    def _count_complete(self, indexes: np.ndarray, toward_target: bool = True) -> None:
+        """Finished samples: count them toward their groups and the partition's target."""
+        live = indexes[(self.mask[indexes] & EXCLUDED) == 0]
+        target = self.options.target if toward_target else 0
+        if target and self.complete + len(live) > target:
+            over = live[target - self.complete :] if self.complete < target else live
+            self.exclude(over, "over target")
+            live = live[: max(0, target - self.complete)]
+        self.complete += len(live)
         size = self.options.group_size
-        for g in np.unique(self.group[sl]).tolist():
+        members = self.group[indexes]
+        for g in np.unique(members).tolist():
             if g < 0:
                 continue
-            members = int(np.count_nonzero(self.group[sl] == g))
-            self.groups.committed[g] += members
-            if self.groups.aborted[g]:  # a late member of an aborted group
-                self.exclude(np.flatnonzero(self.group[sl] == g) + grant.start, "group aborted")
+            self.groups.committed[g] += int(np.count_nonzero(members == g))
+            if self.groups.aborted[g]:  # late members of an aborted group
+                self.exclude(indexes[members == g], "group aborted")
+            was = self.groups.complete[g]
             self.groups.check(g, size)
+            if self.groups.complete[g] and not was and not self.groups.aborted[g] and toward_target:
+                self._count_group(g)
+        if target and self.complete >= target:
+            self.sealed = True
+
+    def _count_group(self, g: int) -> None:
+        target = self.options.target_groups
+        if not target:
+            return
+        if self.groups_done >= target:
+            self.abort_group(g, "over target")
+            return
+        self.groups_done += 1
+        if self.groups_done >= target:
+            self.sealed = True
+
+    def add_segment(self, indexes: np.ndarray, version: int, first_token: int) -> None:
+        """A resumed rollout: tokens from ``first_token`` on come from ``version``."""
+        for i in indexes.tolist():
+            segs = self.segments.get(i)
+            if segs is None:
+                segs = self.segments[i] = [(int(self.version[i]), 0)] if self.version[i] != NO_VERSION else []
+            segs.append((version, first_token))
+        old = self.version[indexes]
+        self.version[indexes] = np.where(old == NO_VERSION, version, np.minimum(old, version))
+        self.version_max[indexes] = np.maximum(self.version_max[indexes], version)
+
+    def segments_of(self, indexes: np.ndarray) -> list[list[list[int]]] | None:
+        if not any(i in self.segments for i in indexes.tolist()):
+            return None
+        out = []
+        for i in indexes.tolist():
+            segs = self.segments.get(i)
+            if segs is None:
+                v = int(self.version[i])
+                segs = [(v, 0)] if v != NO_VERSION else []
+            out.append([[v, t] for v, t in segs])
+        return out
 
     def forget(self, grant: GrantRecord) -> None:
         """A grant that will never commit (its write failed)."""
@@ -307,6 +409,77 @@ class Partition:
             task.leased -= len(held)
             task.state[held] = AVAILABLE  # excluded anyway: the bit keeps them out
         return len(fresh)
+
+    def take_out(self, indexes: np.ndarray, reason: str) -> "Moved":
+        """Everything the controller knows of these samples, which leave (excluded here)."""
+        moved = Moved(
+            fields={name: spec for name, spec in self.specs.items()},
+            has={name: (self.mask[indexes] & bit) != 0 for name, bit in self.bits.items()},
+            partial=(self.mask[indexes] & PARTIAL) != 0,
+            units=self.unit[indexes].copy(),
+            version=self.version[indexes].copy(),
+            version_max=self.version_max[indexes].copy(),
+            revision=self.revision[indexes].copy(),
+            segments=[self.segments.get(i) for i in indexes.tolist()],
+            groups=self.groups_of(indexes),
+            lengths={name: arr[indexes].copy() for name, arr in self.lengths.items()},
+            indexes=indexes.copy(),
+            uid=self.uid,
+        )
+        self.exclude(indexes, reason)
+        return moved
+
+    def reserve_in(self, moved: "Moved") -> np.ndarray:
+        """Indexes here for samples on their way in (invisible until ``land``)."""
+        names = [n for n, has in moved.has.items() if has.any()]
+        for name in names:
+            old, new = self.specs.get(name), moved.fields[name]
+            if old is not None and old != new:
+                raise SchemaError(
+                    f"field {name!r} is {old} in partition {self.name!r} but {new} where the samples come from"
+                )
+        if self.declared is not None and set(names) - self.declared:
+            raise UnknownFieldError(f"fields {sorted(set(names) - self.declared)} are not declared for partition {self.name!r}")
+        self.add_specs({n: moved.fields[n] for n in names})
+        count = len(moved.units)
+        start = self.allocate(count, moved.groups, None)
+        return np.arange(start, start + count)
+
+    def land(self, idx: np.ndarray, moved: "Moved") -> None:
+        """The samples' data is keyed here now: make them visible (partial ones stay hidden)."""
+        names = [n for n, has in moved.has.items() if has.any()]
+        count = len(idx)
+        bits = np.full(count, COMMITTED, dtype=np.uint64)
+        for name in names:
+            bits |= np.where(moved.has[name], self.bits[name], np.uint64(0)).astype(np.uint64)
+        bits |= np.where(moved.partial, PARTIAL, np.uint64(0)).astype(np.uint64)
+        self.mask[idx] = bits
+        self.unit[idx] = moved.units
+        self.version[idx] = moved.version
+        self.version_max[idx] = moved.version_max
+        self.revision[idx] = moved.revision
+        for i, segs in zip(idx.tolist(), moved.segments):
+            if segs is not None:
+                self.segments[i] = list(segs)
+        for name, values in moved.lengths.items():
+            if name in self.specs:
+                arr = self.lengths.get(name)
+                arr = _grow(arr if arr is not None else np.zeros(1024, dtype=np.int64), self.n)
+                arr[idx] = values
+                self.lengths[name] = arr
+        self.committed += count
+        self.in_flight -= 1
+        self._count_complete(idx[~moved.partial], toward_target=False)
+
+    def all_ready(self, task: TaskState, mask: np.uint64, min_version: int | None = None) -> np.ndarray:
+        """Every sample ``find_ready`` could return, in index order."""
+        if task.lo >= self.n:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self._ok(task, mask, task.lo, self.n, min_version)) + task.lo
+
+    def drained(self) -> bool:
+        """Sealed, and nothing is on its way in: what is ready now is all there will be."""
+        return self.sealed and not self.in_flight
 
     def fail_members(self, gid: GroupId, count: int, reason: str) -> None:
         g = self.groups.of(gid)
@@ -340,7 +513,7 @@ class Partition:
         return state
 
     def _ok(self, task: TaskState, mask: np.uint64, a: int, b: int, min_version: int | None) -> np.ndarray:
-        ok = (self.mask[a:b] & (mask | EXCLUDED)) == mask
+        ok = (self.mask[a:b] & (mask | HIDDEN)) == mask
         ok &= task.state[a:b] == AVAILABLE
         if min_version is not None:
             stale = ok & (self.version[a:b] < min_version) & (self.version[a:b] != NO_VERSION)
@@ -399,7 +572,7 @@ class Partition:
                     task.state[live] = REFUSED
                     task.refused += len(live)
                     continue
-            if np.all((self.mask[live] & (mask | EXCLUDED)) == mask):
+            if np.all((self.mask[live] & (mask | HIDDEN)) == mask):
                 chosen.append(live)
         if len(chosen) < count:
             return None
@@ -408,7 +581,7 @@ class Partition:
     def count_ready(self, task: TaskState | None, mask: np.uint64) -> int:
         if self.n == 0:
             return 0
-        ok = (self.mask[: self.n] & (mask | EXCLUDED)) == mask
+        ok = (self.mask[: self.n] & (mask | HIDDEN)) == mask
         if task is not None:
             ok &= task.state[: self.n] == AVAILABLE
         return int(ok.sum())
@@ -460,13 +633,18 @@ class Partition:
         return [ids[g] if g >= 0 else None for g in self.group[indexes].tolist()]
 
     def balance_lengths(self, indexes: np.ndarray, fields: Sequence[str]) -> np.ndarray:
-        """Tokens per sample for balancing: the sum of dim 0 over the jagged fields asked."""
+        """Tokens per sample for balancing: the sum of dim 0 over the jagged fields asked
+        (pad rows, index -1, weigh nothing)."""
+        real = indexes >= 0
+        safe = np.where(real, indexes, 0)
         total = np.zeros(len(indexes), dtype=np.int64)
         for name in fields:
             arr = self.lengths.get(name)
             if arr is not None:
-                total += arr[indexes]
-        return total if total.any() else np.ones(len(indexes), dtype=np.int64)
+                total += np.where(real, arr[safe], 0)
+        if not total.any():
+            total = real.astype(np.int64)
+        return total
 
     # --- lifetime -------------------------------------------------------------------
 

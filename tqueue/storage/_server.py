@@ -28,6 +28,7 @@ from .._wire import (
     Fetched,
     Hello,
     HelloReply,
+    Move,
     Ok,
     RegisterUnit,
     Release,
@@ -72,6 +73,7 @@ class StorageUnit:
         s.route(Drop, self._drop)
         s.route(Alloc, self._alloc)
         s.route(Release, self._release)
+        s.route(Move, self._move)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements."""
@@ -218,6 +220,14 @@ class StorageUnit:
             timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
             self._holds[hold] = (reply.held, timer)
         return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold), reply.frames
+
+    def _move(self, ident: bytes, msg: Move, bufs: list[Any]) -> Ok:
+        src = np.asarray(msg.src_indexes, dtype=np.int64)
+        dst = np.asarray(msg.dst_indexes, dtype=np.int64)
+        if len(src) != len(dst):
+            raise ProtocolError(f"Move lists {len(src)} source and {len(dst)} target samples")
+        self.data.move(msg.src_uid, msg.dst_uid, msg.dst_name, src, dst)
+        return Ok()
 
     def _release(self, ident: bytes, msg: Release, bufs: list[Any]) -> Ok:
         for hold in msg.holds:

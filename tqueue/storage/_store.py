@@ -40,6 +40,16 @@ class Piece:
         self.live = len(self.sizes)
         self.nbytes = sum(nbytes(f) for f in frames)
 
+    def subset(self, rows: np.ndarray) -> "Piece":
+        """A piece over some of these rows, sharing the frames (for moving samples)."""
+        sub = object.__new__(Piece)
+        sub.spec, sub.frames, sub.arena, sub.region = self.spec, self.frames, self.arena, self.region
+        sub.frame_of, sub.offsets, sub.sizes = self.frame_of[rows], self.offsets[rows], self.sizes[rows]
+        sub.shapes = None if self.shapes is None else self.shapes[rows]
+        sub.live = len(rows)
+        sub.nbytes = int(sub.sizes.sum())
+        return sub
+
 
 class Column:
     def __init__(self) -> None:
@@ -211,6 +221,44 @@ class Store:
     def _account(self, part: PartitionData, delta: int) -> None:
         part.nbytes += delta
         self.nbytes += delta
+
+    def move(self, src_uid: int, dst_uid: int, dst_name: str, src: np.ndarray, dst: np.ndarray) -> None:
+        """Re-key samples from one partition to another without copying their bytes."""
+        part = self.partitions.get(src_uid)
+        if part is None:
+            return
+        target = self.partitions.get(dst_uid)
+        if target is None:
+            target = self.partitions[dst_uid] = PartitionData(dst_uid, dst_name)
+        for field, col in part.columns.items():
+            inside = src < len(col.piece_of)
+            s, d = src[inside], dst[inside]
+            pids, rows = col.piece_of[s], col.row_of[s]
+            have = pids >= 0
+            s, d, pids, rows = s[have], d[have], pids[have], rows[have]
+            if not len(s):
+                continue
+            out = target.columns.get(field)
+            if out is None:
+                out = target.columns[field] = Column()
+            out.ensure(int(d.max()) + 1)
+            for pid in np.unique(pids).tolist():
+                piece = col.pieces[pid]
+                sel = pids == pid
+                sub = piece.subset(rows[sel])
+                if sub.region is not None and self.arena is not None:
+                    self.arena.incref(sub.region)
+                new = next(self._piece_ids)
+                out.pieces[new] = sub
+                out.piece_of[d[sel]] = new
+                out.row_of[d[sel]] = np.arange(int(sel.sum()))
+                self._account(target, sub.nbytes)
+                piece.live -= int(sel.sum())
+                if piece.live == 0:
+                    del col.pieces[pid]
+                    self._account(part, -piece.nbytes)
+                    self._free(piece)
+            col.piece_of[s] = -1
 
     def drop_samples(self, uid: int, indexes: np.ndarray) -> int:
         """Free some samples' bytes (pieces go once no sample uses them); return bytes freed."""

@@ -1,0 +1,192 @@
+"""The rollout lifecycle, one test per real scenario: versions per segment, partial rollouts
+with splicing, postpone and prefetch, over-sampling with abort, padding, atomic updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import SchemaError, WaitTimeoutError
+
+
+def status(client, partition):
+    return {p.name: p for p in client.status().partitions}[partition]
+
+
+def test_three_engine_calls_three_segments_and_staleness_uses_the_oldest(client, partition):
+    """slime's weight_versions / AReaL's per-token versions: a trajectory resumed twice."""
+    meta = client.put(partition, {"resp": [torch.tensor([1, 2, 3])], "logp": [torch.full((3,), -1.0)]}, version=1, partial=True)
+    with pytest.raises(WaitTimeoutError):
+        client.get_meta(partition, ["resp"], 1, task="train", timeout=0)  # partial: never served
+    client.complete(meta, {"resp": [torch.tensor([4, 5, 6, 7])], "logp": [torch.full((4,), -2.0)]},
+                    version=2, first_token=3, append=["resp", "logp"], finished=False)
+    with pytest.raises(WaitTimeoutError):
+        client.get_meta(partition, ["resp"], 1, task="train", timeout=0)  # still unfinished
+    client.complete(meta, {"resp": [torch.tensor([8, 9])], "logp": [torch.full((2,), -3.0)]},
+                    version=3, first_token=7, append=["resp", "logp"])
+    got = client.get_meta(partition, ["resp", "logp"], 1, task="train", timeout=5)
+    assert got.segments == [[[1, 0], [2, 3], [3, 7]]]
+    assert (got.versions, got.versions_max) == ([1], [3])
+    batch = client.get_data(got)
+    assert batch["resp"][0].tolist() == list(range(1, 10))
+    assert batch["logp"][0].tolist() == [-1.0] * 3 + [-2.0] * 4 + [-3.0] * 2
+    assert batch.token_versions("resp")[0].tolist() == [1, 1, 1, 2, 2, 2, 2, 3, 3]
+    client.set_version(4)
+    client.put(partition, {"resp": [torch.tensor([0])], "logp": [torch.zeros(1)]}, version=3)
+    # the bound counts the oldest segment: version 1 is 3 behind, version 3 only 1
+    fresh = client.get_meta(partition, ["resp"], 1, task="strict", max_staleness=2, timeout=5)
+    assert fresh.indexes == [1]
+    assert status(client, partition).tasks["strict"].refused == 1
+
+
+def test_routed_experts_spliced_across_two_resumes(client, partition):
+    """verl #6029 / #6046: each segment keeps the routing its own weights produced."""
+    prompt, layers, top_k = 5, 2, 2
+
+    def experts(rows, value):  # the engine returns [tokens, layers, top_k] for the whole sequence
+        return [torch.full((rows, layers, top_k), value, dtype=torch.int32)]
+
+    meta = client.put(partition, {"resp": [torch.arange(3)], "experts": experts(prompt + 3, 1)}, version=1, partial=True)
+    client.complete(meta, {"resp": [torch.arange(3, 7)], "experts": experts(prompt + 7, 2)}, version=2,
+                    first_token=3, append=["resp"], splice={"experts": prompt + 3}, lengths=[prompt + 7], finished=False)
+    client.complete(meta, {"resp": [torch.arange(7, 9)], "experts": experts(prompt + 9, 3)}, version=3,
+                    first_token=7, append=["resp"], splice={"experts": prompt + 7}, lengths=[prompt + 9])
+    batch = client.get_data(client.get_meta(partition, ["resp", "experts"], 1, task="t", timeout=5))
+    routed = batch["experts"][0]
+    assert routed.shape == (prompt + 9, layers, top_k)  # exactly prompt + response rows
+    per_row = routed[:, 0, 0].tolist()
+    assert per_row == [1] * (prompt + 3) + [2] * 4 + [3] * 2  # each segment's own weights
+    with pytest.raises(SchemaError, match=r"would have 14 rows after the splice; its sequence has 15 tokens"):
+        client.complete(client.put(partition, {"resp": [torch.arange(1)], "experts": experts(6, 1)}, partial=True),
+                        {"resp": [torch.arange(1)], "experts": experts(14, 2)}, version=2, first_token=1,
+                        append=["resp"], splice={"experts": 6}, lengths=[15])
+
+
+def test_postpone_and_prefetch_across_partitions(client, partition):
+    """verl #2101: unfinished rollouts move to the next step; a short step prefetches."""
+    step0, step1 = f"{partition}-0", f"{partition}-1"
+    client.create_partition(step0, prefetch=step1)
+    done = client.put(step0, {"resp": [torch.full((4,), i) for i in range(6)]}, version=0)
+    unfinished = client.put(step0, {"resp": [torch.full((2,), 100 + i) for i in range(2)]}, version=0, partial=True)
+    moved = client.postpone(unfinished, step1)
+    assert moved.partition == step1 and len(moved) == 2
+    client.put(step1, {"resp": [torch.full((4,), 50 + i) for i in range(4)]}, version=1)
+    client.seal(step0)  # the rollout of step 0 is over: 6 ready, 8 wanted
+    batch = client.get_data(step0, ["resp"], 8, task="train", timeout=10)
+    firsts = sorted(int(r[0]) for r in batch["resp"])
+    assert firsts == [0, 1, 2, 3, 4, 5, 50, 51]  # 2 prefetched from step 1
+    assert status(client, step1).reasons == {"prefetched into %r" % step0: 2}
+    assert status(client, step0).reasons == {"postponed to %r" % step1: 2}
+    # the postponed samples finish in step 1, their first tokens kept
+    client.complete(moved, {"resp": [torch.tensor([7]), torch.tensor([8])]}, version=1, first_token=2, append=["resp"])
+    rest = client.get_data(step1, ["resp"], 4, task="train", timeout=10)
+    assert sorted(r.tolist() for r in rest["resp"]) == [[52] * 4, [53] * 4, [100, 100, 7], [101, 101, 8]]
+    assert done.partition == step0
+
+
+def test_over_sampling_seals_at_the_target_and_aborted_rows_stay_out(cluster, partition):
+    """verl #2929: 160 requests for a target of 128; 32 are aborted and never counted."""
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.create_partition(partition, target=128)
+            waiter = asyncio.ensure_future(c.sealed(partition, timeout=60))
+
+            async def rollout(i: int):
+                reward = 1.0 if i < 128 else 1000.0  # the surplus would skew the mean
+                return await c.put(partition, {"tokens": [torch.full((8,), i)], "rewards": torch.tensor([reward])})
+
+            first = [await rollout(i) for i in range(128)]
+            await asyncio.wait_for(waiter, 10)  # producers learn of the seal without polling
+            late = await asyncio.gather(*(rollout(i) for i in range(128, 160)))
+            assert all(m.status == "ok" for m in first) and first[-1].indexes == [127]
+            assert [m.status for m in late] == ["aborted"] * 32 and all(m.sealed for m in late)
+            st = {p.name: p for p in (await c.status()).partitions}[partition]
+            assert (st.samples, st.ready, st.sealed) == (128, 128, True)
+            assert st.reasons == {"discarded after seal": 32}
+            stats = await c.field_stats(partition, "rewards")
+            assert (stats.count, stats.mean) == (128, 1.0)
+            batch = await c.get_data(partition, ["tokens", "rewards"], 128, task="train", timeout=5)
+            assert sorted(int(t[0]) for t in batch["tokens"]) == list(range(128))
+
+    asyncio.run(main())
+
+
+def test_commits_racing_past_the_target_are_aborted_and_late_puts_recycled(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            nxt = f"{partition}-next"
+            await c.create_partition(partition, target=10, recycle_to=nxt)
+            metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}) for i in range(16)))
+            live = [m for m in metas if m.status == "ok"]
+            st = {p.name: p for p in (await c.status()).partitions}[partition]
+            assert st.ready == 10 and st.sealed
+            over = st.reasons.get("over target", 0)
+            recycled = [m for m in metas if m.status == "recycled"]
+            assert over + len(recycled) == 6 and len(live) == 10 + over
+            late = await c.put(partition, {"x": torch.tensor([99])})
+            assert late.status == "recycled" and late.partition == nxt == late.recycled_to
+            with pytest.raises(WaitTimeoutError):
+                await c.get_meta(nxt, ["x"], 1, task="t", timeout=0)  # recycled as partial
+
+    asyncio.run(main())
+
+
+def test_padding_makes_a_drained_partition_divide_evenly(client, partition):
+    client.put(partition, {"x": torch.arange(1, 11), "ids": [torch.ones(i + 1) for i in range(10)], "s": [str(i) for i in range(10)]})
+    with pytest.raises(WaitTimeoutError):  # not sealed: more may come, no padding yet
+        client.get_meta(partition, ["x"], 3, task="t", dp_rank=0, dp_size=4, round=0, pad=True, timeout=0)
+    client.seal(partition)
+    metas = [client.get_meta(partition, ["x", "ids", "s"], 3, task="t", dp_rank=r, dp_size=4, round=0, pad=True, timeout=5)
+             for r in range(4)]
+    assert [len(m) for m in metas] == [3, 3, 3, 3] and sum(m.pads for m in metas) == 2
+    for m in metas:
+        batch = client.get_data(m, jagged={"ids": "padded"})
+        pad = batch.is_pad
+        assert pad.tolist() == [i < 0 for i in m.indexes]
+        assert (batch["x"][pad] == 0).all() and (batch.lengths("ids")[pad] == 0).all()
+        assert [s for s, p in zip(batch["s"], pad.tolist()) if p] == [None] * int(pad.sum())
+        assert sorted(batch["x"][~pad].tolist()) == sorted(i + 1 for i in m.indexes if i >= 0)
+
+
+def test_updates_are_atomic_per_sample_across_units(cluster, partition):
+    """A reader racing an update gets every field old or every field new, never a mix."""
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as writer, tqueue.AsyncClient(cluster.address) as reader:
+            units: set[int] = set()
+            count = 0
+            while len(units) < 2:  # samples on both units
+                m = await writer.put(partition, {"a": torch.zeros(4, 1 << 16), "b": torch.zeros(4, 1 << 16)})
+                units.update(m.units)
+                count += 4
+            meta = await writer.get_meta(partition, ["a", "b"], count, task="w", timeout=5)
+            rounds = 30
+
+            async def write():
+                for k in range(1, rounds + 1):
+                    value = torch.full((len(meta), 1 << 16), float(k))
+                    await writer.update(meta, {"a": value, "b": value.clone()})
+
+            async def read():
+                seen = set()
+                while not done.is_set():
+                    batch = await reader.get_data(meta, ["a", "b"])
+                    a, b = batch["a"][:, 0], batch["b"][:, 0]
+                    assert torch.equal(a, b), (a, b)
+                    seen.update(a.tolist())
+                return seen
+
+            done = asyncio.Event()
+            reading = asyncio.ensure_future(read())
+            await write()
+            done.set()
+            seen = await reading
+            assert len(seen) > 1  # the reads really raced the writes
+            after = await writer.get_meta(partition, ["a"], len(meta), task="check", timeout=5)
+            assert set(after.revisions) == {rounds}  # each update stamped every sample once
+
+    asyncio.run(main())
