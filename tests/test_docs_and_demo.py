@@ -20,6 +20,8 @@ def test_tutorial_runs(tmp_path):
     assert "sample 0 of field 'info' of partition 'train/step-0' holds a value of type builtins.object" in out.stdout
     assert "torch.Size([8, 250])" in out.stdout
     assert "0 ready for this task" in out.stdout
+    assert "[8, 8] [" in out.stdout  # two DP shares of 8 samples
+    assert "['ok', 'ok', 'ok', 'aborted', 'aborted']" in out.stdout
 
 
 def test_demo_quick_runs_end_to_end():
