@@ -46,6 +46,21 @@ def keep_freed(retain: int) -> bool:
     return True
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]
+
+
+def heap_free() -> int:
+    """Bytes glibc holds free in its heaps (mapped, reusable); 0 where unknown."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return 0
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().fordblks)
+
+
 def trim() -> None:
     """Return free pages of the heap to the OS (glibc ``malloc_trim``); no-op elsewhere."""
     libc = _libc()

@@ -41,7 +41,8 @@ class StorageConfig:
     ``max_header_bytes``: larger request headers get a protocol error reply.
     ``retain_bytes``: freed payload memory the unit keeps mapped for the next writes, which
     then land in warm pages (about twice the receive rate of fresh ones). Once more than
-    this has been freed, it all goes back to the OS at once; 0 returns memory on every free.
+    this is free but mapped, it all goes back to the OS at once; 0 returns memory on every
+    free.
     ``trim_delay``: seconds without writes after which retained memory goes back too.
     ``shm_bytes``: size of the shared-memory arena that producers and consumers on this host
     write and read directly (address space; pages are used only as data arrives). 0: none.

@@ -52,6 +52,7 @@ class Arena:
         self._regions: dict[int, Region] = {}
         self._punched = True  # nothing has been written yet
         self.used = 0
+        self.touched = 0  # high-water mark of ranges handed out since the last punch
 
     # --- allocation -----------------------------------------------------------------
 
@@ -67,6 +68,7 @@ class Arena:
                 region = self._regions[off] = Region(off, need)
                 self.used += need
                 self._punched = False
+                self.touched = max(self.touched, off + need)
                 return region
         return None
 
@@ -106,6 +108,11 @@ class Arena:
         weakref.finalize(buf, on_release)
         return buf
 
+    @property
+    def free_touched(self) -> int:
+        """Free bytes below the high-water mark: pages that may still be mapped."""
+        return max(0, self.touched - self.used)
+
     def punch(self) -> int:
         """Hand the pages of free ranges back to the OS; return how many bytes."""
         if self._punched:
@@ -116,6 +123,7 @@ class Arena:
             if libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(off), ctypes.c_long(length)) == 0:
                 freed += length
         self._punched = True
+        self.touched = max((r.end for r in self._regions.values()), default=0)
         return freed
 
     def close(self) -> None:

@@ -62,7 +62,6 @@ class StorageUnit:
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
-        self._retained = 0  # bytes freed since memory last went back to the OS
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle]] = {}
         self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle]] = {}
         self._hold_ids = itertools.count(1)
@@ -259,8 +258,9 @@ class StorageUnit:
         else:
             freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
         if freed:
-            self._retained += freed
-            if self._retained > self.config.retain_bytes:
+            # what is free but still mapped: the heap's free bytes and the arena's
+            idle = _memory.heap_free() + (self.arena.free_touched if self.arena is not None else 0)
+            if idle > self.config.retain_bytes or not self.config.retain_bytes:
                 self._trim_now()
             else:
                 self._schedule_trim()
@@ -278,7 +278,6 @@ class StorageUnit:
         if self._trim is not None:
             self._trim.cancel()
             self._trim = None
-        self._retained = 0
         _memory.trim()
         if self.arena is not None:
             self.arena.punch()
