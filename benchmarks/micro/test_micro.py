@@ -7,7 +7,6 @@ import itertools
 import sys
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 import torch

@@ -15,7 +15,7 @@ from tqueue.errors import ControllerUnavailableError, ProtocolVersionError
 
 
 def public_methods(cls):
-    return {n for n, v in vars(cls).items() if not n.startswith("_") and callable(v)}
+    return {n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v)}
 
 
 def test_sync_and_async_have_the_same_methods_and_signatures():

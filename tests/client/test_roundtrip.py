@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-import tqueue
 from tqueue._layout import TORCH_ITEMSIZE
 from tqueue.client._encode import TORCH_DTYPES
 

@@ -1,7 +1,8 @@
 """The client library used inside producers and consumers."""
 
-from ._async import AsyncClient, ClientStats, FieldStats
+from ._async import AsyncClient, ClientStats
 from ._batch import Batch
+from ._lifecycle import FieldStats
 from ._sync import Client
 
 __all__ = ["AsyncClient", "Batch", "Client", "ClientStats", "FieldStats"]

@@ -18,10 +18,8 @@ from .._wire import (
     Alloc,
     Allocated,
     BatchMeta,
-    Admission,
     Clear,
     CreatePartition,
-    Fail,
     Fetch,
     Fetched,
     FieldBlock,
@@ -32,14 +30,8 @@ from .._wire import (
     Hello,
     HelloReply,
     Meta,
-    Postpone,
     Release,
     Renew,
-    Reserve,
-    Seal,
-    Sealed,
-    Select,
-    SetVersion,
     StatusReply,
     StatusRequest,
     Store,
@@ -59,21 +51,12 @@ from ..errors import (
 from .._layout import nbytes
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field
 from ._encode import Encoded, encode, sample_count
+from ._args import _groups, _versions, _wait
+from ._lifecycle import Lifecycle
 from ._pool import BufferPool
 from ._shm import ArenaMap, aligned, open_arena
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldStats:
-    """Statistics of a scalar field over a partition's live samples."""
-
-    count: int
-    mean: float
-    std: float
-    min: float
-    max: float
 
 
 @dataclasses.dataclass
@@ -91,10 +74,12 @@ class ClientStats:
     copied_bytes: int = 0
 
 
-class AsyncClient:
+class AsyncClient(Lifecycle):
     """Talks to a tqueue cluster from inside an asyncio program.
 
-    Connects lazily on first use. Every call has a timeout: ``request_timeout`` from the
+    Connects lazily on first use. Flow control and the rollout lifecycle (``seal``,
+    ``fail``, ``reserve``, ``set_version``, ``complete``, ``postpone``...) come from
+    :class:`~tqueue.client._lifecycle.Lifecycle`. Every call has a timeout: ``request_timeout`` from the
     config bounds how long a server may take to answer; ``get_meta`` additionally waits
     up to its own ``timeout`` for samples to become ready.
     """
@@ -256,55 +241,6 @@ class AsyncClient:
         else:
             msg = Clear(partition=target)
         await ctl.request(msg)
-
-    async def seal(self, partition: str) -> None:
-        """Say that no more samples will be put to ``partition``; once every task has
-        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
-        ctl = await self._ctl()
-        await ctl.request(Seal(partition=partition))
-
-    async def fail(
-        self,
-        target: str | BatchMeta,
-        *,
-        reason: str,
-        group: GroupId = None,
-        count: int = 1,
-    ) -> None:
-        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
-        that will never be put. The partition's ``on_member_failure`` decides whether the
-        group is aborted or released without them; either way they are never served."""
-        ctl = await self._ctl()
-        if isinstance(target, BatchMeta):
-            msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
-        else:
-            if group is None:
-                raise InvalidArgumentError("fail(partition, ...) needs the group whose members failed")
-            msg = Fail(partition=target, group=group, count=count, reason=reason)
-        await ctl.request(msg)
-
-    async def set_version(self, version: int) -> None:
-        """The trainer's current policy weight version (admission and staleness use it)."""
-        ctl = await self._ctl()
-        await ctl.request(SetVersion(version=version))
-
-    async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
-        """Bound how far producers run ahead of the trainer, AReaL-style: at most
-        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
-        and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
-        ctl = await self._ctl()
-        await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size))
-
-    async def reserve(self, count: int, *, timeout: float | None = None) -> None:
-        """Admit ``count`` samples before generating them (waits like a put, up to
-        ``timeout``); the next puts of this client draw on the reservation."""
-        wait = _wait(timeout, self.config.put_timeout)
-        ctl = await self._ctl()
-        await ctl.request(
-            Reserve(count=count, timeout=None if math.isinf(wait) else wait),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
-        )
-        self._reserved += count
 
     async def status(self) -> StatusReply:
         """Partitions, per-task progress, units and waiting callers, from the controller."""
@@ -489,114 +425,6 @@ class AsyncClient:
             await self._store(self._units[unit_id], meta.partition, reply, enc, indexes)
 
         await asyncio.gather(*(write(*w) for w in writes))
-
-    async def complete(
-        self,
-        meta: BatchMeta,
-        data: Mapping[str, Any],
-        *,
-        version: int,
-        first_token: int,
-        append: Sequence[str] = (),
-        splice: Mapping[str, int | Sequence[int]] | None = None,
-        lengths: Sequence[int] | None = None,
-        finished: bool = True,
-    ) -> None:
-        """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
-        update: a new segment of tokens produced by ``version``, starting at response token
-        ``first_token``.
-
-        Fields in ``append`` (the new response tokens, their log-probs) are appended to
-        what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
-        the engine returned the field for the whole sequence (routed experts
-        ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
-        earlier segments' weights, are kept; the new array supplies the rest. With
-        ``lengths`` each spliced result must have exactly that many rows (prompt plus
-        response tokens). Other fields are replaced. The samples record the segment
-        ``(version, first_token)``; once ``finished`` they are visible to consumers.
-        """
-        cols, n = sample_count(data, meta.partition)
-        if n != len(meta):
-            raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
-        splice = dict(splice or {})
-        for name in [*append, *splice]:
-            if name not in cols:
-                raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
-        old = await self.get_data(meta, [*append, *splice]) if (append or splice) else None
-        new = dict(cols)
-        for name in append:
-            assert old is not None
-            new[name] = [torch.cat([o, x]) for o, x in zip(_rows(old[name]), _rows(cols[name]))]
-        for name, at in splice.items():
-            assert old is not None
-            offsets = [at] * n if isinstance(at, int) else list(at)
-            out = []
-            for i, (o, x, k) in enumerate(zip(_rows(old[name]), _rows(cols[name]), offsets)):
-                if len(o) < k or len(x) < k:
-                    raise SchemaError(
-                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}): "
-                        f"splicing at row {k} needs that many rows, stored {len(o)}, new {len(x)}"
-                    )
-                row = torch.cat([o[:k], x[k:]])
-                if lengths is not None and len(row) != lengths[i]:
-                    raise SchemaError(
-                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}) "
-                        f"would have {len(row)} rows after the splice; its sequence has {lengths[i]} tokens"
-                    )
-                out.append(row)
-            new[name] = out
-        await self._update(meta, new, complete=finished, segment=(version, first_token))
-
-    async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
-        """Move these samples (with ``whole_groups``, every member of their groups) to a later
-        partition, data kept and partial ones still partial; returns their meta there."""
-        ctl = await self._ctl()
-        reply, _ = await ctl.request(
-            Postpone(
-                partition=meta.partition,
-                partition_uid=meta.partition_uid,
-                indexes=[i for i in meta.indexes if i >= 0],
-                to=to,
-                whole_groups=whole_groups,
-            )
-        )
-        assert isinstance(reply, Meta)
-        return reply.meta
-
-    async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
-        """Wait until ``partition`` is sealed (its over-sampling target reached, or
-        ``seal``): producers of the surplus learn it here without polling."""
-        wait = _wait(timeout, self.config.get_timeout)
-        ctl = await self._ctl()
-        await ctl.request(
-            Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
-        )
-
-    async def field_stats(self, partition: str, field: str) -> FieldStats:
-        """count, mean, std, min and max of a scalar field over the partition's live samples:
-        aborted, failed, postponed and partial samples and pad rows are left out."""
-        ctl = await self._ctl()
-        reply, _ = await ctl.request(Select(partition=partition, fields=[field]))
-        assert isinstance(reply, Meta)
-        meta = reply.meta
-        if not len(meta):
-            return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)
-        values = (await self.get_data(meta, [field]))[field]
-        if isinstance(values, list):
-            values = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        values = torch.as_tensor(values).to(torch.float64)
-        if values.dim() > 1 and values[0].numel() == 1:
-            values = values.reshape(-1)
-        if values.dim() != 1:
-            raise InvalidArgumentError(f"field {field!r} of partition {partition!r} is not one number per sample")
-        return FieldStats(
-            count=len(values),
-            mean=float(values.mean()),
-            std=float(values.std(unbiased=False)),
-            min=float(values.min()),
-            max=float(values.max()),
-        )
 
     # --- reads ----------------------------------------------------------------------
 
@@ -867,55 +695,11 @@ def _check_hello(reply: Any, server: str) -> None:
         )
 
 
-def _wait(timeout: float | None, default: float, name: str = "timeout") -> float:
-    wait = default if timeout is None else timeout
-    if not isinstance(wait, (int, float)) or math.isnan(wait) or wait < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0 seconds (or math.inf), got {timeout!r}")
-    return float(wait)
-
-
-def _versions(version: int | Sequence[int] | None, count: int, partition: str) -> list[int] | None:
-    if version is None:
-        return None
-    if isinstance(version, int):
-        return [version] * count
-    out = [int(v) for v in version]
-    if len(out) != count:
-        raise InvalidArgumentError(f"put to partition {partition!r}: {len(out)} versions for {count} samples")
-    return out
-
-
-def _groups(groups: Sequence[GroupId] | GroupId, count: int, partition: str) -> list[GroupId] | None:
-    if groups is None:
-        return None
-    if isinstance(groups, (str, int)):
-        return [groups] * count
-    out = list(groups)
-    if len(out) != count:
-        raise InvalidArgumentError(
-            f"put to partition {partition!r}: {len(out)} group ids for {count} samples"
-        )
-    for i, g in enumerate(out):
-        if g is not None and type(g) not in (str, int):
-            raise InvalidArgumentError(
-                f"group id of sample {i} in the put to partition {partition!r} is a "
-                f"{type(g).__name__}; group ids are str or int"
-            )
-    return out
-
-
 def _by_unit(meta: BatchMeta) -> dict[int, np.ndarray]:
     units = np.asarray(meta.units, dtype=np.int64)
     if len(units) != len(meta.indexes):
         raise InvalidArgumentError("meta has a different number of units and indexes")
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units) if u >= 0}  # -1: pad rows
-
-
-def _rows(value: Any) -> list[Any]:
-    """Per-sample values of a field (a list, or a tensor split along its first dimension)."""
-    if isinstance(value, torch.Tensor):
-        return list(value.unbind(0))
-    return list(value)
 
 
 def _select(cols: dict[str, Any], pos: np.ndarray) -> dict[str, Any]:

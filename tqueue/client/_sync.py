@@ -9,8 +9,9 @@ from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from .._wire import BatchMeta, GroupId, StatusReply
 from ..config import ClientConfig
-from ._async import AsyncClient, ClientStats, FieldStats
+from ._async import AsyncClient, ClientStats
 from ._batch import Batch, JaggedAs
+from ._lifecycle import FieldStats
 
 T = TypeVar("T")
 

@@ -32,7 +32,6 @@ from .._wire import (
     Fail,
     GetMeta,
     Grant,
-    Granted,
     Hello,
     HelloReply,
     Meta,
@@ -41,7 +40,6 @@ from .._wire import (
     Registered,
     RegisterUnit,
     Renew,
-    Move,
     Postpone,
     Reserve,
     Seal,
@@ -60,39 +58,18 @@ from ..errors import (
     InvalidArgumentError,
     PartitionClearedError,
     ProtocolVersionError,
-    StorageFullError,
     StorageUnitUnavailableError,
     TQueueError,
     WaitTimeoutError,
 )
+from ._moves import DROP_TIMEOUT, Moves, Waiter
 from ._rounds import RoundBook
-from ._state import EXCLUDED, FAILURE_POLICIES, HIDDEN, LEASED, GrantRecord, Moved, Options, Partition, Unit
+from ._writes import ParkedWrite, Writes
+from ._state import FAILURE_POLICIES, LEASED, GrantRecord, Options, Partition, Unit
 
 log = logging.getLogger(__name__)
 
-DROP_TIMEOUT = 30.0
-# A put's bytes must be committed within this long after its grant, else the grant lapses
-# (a producer that died between grant and store) and the partition can be freed.
-GRANT_TIMEOUT = 600.0
 POLICIES = ("first_ready", "groups")
-
-
-@dataclasses.dataclass(eq=False)
-class _Waiter:
-    ident: bytes
-    req: GetMeta
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _ParkedWrite:
-    """A grant (or reserve) waiting for memory or for the trainer's version."""
-
-    ident: bytes
-    req: Grant | Reserve
-    reason: str = ""
-    full: bool = False  # waiting for memory (else for admission)
-    timer: asyncio.TimerHandle | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,18 +81,11 @@ class _Lease:
     timer: asyncio.TimerHandle | None = None
 
 
-class _Wait(Exception):
-    """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
+class Controller(Writes, Moves):
+    """The metadata server. Create inside a running loop, then ``await serve()``.
 
-    def __init__(self, reason: str, *, full: bool, never: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.full = full
-        self.never = never  # waiting cannot help
-
-
-class Controller:
-    """The metadata server. Create inside a running loop, then ``await serve()``."""
+    Writes (grants, admission) and moves (postpone, prefetch, seals) live in their own
+    modules as mixins over the same state."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.config = config or ControllerConfig()
@@ -129,11 +99,11 @@ class Controller:
         self._units: dict[int, Unit] = {}
         self._unit_peers: dict[int, _transport.Peer] = {}
         self._grants: dict[int, GrantRecord] = {}
-        self._waiters: dict[str, list[_Waiter]] = {}
-        self._parked: list[_ParkedWrite] = []
+        self._waiters: dict[str, list[Waiter]] = {}
+        self._parked: list[ParkedWrite] = []
         self._leases: dict[int, _Lease] = {}
         self._rounds: dict[tuple[int, str], RoundBook] = {}
-        self._sealed_waiters: dict[str, list[_Waiter]] = {}
+        self._sealed_waiters: dict[str, list[Waiter]] = {}
         self._prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self._version = 0
         self._admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
@@ -244,207 +214,6 @@ class Controller:
             raise PartitionClearedError(f"partition {name!r} was cleared (or never existed)")
         return part
 
-    # --- writes ---------------------------------------------------------------------
-
-    def _grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted | None:
-        if msg.count < 1:
-            raise InvalidArgumentError(f"partition {msg.partition!r}: a write needs samples")
-        if msg.groups is not None and len(msg.groups) != msg.count:
-            raise InvalidArgumentError(
-                f"partition {msg.partition!r}: {len(msg.groups)} group ids for {msg.count} samples"
-            )
-        if msg.versions is not None and len(msg.versions) != msg.count:
-            raise InvalidArgumentError(
-                f"partition {msg.partition!r}: {len(msg.versions)} versions for {msg.count} samples"
-            )
-        if msg.indexes is not None:
-            return self._grant_update(msg)
-        try:
-            return self._grant_put(msg)
-        except _Wait as wait:
-            return self._park(ident, msg, wait)
-
-    def _grant_put(self, msg: Grant) -> Granted:
-        part = self._partitions.get(msg.partition)
-        if part is not None and part.sealed:
-            return self._late_put(part, msg)
-        if part is not None:
-            added = part.check_blocks(msg.blocks, msg.count)
-        else:  # validate against a scratch partition: nothing is created for a refused put
-            added = Partition(msg.partition, 0).check_blocks(msg.blocks, msg.count)
-        unit = self._place(msg)
-        self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
-        part = self._partition(msg.partition)
-        part.add_specs(added)
-        start = part.allocate(msg.count, msg.groups, msg.versions)
-        part.record_lengths(msg.blocks, slice(start, start + msg.count))
-        unit.reserved += msg.nbytes
-        grant_id = next(self._grant_ids)
-        fields = frozenset(b.name for b in msg.blocks)
-        self._grants[grant_id] = GrantRecord(
-            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes, partial=msg.partial
-        )
-        self._loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
-        return Granted(
-            grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
-            partition=part.name,
-        )
-
-    def _late_put(self, part: Partition, msg: Grant) -> Granted:
-        """A put to a sealed partition: recycled as partial samples into the partition's
-        ``recycle_to``, or accepted and discarded (the producer learns it from the reply)."""
-        recycle = part.options.recycle_to
-        if recycle and recycle != part.name:
-            redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
-            granted = self._grant_put(redirected)
-            part.reasons["recycled after seal"] += msg.count
-            return msgspec.structs.replace(granted, status="recycled", sealed=True)
-        part.reasons["discarded after seal"] += msg.count
-        return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=True, partition=part.name)
-
-    def _grant_update(self, msg: Grant) -> Granted:
-        part = self._live(msg.partition, msg.partition_uid)
-        added = part.check_blocks(msg.blocks, msg.count)
-        indexes = np.asarray(msg.indexes, dtype=np.int64)
-        if len(indexes) != msg.count:
-            raise InvalidArgumentError("count and indexes disagree")
-        part.check_indexes(indexes)
-        part.add_specs(added)
-        part.record_lengths(msg.blocks, indexes)
-        grant_id = next(self._grant_ids)
-        fields = frozenset(b.name for b in msg.blocks)
-        segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
-        self._grants[grant_id] = GrantRecord(
-            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment
-        )
-        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
-
-    def _place(self, msg: Grant) -> Unit:
-        """A unit on the producer's host with room, the least loaded among those."""
-        if not self._units:
-            raise _Wait("no storage unit is registered with the controller yet", full=True)
-        need = msg.nbytes
-        cap = self.config.capacity_bytes
-        used = sum(u.load for u in self._units.values())
-        if cap and used + need > cap:
-            raise _Wait(
-                f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
-                f"bytes used of {cap} allowed in the cluster",
-                full=True,
-                never=need > cap,
-            )
-        roomy = [u for u in self._units.values() if u.fits(need)]
-        if not roomy:
-            largest = max((u.capacity or math.inf) for u in self._units.values())
-            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in self._units.values())
-            raise _Wait(
-                f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
-                f"({per_unit} bytes used of allowed)",
-                full=True,
-                never=need > largest,
-            )
-        local = [u for u in roomy if msg.host and u.info.host == msg.host]
-        pool = local or roomy
-        turn = next(self._placements)  # ties rotate so that equal units share the work
-        return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
-
-    def _admit(self, count: int, partition: str) -> None:
-        """AReaL-style staleness admission: raise _Wait if ``count`` more samples would put
-        producers more than ``max_staleness`` versions ahead of the trainer."""
-        if self._admission is None or count <= 0:
-            return
-        k, batch = self._admission
-        limit = (self._version + k + 1) * batch
-        if self._admitted + count > limit:
-            raise _Wait(
-                f"{count} samples for partition {partition!r} wait for the trainer: "
-                f"{self._admitted} samples admitted of {limit} allowed (trainer version "
-                f"{self._version}, max_staleness {k}, batch_size {batch})",
-                full=False,
-                never=count > (k + 1) * batch,
-            )
-        self._admitted += count
-
-    def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
-        timeout = msg.timeout or 0.0
-        if wait.never or timeout <= 0:
-            raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
-        parked = _ParkedWrite(ident, msg, wait.reason, wait.full)
-        if not math.isinf(timeout):
-            parked.timer = self._loop.call_later(timeout, self._expire_parked, parked)
-        self._parked.append(parked)
-        return None
-
-    def _expire_parked(self, parked: _ParkedWrite) -> None:
-        if parked in self._parked:
-            self._parked.remove(parked)
-        what = "put" if isinstance(parked.req, Grant) else "reserve"
-        err = (StorageFullError if parked.full else WaitTimeoutError)(
-            f"{what} timed out after {parked.req.timeout} s: {parked.reason}"
-        )
-        self._server.reply_error(parked.ident, parked.req.rid, err)
-
-    def _retry_parked(self) -> None:
-        for parked in list(self._parked):
-            try:
-                if isinstance(parked.req, Grant):
-                    reply: Any = self._grant_put(parked.req)
-                else:
-                    self._admit(parked.req.count, "(reserved)")
-                    reply = Ok()
-            except _Wait as wait:
-                parked.reason, parked.full = wait.reason, wait.full
-                continue
-            except TQueueError as exc:
-                reply = exc
-            self._parked.remove(parked)
-            if parked.timer is not None:
-                parked.timer.cancel()
-            if isinstance(reply, Exception):
-                self._server.reply_error(parked.ident, parked.req.rid, reply)
-            else:
-                self._server.reply(parked.ident, parked.req.rid, reply)
-
-    def _reserve(self, ident: bytes, msg: Reserve, bufs: list[Any]) -> Ok | None:
-        if msg.count < 1:
-            raise InvalidArgumentError(f"reserve needs a count of at least 1, got {msg.count}")
-        try:
-            self._admit(msg.count, "(reserved)")
-        except _Wait as wait:
-            return self._park(ident, msg, wait)
-        return Ok()
-
-    def _set_version(self, ident: bytes, msg: SetVersion, bufs: list[Any]) -> Ok:
-        if msg.version > self._version:
-            self._version = msg.version
-            log.info("trainer version %d", msg.version)
-            self._retry_parked()
-        return Ok()
-
-    def _set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
-        if msg.max_staleness < 0:
-            self._admission = None
-        else:
-            if msg.batch_size < 1:
-                raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
-            self._admission = (msg.max_staleness, msg.batch_size)
-        self._retry_parked()
-        return Ok()
-
-    def _lapse_grant(self, grant_id: int) -> None:
-        grant = self._grants.pop(grant_id, None)
-        if grant is None:
-            return  # committed (or its partition is gone)
-        log.warning("grant %d was never committed; its %d samples are dropped", grant_id, grant.count)
-        unit = self._units.get(grant.unit_id)
-        if unit is not None:
-            unit.reserved -= grant.nbytes
-        part = self._by_uid.get(grant.partition_uid)
-        if part is not None:
-            part.forget(grant)
-            self._maybe_free(part)
-        self._retry_parked()
-
     def _commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
         grant = self._grants.pop(msg.grant_id, None)
         if grant is None:
@@ -482,7 +251,7 @@ class Controller:
             return served
         if msg.timeout is not None and msg.timeout <= 0:
             raise self._timeout_error(msg)
-        waiter = _Waiter(ident, msg)
+        waiter = Waiter(ident, msg)
         if msg.timeout is not None:
             waiter.timer = self._loop.call_later(msg.timeout, self._expire, waiter)
         self._waiters.setdefault(msg.partition, []).append(waiter)
@@ -517,82 +286,6 @@ class Controller:
             if len(ready):
                 return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
         return None
-
-    def _prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
-        """Move ready samples of the next partition in, to fill a drained one's short batch."""
-        src = self._partitions.get(part.options.prefetch)
-        if src is None or src is part:
-            return False
-        smask, missing = src.field_mask(msg.fields)
-        if missing:
-            return False
-        need = count - len(part.all_ready(part.task(msg.task), mask, min_version))
-        taken = src.all_ready(src.task(msg.task), smask, min_version)[:need]
-        if len(taken) < need:
-            return False
-        moved = src.take_out(taken, f"prefetched into {part.name!r}")
-        idx = part.reserve_in(moved)
-        self._prefetching.add(part.uid)
-        task = self._loop.create_task(self._land(moved, part, idx))
-        task.add_done_callback(lambda _: self._prefetching.discard(part.uid))
-        return True
-
-    async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray) -> None:
-        """Re-key the samples' data on their units, then make them visible in ``dst``."""
-        units = moved.units
-        calls = []
-        for unit_id in np.unique(units).tolist():
-            peer = self._unit_peers.get(unit_id)
-            sel = units == unit_id
-            if peer is None:
-                continue
-            calls.append(
-                peer.request(
-                    Move(
-                        src_uid=moved.uid,
-                        dst_uid=dst.uid,
-                        dst_name=dst.name,
-                        src_indexes=moved.indexes[sel].tolist(),
-                        dst_indexes=idx[sel].tolist(),
-                    ),
-                    timeout=DROP_TIMEOUT,
-                )
-            )
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException):
-                log.error("moving samples into partition %r failed on a unit: %s", dst.name, result)
-        dst.land(idx, moved)
-        self._wake(dst.name)
-
-    async def _postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
-        part = self._live(msg.partition, msg.partition_uid)
-        if msg.to == part.name:
-            raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
-        idx = np.asarray(msg.indexes, dtype=np.int64)
-        part.check_indexes(idx)
-        if msg.whole_groups:
-            members = [part.groups.members[g] for g in np.unique(part.group[idx]).tolist() if g >= 0]
-            idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
-            idx = idx[(part.mask[idx] & EXCLUDED) == 0]
-        dst = self._partition(msg.to)
-        if dst.sealed:
-            raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
-        moved = part.take_out(idx, f"postponed to {msg.to!r}")
-        new = dst.reserve_in(moved)
-        await self._land(moved, dst, new)
-        self._maybe_free(part)
-        return Meta(meta=self._meta_of(dst, new, list(dst.specs), None, 0, None))
-
-    def _select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:
-        part = self._partitions.get(msg.partition)
-        if part is None:
-            raise PartitionClearedError(f"partition {msg.partition!r} does not exist (or was freed)")
-        mask, missing = part.field_mask(msg.fields)
-        if missing:
-            idx = np.zeros(0, dtype=np.int64)
-        else:
-            idx = np.flatnonzero((part.mask[: part.n] & (mask | HIDDEN)) == mask)
-        return Meta(meta=self._meta_of(part, idx, list(msg.fields), None, 0, None))
 
     def _try_serve(self, msg: GetMeta) -> Meta | None:
         part = self._partitions.get(msg.partition)
@@ -741,7 +434,7 @@ class Controller:
                 self._finish(waiter)
                 self._server.reply(waiter.ident, waiter.req.rid, reply)
 
-    def _finish(self, waiter: _Waiter) -> None:
+    def _finish(self, waiter: Waiter) -> None:
         if waiter.timer is not None:
             waiter.timer.cancel()
         waiters = self._waiters.get(waiter.req.partition, [])
@@ -750,7 +443,7 @@ class Controller:
         if not waiters:
             self._waiters.pop(waiter.req.partition, None)
 
-    def _expire(self, waiter: _Waiter) -> None:
+    def _expire(self, waiter: Waiter) -> None:
         waiter.timer = None
         self._finish(waiter)
         self._server.reply_error(waiter.ident, waiter.req.rid, self._timeout_error(waiter.req))
@@ -808,46 +501,6 @@ class Controller:
         return Ok()
 
     # --- failures and cleanup -------------------------------------------------------
-
-    def _seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:
-        part = self._partitions.get(msg.partition)
-        if part is not None and not part.sealed:
-            part.sealed = True
-            self._on_sealed(part)
-        return Ok()
-
-    def _on_sealed(self, part: Partition) -> None:
-        log.info("partition %r sealed with %d complete samples", part.name, part.complete)
-        for waiter in self._sealed_waiters.pop(part.name, []):
-            if waiter.timer is not None:
-                waiter.timer.cancel()
-            self._server.reply(waiter.ident, waiter.req.rid, Ok())
-        self._wake(part.name)  # a drained, sealed partition may now pad or prefetch
-        self._maybe_free(part)
-
-    def _sealed(self, ident: bytes, msg: Sealed, bufs: list[Any]) -> Ok | None:
-        part = self._partitions.get(msg.partition)
-        if part is not None and part.sealed:
-            return Ok()
-        if msg.timeout is not None and msg.timeout <= 0:
-            raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
-        waiter = _Waiter(ident, msg)  # type: ignore[arg-type]
-        if msg.timeout is not None:
-            waiter.timer = self._loop.call_later(msg.timeout, self._expire_sealed, waiter)
-        self._sealed_waiters.setdefault(msg.partition, []).append(waiter)
-        return None
-
-    def _expire_sealed(self, waiter: _Waiter) -> None:
-        waiters = self._sealed_waiters.get(waiter.req.partition, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
-        part = self._partitions.get(waiter.req.partition)
-        have = f"{part.complete} complete samples" if part else "it does not exist yet"
-        self._server.reply_error(
-            waiter.ident,
-            waiter.req.rid,
-            WaitTimeoutError(f"partition {waiter.req.partition!r} was not sealed within {waiter.req.timeout} s ({have})"),
-        )
 
     def _fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
         part = self._live(msg.partition, msg.partition_uid) if msg.partition_uid else self._partition(msg.partition)
@@ -988,7 +641,6 @@ class Controller:
 
 
 def _with(meta: BatchMeta, **changes: Any) -> BatchMeta:
-    import msgspec
 
     return msgspec.structs.replace(meta, **changes)
 

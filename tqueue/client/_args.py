@@ -1,0 +1,55 @@
+"""Checks of call arguments shared by the client's modules."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from .._wire import GroupId
+from ..errors import InvalidArgumentError
+
+
+def _wait(timeout: float | None, default: float, name: str = "timeout") -> float:
+    wait = default if timeout is None else timeout
+    if not isinstance(wait, (int, float)) or math.isnan(wait) or wait < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0 seconds (or math.inf), got {timeout!r}")
+    return float(wait)
+
+
+def _versions(version: int | Sequence[int] | None, count: int, partition: str) -> list[int] | None:
+    if version is None:
+        return None
+    if isinstance(version, int):
+        return [version] * count
+    out = [int(v) for v in version]
+    if len(out) != count:
+        raise InvalidArgumentError(f"put to partition {partition!r}: {len(out)} versions for {count} samples")
+    return out
+
+
+def _groups(groups: Sequence[GroupId] | GroupId, count: int, partition: str) -> list[GroupId] | None:
+    if groups is None:
+        return None
+    if isinstance(groups, (str, int)):
+        return [groups] * count
+    out = list(groups)
+    if len(out) != count:
+        raise InvalidArgumentError(
+            f"put to partition {partition!r}: {len(out)} group ids for {count} samples"
+        )
+    for i, g in enumerate(out):
+        if g is not None and type(g) not in (str, int):
+            raise InvalidArgumentError(
+                f"group id of sample {i} in the put to partition {partition!r} is a "
+                f"{type(g).__name__}; group ids are str or int"
+            )
+    return out
+
+
+def _rows(value: Any) -> list[Any]:
+    """Per-sample values of a field (a list, or a tensor split along its first dimension)."""
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    return list(value)

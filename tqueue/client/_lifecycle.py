@@ -1,0 +1,205 @@
+"""Client calls for flow control and the rollout lifecycle: seals and failures, the
+staleness bound, partial rollouts, postponing, metrics. A mixin of
+:class:`~tqueue.client.AsyncClient` (same connection, same helpers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from .._wire import Admission, BatchMeta, Fail, GroupId, Meta, Postpone, Reserve, Seal, Sealed, Select, SetVersion
+from ..errors import InvalidArgumentError, SchemaError
+from ._args import _rows, _wait
+from ._encode import sample_count
+
+if TYPE_CHECKING:
+    from .. import _transport
+    from ..config import ClientConfig
+    from ._batch import Batch
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldStats:
+    """Statistics of a scalar field over a partition's live samples."""
+
+    count: int
+    mean: float
+    std: float
+    min: float
+    max: float
+
+
+class Lifecycle:
+    """Seals, failures, admission and the rollout lifecycle (mixin of AsyncClient)."""
+
+    config: ClientConfig
+    _reserved: int
+
+    async def _ctl(self) -> _transport.Peer:
+        raise NotImplementedError
+
+    async def get_data(self, meta: Any, fields: Any = None, *args: Any, **kwargs: Any) -> Batch:
+        raise NotImplementedError
+
+    async def _update(self, meta: BatchMeta, data: Any, *, complete: bool = False, segment: tuple[int, int] | None = None) -> None:
+        raise NotImplementedError
+
+    async def seal(self, partition: str) -> None:
+        """Say that no more samples will be put to ``partition``; once every task has
+        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
+        ctl = await self._ctl()
+        await ctl.request(Seal(partition=partition))
+
+    async def fail(
+        self,
+        target: str | BatchMeta,
+        *,
+        reason: str,
+        group: GroupId = None,
+        count: int = 1,
+    ) -> None:
+        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
+        that will never be put. The partition's ``on_member_failure`` decides whether the
+        group is aborted or released without them; either way they are never served."""
+        ctl = await self._ctl()
+        if isinstance(target, BatchMeta):
+            msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
+        else:
+            if group is None:
+                raise InvalidArgumentError("fail(partition, ...) needs the group whose members failed")
+            msg = Fail(partition=target, group=group, count=count, reason=reason)
+        await ctl.request(msg)
+
+    async def set_version(self, version: int) -> None:
+        """The trainer's current policy weight version (admission and staleness use it)."""
+        ctl = await self._ctl()
+        await ctl.request(SetVersion(version=version))
+
+    async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
+        """Bound how far producers run ahead of the trainer, AReaL-style: at most
+        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
+        and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
+        ctl = await self._ctl()
+        await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size))
+
+    async def reserve(self, count: int, *, timeout: float | None = None) -> None:
+        """Admit ``count`` samples before generating them (waits like a put, up to
+        ``timeout``); the next puts of this client draw on the reservation."""
+        wait = _wait(timeout, self.config.put_timeout)
+        ctl = await self._ctl()
+        await ctl.request(
+            Reserve(count=count, timeout=None if math.isinf(wait) else wait),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        )
+        self._reserved += count
+
+    async def complete(
+        self,
+        meta: BatchMeta,
+        data: Mapping[str, Any],
+        *,
+        version: int,
+        first_token: int,
+        append: Sequence[str] = (),
+        splice: Mapping[str, int | Sequence[int]] | None = None,
+        lengths: Sequence[int] | None = None,
+        finished: bool = True,
+    ) -> None:
+        """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
+        update: a new segment of tokens produced by ``version``, starting at response token
+        ``first_token``.
+
+        Fields in ``append`` (the new response tokens, their log-probs) are appended to
+        what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
+        the engine returned the field for the whole sequence (routed experts
+        ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
+        earlier segments' weights, are kept; the new array supplies the rest. With
+        ``lengths`` each spliced result must have exactly that many rows (prompt plus
+        response tokens). Other fields are replaced. The samples record the segment
+        ``(version, first_token)``; once ``finished`` they are visible to consumers.
+        """
+        cols, n = sample_count(data, meta.partition)
+        if n != len(meta):
+            raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
+        splice = dict(splice or {})
+        for name in [*append, *splice]:
+            if name not in cols:
+                raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
+        old = await self.get_data(meta, [*append, *splice]) if (append or splice) else None
+        new = dict(cols)
+        for name in append:
+            assert old is not None
+            new[name] = [torch.cat([o, x]) for o, x in zip(_rows(old[name]), _rows(cols[name]))]
+        for name, at in splice.items():
+            assert old is not None
+            offsets = [at] * n if isinstance(at, int) else list(at)
+            out = []
+            for i, (o, x, k) in enumerate(zip(_rows(old[name]), _rows(cols[name]), offsets)):
+                if len(o) < k or len(x) < k:
+                    raise SchemaError(
+                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}): "
+                        f"splicing at row {k} needs that many rows, stored {len(o)}, new {len(x)}"
+                    )
+                row = torch.cat([o[:k], x[k:]])
+                if lengths is not None and len(row) != lengths[i]:
+                    raise SchemaError(
+                        f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}) "
+                        f"would have {len(row)} rows after the splice; its sequence has {lengths[i]} tokens"
+                    )
+                out.append(row)
+            new[name] = out
+        await self._update(meta, new, complete=finished, segment=(version, first_token))
+
+    async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
+        """Move these samples (with ``whole_groups``, every member of their groups) to a later
+        partition, data kept and partial ones still partial; returns their meta there."""
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(
+            Postpone(
+                partition=meta.partition,
+                partition_uid=meta.partition_uid,
+                indexes=[i for i in meta.indexes if i >= 0],
+                to=to,
+                whole_groups=whole_groups,
+            )
+        )
+        assert isinstance(reply, Meta)
+        return reply.meta
+
+    async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
+        """Wait until ``partition`` is sealed (its over-sampling target reached, or
+        ``seal``): producers of the surplus learn it here without polling."""
+        wait = _wait(timeout, self.config.get_timeout)
+        ctl = await self._ctl()
+        await ctl.request(
+            Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
+            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        )
+
+    async def field_stats(self, partition: str, field: str) -> FieldStats:
+        """count, mean, std, min and max of a scalar field over the partition's live samples:
+        aborted, failed, postponed and partial samples and pad rows are left out."""
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(Select(partition=partition, fields=[field]))
+        assert isinstance(reply, Meta)
+        meta = reply.meta
+        if not len(meta):
+            return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)
+        values = (await self.get_data(meta, [field]))[field]
+        if isinstance(values, list):
+            values = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        values = torch.as_tensor(values).to(torch.float64)
+        if values.dim() > 1 and values[0].numel() == 1:
+            values = values.reshape(-1)
+        if values.dim() != 1:
+            raise InvalidArgumentError(f"field {field!r} of partition {partition!r} is not one number per sample")
+        return FieldStats(
+            count=len(values),
+            mean=float(values.mean()),
+            std=float(values.std(unbiased=False)),
+            min=float(values.min()),
+            max=float(values.max()),
+        )
