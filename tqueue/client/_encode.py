@@ -29,6 +29,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TORCH_DTYPES.ite
 OWN_FRAME = 1 << 16
 
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+_KEYS = frozenset({str, int})
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -304,22 +305,25 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
 
 
 def _not_plain(v: Any) -> type | None:
-    """The first type in ``v`` that is not a plain value, or None."""
+    """The first type in ``v`` that is not a plain value, or None. Scalars inside lists and
+    dicts are checked inline: metadata dicts of scalars are the common case."""
     t = type(v)
     if t in _PLAIN:
         return None
     if t is list:
         for x in v:
-            bad = _not_plain(x)
-            if bad is not None:
-                return bad
+            if type(x) not in _PLAIN:
+                bad = _not_plain(x)
+                if bad is not None:
+                    return bad
         return None
     if t is dict:
         for k, x in v.items():
-            if type(k) not in (str, int):
+            if type(k) not in _KEYS:
                 return type(k)
-            bad = _not_plain(x)
-            if bad is not None:
-                return bad
+            if type(x) not in _PLAIN:
+                bad = _not_plain(x)
+                if bad is not None:
+                    return bad
         return None
     return t
