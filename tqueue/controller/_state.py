@@ -381,7 +381,7 @@ class Partition:
         self.version_max[indexes] = np.maximum(self.version_max[indexes], version)
 
     def segments_of(self, indexes: np.ndarray) -> list[list[list[int]]] | None:
-        if not any(i in self.segments for i in indexes.tolist()):
+        if not self.segments or not any(i in self.segments for i in indexes.tolist()):
             return None
         out = []
         for i in indexes.tolist():
