@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("controller", help="run a controller")
     c.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (port 0: OS picks)")
+    c.add_argument("--capacity-bytes", type=int, default=0, help="payload the whole cluster may hold (0: no limit)")
+    c.add_argument("--policy", action="append", default=[], metavar="NAME=MODULE:ATTR", help="load a batch policy")
     c.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes")
 
     s = sub.add_parser("storage-unit", help="run a storage unit")
@@ -59,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .config import ControllerConfig
         from .launch._serve import run
 
-        run(ControllerConfig(bind=args.bind), watch_stdin=args.watch_stdin)
+        run(
+            ControllerConfig(bind=args.bind, capacity_bytes=args.capacity_bytes, policies=tuple(args.policy)),
+            watch_stdin=args.watch_stdin,
+        )
         return 0
     if args.command == "storage-unit":
         from .launch._serve import run

@@ -23,11 +23,14 @@ class ControllerConfig:
     ``max_header_bytes``: larger request headers get a protocol error reply.
     ``capacity_bytes``: payload the whole cluster may hold (0: no limit beyond the units').
     A put that would exceed it waits, up to its timeout, for memory to be freed.
+    ``policies``: batch policies to load besides the built-in ones, as
+    ``"name=module:attribute"`` (see ``tqueue.controller._policies``).
     """
 
     bind: str = "tcp://127.0.0.1:0"
     max_header_bytes: int = 16 * MiB
     capacity_bytes: int = 0
+    policies: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -313,7 +313,7 @@ def _summary(plan: Plan, r: dict[str, Any]) -> None:
         ("get_data p50 / p99", f"{1e3 * _pct(r['fetches'], .5):.2f} / {1e3 * _pct(r['fetches'], .99):.2f} ms"),
         ("bytes copied per byte delivered", f"{r['copied'] / max(r['delivered'], 1):.2f}"),
         ("DP token imbalance (max/min rank, median step)", f"{r['imbalance']:.3f}"),
-        ("micro-batches per rank", ", ".join(map(str, r["micro"]))),
+        ("micro-batches per rank (equal across ranks; by step)", ", ".join(map(str, r["micro"]))),
         ("steps left unfreed at the end", str(len(r.get("left", [])))),
         ("result", "OK" if r["ok"] else "FAILED"),
     ]

@@ -190,3 +190,23 @@ def test_updates_are_atomic_per_sample_across_units(cluster, partition):
             assert set(after.revisions) == {rounds}  # each update stamped every sample once
 
     asyncio.run(main())
+
+
+def test_target_in_groups_aborts_groups_past_it(client, partition):
+    client.create_partition(partition, group_size=2, target_groups=2)
+    for g in ("a", "b", "c"):
+        client.put(partition, {"x": torch.zeros(2)}, groups=g)
+    client.sealed(partition, timeout=5)
+    st = status(client, partition)
+    assert st.sealed and st.ready == 4 and st.reasons == {"discarded after seal": 2}  # "c" came after the seal
+    meta = client.get_meta(partition, ["x"], 4, task="t", policy="groups", timeout=5)
+    assert sorted(set(meta.groups)) == ["a", "b"]
+
+
+def test_postpone_whole_groups(client, partition):
+    nxt = f"{partition}-next"
+    meta = client.put(partition, {"x": torch.arange(6)}, groups=["a", "a", "b", "b", "c", "c"])
+    moved = client.postpone(meta.select([1, 4]), nxt, whole_groups=True)  # one member each of a, c
+    assert sorted(moved.groups) == ["a", "a", "c", "c"]
+    assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5)["x"].tolist()) == [0, 1, 4, 5]
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["b", "b"]

@@ -63,13 +63,14 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ._moves import DROP_TIMEOUT, Moves, Waiter
+from ._policies import BUILT_IN, Candidates, check
+from ._policies import load as load_policies
 from ._rounds import RoundBook
 from ._writes import ParkedWrite, Writes
 from ._state import FAILURE_POLICIES, LEASED, GrantRecord, Options, Partition, Unit
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("first_ready", "groups")
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,6 +95,7 @@ class Controller(Writes, Moves):
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
+        self._policies = load_policies(self.config.policies)
         self._partitions: dict[str, Partition] = {}
         self._by_uid: dict[int, Partition] = {}
         self._units: dict[int, Unit] = {}
@@ -259,30 +261,24 @@ class Controller(Writes, Moves):
 
     def _select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
+        policy = self._policies.get(msg.policy)
+        if policy is None:
+            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self._policies)}")
         mask, missing = part.field_mask(msg.fields)
         if missing:
             return None
         task = part.task(msg.task)
         min_version = None if msg.max_staleness is None else self._version - msg.max_staleness
-        if msg.policy == "groups":
-            size = part.options.group_size
-            if not size:
-                raise InvalidArgumentError(
-                    f"policy 'groups' needs a group_size on partition {part.name!r} (create_partition)"
-                )
-            if count % size:
-                raise InvalidArgumentError(
-                    f"batch of {count} samples is not a whole number of groups of {size} "
-                    f"(partition {part.name!r})"
-                )
-            return part.find_groups(task, mask, count // size, min_version)
-        found = part.find_ready(task, mask, count, min_version)
-        if found is not None or not part.drained() or part.uid in self._prefetching:
-            return found
+        candidates = Candidates(part, task, mask, min_version)
+        found = policy.select(candidates, count)
+        if found is not None:
+            return found if msg.policy in BUILT_IN else check(found, candidates, msg.policy)
+        if msg.policy == "groups" or not part.drained() or part.uid in self._prefetching:
+            return None
         if part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
             return None  # samples are on their way in; their landing wakes this request
         if msg.pad:
-            ready = part.all_ready(task, mask, min_version)
+            ready = candidates.ready()
             if len(ready):
                 return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
         return None
@@ -663,8 +659,6 @@ def _check_get(msg: GetMeta) -> None:
         raise InvalidArgumentError("get_meta needs a task name")
     if not msg.fields or len(set(msg.fields)) != len(msg.fields):
         raise InvalidArgumentError(f"get_meta needs distinct field names, got {msg.fields}")
-    if msg.policy not in POLICIES:
-        raise InvalidArgumentError(f"policy is one of {list(POLICIES)}, got {msg.policy!r}")
     if msg.dp_size:
         if msg.dp_size < 1 or not 0 <= msg.dp_rank < msg.dp_size:
             raise InvalidArgumentError(f"dp_rank must be in [0, dp_size), got {msg.dp_rank} of {msg.dp_size}")

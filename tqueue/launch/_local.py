@@ -27,7 +27,8 @@ class LocalCluster:
 
     ``unit_hosts`` gives each unit the host name it reports for placement (default: this
     machine's), to simulate several hosts on one machine. ``storage`` sets
-    :class:`~tqueue.config.StorageConfig` options of every unit, e.g. ``{"shm_bytes": 0}``.
+    :class:`~tqueue.config.StorageConfig` options of every unit, e.g. ``{"shm_bytes": 0}``;
+    ``controller`` the controller's ``capacity_bytes`` and ``policies``.
 
     Use as a context manager; everything is stopped on exit, also after an exception, and
     the children also stop by themselves if this process dies (their stdin closes)::
@@ -45,6 +46,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         unit_hosts: Sequence[str] | None = None,
         storage: Mapping[str, Any] | None = None,
+        controller: Mapping[str, Any] | None = None,
     ) -> None:
         if num_storage_units < 1:
             raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
@@ -56,6 +58,15 @@ class LocalCluster:
             if key not in _UNIT_OPTIONS:
                 raise ValueError(f"unknown storage option {key!r}; known: {sorted(_UNIT_OPTIONS)}")
             self.unit_args += ["--" + key.replace("_", "-"), str(value)]
+        self.controller_args: list[str] = []
+        for key, value in (controller or {}).items():
+            if key == "capacity_bytes":
+                self.controller_args += ["--capacity-bytes", str(value)]
+            elif key == "policies":
+                for spec in value:
+                    self.controller_args += ["--policy", spec]
+            else:
+                raise ValueError(f"unknown controller option {key!r}; known: ['capacity_bytes', 'policies']")
         self.num_storage_units = num_storage_units
         self.host = host
         self.start_timeout = start_timeout
@@ -71,7 +82,7 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         try:
-            ctl = self._spawn(["controller", "--bind", f"tcp://{self.host}:0"])
+            ctl = self._spawn(["controller", "--bind", f"tcp://{self.host}:0", *self.controller_args])
             self.address = self._ready(ctl)["address"]
             units = [
                 self._spawn(

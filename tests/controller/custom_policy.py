@@ -1,0 +1,25 @@
+"""A batch policy loaded into the controller by the tests (``--policy``)."""
+
+import numpy as np
+
+
+class NewestFirst:
+    """The samples of the newest policy version first."""
+
+    name = "newest_first"
+
+    def select(self, candidates, count):
+        ready = candidates.ready()
+        if len(ready) < count:
+            return None
+        newest = np.argsort(-candidates.versions(ready), kind="stable")[:count]
+        return np.sort(ready[newest])
+
+
+class Greedy:
+    """A broken policy: it takes samples that are not ready."""
+
+    name = "greedy"
+
+    def select(self, candidates, count):
+        return np.arange(count) + 10_000

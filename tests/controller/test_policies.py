@@ -1,0 +1,57 @@
+"""Batch policies are pluggable: loaded into the controller by name, checked when they answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import InvalidArgumentError, StorageFullError
+
+POLICIES = [
+    "newest_first=tests.controller.custom_policy:NewestFirst",
+    "greedy=tests.controller.custom_policy:Greedy",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A controller with two extra policies and a 6 MiB budget for the whole cluster."""
+    options = {"policies": POLICIES, "capacity_bytes": 6 << 20}
+    with tqueue.LocalCluster(num_storage_units=2, controller=options) as c:
+        yield c
+
+
+def test_a_loaded_policy_chooses_the_batch(client, partition):
+    client.put(partition, {"x": torch.arange(6)}, version=[1, 3, 2, 3, 1, 2])
+    meta = client.get_meta(partition, ["x"], 2, task="t", policy="newest_first", timeout=5)
+    assert meta.indexes == [1, 3] and meta.versions == [3, 3]
+    rest = client.get_meta(partition, ["x"], 4, task="t", policy="first_ready", timeout=5)
+    assert rest.indexes == [0, 2, 4, 5]  # a task's samples are shared by its policies
+
+
+def test_a_policy_cannot_hand_out_samples_that_are_not_ready(client, partition):
+    client.put(partition, {"x": torch.arange(4)})
+    with pytest.raises(InvalidArgumentError, match=r"policy 'greedy' chose samples .* not ready"):
+        client.get_meta(partition, ["x"], 2, task="t", policy="greedy", timeout=5)
+    with pytest.raises(InvalidArgumentError, match=r"unknown policy 'nope'; known: \['first_ready', 'greedy', 'groups', 'newest_first'\]"):
+        client.get_meta(partition, ["x"], 2, task="t", policy="nope", timeout=5)
+
+
+def test_the_cluster_budget_holds_across_units(client, partition):
+    big = {"x": torch.zeros(16, 1 << 16)}  # 4 MiB
+    client.put(f"{partition}-a", big)
+    try:
+        with pytest.raises(StorageFullError, match=r"a write of 4194304 bytes .* needs memory: 4194\d+ bytes used of 6291456 allowed in the cluster"):
+            client.put(partition, big, timeout=0.2)  # each unit alone would have room
+    finally:
+        client.clear(f"{partition}-a")
+    client.put(partition, big, timeout=5)
+    client.clear(partition)
+
+
+def test_bad_policy_specs_are_refused():
+    from tqueue.controller._policies import load
+
+    with pytest.raises(ValueError, match="name=module:attribute"):
+        load(["nonsense"])
