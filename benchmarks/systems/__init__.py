@@ -138,3 +138,16 @@ def assemble(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def is_view_of_larger(t: torch.Tensor) -> bool:
     """True when pickling ``t`` would carry more storage than its own elements."""
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
+def grow_actors(producers: list[Any], consumers: list[Any], want: tuple[int, int], classes: tuple[type, type], timeout: float) -> None:
+    """Start Ray actors until there are ``want`` producers and consumers; wait until ready."""
+    import ray
+
+    new = []
+    for pool, count, cls in ((producers, want[0], classes[0]), (consumers, want[1], classes[1])):
+        while len(pool) < count:
+            actor = ray.remote(cls).options(num_cpus=0).remote(len(pool))
+            pool.append(actor)
+            new.append(actor)
+    ray.get([a.ready.remote() for a in new], timeout=timeout)

@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks import workload
 from benchmarks.harness import Result, Scenario, now
-from benchmarks.systems import Plan, assemble, is_view_of_larger, make_plan, make_puts, missing, repo_root
+from benchmarks.systems import Plan, assemble, grow_actors, is_view_of_larger, make_plan, make_puts, missing, repo_root
 
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 TIMEOUT_S = 600.0
@@ -204,18 +204,7 @@ class RaySystem:
         self._started = True
 
     def _grow(self, producers: int, consumers: int) -> None:
-        import ray
-
-        new = []
-        while len(self._producers) < producers:
-            a = ray.remote(_Producer).options(num_cpus=0).remote(len(self._producers))
-            self._producers.append(a)
-            new.append(a)
-        while len(self._consumers) < consumers:
-            a = ray.remote(_Consumer).options(num_cpus=0).remote(len(self._consumers))
-            self._consumers.append(a)
-            new.append(a)
-        ray.get([a.ready.remote() for a in new], timeout=TIMEOUT_S)
+        grow_actors(self._producers, self._consumers, (producers, consumers), (_Producer, _Consumer), TIMEOUT_S)
 
     def run(self, scenario: Scenario, size: int) -> Result:
         import ray

@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks import workload
 from benchmarks.harness import Result, Scenario, now
-from benchmarks.systems import Plan, make_plan, make_puts, missing
+from benchmarks.systems import Plan, grow_actors, make_plan, make_puts, missing
 
 TIMEOUT_S = 600.0
 LOOPBACK = "127.0.0.1"
@@ -214,18 +214,7 @@ class TransferQueueSystem:
         self._client = tq.get_client()
 
     def _grow(self, producers: int, consumers: int) -> None:
-        import ray
-
-        new = []
-        while len(self._producers) < producers:
-            a = ray.remote(_Producer).options(num_cpus=0).remote(len(self._producers))
-            self._producers.append(a)
-            new.append(a)
-        while len(self._consumers) < consumers:
-            a = ray.remote(_Consumer).options(num_cpus=0).remote(len(self._consumers))
-            self._consumers.append(a)
-            new.append(a)
-        ray.get([a.ready.remote() for a in new], timeout=TIMEOUT_S)
+        grow_actors(self._producers, self._consumers, (producers, consumers), (_Producer, _Consumer), TIMEOUT_S)
 
     def run(self, scenario: Scenario, size: int) -> Result:
         import ray
