@@ -102,12 +102,14 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A storage unit; ``shm`` is the path of its shared-memory arena ("" if it has none),
-    which clients on the same ``host`` map to write and read payload without sockets."""
+    which clients on the same ``host`` map to write and read payload without sockets;
+    ``bulk`` the ``host:port`` of its bulk stream listener ("" if it has none)."""
 
     unit_id: int
     address: str
     host: str
     shm: str = ""
+    bulk: str = ""
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +212,7 @@ class RegisterUnit(Message):
     host: str
     capacity: int = 0
     shm: str = ""
+    bulk: str = ""
 
 
 class Registered(Message):
@@ -349,7 +352,8 @@ class Meta(Message):
 
 
 class Fetch(Message):
-    """Read fields of samples; ``shm``: the reader maps the unit's arena."""
+    """Read fields of samples; ``shm``: the reader maps the unit's arena; ``bulk``: the
+    token of the reader's bulk stream, where the unit may send the frames instead."""
 
     KIND = Kind.FETCH
     partition: str
@@ -357,16 +361,20 @@ class Fetch(Message):
     indexes: list[int]
     fields: list[str]
     shm: bool = False
+    bulk: int = 0
 
 
 class Fetched(Message):
     """Blocks, then their frames. With ``shm``, each frame is an arena range or ``[]`` (the
-    next raw frame); the ranges stay valid until the reader sends ``Release(hold)``."""
+    next raw frame); the ranges stay valid until the reader sends ``Release(hold)``.
+    ``bulk`` > 0: no frames follow here; that many bytes, the frames back to back, follow on
+    the reader's bulk stream."""
 
     KIND = Kind.FETCHED
     blocks: list[FieldBlock]
     shm: list[list[int]] | None = None
     hold: int = 0
+    bulk: int = 0
 
 
 class Release(Message):

@@ -51,6 +51,9 @@ class StorageConfig:
     write and read directly (address space; pages are used only as data arrives). 0: none.
     ``hold_timeout``: seconds after which a same-host reader's zero-copy hold on arena bytes
     lapses if it never released it (a reader that died).
+    ``bulk``: also listen on a plain TCP port next to the ZeroMQ one, over which clients
+    that are not on this host receive fetched payload straight into their batch tensors
+    (see :mod:`tqueue._bulk`). Only for ``tcp://`` binds.
     """
 
     controller: str
@@ -62,6 +65,7 @@ class StorageConfig:
     trim_delay: float = 60.0
     shm_bytes: int = 8192 * MiB
     hold_timeout: float = 3600.0
+    bulk: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,8 @@ class ClientConfig:
     ``keep_freed_bytes``: let glibc keep this much freed heap mapped in this process (see
     :func:`tqueue._memory.keep_freed`), so that received payload lands in warm pages, about
     twice as fast. Process-wide; 0 leaves malloc's settings alone.
+    ``bulk``: receive fetched payload from units that offer a bulk stream straight into the
+    batch's tensors (no assembly copy); otherwise it comes in ZeroMQ frames and is copied.
     """
 
     request_timeout: float = 30.0
@@ -99,6 +105,7 @@ class ClientConfig:
     shm: bool = True
     shm_min_bytes: int = 1 * MiB
     keep_freed_bytes: int = 4096 * MiB
+    bulk: bool = True
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
@@ -112,4 +119,5 @@ class ClientConfig:
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
             shm=bool(_env.number("TQUEUE_SHM", 1)),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
+            bulk=bool(_env.number("TQUEUE_BULK", 1)),
         )

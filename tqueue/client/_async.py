@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import _env, _memory, _transport
+from .. import _bulk, _env, _memory, _transport
 from .._wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -49,7 +49,7 @@ from ..errors import (
     UnknownFieldError,
 )
 from .._layout import nbytes
-from ._batch import Batch, JaggedAs, Options, Part, assemble_field
+from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, sample_count
 from ._args import _groups, _versions, _wait
 from ._lifecycle import Lifecycle
@@ -98,6 +98,8 @@ class AsyncClient(Lifecycle):
         self._controller: _transport.Peer | None = None
         self._units: dict[int, UnitInfo] = {}
         self._unit_peers: dict[int, _transport.Peer] = {}
+        self._streams: dict[int, list[_bulk.BulkStream]] = {}  # idle bulk streams per unit
+        self._no_bulk: set[int] = set()  # units whose bulk listener could not be reached
         self._connecting: asyncio.Lock | None = None
         self._closed = False
 
@@ -176,6 +178,10 @@ class AsyncClient(Lifecycle):
         self._controller = None
         for peer in peers:
             await peer.close()
+        streams = [st for idle in self._streams.values() for st in idle]
+        self._streams.clear()
+        for st in streams:
+            st.close()
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -599,33 +605,56 @@ class AsyncClient(Lifecycle):
                 if lens is not None:
                     lengths[f] = lens
             return Batch(meta, values, lengths)
-        parts = list(await asyncio.gather(*(self._fetch_part(meta, u, p, fields) for u, p in positions.items())))
+        bulk = any(self._bulk_to(u) for u in positions)
+        dests = dense_dests(meta, fields, self._pool) if bulk else {}
+        parts = list(
+            await asyncio.gather(*(self._fetch_part(meta, u, p, fields, dests) for u, p in positions.items()))
+        )
         received = sum(nbytes(f) for part in parts for _, frames in part.blocks.values() for f in frames)
         copied = 0
-        for field in fields:
-            values[field], lens, n = assemble_field(meta, field, parts, options, self._pool)
-            copied += n
-            if lens is not None:
-                lengths[field] = lens
+        with paused_gc():
+            for field in fields:
+                values[field], lens, n = assemble_field(meta, field, parts, options, self._pool, dests.get(field))
+                copied += n
+                if lens is not None:
+                    lengths[field] = lens
         self.stats.gets += 1
         self.stats.get_bytes += received
         self.stats.copied_bytes += copied
         return Batch(meta, {f: values[f] for f in fields}, lengths)
 
-    async def _fetch_part(self, meta: BatchMeta, unit_id: int, pos: np.ndarray, fields: list[str]) -> Part:
+    async def _fetch_part(
+        self, meta: BatchMeta, unit_id: int, pos: np.ndarray, fields: list[str], dests: dict[str, np.ndarray]
+    ) -> Part:
         peer = await self._unit(unit_id)
         arena = self._arena(self._units[unit_id])
+        stream = await self._stream(unit_id) if self._bulk_to(unit_id) else None
         idx = np.asarray(meta.indexes, dtype=np.int64)[pos].tolist()
-        reply, frames = await peer.request(
-            Fetch(
-                partition=meta.partition,
-                partition_uid=meta.partition_uid,
-                indexes=idx,
-                fields=fields,
-                shm=arena is not None,
+        try:
+            reply, frames = await peer.request(
+                Fetch(
+                    partition=meta.partition,
+                    partition_uid=meta.partition_uid,
+                    indexes=idx,
+                    fields=fields,
+                    shm=arena is not None,
+                    bulk=stream.token if stream is not None else 0,
+                )
             )
-        )
-        assert isinstance(reply, Fetched)
+            assert isinstance(reply, Fetched)
+            if reply.bulk:
+                if stream is None or frames:
+                    raise ProtocolError("a bulk reply to a fetch that asked for none, or with inline frames")
+                frames, targets = bulk_targets(pos, reply.blocks, meta.schema, dests, reply.bulk, self._pool)
+                await asyncio.to_thread(stream.read, targets, self.config.request_timeout)
+        except BaseException:
+            if stream is not None:
+                stream.close()  # bytes may be in flight: never read this stream again
+                stream = None
+            raise
+        finally:
+            if stream is not None:
+                self._streams.setdefault(unit_id, []).append(stream)
         if reply.shm is not None and arena is not None:
             frames = self._resolve(unit_id, arena, reply, frames)
         blocks, at = {}, 0
@@ -633,6 +662,28 @@ class AsyncClient(Lifecycle):
             blocks[block.name] = (block, frames[at : at + len(block.counts)])
             at += len(block.counts)
         return Part(positions=pos, blocks=blocks)
+
+    def _bulk_to(self, unit_id: int) -> bool:
+        """Whether fetches from this unit come over its bulk stream."""
+        info = self._units.get(unit_id)
+        return (
+            self.config.bulk and info is not None and bool(info.bulk)
+            and unit_id not in self._no_bulk and self._arena(info) is None
+        )
+
+    async def _stream(self, unit_id: int) -> _bulk.BulkStream | None:
+        """An idle bulk stream to the unit, opened if none is; None if it cannot be reached
+        (fetches from it then come in ZeroMQ frames)."""
+        idle = self._streams.get(unit_id)
+        if idle:
+            return idle.pop()
+        info = self._units[unit_id]
+        try:
+            return await asyncio.to_thread(_bulk.BulkStream, info.bulk, self.config.request_timeout)
+        except UnavailableError as exc:
+            log.warning("%s; payload from unit %d comes over ZeroMQ instead", exc, unit_id)
+            self._no_bulk.add(unit_id)
+            return None
 
     def _resolve(self, unit_id: int, arena: ArenaMap, reply: Fetched, raw: list[Any]) -> list[Any]:
         """Frames of a same-host reply: arena views (holding the unit's hold) and raw frames."""

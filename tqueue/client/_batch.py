@@ -2,21 +2,24 @@
 
 Each unit answers with field blocks and raw frames for the samples it holds. A dense field
 becomes one ``[B, ...]`` tensor: with zero copies when one frame already holds the whole
-batch in order, else with one copy into a fresh tensor. A jagged field becomes per-sample
+batch in order, or when the frames were received straight into the batch's rows (the bulk
+stream, :func:`bulk_targets`), else with one copy into a pooled buffer. A jagged field becomes per-sample
 views of the received frames (no copy), or on request one padded tensor or one nested
 tensor (one copy). Object fields are decoded from MessagePack.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import msgspec
 import numpy as np
 import torch
 
-from .._layout import frame_layout, itemsize, numpy_dtype
+from .._layout import frame_layout, itemsize, numpy_dtype, sample_sizes
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
@@ -43,6 +46,22 @@ class Options:
     def check(self) -> None:
         if self.padding_side not in ("right", "left"):
             raise InvalidArgumentError(f"padding_side is 'right' or 'left', got {self.padding_side!r}")
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection while a batch's objects are decoded.
+
+    Decoding thousands of dicts and strings allocates enough containers to set off a full
+    collection, which walks every object of the process (about 100 ms in a trainer with
+    torch loaded); the decoded values hold no cycles, so nothing is lost by waiting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclasses.dataclass
@@ -178,9 +197,16 @@ def assemble(
 
 
 def assemble_field(
-    meta: BatchMeta, field: str, parts: Sequence[Part], options: Options, pool: BufferPool
+    meta: BatchMeta,
+    field: str,
+    parts: Sequence[Part],
+    options: Options,
+    pool: BufferPool,
+    dest: np.ndarray | None = None,
 ) -> tuple[Any, torch.Tensor | None, int]:
-    """One field's value for the batch, its per-sample lengths (jagged), bytes copied."""
+    """One field's value for the batch, its per-sample lengths (jagged), bytes copied.
+
+    ``dest``: the dense field's batch buffer, where some frames may already lie in place."""
     options.check()
     size = len(meta.indexes)
     spec = meta.schema[field]
@@ -189,7 +215,7 @@ def assemble_field(
         return _objects(pieces, size), None, 0
     pads = np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0) if size else np.zeros(0, np.int64)
     if spec.layout == "dense":
-        value, n = _dense(pieces, size, pool)
+        value, n = _dense(pieces, size, pool, dest)
         if len(pads):
             value[torch.from_numpy(pads) if isinstance(value, torch.Tensor) else pads] = 0
         return value, None, n
@@ -268,7 +294,7 @@ def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any
     return raw.view(numpy_dtype(spec.dtype)).reshape(shape)
 
 
-def _dense(p: Pieces, size: int, pool: BufferPool) -> tuple[Any, int]:
+def _dense(p: Pieces, size: int, pool: BufferPool, raw: np.ndarray | None = None) -> tuple[Any, int]:
     row = tuple(p.spec.shape)
     row_bytes = int(np.prod(row, dtype=np.int64)) * itemsize(p.spec)
     shape = (size, *row)
@@ -276,17 +302,101 @@ def _dense(p: Pieces, size: int, pool: BufferPool) -> tuple[Any, int]:
         return _empty(p.spec, shape), 0
     if len(p.buffers) == 1 and np.array_equal(p.positions, np.arange(size)):
         return _from_bytes(p.spec, p.buffers[0], shape), 0
-    raw = pool.take(size * row_bytes)
+    if raw is None or raw.nbytes != size * row_bytes:
+        raw = pool.take(size * row_bytes)
+    base = raw.ctypes.data
     dest = torch.from_numpy(raw)  # torch copies with two threads; numpy with one
     rows = dest.view(size, row_bytes)
+    copied = 0
     for buf, (first, c) in zip(p.buffers, p.counts):
+        if c == 0:
+            continue
         pos = p.positions[first : first + c]
-        src = torch.from_numpy(buf)
         if pos[-1] - pos[0] == c - 1 and (c == 1 or np.all(np.diff(pos) == 1)):
-            dest[pos[0] * row_bytes : (pos[0] + c) * row_bytes].copy_(src)
+            if buf.ctypes.data == base + int(pos[0]) * row_bytes:
+                continue  # received in place
+            dest[pos[0] * row_bytes : (pos[0] + c) * row_bytes].copy_(torch.from_numpy(buf))
         else:
-            rows.index_copy_(0, torch.from_numpy(pos), src.view(c, row_bytes))
-    return _from_bytes(p.spec, raw, shape), row_bytes * size
+            rows.index_copy_(0, torch.from_numpy(pos), torch.from_numpy(buf).view(c, row_bytes))
+        copied += c * row_bytes
+    return _from_bytes(p.spec, raw, shape), copied
+
+
+def dense_dests(meta: BatchMeta, fields: Sequence[str], pool: BufferPool) -> dict[str, np.ndarray]:
+    """A batch buffer for each dense field of ``fields``, for frames to be received into."""
+    size = len(meta.indexes)
+    out: dict[str, np.ndarray] = {}
+    for field in fields:
+        spec = meta.schema[field]
+        if spec.kind != "object" and spec.layout == "dense":
+            nbytes = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec) * size
+            if nbytes:
+                out[field] = pool.take(nbytes)
+    return out
+
+
+def bulk_targets(
+    positions: np.ndarray,
+    blocks: Sequence[FieldBlock],
+    schema: Mapping[str, FieldSpec],
+    dests: Mapping[str, np.ndarray],
+    total: int,
+    pool: BufferPool,
+) -> tuple[list[np.ndarray], list[memoryview]]:
+    """Where each frame of a bulk reply lands, and the buffers to receive into, in order.
+
+    A dense frame whose samples are consecutive batch positions goes straight into those
+    rows of the field's buffer in ``dests``; every other run of frames goes into one staging
+    buffer, of which the frames are slices. ``total`` (the bytes the unit announced) must
+    match the blocks."""
+    frames: list[np.ndarray] = []
+    targets: list[memoryview] = []
+    staged: list[int] = []  # sizes of frames waiting for a staging buffer
+
+    def stage() -> None:
+        if not staged:
+            return
+        buf = pool.take(sum(staged))
+        targets.append(memoryview(buf))
+        at = 0
+        for n in staged:
+            frames.append(buf[at : at + n])
+            at += n
+        staged.clear()
+
+    got = 0
+    for block in blocks:
+        sizes = sample_sizes(block)
+        ends = np.concatenate(([0], np.cumsum(sizes)))
+        bounds = np.concatenate(([0], np.cumsum(np.asarray(block.counts, dtype=np.int64))))
+        if bounds[-1] != len(positions):
+            raise ProtocolError(
+                f"field {block.name!r}: the unit sent {int(bounds[-1])} samples, {len(positions)} were asked"
+            )
+        dest = dests.get(block.name)
+        spec = schema.get(block.name)
+        in_place = (
+            dest is not None and spec is not None and block.spec.layout == "dense"
+            and tuple(block.spec.shape) == tuple(spec.shape) and block.spec.dtype == spec.dtype
+        )
+        row = int(sizes[0]) if len(sizes) else 0
+        for i in range(len(block.counts)):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            n = int(ends[b] - ends[a])
+            got += n
+            pos = positions[a:b]
+            if in_place and b > a and row and pos[-1] - pos[0] == b - a - 1:
+                assert dest is not None
+                stage()
+                view = dest[int(pos[0]) * row : (int(pos[-1]) + 1) * row]
+                frames.append(view)
+                targets.append(memoryview(view))
+            else:
+                staged.append(n)
+    if got != total:
+        raise ProtocolError(f"the unit announced {total} bulk bytes, its blocks describe {got}")
+    stage()
+    return frames, [t for t in targets if t.nbytes]
 
 
 def _jagged(

@@ -158,7 +158,7 @@ class Controller(Writes, Moves):
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
         _check_protocol(msg.protocol, "controller")
         unit_id = next(self._unit_ids)
-        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm)
+        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
         self._units[unit_id] = Unit(info=info, capacity=msg.capacity)
         self._unit_peers[unit_id] = _transport.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _env, _memory, _transport
+from .. import _bulk, _env, _memory, _transport
 from .._layout import nbytes as nbytes_of
 from .._wire import (
     PROTOCOL_VERSION,
@@ -59,6 +59,7 @@ class StorageUnit:
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
         self.data = _Data(self.arena, self._release_soon)
+        self.bulk = _bulk_server(config.bulk, self.address)
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
@@ -86,10 +87,13 @@ class StorageUnit:
                 host=self.host,
                 capacity=self.config.capacity_bytes,
                 shm=self.arena.path if self.arena is not None else "",
+                bulk=self.bulk.address if self.bulk is not None else "",
             )
         )
         self.unit_id = reply.unit_id
         self._server.name = f"storage unit {self.unit_id}"
+        if self.bulk is not None:
+            self.bulk.name = self._server.name
         log.info("storage unit %d serving at %s", self.unit_id, self.address)
 
     async def serve(self) -> None:
@@ -101,6 +105,8 @@ class StorageUnit:
         if self._controller is not None:
             await self._controller.close()
         await self._server.close()
+        if self.bulk is not None:
+            self.bulk.close()
         self.data.partitions.clear()
         if self.arena is not None:
             self.arena.close()
@@ -218,6 +224,10 @@ class StorageUnit:
             hold = next(self._hold_ids)
             timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
             self._holds[hold] = (reply.held, timer)
+        elif msg.bulk and self.bulk is not None:
+            total = sum(nbytes_of(f) for f in reply.frames)
+            if total >= _bulk.MIN_BYTES and self.bulk.send(msg.bulk, reply.frames):
+                return Fetched(blocks=reply.blocks, bulk=total), []
         return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold), reply.frames
 
     def _move(self, ident: bytes, msg: Move, bufs: list[Any]) -> Ok:
@@ -283,3 +293,13 @@ class StorageUnit:
             self.arena.punch()
 
 
+def _bulk_server(enabled: bool, address: str) -> _bulk.BulkServer | None:
+    """The bulk listener, on the interface of the ZeroMQ bind (``tcp://`` binds only)."""
+    if not enabled or not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+    try:
+        return _bulk.BulkServer(host)
+    except OSError as exc:
+        log.warning("no bulk stream listener on %s (%s); fetched payload goes over ZeroMQ", host, exc)
+        return None
