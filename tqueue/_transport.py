@@ -18,6 +18,7 @@ import inspect
 import itertools
 import logging
 import os
+import time
 from typing import Any, Awaitable, Callable, Sequence
 
 import zmq
@@ -180,6 +181,56 @@ class Peer:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self._unavailable(f"connection to {self.name} closed"))
+
+
+class BlockingPeer:
+    """A DEALER connection to one server used from one thread, one request at a time.
+
+    For a blocking client's small control calls: the caller's thread sends and waits on the
+    socket itself, which saves the two thread hand-offs of going through an event loop
+    (about 0.4 ms of a 0.8 ms ``get_meta`` on two cores). Not thread-safe: one per thread.
+    """
+
+    def __init__(self, address: str, *, name: str, unavailable: type[UnavailableError] = UnavailableError) -> None:
+        self.address = address
+        self.name = name
+        self._unavailable = unavailable
+        self.sock = context().socket(zmq.DEALER)
+        _tune(self.sock)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self.closed = False
+
+    def request(self, msg: Message, *, timeout: float) -> Message:
+        """Send ``msg`` and wait up to ``timeout`` seconds for its reply (replies to earlier
+        requests that timed out are skipped); an ``Error`` reply is raised as its class."""
+        if self.closed:
+            raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
+        msg.rid = rid = next(self._ids)
+        self.sock.send_multipart(encode(msg))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                raise self._unavailable(
+                    f"{self.name} at {self.address} did not answer {type(msg).__name__} "
+                    f"within {timeout:.1f} s"
+                )
+            try:
+                reply, _ = decode(self.sock.recv_multipart(copy=False))
+            except TQueueError as exc:
+                log.warning("dropping malformed reply from %s: %s", self.address, exc)
+                continue
+            if reply.rid != rid:
+                continue  # a late answer to a request that timed out
+            if isinstance(reply, Error):
+                raise from_code(reply.code, reply.message)
+            return reply
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close(linger=0)
 
 
 Handler = Callable[[bytes, Any, list[Any]], Any]

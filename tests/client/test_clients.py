@@ -91,3 +91,62 @@ def test_a_refused_put_sends_nothing(client, partition):
         client.put(partition, {"x": torch.zeros(2), "bad": ["ok", {1, 2}]})
     assert partition not in {p.name for p in client.status().partitions}
     assert client.stats.puts == 0 and client.stats.put_bytes == 0
+
+
+def test_sync_get_meta_from_many_threads_on_their_own_connections(client, partition):
+    """The blocking client's get_meta goes out on a connection per calling thread: four
+    threads at once each get a disjoint lease, and an empty wait is a typed timeout."""
+    client.put(partition, {"x": torch.arange(64)})
+    metas: list[list[int]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4, timeout=10)
+
+    def take() -> None:
+        try:
+            start.wait()
+            metas.append(client.get_meta(partition, ["x"], 16, task="t", timeout=10).indexes)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert sorted(i for m in metas for i in m) == list(range(64))
+    assert len(client._direct_peers) == 4
+    with pytest.raises(tqueue.WaitTimeoutError, match=partition):
+        client.get_meta(partition, ["x"], 1, task="t", timeout=0.05)
+
+
+def test_blocking_peer_skips_the_late_answer_to_a_request_it_gave_up_on():
+    """A server that answers request 1 only after request 2 arrived: request 1 times out
+    (typed), request 2 gets its own answer, not the late one."""
+    import zmq
+
+    from tqueue import _transport
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve() -> None:
+        pending = [server.recv_multipart() for _ in range(2)]
+        for ident, *frames in pending:
+            msg, _ = _wire.decode(frames)
+            server.send_multipart([ident, *_wire.encode(_wire.Registered(rid=msg.rid, unit_id=msg.rid * 10))])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    peer = _transport.BlockingPeer(f"tcp://127.0.0.1:{port}", name="controller", unavailable=ControllerUnavailableError)
+    try:
+        with pytest.raises(ControllerUnavailableError, match=r"did not answer Hello within 0.2 s"):
+            peer.request(_wire.Hello(protocol=1), timeout=0.2)
+        reply = peer.request(_wire.Hello(protocol=1), timeout=10)
+        assert isinstance(reply, _wire.Registered) and reply.unit_id == 20
+    finally:
+        thread.join(timeout=10)
+        peer.close()
+        server.close(0)
+        ctx.term()

@@ -472,41 +472,70 @@ class AsyncClient(Lifecycle):
         them with pad rows (index -1; all-zero tensors, ``batch.is_pad``) instead of waiting,
         so that a batch still divides evenly across ranks and micro-batches.
         """
+        msg, limit = self._get_meta_request(
+            partition, fields, batch_size, task=task, timeout=timeout, lease_timeout=lease_timeout,
+            policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
+            max_staleness=max_staleness, pad=pad,
+        )
+        ctl = await self._ctl()
+        reply, _ = await ctl.request(msg, timeout=limit)
+        return self._got_meta(msg, reply)
+
+    def _get_meta_request(
+        self,
+        partition: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        task: str,
+        timeout: float | None,
+        lease_timeout: float | None,
+        policy: str,
+        dp_rank: int | None,
+        dp_size: int | None,
+        round: int | None,
+        max_tokens_per_micro_batch: int | None,
+        balance_by: Sequence[str] | None,
+        max_staleness: int | None,
+        pad: bool,
+    ) -> tuple[GetMeta, float | None]:
+        """The ``GetMeta`` of a ``get_meta`` call and how long to wait for its answer (shared
+        with the blocking client, which sends it from the caller's thread)."""
         wait = _wait(timeout, self.config.get_timeout)
         lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
         if isinstance(fields, str):
             fields = [fields]
-        key = (partition, task, dp_rank, dp_size)
-        seen_uid, next_round = self._round_of.get(key, (0, 0))
+        seen_uid, next_round = self._round_of.get((partition, task, dp_rank, dp_size), (0, 0))
         if dp_size is not None:
             if dp_rank is None:
                 raise InvalidArgumentError("dp_size needs dp_rank")
             if round is None:
                 round = next_round
-        ctl = await self._ctl()
-        reply, _ = await ctl.request(
-            GetMeta(
-                partition=partition,
-                fields=list(fields),
-                batch_size=batch_size,
-                task=task,
-                timeout=None if math.isinf(wait) else wait,
-                lease_timeout=None if math.isinf(lease) else lease,
-                policy=policy,
-                dp_rank=-1 if dp_rank is None else dp_rank,
-                dp_size=dp_size or 0,
-                round=-1 if round is None else round,
-                round_uid=seen_uid,
-                max_tokens_per_micro_batch=max_tokens_per_micro_batch or 0,
-                balance_by=list(balance_by) if balance_by is not None else None,
-                max_staleness=max_staleness,
-                pad=pad,
-            ),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+        msg = GetMeta(
+            partition=partition,
+            fields=list(fields),
+            batch_size=batch_size,
+            task=task,
+            timeout=None if math.isinf(wait) else wait,
+            lease_timeout=None if math.isinf(lease) else lease,
+            policy=policy,
+            dp_rank=-1 if dp_rank is None else dp_rank,
+            dp_size=dp_size or 0,
+            round=-1 if round is None else round,
+            round_uid=seen_uid,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch or 0,
+            balance_by=list(balance_by) if balance_by is not None else None,
+            max_staleness=max_staleness,
+            pad=pad,
         )
+        return msg, None if math.isinf(wait) else wait + self.config.request_timeout
+
+    def _got_meta(self, msg: GetMeta, reply: Any) -> BatchMeta:
         assert isinstance(reply, Meta)
         meta = reply.meta
-        if dp_size is not None:
+        if msg.dp_size:
+            key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size)
             self._round_of[key] = (meta.partition_uid, meta.round + 1)
         return meta
 
