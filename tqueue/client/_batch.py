@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import struct
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import msgspec
@@ -27,6 +28,7 @@ from ._pool import BufferPool
 
 JaggedAs = Literal["list", "padded", "nested"]
 _DECODER = msgspec.msgpack.Decoder()
+_ARRAY32 = struct.Struct(">BI")  # MessagePack array 32 header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,13 +268,46 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
 
 
 def _objects(p: Pieces, size: int) -> list[Any]:
+    """Decode object values: each run of samples that lie back to back in one buffer is
+    read as one MessagePack array (one call, not one per sample)."""
     out: list[Any] = [None] * size
-    for pos, buf, off, n in zip(p.positions.tolist(), p.buffer_of.tolist(), p.offsets.tolist(), p.sizes.tolist()):
+    n = len(p.positions)
+    if n == 0:
+        return out
+    bo, off, sz = p.buffer_of, p.offsets, p.sizes
+    brk = np.flatnonzero((bo[1:] != bo[:-1]) | (off[1:] != off[:-1] + sz[:-1])) + 1
+    bounds = [0, *brk.tolist(), n]
+    pos = p.positions.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        buf = p.buffers[int(bo[a])]
+        start, end = int(off[a]), int(off[b - 1] + sz[b - 1])
         try:
-            out[pos] = _DECODER.decode(p.buffers[buf][off : off + n])
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"object value for batch position {pos} is not valid MessagePack") from exc
+            if b - a == 1:
+                values = [_DECODER.decode(buf[start:end])]
+            else:
+                packed = np.empty(5 + end - start, dtype=np.uint8)
+                packed[:5] = np.frombuffer(_ARRAY32.pack(0xDD, b - a), dtype=np.uint8)
+                packed[5:] = buf[start:end]
+                values = _DECODER.decode(packed)
+        except msgspec.DecodeError:
+            values = None
+        if values is None or len(values) != b - a:
+            values = _one_by_one(p, pos, a, b)
+        for k, v in zip(range(a, b), values):
+            out[pos[k]] = v
     return out
+
+
+def _one_by_one(p: Pieces, pos: list[int], a: int, b: int) -> list[Any]:
+    """Each sample decoded alone, to name the one that is not valid MessagePack."""
+    values = []
+    for k in range(a, b):
+        buf, off, n = p.buffers[int(p.buffer_of[k])], int(p.offsets[k]), int(p.sizes[k])
+        try:
+            values.append(_DECODER.decode(buf[off : off + n]))
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"object value for batch position {pos[k]} is not valid MessagePack") from exc
+    return values
 
 
 def _empty(spec: FieldSpec, shape: tuple[int, ...]) -> Any:
