@@ -12,6 +12,16 @@ from typing import Sequence
 from .config import StorageConfig
 
 
+def _flag(text: str) -> bool:
+    """A boolean option's value: 1/0, true/false, yes/no, on/off (``bool("False")`` is True)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tqueue", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -31,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         if field.name not in ("controller", "bind", "host"):
             s.add_argument(
                 "--" + field.name.replace("_", "-"),
-                type=type(field.default),
+                type=_flag if isinstance(field.default, bool) else type(field.default),
                 default=field.default,
                 help=f"StorageConfig.{field.name} (default {field.default})",
             )

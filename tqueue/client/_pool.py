@@ -9,6 +9,7 @@ to the pool, so steady-state training copies into warm memory.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 import weakref
 
@@ -45,9 +46,13 @@ class BufferPool:
         if buf is None:
             buf = np.empty(-(-nbytes // GRAIN) * GRAIN, dtype=np.uint8)
             self.allocated += 1
-        view = buf[:nbytes]
-        weakref.finalize(view, self._give_back, buf)
-        return view
+        # The buffer returns when the last array over it is collected. numpy points every
+        # slice of an array at the object that exports its memory, skipping arrays between:
+        # so that object must carry the finalizer (a slice of ``buf[:n]`` would not keep
+        # ``buf[:n]`` alive, and the buffer would be reused under it).
+        owner = (ctypes.c_uint8 * nbytes).from_buffer(buf)
+        weakref.finalize(owner, self._give_back, buf)
+        return np.frombuffer(owner, dtype=np.uint8)
 
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:
