@@ -20,6 +20,7 @@ in a worker thread with ``MSG_WAITALL``: one system call per destination.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
@@ -39,8 +40,24 @@ _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 
 
+LOOPBACK_SNDBUF = 256 << 10
+
+
 def _stream_opts(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _writer_opts(sock: socket.socket) -> None:
+    """On loopback, a small send buffer keeps the bytes in flight within the CPU caches:
+    the reader copies them out while they are still there (3.4 against 2.9 GB/s measured
+    here). Between hosts the kernel's autotuning stays, as the window must cover the link."""
+    _stream_opts(sock)
+    try:
+        peer = ipaddress.ip_address(sock.getpeername()[0])
+    except (OSError, ValueError):
+        return
+    if peer.is_loopback:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF)
 
 
 class BulkServer:
@@ -94,7 +111,7 @@ class BulkServer:
                 raise ProtocolError(f"not a tqueue bulk stream hello: {hello[:16]!r}")
             (_, token) = _HELLO.unpack(hello)
             sock.settimeout(None)
-            _stream_opts(sock)
+            _writer_opts(sock)
             writer = _Writer(sock, token, self._forget)
             with self._lock:
                 if self._closed or token in self._streams:

@@ -93,6 +93,8 @@ class ClientConfig:
     twice as fast. Process-wide; 0 leaves malloc's settings alone.
     ``bulk``: receive fetched payload from units that offer a bulk stream straight into the
     batch's tensors (no assembly copy); otherwise it comes in ZeroMQ frames and is copied.
+    ``bulk_lanes``: a big fetch from one unit is split over this many bulk streams at once
+    (one TCP stream on loopback leaves the cores half idle).
     """
 
     request_timeout: float = 30.0
@@ -106,6 +108,7 @@ class ClientConfig:
     shm_min_bytes: int = 1 * MiB
     keep_freed_bytes: int = 4096 * MiB
     bulk: bool = True
+    bulk_lanes: int = 2
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
@@ -120,4 +123,5 @@ class ClientConfig:
             shm=bool(_env.number("TQUEUE_SHM", 1)),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
+            bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),
         )

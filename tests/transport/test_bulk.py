@@ -168,6 +168,7 @@ def connect(bulk_cluster: tqueue.LocalCluster) -> Iterator[Callable[..., tqueue.
     clients: list[tqueue.Client] = []
 
     def make(host: str = HOSTS[0], address: str | None = None, **opts: Any) -> tqueue.Client:
+        opts.setdefault("bulk_lanes", 1)  # one stream per fetch: the counts below rely on it
         config = tqueue.ClientConfig(shm=False, host=host, request_timeout=10, **opts)
         c = tqueue.Client(address or bulk_cluster.address, config=config)
         clients.append(c)
@@ -380,7 +381,7 @@ def test_unit_killed_mid_stream_fails_typed_at_once(streams, partition):
 
 def test_concurrent_fetches_from_one_unit_open_and_reuse_several_streams(bulk_cluster, streams, partition):
     async def main() -> None:
-        config = tqueue.ClientConfig(shm=False, host=HOSTS[0], request_timeout=10)
+        config = tqueue.ClientConfig(shm=False, host=HOSTS[0], request_timeout=10, bulk_lanes=1)
         async with tqueue.AsyncClient(bulk_cluster.address, config=config) as producer, \
                 tqueue.AsyncClient(bulk_cluster.address, config=config) as consumer:
             datas = [payload(16 + 8 * k, seed=20 + k) for k in range(4)]  # 0.6 to 1.6 MiB each
@@ -468,3 +469,25 @@ def test_staged_parts_of_two_units_do_not_share_a_buffer(connect, streams, parti
     got = batch["x"]
     wrong = (got != want[:, None]).any(dim=1)
     assert not bool(wrong.any()), f"{int(wrong.sum())} of {len(meta)} rows hold another unit's data"
+
+
+def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
+    """With ``bulk_lanes=2`` a fetch of one unit's samples above the lane threshold is split
+    over two streams read at once (each half lands in place: no copy); a small one is not."""
+    from tqueue.client._async import LANE_MIN_BYTES
+
+    producer = connect()
+    consumer = connect(bulk_lanes=2)
+    rows = 512
+    data = {"x": torch.randn(rows, 2 * LANE_MIN_BYTES // (4 * rows) + 8), "s": [f"s{i}" for i in range(rows)]}
+    meta = producer.put(partition, data)
+    address = bulk_address(consumer, meta.units[0])
+    before = consumer.stats.copied_bytes
+    got = consumer.get_data(meta)
+    assert torch.equal(got["x"], data["x"]) and got["s"] == data["s"]
+    assert consumer.stats.copied_bytes == before
+    assert streams.opened[address] == 2
+    assert streams.read[address] >= data["x"].nbytes
+    small = consumer.get_data(meta.select(range(8)))
+    assert torch.equal(small["x"], data["x"][:8])
+    assert streams.opened[address] == 2  # no new stream: below the threshold, one lane
