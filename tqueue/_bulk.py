@@ -82,6 +82,26 @@ class BulkServer:
         writer.jobs.put([memoryview(f).cast("B") for f in frames])
         return True
 
+    def read(self, token: int, targets: Sequence[memoryview], timeout: float) -> None:
+        """Fill ``targets`` in order from the stream of ``token`` (a writer's put); blocking,
+        for a worker thread. A stream that fails or is unknown is closed; raises ProtocolError."""
+        with self._lock:
+            writer = self._streams.get(token)
+        if writer is None or writer.dead:
+            raise ProtocolError(f"no bulk stream with token {token} (closed, or never opened)")
+        try:
+            read_into(writer.sock, targets, timeout)
+        except OSError as exc:
+            writer.stop()
+            raise ProtocolError(f"bulk stream {token} broke while a put was read: {exc}") from exc
+
+    def drop(self, token: int) -> None:
+        """Close a stream whose bytes are out of step (a put that was refused unread)."""
+        with self._lock:
+            writer = self._streams.get(token)
+        if writer is not None:
+            writer.stop()
+
     def close(self) -> None:
         self._closed = True
         try:
@@ -190,6 +210,18 @@ def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
             break
 
 
+def read_into(sock: socket.socket, targets: Sequence[memoryview], timeout: float) -> None:
+    """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``."""
+    sock.settimeout(timeout)
+    for t in targets:
+        got, n = 0, t.nbytes
+        while got < n:
+            r = sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
+            if r == 0:
+                raise OSError("the peer closed the stream")
+            got += r
+
+
 class BulkStream:
     """A client's stream to one unit. Blocking; used from worker threads."""
 
@@ -209,18 +241,21 @@ class BulkStream:
 
     def read(self, targets: Sequence[memoryview], timeout: float) -> None:
         """Fill every target in order; StorageUnitUnavailableError if the unit stops sending."""
-        self.sock.settimeout(timeout)
         try:
-            for t in targets:
-                got, n = 0, t.nbytes
-                while got < n:
-                    r = self.sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
-                    if r == 0:
-                        raise OSError("the unit closed the stream")
-                    got += r
+            read_into(self.sock, targets, timeout)
         except OSError as exc:  # socket.timeout is an OSError
             self.close()
             raise StorageUnitUnavailableError(f"bulk stream from {self.address} broke mid-fetch: {exc}") from exc
+
+    def write(self, frames: Sequence[Any], timeout: float) -> None:
+        """Send ``frames`` back to back (a put's lane); StorageUnitUnavailableError if the unit
+        stops reading."""
+        self.sock.settimeout(timeout)
+        try:
+            send_all(self.sock, [memoryview(f).cast("B") for f in frames])
+        except OSError as exc:
+            self.close()
+            raise StorageUnitUnavailableError(f"bulk stream to {self.address} broke mid-put: {exc}") from exc
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)

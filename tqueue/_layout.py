@@ -106,6 +106,31 @@ def sample_sizes(block: FieldBlock) -> np.ndarray:
     return sizes
 
 
+def frame_sizes(block: FieldBlock) -> list[int]:
+    """Bytes of each frame of ``block`` (its samples back to back), from the header alone."""
+    ends = np.concatenate(([0], np.cumsum(sample_sizes(block))))
+    bounds = np.concatenate(([0], np.cumsum(np.asarray(block.counts, dtype=np.int64))))
+    return (ends[bounds[1:]] - ends[bounds[:-1]]).tolist()
+
+
+def split_lanes(sizes: Sequence[int], lanes: int) -> list[int]:
+    """How many of the frames (in order) each of ``lanes`` parallel streams carries, the
+    bytes as even as frame boundaries allow; lanes that would carry nothing are left out."""
+    total = sum(sizes)
+    counts, at, acc = [], 0, 0
+    for i in range(1, lanes + 1):
+        goal = total * i // lanes
+        start = at
+        while at < len(sizes) and (acc + sizes[at] <= goal or at == start or i == lanes):
+            if i < lanes and acc >= goal:
+                break
+            acc += sizes[at]
+            at += 1
+        if at > start:
+            counts.append(at - start)
+    return counts
+
+
 def frame_layout(block: FieldBlock, frames: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check ``frames`` against ``block``; return per-sample (frame index, offset, size)."""
     sizes = sample_sizes(block)

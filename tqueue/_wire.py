@@ -292,6 +292,8 @@ class Store(Message):
 
     With ``shm`` (a writer on the unit's host), each frame is either an arena range
     ``[offset, length]`` inside the ``region`` it allocated, or ``[]``: the next raw frame.
+    With ``bulk``, no frames follow here: lane ``[token, n]`` carries the next ``n`` frames
+    back to back on the writer's bulk stream ``token``, the lanes at once.
     """
 
     KIND = Kind.STORE
@@ -304,6 +306,7 @@ class Store(Message):
     indexes: list[int] | None = None
     region: int = -1
     shm: list[list[int]] | None = None
+    bulk: list[list[int]] | None = None
 
 
 class Stored(Message):

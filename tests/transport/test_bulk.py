@@ -1,11 +1,11 @@
-"""The bulk stream (``tqueue._bulk``): fetched payload over a plain TCP stream, received
-straight into the batch's rows. Real controller and unit processes, real sockets on
-127.0.0.1; every client is ``shm=False`` (the bulk path is only for clients that do not map
-the unit's arena).
+"""The bulk stream (``tqueue._bulk``): payload over plain TCP streams, fetched straight into
+the batch's rows and put into the unit's memory. Real controller and unit processes, real
+sockets on 127.0.0.1; every client is ``shm=False`` (the bulk path is only for clients that
+do not map the unit's arena).
 
 ``streams`` wraps ``tqueue._bulk.BulkStream`` (the client looks it up at call time) to
-count, per unit bulk address, the streams a client opened and the bytes it read on them,
-so that a test knows which path its payload really took."""
+count, per unit bulk address, the streams that carried fetches, the bytes read on them and
+the bytes of puts written, so that a test knows which path its payload really took."""
 
 from __future__ import annotations
 
@@ -29,10 +29,8 @@ from tqueue import _bulk
 
 HOSTS = ("bulk-a", "bulk-b")  # the units' host names: a producer on one puts to its unit
 
-# Units without the bulk listener. ``LocalCluster(storage={"bulk": False})`` does not give
-# that (see test_local_cluster_storage_bulk_false_turns_the_listener_off): the storage-unit
-# CLI parses ``--bulk False`` with ``type=bool``, and the empty string is the only value it
-# reads as False. The test using this checks that the unit really offers no stream.
+# Units without the bulk listener (test_local_cluster_storage_bulk_false_turns_the_listener_off
+# checks that the option reaches the unit's command line as a word and is read right).
 UNITS_WITHOUT_BULK = {"bulk": False}
 
 
@@ -119,12 +117,17 @@ def unit_pid(cluster: tqueue.LocalCluster, address: str) -> int:
 
 
 class StreamLog:
-    """What the wrapped ``BulkStream`` saw, per unit bulk address (threads write it)."""
+    """What the wrapped ``BulkStream`` saw, per unit bulk address (threads write it).
+
+    ``opened`` counts the streams that carried fetches (their first read); ``wrote`` the
+    bytes of puts sent over streams."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.opened: collections.Counter[str] = collections.Counter()
         self.read: collections.Counter[str] = collections.Counter()
+        self.wrote: collections.Counter[str] = collections.Counter()
+        self.readers: set[int] = set()
         # hooks, run in the client's worker thread that opens or reads the stream
         self.after_open: Callable[[Any], None] | None = None
         self.before_read: Callable[[Any], None] | None = None
@@ -140,17 +143,23 @@ def streams(monkeypatch: pytest.MonkeyPatch) -> StreamLog:
             super().__init__(address, timeout)
             if log.after_open is not None:
                 log.after_open(self)
-            with log.lock:
-                log.opened[address] += 1
 
         def read(self, targets: Any, timeout: float) -> None:
             if log.before_read is not None:
                 log.before_read(self)
             super().read(targets, timeout)
             with log.lock:
+                if id(self) not in log.readers:
+                    log.readers.add(id(self))
+                    log.opened[self.address] += 1
                 log.read[self.address] += sum(t.nbytes for t in targets)
             if log.after_read is not None:
                 log.after_read(self)
+
+        def write(self, frames: Any, timeout: float) -> None:
+            super().write(frames, timeout)
+            with log.lock:
+                log.wrote[self.address] += sum(memoryview(f).nbytes for f in frames)
 
     monkeypatch.setattr(_bulk, "BulkStream", Counting)
     return log
@@ -491,3 +500,71 @@ def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
     small = consumer.get_data(meta.select(range(8)))
     assert torch.equal(small["x"], data["x"][:8])
     assert streams.opened[address] == 2  # no new stream: below the threshold, one lane
+
+
+
+# --- puts over the bulk stream -------------------------------------------------------------
+
+
+def test_a_put_over_bulk_lanes_is_exact_and_visible_once_acknowledged(connect, streams, partition):
+    """A big put goes over two lanes into the unit; a small one over one; both read back
+    exact (inline and over the bulk stream)."""
+    from tqueue.client._async import LANE_MIN_BYTES
+
+    producer = connect(bulk_lanes=2)
+    width = LANE_MIN_BYTES // (8 * 256) + 16
+    big = payload(512, seed=11, ids=width)
+    small = payload(64, seed=12, ids=width)
+    meta_big = producer.put(partition, big)
+    address = bulk_address(producer, meta_big.units[0])
+    assert streams.wrote[address] >= dense_nbytes(big)
+    assert idle_streams(producer, meta_big.units[0]) == 2  # two lanes, back in the pool
+    meta_small = producer.put(partition, small)
+    assert idle_streams(producer, meta_small.units[0]) == 2  # one of them reused
+    consumer = connect()
+    same(consumer.get_data(meta_big), big)
+    same(consumer.get_data(meta_small), small)
+    same(connect(bulk=False).get_data(meta_small), small)
+
+
+def test_a_put_whose_stream_breaks_midway_is_refused_and_leaves_nothing(connect, streams, partition, monkeypatch):
+    """A writer that stops halfway through a lane (as a producer that dies would): the unit
+    refuses the put without storing a byte, says why (the typed error the put raises), and
+    keeps serving."""
+    producer = connect(bulk_lanes=1)
+    data = payload(128, seed=21)
+    real_write = _bulk.BulkStream.write
+
+    def half_then_close(self: Any, frames: Any, timeout: float) -> None:
+        half = frames[: max(1, len(frames) // 2)]
+        real_write(self, half, timeout)
+        self.close()
+        raise tqueue.StorageUnitUnavailableError("the test's writer stopped halfway")
+
+    monkeypatch.setattr(_bulk.BulkStream, "write", half_then_close)
+    with pytest.raises(tqueue.ProtocolError, match=r"bulk stream \d+ broke while a put was read"):
+        producer.put(partition, data)
+    monkeypatch.undo()
+    good = payload(16, seed=22)
+    meta = connect().put(partition, good)
+    consumer = connect()
+    got = consumer.get_meta(partition, list(ALL), 16, task="t", timeout=10)
+    assert sorted(got.indexes) == sorted(meta.indexes)
+    same(consumer.get_data(got), good)
+    with pytest.raises(tqueue.WaitTimeoutError):
+        consumer.get_meta(partition, list(ALL), 1, task="t", timeout=0.2)
+
+
+def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, partition, monkeypatch):
+    """The unit refuses a Store whose lanes do not add up (typed ProtocolError, named); the
+    client drops those streams, whose bytes are out of step, and the next put is exact."""
+    import tqueue.client._async as client_mod
+
+    producer = connect(bulk_lanes=1)
+    data = payload(64, seed=31)
+    monkeypatch.setattr(client_mod, "split_lanes", lambda sizes, lanes: [len(sizes) - 1])
+    with pytest.raises(tqueue.ProtocolError, match="lanes carry"):
+        producer.put(partition, data)
+    monkeypatch.undo()
+    meta = producer.put(partition, data)
+    same(connect().get_data(meta), data)

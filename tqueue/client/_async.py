@@ -48,7 +48,7 @@ from ..errors import (
     UnavailableError,
     UnknownFieldError,
 )
-from .._layout import itemsize, nbytes
+from .._layout import itemsize, nbytes, split_lanes
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, sample_count
 from ._args import _groups, _versions, _wait
@@ -59,6 +59,7 @@ from ._shm import ArenaMap, aligned, open_arena
 log = logging.getLogger(__name__)
 
 LANE_MIN_BYTES = 4 << 20  # a fetch is split over parallel bulk streams only above this per stream
+LANE_GRACE = 2.0  # seconds to wait for a unit's reason after it closed a put's stream
 
 
 @dataclasses.dataclass
@@ -344,7 +345,7 @@ class AsyncClient(Lifecycle):
             blocks=enc.blocks,
             indexes=indexes,
         )
-        buffers: Sequence[Any] = enc.buffers
+        buffers: Sequence[Any] | None = enc.buffers
         copied = enc.copied
         arena = self._arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
         if arena is not None:
@@ -353,10 +354,57 @@ class AsyncClient(Lifecycle):
                 store.blocks, store.shm, store.region = placed
                 buffers = ()
                 copied += enc.nbytes
-        await peer.request(store, buffers)
+        elif enc.nbytes >= _bulk.MIN_BYTES and self._bulk_to(unit.unit_id):
+            if await self._store_bulk(unit.unit_id, peer, store, enc):
+                buffers = None
+        if buffers is not None:
+            await peer.request(store, buffers)
         self.stats.puts += 1
         self.stats.put_bytes += enc.nbytes
         self.stats.copied_bytes += copied
+
+    async def _store_bulk(self, unit_id: int, peer: _transport.Peer, store: Store, enc: Encoded) -> bool:
+        """Send a put's frames over bulk streams (two lanes at once when big) while the
+        ``Store`` goes on ZeroMQ; False if no stream could be opened (send inline instead)."""
+        want = self.config.bulk_lanes if enc.nbytes >= LANE_MIN_BYTES * self.config.bulk_lanes else 1
+        counts = split_lanes([nbytes(b) for b in enc.buffers], max(1, want))
+        streams: list[_bulk.BulkStream] = []
+        for _ in counts:
+            st = await self._stream(unit_id)
+            if st is None:
+                break
+            streams.append(st)
+        if len(streams) < len(counts):
+            self._streams.setdefault(unit_id, []).extend(streams)
+            return False
+        store.bulk = [[st.token, n] for st, n in zip(streams, counts)]
+        limit = self.config.request_timeout
+        reply = asyncio.ensure_future(peer.request(store))
+        writes, at = [], 0
+        for st, n in zip(streams, counts):
+            writes.append(asyncio.ensure_future(asyncio.to_thread(st.write, enc.buffers[at : at + n], limit)))
+            at += n
+        try:
+            await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
+            broken = next((w for w in writes if w.done() and w.exception() is not None), None)
+            if broken is not None and not reply.done():
+                # a unit that refuses a put closes its streams, then says why: wait for that
+                await asyncio.wait([reply], timeout=LANE_GRACE)
+            if reply.done():
+                reply.result()  # the unit's error, if it refused
+            if broken is not None:
+                broken.result()
+            await asyncio.gather(reply, *writes)
+        except BaseException:
+            for st in streams:  # the unit may have left bytes unread: never reuse these
+                st.close()
+            for task in (reply, *writes):
+                if not task.done():
+                    task.cancel()
+                task.add_done_callback(_consume)
+            raise
+        self._streams.setdefault(unit_id, []).extend(streams)
+        return True
 
     async def _into_arena(
         self, peer: _transport.Peer, arena: ArenaMap, enc: Encoded
@@ -784,6 +832,12 @@ class AsyncClient(Lifecycle):
                 lease=meta.lease,
             )
         )
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished task's outcome (already reported another way)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _check_hello(reply: Any, server: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _bulk, _env, _memory, _transport
+from .._layout import frame_sizes
 from .._layout import nbytes as nbytes_of
 from .._wire import (
     PROTOCOL_VERSION,
@@ -43,6 +44,7 @@ from ._store import Store as _Data
 log = logging.getLogger(__name__)
 
 ALLOC_TIMEOUT = 120.0  # an arena range not stored within this long goes back to the pool
+BULK_READ_TIMEOUT = 60.0  # a writer whose bulk stream stalls this long has its put refused
 
 
 class StorageUnit:
@@ -128,6 +130,8 @@ class StorageUnit:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
             if len(indexes) != msg.count:
                 raise ProtocolError(f"Store lists {len(indexes)} indexes for {msg.count} samples")
+        if msg.bulk is not None:
+            raw = await self._read_bulk(msg, raw)
         region = self._take_alloc(msg.region) if msg.region >= 0 else None
         try:
             frames, where = self._frames(msg, raw, region)
@@ -157,6 +161,33 @@ class StorageUnit:
                 assert self.arena is not None
                 self.arena.decref(region)  # the allocation's own reference
         return Stored(nbytes=nbytes)
+
+    async def _read_bulk(self, msg: Store, raw: list[Any]) -> list[Any]:
+        """Receive a put's frames from the writer's bulk streams, the lanes at once, into
+        fresh heap buffers (warm: freed payload stays mapped)."""
+        assert msg.bulk is not None
+        tokens = [lane[0] for lane in msg.bulk if len(lane) == 2]
+        try:
+            if self.bulk is None:
+                raise ProtocolError("a Store over bulk streams to a unit without a bulk listener")
+            if raw or msg.shm is not None or len(tokens) != len(msg.bulk):
+                raise ProtocolError("a Store over bulk streams lists [token, frames] lanes and nothing else")
+            sizes = [n for block in msg.blocks for n in frame_sizes(block)]
+            if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
+                raise ProtocolError(f"the Store's lanes carry {sum(lane[1] for lane in msg.bulk)} frames, its blocks {len(sizes)}")
+            frames = [np.empty(n, dtype=np.uint8) for n in sizes]
+            jobs, at = [], 0
+            for token, n in msg.bulk:
+                views = [memoryview(f) for f in frames[at : at + n] if f.nbytes]
+                jobs.append(asyncio.to_thread(self.bulk.read, token, views, BULK_READ_TIMEOUT))
+                at += n
+            await asyncio.gather(*jobs)
+        except BaseException:
+            for token in tokens:  # bytes may be left unread: those streams are out of step
+                if self.bulk is not None:
+                    self.bulk.drop(token)
+            raise
+        return frames
 
     def _frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:
         """The write's frames in block order, raw ones and arena ranges interleaved."""
