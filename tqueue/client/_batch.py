@@ -225,12 +225,35 @@ def assemble_field(
 
 
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
+    """A field's pieces across the parts. For a dense field only frames and positions (what
+    :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise."""
     positions, buffers, buffer_of, offsets, sizes, shapes, counts = [], [], [], [], [], [], []
     seen = 0
+    dense_only = spec.kind != "object" and spec.layout == "dense"
+    row = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec) if dense_only else 0
     for part in parts:
         block, frames = part.blocks[field]
         if block.spec.kind != spec.kind or block.spec.dtype != spec.dtype:
             raise ProtocolError(f"field {field!r}: a unit sent {block.spec}, the meta says {spec}")
+        if dense_only and block.spec.layout == "dense" and tuple(block.spec.shape) == tuple(spec.shape):
+            # a dense field is copied (or viewed) frame by frame: no per-sample layout needed
+            # (a block kept jagged, of samples that all have the field's shape, takes the
+            # general path below; _dense reads the same buffers, counts and positions)
+            for i, (frame, c) in enumerate(zip(frames, block.counts)):
+                buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+                if buf.nbytes != c * row:
+                    raise ProtocolError(
+                        f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {c * row}"
+                    )
+                buffers.append(buf)
+                counts.append((seen, c))
+                seen += c
+            if len(frames) != len(block.counts):
+                raise ProtocolError(
+                    f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
+                )
+            positions.append(part.positions)
+            continue
         frame_of, offs, szs = frame_layout(block, frames)
         base = len(buffers)
         at = seen
@@ -293,6 +316,10 @@ def _objects(p: Pieces, size: int) -> list[Any]:
             values = None
         if values is None or len(values) != b - a:
             values = _one_by_one(p, pos, a, b)
+        if pos[b - 1] - pos[a] == b - a - 1 and (b - a < 3 or pos[a + 1] == pos[a] + 1):
+            if p.positions[b - 1] - p.positions[a] == b - a - 1 and np.all(np.diff(p.positions[a:b]) == 1):
+                out[pos[a] : pos[a] + b - a] = values
+                continue
         for k, v in zip(range(a, b), values):
             out[pos[k]] = v
     return out
