@@ -332,10 +332,12 @@ class Store:
         size = np.empty(n, dtype=np.int64)
         sources: list[tuple[Piece, int]] = []
         layouts = set()
-        unique = np.unique(pids).tolist()
+        first = int(pids[0])
+        single = bool((pids == first).all())  # the common case: one write holds them all
+        unique = [first] if single else np.flatnonzero(np.bincount(pids)).tolist()
         for pid in unique:
             piece = col.pieces[pid]
-            sel = pids == pid
+            sel = slice(None) if single else pids == pid
             r = rows[sel]
             key[sel] = piece.frame_of[r] + len(sources)
             start[sel] = piece.offsets[r]
@@ -353,7 +355,7 @@ class Store:
             shapes = np.empty((n, ndim), dtype=np.int64)
             for pid in unique:
                 piece = col.pieces[pid]
-                sel = pids == pid
+                sel = slice(None) if single else pids == pid
                 shapes[sel] = piece.shapes[rows[sel]] if piece.shapes is not None else piece.spec.shape
             block.spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="jagged", ndim=ndim)
             block.shapes = shapes.reshape(-1).tolist()
