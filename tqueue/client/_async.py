@@ -687,12 +687,18 @@ class AsyncClient(Lifecycle):
         bulk = any(self._bulk_to(u) for u in positions)
         dests = dense_dests(meta, fields, self._pool) if bulk else {}
         jobs = [(u, lane) for u, p in positions.items() for lane in self._lanes(meta, fields, u, p)]
-        parts = list(await asyncio.gather(*(self._fetch_part(meta, u, p, fields, dests) for u, p in jobs)))
+        indexes = np.asarray(meta.indexes, dtype=np.int64)
+        pads = np.flatnonzero(indexes < 0)
+        parts = list(
+            await asyncio.gather(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
+        )
         received = sum(nbytes(f) for part in parts for _, frames in part.blocks.values() for f in frames)
         copied = 0
         with paused_gc():
             for field in fields:
-                values[field], lens, n = assemble_field(meta, field, parts, options, self._pool, dests.get(field))
+                values[field], lens, n = assemble_field(
+                    meta, field, parts, options, self._pool, dests.get(field), pads
+                )
                 copied += n
                 if lens is not None:
                     lengths[field] = lens
@@ -702,12 +708,18 @@ class AsyncClient(Lifecycle):
         return Batch(meta, {f: values[f] for f in fields}, lengths)
 
     async def _fetch_part(
-        self, meta: BatchMeta, unit_id: int, pos: np.ndarray, fields: list[str], dests: dict[str, np.ndarray]
+        self,
+        meta: BatchMeta,
+        unit_id: int,
+        pos: np.ndarray,
+        idx: list[int],
+        fields: list[str],
+        dests: dict[str, np.ndarray],
     ) -> Part:
+        """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit."""
         peer = await self._unit(unit_id)
         arena = self._arena(self._units[unit_id])
         stream = await self._stream(unit_id) if self._bulk_to(unit_id) else None
-        idx = np.asarray(meta.indexes, dtype=np.int64)[pos].tolist()
         try:
             reply, frames = await peer.request(
                 Fetch(

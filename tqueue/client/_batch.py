@@ -205,23 +205,33 @@ def assemble_field(
     options: Options,
     pool: BufferPool,
     dest: np.ndarray | None = None,
+    pads: np.ndarray | None = None,
 ) -> tuple[Any, torch.Tensor | None, int]:
     """One field's value for the batch, its per-sample lengths (jagged), bytes copied.
 
-    ``dest``: the dense field's batch buffer, where some frames may already lie in place."""
+    ``dest``: the dense field's batch buffer, where some frames may already lie in place.
+    ``pads``: the batch positions of pad rows (computed from the meta when not given)."""
     options.check()
     size = len(meta.indexes)
     spec = meta.schema[field]
     pieces = _gather(field, spec, parts)
     if spec.kind == "object":
         return _objects(pieces, size), None, 0
-    pads = np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0) if size else np.zeros(0, np.int64)
+    if pads is None:
+        pads = pad_rows(meta)
     if spec.layout == "dense":
         value, n = _dense(pieces, size, pool, dest)
         if len(pads):
             value[torch.from_numpy(pads) if isinstance(value, torch.Tensor) else pads] = 0
         return value, None, n
     return _jagged(field, pieces, size, options, pool, pads)
+
+
+def pad_rows(meta: BatchMeta) -> np.ndarray:
+    """Batch positions of the pad rows of ``meta`` (index -1)."""
+    if not meta.indexes:
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0)
 
 
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
