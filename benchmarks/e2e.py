@@ -2,7 +2,7 @@
 
     python benchmarks/e2e.py [--quick] [--sizes 256,1024] [--scenarios 1to1,1to4]
                              [--systems tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
-                             [--repeats 5] [--warmup 1] [--out bench-results]
+                             [--repeats 5] [--warmup 3] [--out bench-results]
 
 (also ``tqueue bench`` from a source checkout). Peers that are not installed are skipped
 with a line saying so; ``bash benchmarks/install_peers.sh`` installs them. Every figure is
@@ -247,7 +247,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--systems", default="tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=3, help="unrecorded rounds first (warm caches, pools and page tables for every system)")
     p.add_argument("--max-size", default="", help="per-system size cap, e.g. transferqueue=4096")
     p.add_argument("--out", default="bench-results")
     args = p.parse_args(argv)

@@ -1,21 +1,21 @@
-"""The bulk channel: fetched payload over a plain TCP stream, straight into the batch.
+"""Bulk streams: payload over plain TCP streams beside the ZeroMQ sockets.
 
 ZeroMQ hands every received frame over in a buffer it allocated, so a consumer that gets
 a field in 1 MiB frames must copy each one into the batch tensor (about 35 ms for 136 MB
-here: as long as half the fetch itself). Over a plain stream socket the consumer chooses
+here: as long as half the fetch itself). Over a plain stream socket the receiver chooses
 where the bytes land: ``recv_into`` the rows of the batch tensor they belong to, leaving no
 assembly copy.
 
-The control stays on ZeroMQ. A client opens one stream per unit (more when it fetches from
-one unit concurrently), says which token it is, and waits for the unit's ``OK``. A ``Fetch``
-names the token; the unit answers on ZeroMQ with the blocks (the sizes of every frame) and
-``bulk`` = the bytes that follow, then writes the frames on that client's stream in order.
-A stream carries one fetch at a time; a client that gives up on a fetch closes its stream,
-so bytes are never read out of step. A unit that cannot write (the client went away) closes
-the stream and drops what it held.
+The control stays on ZeroMQ. A client opens streams to a unit (more when it moves bytes to or
+from one unit concurrently, or over parallel lanes), says which token each is, and waits for
+the unit's ``K``. A ``Fetch`` names a token; the unit answers on ZeroMQ with the blocks (the
+sizes of every frame) and ``bulk`` = the bytes that follow, then writes the frames on that
+stream in order. A ``Store`` names lanes ``[token, frames]``; the client writes the frames on
+them while the unit reads. A stream carries one operation at a time; whoever gives up on one
+mid-way closes the stream, so bytes are never read out of step.
 
-Each stream has a writer thread on the unit (sends release the GIL), and the client reads
-in a worker thread with ``MSG_WAITALL``: one system call per destination.
+Each stream has a writer thread on the unit (sends release the GIL); reads, on both sides,
+run in worker threads with ``MSG_WAITALL``: one system call per destination.
 """
 
 from __future__ import annotations

@@ -76,9 +76,10 @@ class TQueueSystem:
         self.transport = transport
         self.units = units
         self.copies = (
-            "put: dense tensors 0 user-space copies (frames are views of the tensor), small "
-            "jagged samples and objects packed once; kernel: 1 copy each way; unit: 0 (keeps "
-            "received frames, answers with slices); get: 1 copy into a pooled batch buffer"
+            "put: dense tensors 0 user-space copies (frames are views of the tensor, sent on "
+            "bulk streams), small jagged samples and objects packed once; kernel: 1 copy each "
+            "way; unit: 0 (receives into buffers it keeps, answers with slices); get: 0 for "
+            "dense fields (received into the batch's rows), objects decoded from staging"
             if transport == "tcp"
             else "put: 1 copy into the unit's shared-memory arena; no socket; get: 0 copies "
             "when a field's samples lie in one range in order (views under a hold), else 1 "
