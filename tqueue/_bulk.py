@@ -20,6 +20,8 @@ run in worker threads with ``MSG_WAITALL``: one system call per destination.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import os
@@ -27,20 +29,41 @@ import queue
 import socket
 import struct
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from .errors import ProtocolError, StorageUnitUnavailableError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _HELLO = struct.Struct("<4sQ")  # magic, token
 _MAGIC = b"TQB1"
 _OK = b"K"
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
+WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stream is dropped
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 
 
 LOOPBACK_SNDBUF = 256 << 10
+
+
+_EXECUTOR: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_EXECUTOR_LOCK = threading.Lock()
+IO_THREADS = 32
+
+
+def run_blocking(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run a blocking stream operation in this process's bulk I/O threads.
+
+    Not asyncio's default executor (a handful of threads): a read that waits for its writer
+    must never queue behind reads whose writers wait in turn, so there are threads enough for
+    every stream that can be busy at once."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None or _EXECUTOR[0] != os.getpid():
+            _EXECUTOR = (os.getpid(), concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="tqueue-bulk-io"))
+        pool = _EXECUTOR[1]
+    return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
 def _stream_opts(sock: socket.socket) -> None:
@@ -130,7 +153,7 @@ class BulkServer:
             if len(hello) != _HELLO.size or hello[:4] != _MAGIC:
                 raise ProtocolError(f"not a tqueue bulk stream hello: {hello[:16]!r}")
             (_, token) = _HELLO.unpack(hello)
-            sock.settimeout(None)
+            stall_limit(sock, WRITE_STALL)  # a reader that stops reading frees the writer
             _writer_opts(sock)
             writer = _Writer(sock, token, self._forget)
             with self._lock:
@@ -210,9 +233,22 @@ def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
             break
 
 
+def stall_limit(sock: socket.socket, timeout: float) -> None:
+    """Fail a send or receive that makes no progress for ``timeout`` seconds.
+
+    Kernel timeouts (``SO_RCVTIMEO`` / ``SO_SNDTIMEO``) on a blocking socket, not Python's
+    ``settimeout``: that one makes the socket non-blocking underneath, so ``MSG_WAITALL`` no
+    longer waits and a large receive turns into one poll and one call per few hundred KiB."""
+    sock.settimeout(None)
+    sec = max(0.0, timeout)
+    tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def read_into(sock: socket.socket, targets: Sequence[memoryview], timeout: float) -> None:
     """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``."""
-    sock.settimeout(timeout)
+    stall_limit(sock, timeout)
     for t in targets:
         got, n = 0, t.nbytes
         while got < n:
@@ -250,7 +286,7 @@ class BulkStream:
     def write(self, frames: Sequence[Any], timeout: float) -> None:
         """Send ``frames`` back to back (a put's lane); StorageUnitUnavailableError if the unit
         stops reading."""
-        self.sock.settimeout(timeout)
+        stall_limit(self.sock, timeout)
         try:
             send_all(self.sock, [memoryview(f).cast("B") for f in frames])
         except OSError as exc:

@@ -382,7 +382,7 @@ class AsyncClient(Lifecycle):
         reply = asyncio.ensure_future(peer.request(store))
         writes, at = [], 0
         for st, n in zip(streams, counts):
-            writes.append(asyncio.ensure_future(asyncio.to_thread(st.write, enc.buffers[at : at + n], limit)))
+            writes.append(asyncio.ensure_future(_bulk.run_blocking(st.write, enc.buffers[at : at + n], limit)))
             at += n
         try:
             await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
@@ -736,7 +736,7 @@ class AsyncClient(Lifecycle):
                 if stream is None or frames:
                     raise ProtocolError("a bulk reply to a fetch that asked for none, or with inline frames")
                 frames, targets = bulk_targets(pos, reply.blocks, meta.schema, dests, reply.bulk, self._pool)
-                await asyncio.to_thread(stream.read, targets, self.config.request_timeout)
+                await _bulk.run_blocking(stream.read, targets, self.config.request_timeout)
         except BaseException:
             if stream is not None:
                 stream.close()  # bytes may be in flight: never read this stream again
@@ -786,7 +786,7 @@ class AsyncClient(Lifecycle):
             return idle.pop()
         info = self._units[unit_id]
         try:
-            return await asyncio.to_thread(_bulk.BulkStream, info.bulk, self.config.request_timeout)
+            return await _bulk.run_blocking(_bulk.BulkStream, info.bulk, self.config.request_timeout)
         except UnavailableError as exc:
             log.warning("%s; payload from unit %d comes over ZeroMQ instead", exc, unit_id)
             self._no_bulk.add(unit_id)

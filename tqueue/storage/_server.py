@@ -179,7 +179,7 @@ class StorageUnit:
             jobs, at = [], 0
             for token, n in msg.bulk:
                 views = [memoryview(f) for f in frames[at : at + n] if f.nbytes]
-                jobs.append(asyncio.to_thread(self.bulk.read, token, views, BULK_READ_TIMEOUT))
+                jobs.append(_bulk.run_blocking(self.bulk.read, token, views, BULK_READ_TIMEOUT))
                 at += n
             await asyncio.gather(*jobs)
         except BaseException:
