@@ -42,8 +42,6 @@ _OK = b"K"
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stream is dropped
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
-
-
 LOOPBACK_SNDBUF = 256 << 10
 
 
@@ -240,8 +238,8 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
     ``settimeout``: that one makes the socket non-blocking underneath, so ``MSG_WAITALL`` no
     longer waits and a large receive turns into one poll and one call per few hundred KiB."""
     sock.settimeout(None)
-    sec = max(0.0, timeout)
-    tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    sec = timeout if 0 < timeout < 1e9 else 0.0  # 0: no limit (an infinite timeout)
+    tv = struct.pack("ll", int(sec), max(1 if sec else 0, int((sec - int(sec)) * 1e6)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
