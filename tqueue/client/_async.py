@@ -53,7 +53,7 @@ from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets
 from ._encode import Encoded, encode, sample_count
 from ._args import _groups, _versions, _wait
 from ._lifecycle import Lifecycle
-from ._pool import BufferPool
+from .._pool import BufferPool
 from ._shm import ArenaMap, aligned, open_arena
 
 log = logging.getLogger(__name__)

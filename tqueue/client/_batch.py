@@ -24,7 +24,7 @@ from .._layout import frame_layout, itemsize, numpy_dtype, sample_sizes
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
-from ._pool import BufferPool
+from .._pool import BufferPool
 
 JaggedAs = Literal["list", "padded", "nested"]
 _DECODER = msgspec.msgpack.Decoder()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import _bulk, _env, _memory, _transport
+from .._pool import BufferPool
 from .._layout import frame_sizes
 from .._layout import nbytes as nbytes_of
 from .._wire import (
@@ -62,6 +63,9 @@ class StorageUnit:
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
         self.data = _Data(self.arena, self._release_soon)
         self.bulk = _bulk_server(config.bulk, self.address)
+        # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
+        # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
+        self._buffers = BufferPool(config.retain_bytes)
         self.unit_id = -1
         self._controller: _transport.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
@@ -175,7 +179,7 @@ class StorageUnit:
             sizes = [n for block in msg.blocks for n in frame_sizes(block)]
             if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
                 raise ProtocolError(f"the Store's lanes carry {sum(lane[1] for lane in msg.bulk)} frames, its blocks {len(sizes)}")
-            frames = [np.empty(n, dtype=np.uint8) for n in sizes]
+            frames = [self._buffers.take(n) for n in sizes]
             jobs, at = [], 0
             for token, n in msg.bulk:
                 views = [memoryview(f) for f in frames[at : at + n] if f.nbytes]
@@ -300,7 +304,8 @@ class StorageUnit:
             freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
         if freed:
             # what is free but still mapped: the heap's free bytes and the arena's
-            idle = _memory.heap_free() + (self.arena.free_touched if self.arena is not None else 0)
+            idle = _memory.heap_free() + self._buffers.idle_bytes
+            idle += self.arena.free_touched if self.arena is not None else 0
             if idle > self.config.retain_bytes or not self.config.retain_bytes:
                 self._trim_now()
             else:
@@ -319,6 +324,7 @@ class StorageUnit:
         if self._trim is not None:
             self._trim.cancel()
             self._trim = None
+        self._buffers.clear()
         _memory.trim()
         if self.arena is not None:
             self.arena.punch()
