@@ -239,7 +239,7 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
     longer waits and a large receive turns into one poll and one call per few hundred KiB."""
     sock.settimeout(None)
     sec = timeout if 0 < timeout < 1e9 else 0.0  # 0: no limit (an infinite timeout)
-    tv = struct.pack("ll", int(sec), max(1 if sec else 0, int((sec - int(sec)) * 1e6)))
+    tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 

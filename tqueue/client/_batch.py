@@ -327,10 +327,9 @@ def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:
             values = None
         if values is None or len(values) != b - a:
             values = _one_by_one(p, pos, a, b)
-        if pos[b - 1] - pos[a] == b - a - 1 and (b - a < 3 or pos[a + 1] == pos[a] + 1):
-            if p.positions[b - 1] - p.positions[a] == b - a - 1 and np.all(np.diff(p.positions[a:b]) == 1):
-                out[pos[a] : pos[a] + b - a] = values
-                continue
+        if np.all(np.diff(p.positions[a:b]) == 1):  # consecutive batch positions: one slice
+            out[pos[a] : pos[a] + b - a] = values
+            continue
         for k, v in zip(range(a, b), values):
             out[pos[k]] = v
     return out
