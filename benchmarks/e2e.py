@@ -2,11 +2,12 @@
 
     python benchmarks/e2e.py [--quick] [--sizes 256,1024] [--scenarios 1to1,1to4]
                              [--systems tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
-                             [--repeats 5] [--warmup 3] [--out bench-results]
+                             [--repeats 5] [--warmup 3] [--rounds 2] [--out bench-results]
 
 (also ``tqueue bench`` from a source checkout). Peers that are not installed are skipped
 with a line saying so; ``bash benchmarks/install_peers.sh`` installs them. Every figure is
-the median of ``--repeats`` runs after ``--warmup`` unrecorded ones, with min and max.
+the median of ``--repeats`` runs, with min and max, spread over ``--rounds`` rounds that take the
+systems in turn; each round starts every system afresh and runs ``--warmup`` unrecorded first.
 Writes ``results.md``, ``results.json`` and ``throughput.png`` to ``--out``.
 """
 
@@ -63,7 +64,7 @@ def too_big(scenario: str, size: int) -> str | None:
     if need > 0.8 * have:
         return f"{scenario} at {size} samples skipped: needs about {need / 1e9:.0f} GB, {have / 1e9:.0f} GB available"
     return None
-QUICK = {"sizes": [256], "scenarios": ["1to1", "1to4"], "repeats": 2, "warmup": 1}
+QUICK = {"sizes": [256], "scenarios": ["1to1", "1to4"], "repeats": 2, "warmup": 1, "rounds": 1}
 
 
 def make_system(name: str) -> tuple[Any | None, str | None]:
@@ -76,55 +77,85 @@ def make_system(name: str) -> tuple[Any | None, str | None]:
     return (None, f"{name}: skipped, {reason}") if reason else (system, None)
 
 
+def run_cell(args: argparse.Namespace, system: Any, name: str, scenario: str, size: int, repeats: int,
+             notes: list[str], *, first: bool) -> list[Result] | None:
+    """Warm-up then ``repeats`` recorded runs of one scenario and size; None if skipped or failed
+    (said once in ``notes``; a system that failed is restarted)."""
+    if size > args.max_size.get(name, 1 << 30):
+        if first:
+            notes.append(f"{name}: {scenario} at {size} samples skipped (over --max-size)")
+        return None
+    reason = too_big(scenario, size)
+    if reason:
+        if reason not in notes:
+            notes.append(reason)
+            print(reason, flush=True)
+        return None
+    sc = SCENARIOS[scenario]
+    try:
+        for _ in range(args.warmup):
+            system.run(sc, size)
+        runs = []
+        for _ in range(repeats):
+            r = system.run(sc, size)
+            r.system = name  # one class may serve several names
+            runs.append(r)
+    except Exception as exc:  # noted in the output; the system is restarted
+        note = f"{name}: {scenario} at {size} samples failed: {type(exc).__name__}: {str(exc)[:200]}"
+        notes.append(note)
+        print(note, flush=True)
+        system.stop()
+        system.start()
+        return None
+    return runs
+
+
+def round_shares(repeats: int, rounds: int) -> list[int]:
+    """Recorded repeats per round: ``repeats`` spread as evenly as they go."""
+    rounds = max(1, min(rounds, repeats))
+    return [repeats // rounds + (1 if i < repeats % rounds else 0) for i in range(rounds)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system over every scenario and size, in rounds.
+
+    One round starts each system in turn, runs ``--warmup`` unrecorded and its share of the
+    recorded repeats per scenario and size, and stops it. Several rounds, with the systems'
+    order reversed every other one, spread each system's figures over the run's whole span,
+    so a slow spell of a shared machine does not land on one system alone."""
     results: list[Result] = []
     notes: list[str] = []
     copies: dict[str, str] = {}
     started = time.time()
+    systems: dict[str, Any] = {}
     for name in args.systems:
         system, note = make_system(name)
         if system is None:
             print(note, flush=True)
             notes.append(str(note))
             continue
+        systems[name] = system
         copies[name] = system.copies
-        print(f"{name}: starting", flush=True)
-        system.start()
-        try:
-            for scenario in args.scenarios:
-                for size in args.sizes:
-                    if size > args.max_size.get(name, 1 << 30):
-                        notes.append(f"{name}: {scenario} at {size} samples skipped (over --max-size)")
-                        continue
-                    reason = too_big(scenario, size)
-                    if reason:
-                        if reason not in notes:
-                            notes.append(reason)
-                            print(reason, flush=True)
-                        continue
-                    sc = SCENARIOS[scenario]
-                    try:
-                        for _ in range(args.warmup):
-                            system.run(sc, size)
-                        runs = []
-                        for _ in range(args.repeats):
-                            r = system.run(sc, size)
-                            r.system = name  # one class may serve several names
-                            runs.append(r)
-                    except Exception as exc:  # noted in the output; the system is restarted
-                        note = f"{name}: {scenario} at {size} samples failed: {type(exc).__name__}: {str(exc)[:200]}"
-                        notes.append(note)
-                        print(note, flush=True)
-                        system.stop()
-                        system.start()
-                        continue
-                    results.extend(runs)
-                    med = statistics.median(r.gbps for r in runs)
-                    print(f"  {scenario:7s} {size:6d} samples  {med:6.2f} GB/s", flush=True)
-                    if args.on_progress:
-                        args.on_progress(results, notes, copies)
-        finally:
-            system.stop()
+    shares = round_shares(args.repeats, args.rounds)
+    for rnd, share in enumerate(shares):
+        order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
+        for name in order:
+            system = systems[name]
+            print(f"{name}: starting (round {rnd + 1} of {len(shares)})", flush=True)
+            system.start()
+            try:
+                for scenario in args.scenarios:
+                    for size in args.sizes:
+                        runs = run_cell(args, system, name, scenario, size, share, notes, first=rnd == 0)
+                        if runs is None:
+                            continue
+                        results.extend(runs)
+                        med = statistics.median(r.gbps for r in runs)
+                        print(f"  {scenario:7s} {size:6d} samples  {med:6.2f} GB/s", flush=True)
+                        if args.on_progress:
+                            args.on_progress(results, notes, copies)
+            finally:
+                system.stop()
     return {
         "results": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in results],
         "notes": notes,
@@ -248,6 +279,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3, help="unrecorded rounds first (warm caches, pools and page tables for every system)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="spread each system's recorded repeats over this many rounds, systems in turn "
+                        "(each round restarts every system and warms it up again)")
     p.add_argument("--max-size", default="", help="per-system size cap, e.g. transferqueue=4096")
     p.add_argument("--out", default="bench-results")
     args = p.parse_args(argv)
