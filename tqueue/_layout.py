@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import math
+
 import numpy as np
 
 from ._wire import FieldBlock, FieldSpec
@@ -91,9 +93,11 @@ def sample_sizes(block: FieldBlock) -> np.ndarray:
         if block.sizes is None or len(block.sizes) != n:
             raise ProtocolError(f"field {block.name!r}: object field needs {n} sample sizes")
         sizes = np.asarray(block.sizes, dtype=np.int64)
-    elif spec.layout == "dense":
-        row = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec)
-        sizes = np.full(n, row, dtype=np.int64)
+    elif spec.layout == "dense":  # dimensions were checked non-negative: so is every size
+        row = math.prod(spec.shape) * itemsize(spec)
+        if row >= 1 << 62:
+            raise ProtocolError(f"field {block.name!r}: a sample of shape {list(spec.shape)} is {row} bytes")
+        return np.full(n, row, dtype=np.int64)
     else:
         if block.shapes is None or len(block.shapes) != n * spec.ndim:
             raise ProtocolError(
@@ -139,6 +143,13 @@ def frame_layout(block: FieldBlock, frames: Sequence[Any]) -> tuple[np.ndarray, 
             f"field {block.name!r}: header declares {len(block.counts)} frame(s), "
             f"{len(frames)} arrived"
         )
+    if len(frames) == 1:  # the usual write: one frame per field, its samples back to back
+        ends = np.cumsum(sizes)
+        total = int(ends[-1]) if len(ends) else 0
+        got = nbytes(frames[0])
+        if got != total:
+            raise ProtocolError(f"field {block.name!r}: frame 0 has {got} bytes, the header declares {total}")
+        return np.zeros(len(sizes), dtype=np.int64), ends - sizes, sizes
     counts = np.asarray(block.counts, dtype=np.int64)
     frame_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     ends = np.cumsum(sizes)

@@ -26,6 +26,7 @@ import torch
 
 import tqueue
 from tqueue import _bulk
+from tqueue._layout import split_lanes
 
 HOSTS = ("bulk-a", "bulk-b")  # the units' host names: a producer on one puts to its unit
 
@@ -506,11 +507,13 @@ def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
 # --- puts over the bulk stream -------------------------------------------------------------
 
 
-def test_a_put_over_bulk_lanes_is_exact_and_visible_once_acknowledged(connect, streams, partition):
+def test_a_put_over_bulk_lanes_is_exact_and_visible_once_acknowledged(connect, streams, partition, monkeypatch):
     """A big put goes over two lanes into the unit; a small one over one; both read back
     exact (inline and over the bulk stream)."""
+    import tqueue.client._async as client_mod
     from tqueue.client._async import LANE_MIN_BYTES
 
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)  # the small one too
     producer = connect(bulk_lanes=2)
     width = LANE_MIN_BYTES // (8 * 256) + 16
     big = payload(512, seed=11, ids=width)
@@ -531,6 +534,9 @@ def test_a_put_whose_stream_breaks_midway_is_refused_and_leaves_nothing(connect,
     """A writer that stops halfway through a lane (as a producer that dies would): the unit
     refuses the put without storing a byte, says why (the typed error the put raises), and
     keeps serving."""
+    import tqueue.client._async as client_mod
+
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)
     producer = connect(bulk_lanes=1)
     data = payload(128, seed=21)
     real_write = _bulk.BulkStream.write
@@ -562,9 +568,28 @@ def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, p
 
     producer = connect(bulk_lanes=1)
     data = payload(64, seed=31)
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)
     monkeypatch.setattr(client_mod, "split_lanes", lambda sizes, lanes: [len(sizes) - 1])
     with pytest.raises(tqueue.ProtocolError, match="lanes carry"):
         producer.put(partition, data)
-    monkeypatch.undo()
+    monkeypatch.setattr(client_mod, "split_lanes", split_lanes)
     meta = producer.put(partition, data)
     same(connect().get_data(meta), data)
+
+
+def test_a_put_below_the_bulk_threshold_goes_inline_and_one_above_over_a_stream(connect, streams, partition):
+    """Small puts (a rollout's group) skip the streams, whose hand-offs would cost more than
+    they save; a put from ``PUT_BULK_MIN_BYTES`` up takes one. Both read back exact."""
+    from tqueue.client._async import PUT_BULK_MIN_BYTES
+
+    producer = connect()
+    small = payload(64, seed=41)  # 2.5 MiB
+    meta = producer.put(partition, small)
+    address = bulk_address(producer, meta.units[0])
+    assert streams.wrote[address] == 0
+    big = payload(PUT_BULK_MIN_BYTES // (8 * 4096) + 8, seed=42)
+    meta_big = producer.put(partition, big)
+    assert streams.wrote[bulk_address(producer, meta_big.units[0])] >= dense_nbytes(big)
+    consumer = connect()
+    same(consumer.get_data(meta), small)
+    same(consumer.get_data(meta_big), big)

@@ -128,7 +128,9 @@ class Store:
             raise ProtocolError(f"bad partition uid {uid}")
         if len(indexes) and indexes.min() < 0:
             raise ProtocolError("negative sample index")
+        span: slice | np.ndarray = slice(int(indexes[0]), int(indexes[-1]) + 1) if len(indexes) else indexes
         if len(indexes) > 1 and not np.all(np.diff(indexes) == 1):  # not a plain range
+            span = indexes
             ordered = np.sort(indexes)
             if np.any(ordered[1:] == ordered[:-1]):
                 raise InvalidArgumentError(f"partition {name!r}: a sample is written twice in one call")
@@ -158,7 +160,9 @@ class Store:
             if piece.region is not None:
                 assert self.arena is not None
                 self.arena.incref(piece.region)
-        steps = [self._install(part, field, piece, indexes) for field, piece in pieces]
+        rows = np.arange(len(indexes), dtype=np.int64)
+        top = int(indexes.max()) + 1 if len(indexes) else 0
+        steps = [self._install(part, field, piece, span, rows, top) for field, piece in pieces]
 
         def commit() -> None:
             for _, _, dead in steps:
@@ -177,22 +181,29 @@ class Store:
         return Pending(commit=commit, rollback=rollback)
 
     def _install(
-        self, part: PartitionData, field: str, piece: Piece, indexes: np.ndarray
+        self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int
     ) -> tuple[Callable[[], None], Piece, list[Piece]]:
+        """Point the samples at ``indexes`` (a slice where they are a plain range: cheaper
+        than fancy indexing) of ``field`` to ``piece``'s ``rows``; ``top`` = max index + 1."""
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
-        col.ensure(int(indexes.max()) + 1 if len(indexes) else 0)
+        col.ensure(top)
         pid = next(self._piece_ids)
         col.pieces[pid] = piece
         old_pieces = col.piece_of[indexes].copy()
         old_rows = col.row_of[indexes].copy()
         col.piece_of[indexes] = pid
-        col.row_of[indexes] = np.arange(len(indexes))
+        col.row_of[indexes] = rows
         self._account(part, piece.nbytes)
         released = []
-        ids, counts = np.unique(old_pieces[old_pieces >= 0], return_counts=True)
-        for old_pid, count in zip(ids.tolist(), counts.tolist()):
+        overwritten = old_pieces[old_pieces >= 0]
+        if len(overwritten):  # new samples (the usual write) replace nothing
+            ids, counts = np.unique(overwritten, return_counts=True)
+            replaced = zip(ids.tolist(), counts.tolist())
+        else:
+            replaced = zip((), ())
+        for old_pid, count in replaced:
             old = col.pieces[old_pid]
             old.live -= count
             released.append((old_pid, old, count))
