@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import torch
 
+from .._copy import copy_bytes
 from .._layout import frame_layout, itemsize, numpy_dtype, sample_sizes
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
@@ -377,8 +378,7 @@ def _dense(p: Pieces, size: int, pool: BufferPool, raw: np.ndarray | None = None
     if raw is None or raw.nbytes != size * row_bytes:
         raw = pool.take(size * row_bytes)
     base = raw.ctypes.data
-    dest = torch.from_numpy(raw)  # torch copies with two threads; numpy with one
-    rows = dest.view(size, row_bytes)
+    rows = raw.reshape(size, row_bytes)
     copied = 0
     for buf, (first, c) in zip(p.buffers, p.counts):
         if c == 0:
@@ -387,9 +387,9 @@ def _dense(p: Pieces, size: int, pool: BufferPool, raw: np.ndarray | None = None
         if pos[-1] - pos[0] == c - 1 and (c == 1 or np.all(np.diff(pos) == 1)):
             if buf.ctypes.data == base + int(pos[0]) * row_bytes:
                 continue  # received in place
-            dest[pos[0] * row_bytes : (pos[0] + c) * row_bytes].copy_(torch.from_numpy(buf))
+            copy_bytes(raw[pos[0] * row_bytes : (pos[0] + c) * row_bytes], buf.reshape(-1))
         else:
-            rows.index_copy_(0, torch.from_numpy(pos), torch.from_numpy(buf).view(c, row_bytes))
+            rows[pos] = buf.reshape(c, row_bytes)
         copied += c * row_bytes
     return _from_bytes(p.spec, raw, shape), copied
 

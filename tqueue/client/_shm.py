@@ -16,13 +16,12 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
+
+from .._copy import copy_bytes
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
-# Sources at least this big are copied with torch (two threads); smaller ones with numpy.
-TORCH_COPY = 1 << 20
 
 
 class ArenaMap:
@@ -44,11 +43,7 @@ class ArenaMap:
         for buf in buffers:
             src = np.frombuffer(buf, dtype=np.uint8)
             n = src.nbytes
-            dest = self.array[at : at + n]
-            if n >= TORCH_COPY and src.flags.writeable:
-                torch.from_numpy(dest).copy_(torch.from_numpy(src))
-            else:
-                dest[:] = src
+            copy_bytes(self.array[at : at + n], src)
             at += n
         return at - offset
 
