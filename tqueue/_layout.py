@@ -6,9 +6,8 @@ back). It needs numpy only, so servers start without importing torch.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 import math
+from typing import Any, Sequence
 
 import numpy as np
 
