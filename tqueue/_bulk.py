@@ -21,7 +21,6 @@ run in worker threads with ``MSG_WAITALL``: one system call per destination.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ipaddress
 import logging
 import os
@@ -31,6 +30,7 @@ import struct
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
+from . import _threads
 from .errors import ProtocolError, StorageUnitUnavailableError
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,6 @@ _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stream is dropped
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 LOOPBACK_SNDBUF = 256 << 10
-
-
-_EXECUTOR: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-_EXECUTOR_LOCK = threading.Lock()
 IO_THREADS = 32
 
 
@@ -56,12 +52,7 @@ def run_blocking(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     Not asyncio's default executor (a handful of threads): a read that waits for its writer
     must never queue behind reads whose writers wait in turn, so there are threads enough for
     every stream that can be busy at once."""
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None or _EXECUTOR[0] != os.getpid():
-            _EXECUTOR = (os.getpid(), concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="tqueue-bulk-io"))
-        pool = _EXECUTOR[1]
-    return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    return asyncio.get_running_loop().run_in_executor(_threads.pool("bulk-io", IO_THREADS), fn, *args)
 
 
 def _stream_opts(sock: socket.socket) -> None:

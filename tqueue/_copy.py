@@ -11,23 +11,13 @@ spins afterwards.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import threading
 
 import numpy as np
 
+from . import _threads
+
 SPLIT_MIN = 8 << 20  # smaller copies stay on the calling thread: a hand-off costs more
-_EXECUTOR: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-_LOCK = threading.Lock()
-
-
-def _helper() -> concurrent.futures.ThreadPoolExecutor:
-    global _EXECUTOR
-    with _LOCK:
-        if _EXECUTOR is None or _EXECUTOR[0] != os.getpid():  # a forked child needs its own
-            _EXECUTOR = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tqueue-copy"))
-        return _EXECUTOR[1]
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
@@ -37,7 +27,7 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
         return
     half = (n // 2) & ~4095  # page-aligned halves: the threads do not share a page
-    upper = _helper().submit(np.copyto, dst[half:], src[half:])
+    upper = _threads.pool("copy", 1).submit(np.copyto, dst[half:], src[half:])
     try:
         np.copyto(dst[:half], src[:half])
     finally:
