@@ -2,7 +2,9 @@
 
 ``tqueue._native_balance`` (native/balance.c) speeds up the DP split planner. It is optional:
 without a C compiler, or if it fails to build, setuptools warns and installs tqueue without it,
-and tqueue/controller/_balance.py uses its pure-Python path. See native/README.md.
+and tqueue/controller/_balance.py uses its pure-Python path. ``tqueue._native_pack``
+(native/pack.c) narrows integer fields in one pass; tqueue/_pack.py falls back to numpy.
+See native/README.md.
 """
 
 from setuptools import Extension, setup
@@ -10,5 +12,6 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("tqueue._native_balance", sources=["native/balance.c"], optional=True),
+        Extension("tqueue._native_pack", sources=["native/pack.c"], optional=True, extra_compile_args=["-O3"]),
     ],
 )

@@ -1,7 +1,7 @@
 """End-to-end benchmark: tqueue beside its peers, on the same batch, in one run.
 
     python benchmarks/e2e.py [--quick] [--sizes 256,1024] [--scenarios 1to1,1to4]
-                             [--systems tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
+                             [--systems tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
                              [--repeats 5] [--warmup 3] [--rounds 2] [--out bench-results]
 
 (also ``tqueue bench`` from a source checkout). Peers that are not installed are skipped
@@ -33,6 +33,7 @@ from benchmarks.harness import SCENARIOS, Result  # noqa: E402
 # name -> (module, class, constructor kwargs)
 SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tqueue": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp"}),
+    "tqueue-wide": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp", "pack": False}),
     "tqueue-shm": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "shm"}),
     "zmq-raw": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "tcp"}),
     "zmq-raw-ipc": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "ipc"}),
@@ -40,7 +41,7 @@ SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ray-zerocopy": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": True}),
     "transferqueue": ("benchmarks.systems.tq_sys", "TransferQueueSystem", {}),
 }
-OURS = ("tqueue", "tqueue-shm")
+OURS = ("tqueue", "tqueue-wide", "tqueue-shm")
 # bytes per sample (the workload) and how many copies of a batch a run holds at once
 # (producer, store, consumer, and the previous run's memory kept warm)
 SAMPLE_BYTES = 133_000
@@ -223,17 +224,20 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             if mine:
                 out.append(f"| {scenario} | {size} | {ours} | {system} | {mine['gbps'] / r['gbps']:.2f}x |")
     out += ["", "Put and get alone against raw ZeroMQ for the same bytes (rates, medians):", ""]
-    out += ["| scenario | samples | tqueue put GB/s | tqueue get GB/s | zmq-raw GB/s | put / raw | get / raw |", "|---|---:|---:|---:|---:|---:|---:|"]
+    out += ["| scenario | samples | system | put GB/s | get GB/s | zmq-raw GB/s | put / raw | get / raw |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for (system, scenario, size), raw in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        mine = index.get(("tqueue", scenario, size))
-        if system != "zmq-raw" or mine is None:
+        if system != "zmq-raw":
             continue
-        nbytes = mine["mb"] * 1e6
-        put, get = nbytes / mine["put_ms"] / 1e6, nbytes / mine["get_ms"] / 1e6
-        out.append(
-            f"| {scenario} | {size} | {put:.2f} | {get:.2f} | {raw['gbps']:.2f} | "
-            f"{put / raw['gbps']:.0%} | {get / raw['gbps']:.0%} |"
-        )
+        for ours in ("tqueue", "tqueue-wide"):
+            mine = index.get((ours, scenario, size))
+            if mine is None:
+                continue
+            nbytes = mine["mb"] * 1e6
+            put, get = nbytes / mine["put_ms"] / 1e6, nbytes / mine["get_ms"] / 1e6
+            out.append(
+                f"| {scenario} | {size} | {ours} | {put:.2f} | {get:.2f} | {raw['gbps']:.2f} | "
+                f"{put / raw['gbps']:.0%} | {get / raw['gbps']:.0%} |"
+            )
     out += ["", "Copies of each payload byte, per system:", ""]
     out += [f"* **{k}**: {v}" for k, v in data["copies"].items()]
     if data["notes"]:
@@ -276,7 +280,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="CI mode: 256 samples, 1to1 and 1to4, 2 repeats")
     p.add_argument("--sizes", default="256,1024,4096,16384")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--systems", default="tqueue,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
+    p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3, help="unrecorded rounds first (warm caches, pools and page tables for every system)")
     p.add_argument("--rounds", type=int, default=2,

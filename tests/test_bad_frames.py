@@ -38,7 +38,7 @@ BAD = [
     pytest.param(
         [K(Kind.HELLO), msgspec.msgpack.encode({"rid": 5, "protocol": 999})],
         "protocol_version",
-        r"peer speaks tqueue protocol 999, the \w[\w ]+ speaks protocol 1",
+        rf"peer speaks tqueue protocol 999, the \w[\w ]+ speaks protocol {_wire.PROTOCOL_VERSION}",
         id="version-mismatch",
     ),
 ]

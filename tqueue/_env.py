@@ -10,6 +10,7 @@
 ``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host
 ``TQUEUE_KEEP_FREED_BYTES`` freed heap glibc may keep mapped in a client process (0: leave
                           malloc alone)
+``TQUEUE_PACK_INTS``        0: send integer fields in their own dtype, never narrowed
 ``TQUEUE_NATIVE``           0: plan rounds with the pure-Python planner even where its C
                           extension is built
 """

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._pack import PACKED, packable
 from ._wire import FieldBlock, FieldSpec
 from .errors import ProtocolError
 
@@ -81,13 +82,55 @@ def check_spec(spec: FieldSpec) -> None:
         raise ProtocolError(f"negative dimension in {spec}")
 
 
+def int_dtype(spec: FieldSpec) -> np.dtype | None:
+    """The numpy dtype of a packable integer field's values as readers get them, else None."""
+    if spec.kind == "tensor":
+        dt = np.dtype(spec.dtype) if spec.dtype in ("int16", "int32", "int64") else None
+    elif spec.kind == "ndarray":
+        dt = numpy_dtype(spec.dtype)
+    else:
+        dt = None
+    return dt if dt is not None and packable(dt) else None
+
+
+def packed_itemsizes(block: FieldBlock) -> np.ndarray | None:
+    """Per frame, the item size its values travel in (``block.packed``, checked against the
+    spec: narrower signed ints of an integer field); None when nothing is packed."""
+    if block.packed is None:
+        return None
+    if len(block.packed) != len(block.counts):
+        raise ProtocolError(
+            f"field {block.name!r}: {len(block.packed)} packed types for {len(block.counts)} frame(s)"
+        )
+    wide = int_dtype(block.spec)
+    if wide is None:
+        raise ProtocolError(
+            f"field {block.name!r}: a {block.spec.kind} field of dtype {block.spec.dtype!r} cannot be packed"
+        )
+    out = np.empty(len(block.packed), dtype=np.int64)
+    for i, name in enumerate(block.packed):
+        dt = PACKED.get(name) if name else wide
+        if dt is None or dt.itemsize > wide.itemsize:
+            raise ProtocolError(
+                f"field {block.name!r}: frame {i} is packed as {name!r}, which is not a narrower "
+                f"signed integer type than {block.spec.dtype!r}"
+            )
+        out[i] = dt.itemsize
+    return out
+
+
 def sample_sizes(block: FieldBlock) -> np.ndarray:
-    """Bytes of each sample of ``block`` (int64), after checking the header is coherent."""
+    """Bytes of each sample of ``block`` as it travels (int64), after checking the header is
+    coherent; packed frames (``block.packed``) hold their samples' values narrower."""
     spec = block.spec
     check_spec(spec)
     if any(c < 0 for c in block.counts):
         raise ProtocolError(f"field {block.name!r}: negative sample count in a frame")
     n = sum(block.counts)
+    packed = packed_itemsizes(block)
+    items: int | np.ndarray = (
+        itemsize(spec) if packed is None else np.repeat(packed, np.asarray(block.counts, dtype=np.int64))
+    )
     if spec.kind == "object":
         if block.sizes is None or len(block.sizes) != n:
             raise ProtocolError(f"field {block.name!r}: object field needs {n} sample sizes")
@@ -96,6 +139,8 @@ def sample_sizes(block: FieldBlock) -> np.ndarray:
         row = math.prod(spec.shape) * itemsize(spec)
         if row >= 1 << 62:
             raise ProtocolError(f"field {block.name!r}: a sample of shape {list(spec.shape)} is {row} bytes")
+        if packed is not None:
+            return math.prod(spec.shape) * items
         return np.full(n, row, dtype=np.int64)
     else:
         if block.shapes is None or len(block.shapes) != n * spec.ndim:
@@ -103,7 +148,7 @@ def sample_sizes(block: FieldBlock) -> np.ndarray:
                 f"field {block.name!r}: jagged field needs {n} x {spec.ndim} shape entries"
             )
         shapes = np.asarray(block.shapes, dtype=np.int64).reshape(n, spec.ndim)
-        sizes = np.prod(shapes, axis=1, dtype=np.int64) * itemsize(spec)
+        sizes = np.prod(shapes, axis=1, dtype=np.int64) * items
     if n and sizes.min() < 0:
         raise ProtocolError(f"field {block.name!r}: negative sample size")
     return sizes

@@ -17,7 +17,7 @@ import msgspec
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: FieldBlock.packed
 
 GroupId = Union[str, int, None]
 
@@ -91,6 +91,10 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     Frame ``i`` holds the bytes of ``counts[i]`` consecutive samples, back to back.
     ``shapes`` (jagged, flattened ``n * ndim``) or ``sizes`` (object, bytes per sample)
     give each sample's extent; dense samples all have ``spec.shape``.
+
+    ``packed`` (integer fields only): per frame, ``""`` or the narrower signed integer dtype
+    (``int8``, ``int16``, ``int32``) its values travel and are stored in; they all fit it,
+    and readers get them back in ``spec.dtype``. See tqueue/_pack.py.
     """
 
     name: str
@@ -98,6 +102,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     counts: list[int]
     shapes: list[int] | None = None
     sizes: list[int] | None = None
+    packed: list[str] | None = None
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -95,6 +95,9 @@ class ClientConfig:
     batch's tensors (no assembly copy); otherwise it comes in ZeroMQ frames and is copied.
     ``bulk_lanes``: a big fetch from one unit is split over this many bulk streams at once
     (one TCP stream on loopback leaves the cores half idle).
+    ``pack_ints``: a dense integer field whose values all fit a narrower signed type (token
+    ids in int32, masks in int8) is sent and stored in that type; readers get the field's
+    own dtype back (see :mod:`tqueue._pack`).
     """
 
     request_timeout: float = 30.0
@@ -109,6 +112,7 @@ class ClientConfig:
     keep_freed_bytes: int = 4096 * MiB
     bulk: bool = True
     bulk_lanes: int = 2
+    pack_ints: bool = True
 
     @classmethod
     def from_env(cls) -> "ClientConfig":
@@ -124,4 +128,5 @@ class ClientConfig:
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),
+            pack_ints=bool(_env.number("TQUEUE_PACK_INTS", 1)),
         )

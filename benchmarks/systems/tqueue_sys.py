@@ -10,19 +10,19 @@ from ..harness import Result, Scenario, Worker, now, serve
 from ..workload import fields, make_batch, nbytes, verify
 
 
-def _client(address: str, transport: str) -> Any:
+def _client(address: str, transport: str, pack: bool) -> Any:
     import dataclasses
 
     import tqueue
 
     config = tqueue.ClientConfig.from_env()
-    client = tqueue.Client(address, config=dataclasses.replace(config, shm=transport == "shm"))
+    client = tqueue.Client(address, config=dataclasses.replace(config, shm=transport == "shm", pack_ints=pack))
     client.connect()
     return client
 
 
-def _producer(conn: Connection, address: str, rank: int, transport: str) -> None:
-    client = _client(address, transport)
+def _producer(conn: Connection, address: str, rank: int, transport: str, pack: bool) -> None:
+    client = _client(address, transport, pack)
     state: dict[str, Any] = {}
 
     def prepare(msg: dict[str, Any]) -> dict[str, Any]:
@@ -47,8 +47,8 @@ def _producer(conn: Connection, address: str, rank: int, transport: str) -> None
         client.close()
 
 
-def _consumer(conn: Connection, address: str, rank: int, transport: str) -> None:
-    client = _client(address, transport)
+def _consumer(conn: Connection, address: str, rank: int, transport: str, pack: bool) -> None:
+    client = _client(address, transport, pack)
 
     def get(msg: dict[str, Any]) -> dict[str, Any]:
         t0 = now()
@@ -69,15 +69,24 @@ def _consumer(conn: Connection, address: str, rank: int, transport: str) -> None
 
 class TQueueSystem:
     """``transport``: ``tcp`` (sockets only) or ``shm`` (the same-host path, chosen
-    automatically because producers, units and consumers share this host)."""
+    automatically because producers, units and consumers share this host). ``pack``: integer
+    fields travel narrowed (the default; socket writes only); off for ``tqueue-wide``."""
 
-    def __init__(self, transport: str = "tcp", units: int = 2) -> None:
-        self.name = "tqueue" if transport == "tcp" else "tqueue-shm"
+    def __init__(self, transport: str = "tcp", units: int = 2, pack: bool = True) -> None:
+        self.name = "tqueue-shm" if transport == "shm" else "tqueue" if pack else "tqueue-wide"
         self.transport = transport
         self.units = units
+        self.pack = pack
         self.copies = (
-            "put: dense tensors 0 user-space copies (frames are views of the tensor, sent on "
-            "bulk streams), small jagged samples and objects packed once; kernel: 1 copy each "
+            "put: integer fields narrowed into a new buffer (1 pass, writes 0.25-0.5 of their bytes), "
+            "other dense tensors 0 user-space copies (frames are views of the tensor, sent on "
+            "bulk streams), small jagged samples and objects joined once; kernel: 1 copy each "
+            "way; unit: 0 (receives into buffers it keeps, answers with slices); get: packed "
+            "fields widened into the batch's rows (1 pass), other dense fields 0 (received into "
+            "the batch's rows), objects decoded from staging"
+            if transport == "tcp" and pack
+            else "put: dense tensors 0 user-space copies (frames are views of the tensor, sent on "
+            "bulk streams), small jagged samples and objects joined once; kernel: 1 copy each "
             "way; unit: 0 (receives into buffers it keeps, answers with slices); get: 0 for "
             "dense fields (received into the batch's rows), objects decoded from staging"
             if transport == "tcp"
@@ -103,9 +112,9 @@ class TQueueSystem:
     def _workers(self, scenario: Scenario) -> None:
         addr = self._cluster.address
         while len(self._producers) < scenario.producers:
-            self._producers.append(Worker(_producer, addr, len(self._producers), self.transport, name=f"tq-producer-{len(self._producers)}").ready())
+            self._producers.append(Worker(_producer, addr, len(self._producers), self.transport, self.pack, name=f"tq-producer-{len(self._producers)}").ready())
         while len(self._consumers) < scenario.consumers:
-            self._consumers.append(Worker(_consumer, addr, len(self._consumers), self.transport, name=f"tq-consumer-{len(self._consumers)}").ready())
+            self._consumers.append(Worker(_consumer, addr, len(self._consumers), self.transport, self.pack, name=f"tq-consumer-{len(self._consumers)}").ready())
 
     def run(self, scenario: Scenario, size: int) -> Result:
         self._workers(scenario)

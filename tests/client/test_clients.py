@@ -66,7 +66,7 @@ def test_protocol_version_mismatch_names_both_versions(cluster, monkeypatch):
     import tqueue.client._async as mod
 
     monkeypatch.setattr(mod, "PROTOCOL_VERSION", _wire.PROTOCOL_VERSION + 1)
-    with pytest.raises(ProtocolVersionError, match=r"peer speaks tqueue protocol 2, the controller speaks protocol 1"):
+    with pytest.raises(ProtocolVersionError, match=rf"peer speaks tqueue protocol {_wire.PROTOCOL_VERSION + 1}, the controller speaks protocol {_wire.PROTOCOL_VERSION}"):
         with tqueue.Client(cluster.address):
             pass
 

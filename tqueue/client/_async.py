@@ -48,9 +48,10 @@ from ..errors import (
     UnavailableError,
     UnknownFieldError,
 )
-from .._layout import itemsize, nbytes, split_lanes
+from .._layout import int_dtype, itemsize, nbytes, split_lanes
+from .._pack import PACKED
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
-from ._encode import Encoded, encode, sample_count
+from ._encode import Encoded, encode, pack, sample_count
 from ._args import _groups, _versions, _wait
 from ._lifecycle import Lifecycle
 from .._pool import BufferPool
@@ -70,8 +71,11 @@ LANE_GRACE = 2.0  # seconds to wait for a unit's reason after it closed a put's 
 class ClientStats:
     """Payload counters of one client, for throughput and copy accounting.
 
-    ``copied_bytes`` counts copies tqueue made in this process (contiguous copies and
-    packing on put, assembly on get); kernel socket copies are not included.
+    ``put_bytes`` and ``get_bytes`` count payload as the fields hold it; ``wire_bytes``
+    what of it was sent or received, after integer fields were packed (tqueue/_pack.py).
+    ``copied_bytes`` counts copies tqueue made in this process (contiguous copies, joins
+    and narrowing on put, assembly and widening on get); kernel socket copies are not
+    included.
     """
 
     puts: int = 0
@@ -79,6 +83,7 @@ class ClientStats:
     gets: int = 0
     get_bytes: int = 0
     copied_bytes: int = 0
+    wire_bytes: int = 0
 
 
 class AsyncClient(Lifecycle):
@@ -349,22 +354,26 @@ class AsyncClient(Lifecycle):
             blocks=enc.blocks,
             indexes=indexes,
         )
+        arena = self._arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
+        placed = await self._into_arena(peer, arena, enc) if arena is not None else None
+        logical = enc.nbytes
+        if placed is None and self.config.pack_ints:  # through a socket: fewer bytes pay
+            enc = pack(enc, self.config.chunk_bytes)
+            store.blocks = enc.blocks
         buffers: Sequence[Any] | None = enc.buffers
         copied = enc.copied
-        arena = self._arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
-        if arena is not None:
-            placed = await self._into_arena(peer, arena, enc)
-            if placed is not None:
-                store.blocks, store.shm, store.region = placed
-                buffers = ()
-                copied += enc.nbytes
-        elif enc.nbytes >= PUT_BULK_MIN_BYTES and self._bulk_to(unit.unit_id):
+        if placed is not None:
+            store.blocks, store.shm, store.region = placed
+            buffers = ()
+            copied += enc.nbytes
+        elif arena is None and enc.nbytes >= PUT_BULK_MIN_BYTES and self._bulk_to(unit.unit_id):
             if await self._store_bulk(unit.unit_id, peer, store, enc):
                 buffers = None
         if buffers is not None:
             await peer.request(store, buffers)
         self.stats.puts += 1
-        self.stats.put_bytes += enc.nbytes
+        self.stats.put_bytes += logical
+        self.stats.wire_bytes += enc.nbytes
         self.stats.copied_bytes += copied
 
     async def _store_bulk(self, unit_id: int, peer: _transport.Peer, store: Store, enc: Encoded) -> bool:
@@ -427,7 +436,10 @@ class AsyncClient(Lifecycle):
         for block, bufs, n in fields:
             arena.fill(off, bufs)
             blocks.append(
-                FieldBlock(name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes, sizes=block.sizes)
+                FieldBlock(
+                    name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
+                    sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
+                )
             )
             refs.append([off, n])
             off += aligned(n)
@@ -696,7 +708,12 @@ class AsyncClient(Lifecycle):
         parts = list(
             await asyncio.gather(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
         )
-        received = sum(nbytes(f) for part in parts for _, frames in part.blocks.values() for f in frames)
+        received = logical = 0
+        for part in parts:
+            for block, frames in part.blocks.values():
+                got = [nbytes(f) for f in frames]
+                received += sum(got)
+                logical += sum(got) if not block.packed else _widened(block, got)
         copied = 0
         with paused_gc():
             for field in fields:
@@ -707,7 +724,8 @@ class AsyncClient(Lifecycle):
                 if lens is not None:
                     lengths[field] = lens
         self.stats.gets += 1
-        self.stats.get_bytes += received
+        self.stats.get_bytes += logical
+        self.stats.wire_bytes += received
         self.stats.copied_bytes += copied
         return Batch(meta, {f: values[f] for f in fields}, lengths)
 
@@ -848,6 +866,13 @@ class AsyncClient(Lifecycle):
                 lease=meta.lease,
             )
         )
+
+
+def _widened(block: FieldBlock, sizes: list[int]) -> int:
+    """Bytes of a block's frames (``sizes``) once packed ones are widened."""
+    wide = int_dtype(block.spec)
+    assert wide is not None and block.packed is not None  # checked when the batch was assembled
+    return sum(n // PACKED[p].itemsize * wide.itemsize if p else n for p, n in zip(block.packed, sizes))
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

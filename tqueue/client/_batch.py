@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from .._copy import copy_bytes
-from .._layout import frame_layout, itemsize, numpy_dtype, sample_sizes
+from .._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
+from .._pack import PACKED, widen, widen_all
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
@@ -182,6 +183,7 @@ class Pieces:
     sizes: np.ndarray
     shapes: np.ndarray | None
     counts: list[tuple[int, int]]  # per buffer: (first sample in positions order, count)
+    packed: list[str] = dataclasses.field(default_factory=list)  # per buffer (dense): "" or its narrow type
 
 
 def assemble(
@@ -239,9 +241,10 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
     """A field's pieces across the parts. For a dense field only frames and positions (what
     :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise."""
     positions, buffers, buffer_of, offsets, sizes, shapes, counts = [], [], [], [], [], [], []
+    packed: list[str] = []
     seen = 0
     dense_only = spec.kind != "object" and spec.layout == "dense"
-    row = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec) if dense_only else 0
+    elems = int(np.prod(spec.shape, dtype=np.int64)) if dense_only else 0
     for part in parts:
         block, frames = part.blocks[field]
         if block.spec.kind != spec.kind or block.spec.dtype != spec.dtype:
@@ -250,21 +253,28 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
             # a dense field is copied (or viewed) frame by frame: no per-sample layout needed
             # (a block kept jagged, of samples that all have the field's shape, takes the
             # general path below; _dense reads the same buffers, counts and positions)
+            items = sample_sizes(block)  # checks ``packed``; bytes per sample of each frame
+            at = 0
             for i, (frame, c) in enumerate(zip(frames, block.counts)):
                 buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
-                if buf.nbytes != c * row:
+                want = int(items[at]) * c if c else 0
+                if buf.nbytes != want:
                     raise ProtocolError(
-                        f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {c * row}"
+                        f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {want}"
                     )
                 buffers.append(buf)
+                packed.append(block.packed[i] if block.packed else "")
                 counts.append((seen, c))
                 seen += c
+                at += c
             if len(frames) != len(block.counts):
                 raise ProtocolError(
                     f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
                 )
             positions.append(part.positions)
             continue
+        if block.packed is not None:
+            block, frames = unpack(block, frames)
         frame_of, offs, szs = frame_layout(block, frames)
         base = len(buffers)
         at = seen
@@ -298,7 +308,27 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
         sizes=cat(sizes),
         shapes=cat(shapes, ndim) if spec.kind != "object" else None,
         counts=counts,
+        packed=packed,
     )
+
+
+def unpack(block: FieldBlock, frames: Sequence[Any]) -> tuple[FieldBlock, list[Any]]:
+    """``block``'s frames with packed values widened to the field's dtype (new buffers),
+    and the block that describes them; for layouts :func:`_dense` does not widen in place."""
+    frame_layout(block, frames)  # raises unless the header (with ``packed``) and the frames agree
+    wide = int_dtype(block.spec)
+    assert wide is not None  # frame_layout checked: only integer fields are packed
+    out: list[Any] = []
+    for name, frame in zip(block.packed or (), frames):
+        buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+        if name:
+            narrow = buf.view(PACKED[name])
+            full = np.empty(len(narrow), wide)
+            widen(full, narrow)
+            buf = full.view(np.uint8)
+        out.append(buf)
+    unpacked = FieldBlock(name=block.name, spec=block.spec, counts=block.counts, shapes=block.shapes, sizes=block.sizes)
+    return unpacked, out
 
 
 def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:
@@ -368,29 +398,43 @@ def _from_bytes(spec: FieldSpec, raw: np.ndarray, shape: tuple[int, ...]) -> Any
 
 
 def _dense(p: Pieces, size: int, pool: BufferPool, raw: np.ndarray | None = None) -> tuple[Any, int]:
+    """Packed buffers are widened into the rows in the pass that would copy them."""
     row = tuple(p.spec.shape)
-    row_bytes = int(np.prod(row, dtype=np.int64)) * itemsize(p.spec)
+    elems = int(np.prod(row, dtype=np.int64))
+    row_bytes = elems * itemsize(p.spec)
     shape = (size, *row)
     if row_bytes * size == 0:
         return _empty(p.spec, shape), 0
-    if len(p.buffers) == 1 and np.array_equal(p.positions, np.arange(size)):
+    plain = not any(p.packed)
+    if plain and len(p.buffers) == 1 and np.array_equal(p.positions, np.arange(size)):
         return _from_bytes(p.spec, p.buffers[0], shape), 0
     if raw is None or raw.nbytes != size * row_bytes:
         raw = pool.take(size * row_bytes)
     base = raw.ctypes.data
     rows = raw.reshape(size, row_bytes)
+    wide = None if plain else int_dtype(p.spec)
+    widening: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, packed values), done together
     copied = 0
-    for buf, (first, c) in zip(p.buffers, p.counts):
+    for buf, narrow, (first, c) in zip(p.buffers, p.packed or [""] * len(p.buffers), p.counts):
         if c == 0:
             continue
         pos = p.positions[first : first + c]
         if pos[-1] - pos[0] == c - 1 and (c == 1 or np.all(np.diff(pos) == 1)):
-            if buf.ctypes.data == base + int(pos[0]) * row_bytes:
+            dst = raw[pos[0] * row_bytes : (pos[0] + c) * row_bytes]
+            if narrow:
+                assert wide is not None
+                widening.append((dst.view(wide), buf.view(PACKED[narrow])))
+            elif buf.ctypes.data == base + int(pos[0]) * row_bytes:
                 continue  # received in place
-            copy_bytes(raw[pos[0] * row_bytes : (pos[0] + c) * row_bytes], buf.reshape(-1))
+            else:
+                copy_bytes(dst, buf.reshape(-1))
+        elif narrow:
+            assert wide is not None
+            raw.view(wide).reshape(size, elems)[pos] = buf.view(PACKED[narrow]).reshape(c, elems)
         else:
             rows[pos] = buf.reshape(c, row_bytes)
         copied += c * row_bytes
+    widen_all(widening)
     return _from_bytes(p.spec, raw, shape), copied
 
 
@@ -450,6 +494,7 @@ def bulk_targets(
         in_place = (
             dest is not None and spec is not None and block.spec.layout == "dense"
             and tuple(block.spec.shape) == tuple(spec.shape) and block.spec.dtype == spec.dtype
+            and not block.packed  # packed frames are staged, then widened into the rows
         )
         row = int(sizes[0]) if len(sizes) else 0
         for i in range(len(block.counts)):

@@ -16,7 +16,8 @@ import msgspec
 import numpy as np
 import torch
 
-from .._layout import TORCH_ITEMSIZE
+from .._layout import TORCH_ITEMSIZE, int_dtype
+from .._pack import narrow
 from .._wire import FieldBlock, FieldSpec
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 
@@ -198,19 +199,51 @@ def _array_bytes(a: np.ndarray, ctx: _Ctx, sample: int | None = None) -> tuple[m
 
 
 def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
-    n, row = shape[0], shape[1:]
+    spec = FieldSpec(kind=kind, dtype=dtype, layout="dense", shape=shape[1:])
+    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=_chunks(buf, shape[0], chunk, out.buffers)))
+    out.whole.append(buf)
+    out.nbytes += buf.nbytes
+    out.copied += copied
+
+
+def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
+    """Cut the ``n`` equal rows of ``buf`` into frames of at most ``chunk`` bytes (at least
+    one row each), appended to ``into``; returns the rows in each."""
     row_bytes = buf.nbytes // n if n else 0
     per = max(1, chunk // row_bytes) if row_bytes else n
     counts = []
     for a in range(0, n, per):
         b = min(n, a + per)
-        out.buffers.append(buf[a * row_bytes : b * row_bytes])
+        into.append(buf[a * row_bytes : b * row_bytes])
         counts.append(b - a)
-    spec = FieldSpec(kind=kind, dtype=dtype, layout="dense", shape=row)
-    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=counts))
-    out.whole.append(buf)
-    out.nbytes += buf.nbytes
-    out.copied += copied
+    return counts
+
+
+def pack(enc: Encoded, chunk: int) -> Encoded:
+    """``enc`` with each dense integer field whose values all fit a narrower signed type
+    sent in that type (tqueue/_pack.py): for writes that cross a socket, where fewer bytes
+    cost less than the pass that narrows them. ``enc`` itself where nothing narrows."""
+    out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
+    at = 0
+    for block, whole in zip(enc.blocks, enc.whole):
+        frames = enc.buffers[at : at + len(block.counts)]
+        at += len(block.counts)
+        wide = int_dtype(block.spec) if whole is not None else None
+        narrowed = narrow(np.frombuffer(whole, dtype=wide)) if wide is not None else None
+        if narrowed is None:
+            out.blocks.append(block)
+            out.buffers.extend(frames)
+            out.whole.append(whole)
+            out.nbytes += sum(memoryview(f).nbytes for f in frames)
+            continue
+        values, name = narrowed
+        buf = memoryview(values.view(np.uint8))
+        counts = _chunks(buf, enc.count, chunk, out.buffers)
+        out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
+        out.whole.append(buf)
+        out.nbytes += buf.nbytes
+        out.copied += buf.nbytes  # the narrow values were written once: a copy
+    return out if out.copied > enc.copied else enc
 
 
 def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:

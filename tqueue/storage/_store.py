@@ -26,7 +26,7 @@ JOIN_LIMIT = 4 << 20
 
 
 class Piece:
-    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes")
+    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed")
 
     def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
         self.frame_of, self.offsets, self.sizes = frame_layout(block, frames)
@@ -39,11 +39,13 @@ class Piece:
         )
         self.live = len(self.sizes)
         self.nbytes = sum(nbytes(f) for f in frames)
+        self.packed = block.packed  # per frame: "" or the narrower int type its values are in
 
     def subset(self, rows: np.ndarray) -> "Piece":
         """A piece over some of these rows, sharing the frames (for moving samples)."""
         sub = object.__new__(Piece)
         sub.spec, sub.frames, sub.arena, sub.region = self.spec, self.frames, self.arena, self.region
+        sub.packed = self.packed
         sub.frame_of, sub.offsets, sub.sizes = self.frame_of[rows], self.offsets[rows], self.sizes[rows]
         sub.shapes = None if self.shapes is None else self.shapes[rows]
         sub.live = len(rows)
@@ -314,7 +316,7 @@ class Store:
         held: dict[int, Region] = {}
         for field in fields:
             block, runs = self._read_field(part, field, indexes)
-            block.counts = self._emit(runs, out, held, shm)
+            block.counts, block.packed = self._emit(runs, out, held, shm)
             out.blocks.append(block)
         for region in held.values():
             assert self.arena is not None
@@ -325,6 +327,8 @@ class Store:
     def _read_field(
         self, part: PartitionData, field: str, indexes: np.ndarray
     ) -> tuple[FieldBlock, list[tuple[Piece, int, int, int, int]]]:
+        """The field's block (counts left to :meth:`_emit`) and its runs: (piece, frame,
+        start, end, samples) for each stretch of consecutive bytes of one frame."""
         col = part.columns.get(field)
         if len(indexes) == 0:
             raise InvalidArgumentError("a read needs at least one sample")
@@ -379,11 +383,17 @@ class Store:
             runs.append((piece, frame, int(start[a]), int(end[b - 1]), b - a))
         return block, runs
 
-    def _emit(self, runs: list[tuple[Piece, int, int, int, int]], out: ReadReply, held: dict[int, Region], shm: bool) -> list[int]:
-        """Turn runs into frames (or arena ranges); return samples per output frame."""
+    def _emit(
+        self, runs: list[tuple[Piece, int, int, int, int]], out: ReadReply, held: dict[int, Region], shm: bool
+    ) -> tuple[list[int], list[str] | None]:
+        """Turn runs into frames (or arena ranges); return samples per output frame and,
+        where some runs are packed, each output frame's packed type (runs of different
+        types are never joined)."""
         counts: list[int] = []
+        packed: list[str] = []
         small: list[Any] = []
         pending = [0, 0]  # samples, bytes in ``small``
+        kind = [""]  # packed type of ``small``
 
         def flush() -> None:
             if not small:
@@ -396,17 +406,23 @@ class Store:
             if out.refs is not None:
                 out.refs.append([])
             counts.append(pending[0])
+            packed.append(kind[0])
             small.clear()
             pending[:] = [0, 0]
 
         for piece, frame, a, b, count in runs:
             base = piece.arena[frame]
+            narrow = piece.packed[frame] if piece.packed else ""
+            if narrow != kind[0]:
+                flush()
+                kind[0] = narrow
             if base >= 0 and shm:
                 flush()
                 assert out.refs is not None and piece.region is not None
                 out.refs.append([base + a, b - a])
                 held[piece.region.offset] = piece.region
                 counts.append(count)
+                packed.append(narrow)
                 continue
             if base >= 0:
                 view = self._arena_view(piece.region, base + a, b - a)
@@ -424,8 +440,9 @@ class Store:
             if out.refs is not None:
                 out.refs.append([])
             counts.append(count)
+            packed.append(narrow)
         flush()
-        return counts
+        return counts, packed if any(packed) else None
 
     def _arena_view(self, region: Region | None, offset: int, length: int) -> Any:
         """Arena bytes for a send: the region is held until ZeroMQ lets go of the buffer."""

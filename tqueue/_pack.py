@@ -1,0 +1,124 @@
+"""Integer fields travel and are stored in the narrowest signed type their values fit.
+
+RL batches are mostly int64 tensors whose values are small: token ids below the vocabulary
+size (int32), attention masks of 0 and 1 (int8), position ids below the sequence length
+(int16). A producer's client checks each dense integer field of a write and, where all its
+values fit a narrower signed type, sends that instead (:func:`narrow`); the unit stores the
+narrow bytes as they came, and a reader's client widens them back into the batch's tensor
+of the field's own dtype (:func:`widen`), in the pass that would have copied them anyway.
+Readers see exactly the values and dtype that were put. The wire marks it per frame
+(``FieldBlock.packed``), so one field may hold writes of different widths.
+
+Fewer bytes cross every socket and sit in every unit: the realistic batch of
+benchmarks/workload.py shrinks from 133 KB to 54 KB a sample. The check and the narrowing are
+one pass over the field (``tqueue._native_pack``, native/pack.c; numpy where it is not
+built). ``ClientConfig.pack_ints`` (``TQUEUE_PACK_INTS=0``) turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from . import _threads
+
+try:
+    from . import _native_pack
+except ImportError:  # no compiler at install time, or the build failed: numpy
+    _native_pack = None
+
+# the types a field may be packed into, narrowest first
+PACKED = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+MIN_BYTES = 4096  # smaller fields are not worth a check
+_PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
+SPLIT_MIN = 8 << 20  # widening this much or more runs on two threads
+
+
+def packable(dtype: np.dtype) -> bool:
+    """Whether values of ``dtype`` can be packed: native-order signed ints of 2-8 bytes."""
+    return dtype.kind == "i" and dtype.itemsize > 1 and dtype.isnative
+
+
+def _width_for(lo: int, hi: int, itemsize: int) -> str:
+    """The narrowest packed type holding ``[lo, hi]`` below ``itemsize``, or ""."""
+    for name, dt in PACKED.items():
+        if dt.itemsize >= itemsize:
+            break
+        info = np.iinfo(dt)
+        if info.min <= lo and hi <= info.max:
+            return name
+    return ""
+
+
+def narrow(values: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """``values`` (a flat, contiguous array of a :func:`packable` dtype) in the narrowest
+    type all of them fit, and its name; None where none narrower fits (or too few bytes)."""
+    if values.nbytes < MIN_BYTES or not packable(values.dtype):
+        return None
+    size = values.dtype.itemsize
+    probe = values[:_PROBE]
+    name = _width_for(int(probe.min()), int(probe.max()), size)
+    if not name:  # some values already need the full width
+        return None
+    if _native_pack is not None:
+        out = np.empty(values.shape, PACKED[name])
+        if _halves(_native_pack.narrow_into, values, size, out, out.itemsize):
+            return out, name
+    # no native module, or a value beyond the probe's range: the whole range, then the cast
+    name = _width_for(int(values.min()), int(values.max()), size)
+    if not name:
+        return None
+    return values.astype(PACKED[name]), name
+
+
+def widen(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src``, ``src`` packed: flat typed arrays of one length."""
+    _halves(_copy_safe, src, 0, dst, 0)
+
+
+def widen_all(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """:func:`widen` for each ``(dst, src)``; many frames (a field arrives in frames of
+    about a MiB) are shared out between two threads, each thread taking a run of them."""
+    total = sum(dst.nbytes for dst, _ in jobs)
+    if len(jobs) < 4 or total < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+        for dst, src in jobs:
+            widen(dst, src)
+        return
+    acc, cut = 0, len(jobs)
+    for i, (dst, _) in enumerate(jobs):
+        acc += dst.nbytes
+        if 2 * acc >= total:
+            cut = i + 1
+            break
+    upper = _threads.pool("copy", 1).submit(_widen_each, jobs[cut:])
+    try:
+        _widen_each(jobs[:cut])
+    finally:
+        upper.result()
+
+
+def _widen_each(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in jobs:
+        np.copyto(dst, src, casting="safe")
+
+
+def _copy_safe(src: np.ndarray, _: int, dst: np.ndarray, __: int) -> bool:
+    np.copyto(dst, src, casting="safe")
+    return True
+
+
+def _halves(fn: Callable[[np.ndarray, int, np.ndarray, int], bool], src: np.ndarray, a: int, dst: np.ndarray, b: int) -> bool:
+    """``fn(src, a, dst, b)`` over flat arrays of one length, as two halves on two threads
+    when big (both release the GIL; one core alone does not reach the memory's bandwidth);
+    true when both halves are."""
+    if max(src.nbytes, dst.nbytes) < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+        return fn(src, a, dst, b)
+    half = len(src) // 2
+    upper = _threads.pool("copy", 1).submit(fn, src[half:], a, dst[half:], b)
+    try:
+        lower = fn(src[:half], a, dst[:half], b)
+    finally:
+        fits = upper.result()
+    return bool(lower and fits)
