@@ -85,6 +85,12 @@ def int64_block(counts, name="x"):
     return _wire.FieldBlock(name=name, spec=_wire.FieldSpec(kind="tensor", dtype="int64", shape=(3,)), counts=counts)
 
 
+def packed_block(packed):
+    block = int64_block([1])
+    block.packed = packed
+    return block
+
+
 @pytest.mark.parametrize(
     "msg, frames, match",
     [
@@ -105,6 +111,15 @@ def int64_block(counts, name="x"):
             id="object-dtype",
         ),
         pytest.param(store("p", [int64_block([2])]), [b"\x00" * 48], r"2 samples in the block, 1 in the write", id="count-mismatch"),
+        pytest.param(
+            store("p", [packed_block(["int8"])]), [b"\x00" * 24], r"field 'x': frame 0 has 24 bytes, the header declares 3", id="packed-wide-frame"
+        ),
+        pytest.param(
+            store("p", [packed_block(["float32"])]),
+            [b"\x00" * 12],
+            r"field 'x': frame 0 is packed as 'float32', which is not a narrower signed integer type than 'int64'",
+            id="packed-not-an-int",
+        ),
         pytest.param(store("p", [int64_block([1])]), [b"\x00" * 24], r"grant 424242 is unknown", id="no-grant"),
     ],
 )

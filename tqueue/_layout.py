@@ -105,7 +105,7 @@ def packed_itemsizes(block: FieldBlock) -> np.ndarray | None:
     wide = int_dtype(block.spec)
     if wide is None:
         raise ProtocolError(
-            f"field {block.name!r}: a {block.spec.kind} field of dtype {block.spec.dtype!r} cannot be packed"
+            f"field {block.name!r}: {block.spec.kind} fields of dtype {block.spec.dtype!r} cannot be packed"
         )
     out = np.empty(len(block.packed), dtype=np.int64)
     for i, name in enumerate(block.packed):

@@ -1,0 +1,271 @@
+"""Integer fields packed into narrower types on the wire (tqueue/_pack.py).
+
+Readers must get exactly the values and the dtype that were put, on every path: socket and
+bulk stream, same-host readers of socket-written data, several writes of different widths in
+one read, and fields whose reads come back jagged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+import tqueue
+from tqueue import _pack
+from tqueue._layout import frame_layout, sample_sizes
+from tqueue._wire import FieldBlock, FieldSpec
+from tqueue.client import _async as client_mod
+from tqueue.errors import ProtocolError
+
+SOCKET = tqueue.ClientConfig(shm=False, request_timeout=10)
+SHM = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=10)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each narrowing test on the C pass and on the numpy fallback."""
+    if request.param == "native":
+        if _pack._native_pack is None:
+            pytest.skip("tqueue._native_pack is not built")
+    else:
+        monkeypatch.setattr(_pack, "_native_pack", None)
+    return request.param
+
+
+# --- narrowing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lo, hi, want",
+    [
+        (0, 1, "int8"),
+        (-128, 127, "int8"),
+        (0, 128, "int16"),
+        (-129, 0, "int16"),
+        (-(2**15), 2**15 - 1, "int16"),
+        (0, 2**15, "int32"),
+        (-(2**31), 2**31 - 1, "int32"),
+        (0, 2**31, None),
+        (-(2**31) - 1, 0, None),
+    ],
+)
+def test_narrowest_type_that_holds_every_value(impl, lo, hi, want):
+    a = np.full(5000, lo, dtype=np.int64)
+    a[1234] = hi
+    got = _pack.narrow(a)
+    if want is None:
+        assert got is None
+        return
+    values, name = got
+    assert name == want and values.dtype == np.dtype(want)
+    assert np.array_equal(values.astype(np.int64), a)
+
+
+@pytest.mark.parametrize("size", [3 * (1 << 16), 3 << 20])  # one thread; two halves
+def test_a_value_past_the_probe_still_decides_the_type(impl, size):
+    a = np.zeros(size, dtype=np.int64)
+    a[-1] = 40_000  # the first values fit int8; the last one needs int32
+    values, name = _pack.narrow(a)
+    assert name == "int32" and np.array_equal(values, a)
+    a[-1] = 2**40
+    assert _pack.narrow(a) is None
+
+
+def test_int32_and_int16_sources_narrow_too(impl):
+    values, name = _pack.narrow(np.arange(-100, 20_000, dtype=np.int32))
+    assert name == "int16" and values.tolist() == list(range(-100, 20_000))
+    values, name = _pack.narrow(np.arange(-100, 27, dtype=np.int16).repeat(40))
+    assert name == "int8" and values.tolist() == np.arange(-100, 27).repeat(40).tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16, np.uint64, np.int8, np.bool_, np.dtype(">i8")])
+def test_other_dtypes_are_never_packed(dtype):
+    assert _pack.narrow(np.zeros(10_000, dtype=dtype)) is None
+
+
+def test_small_fields_are_left_alone():
+    assert _pack.narrow(np.zeros(_pack.MIN_BYTES // 8 - 1, dtype=np.int64)) is None
+
+
+def test_native_pass_refuses_buffers_that_do_not_match():
+    native = _pack._native_pack
+    if native is None:
+        pytest.skip("tqueue._native_pack is not built")
+    a = np.zeros(16, dtype=np.int64)
+    with pytest.raises(ValueError, match="cannot narrow 8-byte integers to 8 bytes"):
+        native.narrow_into(a, 8, np.zeros(16, dtype=np.int64), 8)
+    with pytest.raises(ValueError, match="128 bytes of 8-byte integers do not fill 12 bytes of 4-byte ones"):
+        native.narrow_into(a, 8, np.zeros(3, dtype=np.int32), 4)
+    with pytest.raises(TypeError):
+        native.narrow_into(a, 8, b"read-only", 1)
+
+
+def test_widening_many_frames_on_two_threads_is_exact():
+    g = np.random.default_rng(3)
+    srcs = [g.integers(-(2**31), 2**31, size=n, dtype=np.int64).astype(np.int32) for n in (1 << 18, 3, 1 << 20, 12345, 1 << 19)]
+    dst = np.full(sum(len(s) for s in srcs) + 2, -7, dtype=np.int64)
+    jobs, at = [], 1
+    for s in srcs:
+        jobs.append((dst[at : at + len(s)], s))
+        at += len(s)
+    _pack.widen_all(jobs)
+    assert dst[0] == -7 and dst[-1] == -7  # nothing outside the frames' rows
+    assert np.array_equal(dst[1:-1], np.concatenate(srcs).astype(np.int64))
+
+
+# --- the header -----------------------------------------------------------------------
+
+
+INT64 = FieldSpec(kind="tensor", dtype="int64", shape=(4,))
+
+
+def test_packed_frames_declare_their_narrow_sizes():
+    block = FieldBlock(name="ids", spec=INT64, counts=[2, 3], packed=["int8", ""])
+    assert sample_sizes(block).tolist() == [4, 4, 32, 32, 32]
+    frame_of, offsets, sizes = frame_layout(block, [b"\x00" * 8, b"\x00" * 96])
+    assert frame_of.tolist() == [0, 0, 1, 1, 1] and offsets.tolist() == [0, 4, 0, 32, 64]
+    with pytest.raises(ProtocolError, match="field 'ids': frame 0 has 64 bytes, the header declares 8"):
+        frame_layout(block, [b"\x00" * 64, b"\x00" * 96])
+
+
+@pytest.mark.parametrize(
+    "spec, packed, match",
+    [
+        (FieldSpec(kind="tensor", dtype="float32", shape=(4,)), ["int8"], r"field 'f': tensor fields of dtype 'float32' cannot be packed"),
+        (FieldSpec(kind="tensor", dtype="uint64", shape=(4,)), ["int8"], r"dtype 'uint64' cannot be packed"),
+        (FieldSpec(kind="ndarray", dtype=">i8", shape=(4,)), ["int8"], r"dtype '>i8' cannot be packed"),
+        (INT64, ["int64"], r"frame 0 is packed as 'int64', which is not a narrower signed integer type than 'int64'"),
+        (INT64, ["uint8"], r"packed as 'uint8', which is not a narrower"),
+        (FieldSpec(kind="tensor", dtype="int16", shape=(4,)), ["int32"], r"packed as 'int32', which is not a narrower"),
+        (INT64, ["int8", "int8"], r"field 'f': 2 packed types for 1 frame"),
+        (FieldSpec(kind="object", layout="jagged"), ["int8"], r"object fields of dtype '' cannot be packed"),
+    ],
+)
+def test_bad_packed_headers_are_protocol_errors(spec, packed, match):
+    block = FieldBlock(name="f", spec=spec, counts=[2], packed=packed, sizes=[1, 1] if spec.kind == "object" else None)
+    with pytest.raises(ProtocolError, match=match):
+        sample_sizes(block)
+
+
+# --- through a cluster ----------------------------------------------------------------
+
+
+def batch_of(n: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 151_936, (n, 512), generator=g),  # int32
+        "mask": torch.randint(0, 2, (n, 512), generator=g),  # int8
+        "pos": torch.arange(512).repeat(n, 1),  # int16
+        "hashes": torch.randint(-(2**62), 2**62, (n, 64), generator=g),  # stays int64
+        "small16": torch.randint(-100, 100, (n, 256), generator=g, dtype=torch.int16),  # int8
+        "np32": np.arange(n * 300, dtype=np.int32).reshape(n, 300) - 7,  # int16 (n <= 100)
+        "logp": torch.randn(n, 128, generator=g),
+        "text": [f"sample {seed}-{i}" for i in range(n)],
+    }
+
+
+def assert_same(batch: Any, data: dict[str, Any], rows: list[int] | None = None) -> None:
+    rows = list(range(len(data["text"]))) if rows is None else rows
+    for name, want in data.items():
+        got = batch[name]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want[rows]), name
+        elif isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and np.array_equal(got, want[rows]), name
+        else:
+            assert list(got) == [want[r] for r in rows], name
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    with tqueue.LocalCluster(num_storage_units=1) as c:
+        yield c
+
+
+def client(cluster: Any, config: tqueue.ClientConfig) -> tqueue.Client:
+    return tqueue.Client(cluster.address, config=config)
+
+
+@pytest.mark.parametrize("reader", ["socket", "shm"])
+def test_packed_fields_come_back_exact_to_socket_and_same_host_readers(cluster, partition, reader):
+    data = batch_of(96, seed=1)
+    with client(cluster, SOCKET) as producer, client(cluster, SOCKET if reader == "socket" else SHM) as consumer:
+        producer.put(partition, data)
+        wide, sent = producer.stats.put_bytes, producer.stats.wire_bytes
+        assert sent < wide / 2  # ids halve, masks and positions shrink more
+        batch = consumer.get_data(partition, list(data), 96, task="t", timeout=10)
+        assert_same(batch, data)
+        assert consumer.stats.get_bytes == wide and consumer.stats.wire_bytes == sent
+        assert consumer.status().partitions[0].nbytes == sent  # the unit keeps the narrow bytes
+
+
+def test_pack_ints_off_sends_each_field_in_its_own_dtype(cluster, partition):
+    data = batch_of(32, seed=2)
+    with client(cluster, dataclasses.replace(SOCKET, pack_ints=False)) as c:
+        c.put(partition, data)
+        assert c.stats.wire_bytes == c.stats.put_bytes
+        assert_same(c.get_data(partition, list(data), 32, task="t", timeout=10), data)
+
+
+def test_same_host_writes_stay_wide_in_the_arena(cluster, partition):
+    """The arena copy costs the same narrowed or not, and wide arena bytes are read in place."""
+    data = batch_of(32, seed=3)
+    with client(cluster, SHM) as c:
+        c.put(partition, data)
+        assert c.stats.wire_bytes == c.stats.put_bytes
+        assert_same(c.get_data(partition, list(data), 32, task="t", timeout=10), data)
+
+
+def test_big_put_over_bulk_lanes_and_bulk_fetch_are_exact(cluster, partition, monkeypatch):
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)  # this put takes the streams
+    data = batch_of(100, seed=4)
+    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as producer, client(cluster, SOCKET) as consumer:
+        producer.put(partition, data)
+        batch = consumer.get_data(partition, list(data), 100, task="t", timeout=10)
+        assert_same(batch, data)
+        assert consumer._inner._streams  # the fetch came over a bulk stream
+
+
+def test_one_read_of_writes_packed_to_different_widths(cluster, partition):
+    """Rows of 128 bytes: the unit joins small runs into one frame, never across widths."""
+    rows = torch.arange(64 * 16).reshape(64, 16)
+    writes = [rows % 100, rows * 30, rows * 100_000, rows * 2**40, rows % 100 - 50]  # int8, 16, 32, 64, 8
+    with client(cluster, SOCKET) as c:
+        metas = [c.put(partition, {"x": w}) for w in writes]
+        assert c.stats.wire_bytes == rows.numel() * (1 + 2 + 4 + 8 + 1)
+        meta = c.get_meta(partition, ["x"], 320, task="t", timeout=10)
+        got = c.get_data(meta)["x"]
+        want = torch.cat(writes)
+        assert got.dtype == torch.int64 and torch.equal(got, want[meta.indexes])
+        # the same samples in a scattered order, from another client
+        order = [i for m in reversed(metas) for i in m.indexes[::2]] + [i for m in metas for i in m.indexes[1::2]]
+        with client(cluster, SOCKET) as other:
+            scattered = msgspec.structs.replace(meta, indexes=order, units=[meta.units[0]] * len(order), versions=None, groups=None)
+            assert torch.equal(other.get_data(scattered, fields=["x"])["x"], want[order])
+
+
+def test_a_packed_write_to_a_jagged_field_reads_back_exact(cluster, partition):
+    with client(cluster, SOCKET) as c:
+        c.put(partition, {"x": [torch.arange(5), torch.arange(7) - 1000]})
+        dense = torch.arange(8 * 1024).reshape(8, 1024) - 5
+        c.put(partition, {"x": dense})  # int16, stored as a dense piece of a jagged field
+        got = c.get_data(partition, ["x"], 10, task="t", timeout=10)["x"]
+        assert isinstance(got, list) and [t.dtype for t in got] == [torch.int64] * 10
+        assert torch.equal(got[0], torch.arange(5)) and torch.equal(got[1], torch.arange(7) - 1000)
+        assert all(torch.equal(got[2 + i], dense[i]) for i in range(8))
+
+
+def test_an_update_of_an_integer_field_is_packed_and_exact(cluster, partition):
+    with client(cluster, SOCKET) as c:
+        meta = c.put(partition, {"ids": torch.zeros(16, 1024, dtype=torch.int64)})
+        sent = c.stats.wire_bytes
+        rewards = torch.arange(16 * 1024).reshape(16, 1024) % 7
+        c.update(meta, {"scores": rewards})
+        assert c.stats.wire_bytes - sent == rewards.numel()  # int8 on the wire
+        got = c.get_data(partition, ["ids", "scores"], 16, task="t", timeout=10)
+        assert torch.equal(got["scores"], rewards) and got["scores"].dtype == torch.int64
