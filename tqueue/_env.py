@@ -10,6 +10,8 @@
 ``TQUEUE_SHM``              0: never use a unit's shared-memory arena, even on its host
 ``TQUEUE_KEEP_FREED_BYTES`` freed heap glibc may keep mapped in a client process (0: leave
                           malloc alone)
+``TQUEUE_BULK``             0: keep all payload on ZeroMQ, never on the units' bulk streams
+``TQUEUE_BULK_LANES``       bulk streams one big transfer is split over
 ``TQUEUE_PACK_INTS``        0: send integer fields in their own dtype, never narrowed
 ``TQUEUE_NATIVE``           0: plan rounds with the pure-Python planner even where its C
                           extension is built

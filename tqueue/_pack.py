@@ -41,36 +41,49 @@ def packable(dtype: np.dtype) -> bool:
     return dtype.kind == "i" and dtype.itemsize > 1 and dtype.isnative
 
 
+_BOUNDS = [(name, dt.itemsize, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for name, dt in PACKED.items()]
+
+
 def _width_for(lo: int, hi: int, itemsize: int) -> str:
     """The narrowest packed type holding ``[lo, hi]`` below ``itemsize``, or ""."""
-    for name, dt in PACKED.items():
-        if dt.itemsize >= itemsize:
+    for name, size, least, most in _BOUNDS:
+        if size >= itemsize:
             break
-        info = np.iinfo(dt)
-        if info.min <= lo and hi <= info.max:
+        if least <= lo and hi <= most:
             return name
     return ""
 
 
-def narrow(values: np.ndarray) -> tuple[np.ndarray, str] | None:
+def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, str] | None:
     """``values`` (a flat, contiguous array of a :func:`packable` dtype) in the narrowest
-    type all of them fit, and its name; None where none narrower fits (or too few bytes)."""
+    type all of them fit, and its name; None where none narrower fits (or too few bytes).
+    ``take(nbytes)`` gives the buffer for big results (a pool of warm memory: fresh pages
+    cost more than the narrowing itself)."""
     if values.nbytes < MIN_BYTES or not packable(values.dtype):
         return None
     size = values.dtype.itemsize
+    if len(values) <= _PROBE:  # small: the exact range, then numpy's cast (faster on cached data)
+        name = _width_for(int(values.min()), int(values.max()), size)
+        return (values.astype(PACKED[name]), name) if name else None
     probe = values[:_PROBE]
     name = _width_for(int(probe.min()), int(probe.max()), size)
     if not name:  # some values already need the full width
         return None
     if _native_pack is not None:
-        out = np.empty(values.shape, PACKED[name])
+        out = _empty(len(values), PACKED[name], take)
         if _halves(_native_pack.narrow_into, values, size, out, out.itemsize):
             return out, name
     # no native module, or a value beyond the probe's range: the whole range, then the cast
     name = _width_for(int(values.min()), int(values.max()), size)
     if not name:
         return None
-    return values.astype(PACKED[name]), name
+    out = _empty(len(values), PACKED[name], take)
+    np.copyto(out, values, casting="unsafe")  # every value fits: nothing is lost
+    return out, name
+
+
+def _empty(n: int, dtype: np.dtype, take: Callable[[int], np.ndarray] | None) -> np.ndarray:
+    return take(n * dtype.itemsize).view(dtype) if take is not None else np.empty(n, dtype)
 
 
 def widen(dst: np.ndarray, src: np.ndarray) -> None:

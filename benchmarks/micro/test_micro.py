@@ -124,3 +124,36 @@ def test_dp_split_planner_partition_4096(benchmark, planner, dp):
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.lognormal(6.5, 1.0, 4096).astype(np.int64) + 16, 8192)
     benchmark(planner.balanced_partition, lengths, dp)
+
+
+# --- packed integer fields (tqueue/_pack.py, native/pack.c) ----------------------------
+
+
+@pytest.fixture(params=["numpy", "native"])
+def narrowing(request, monkeypatch):
+    """tqueue._pack.narrow with its one-pass C routine, or with numpy's min, max and cast."""
+    from tqueue import _pack
+
+    if request.param == "native" and _pack._native_pack is None:
+        pytest.skip("tqueue._native_pack is not built (no C compiler at install time)")
+    if request.param == "numpy":
+        monkeypatch.setattr(_pack, "_native_pack", None)
+    return _pack
+
+
+@pytest.mark.parametrize("field", ["input_ids", "attention_mask", "position_ids"])
+def test_narrow_field_1024(benchmark, narrowing, field):
+    """Narrow one int64 [1024, 4096] field of the workload (32 MiB) to int32 / int8 / int16."""
+    values = make_batch(N)[field].numpy().reshape(-1)
+    benchmark(narrowing.narrow, values)
+
+
+def test_widen_field_1024(benchmark):
+    """Widen the packed input_ids (int32) back into an int64 [1024, 4096] buffer, in 1 MiB frames."""
+    from tqueue import _pack
+
+    narrow, _ = _pack.narrow(make_batch(N)["input_ids"].numpy().reshape(-1))
+    out = np.empty(len(narrow), dtype=np.int64)
+    step = (1 << 20) // 4
+    jobs = [(out[a : a + step], narrow[a : a + step]) for a in range(0, len(narrow), step)]
+    benchmark(_pack.widen_all, jobs)

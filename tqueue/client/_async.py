@@ -358,7 +358,7 @@ class AsyncClient(Lifecycle):
         placed = await self._into_arena(peer, arena, enc) if arena is not None else None
         logical = enc.nbytes
         if placed is None and self.config.pack_ints:  # through a socket: fewer bytes pay
-            enc = pack(enc, self.config.chunk_bytes)
+            enc = pack(enc, self.config.chunk_bytes, self._pool.take)
             store.blocks = enc.blocks
         buffers: Sequence[Any] | None = enc.buffers
         copied = enc.copied

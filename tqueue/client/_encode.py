@@ -10,7 +10,7 @@ Everything is checked before anything is sent; a value the wire cannot carry is 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -219,17 +219,18 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
     return counts
 
 
-def pack(enc: Encoded, chunk: int) -> Encoded:
+def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None) -> Encoded:
     """``enc`` with each dense integer field whose values all fit a narrower signed type
     sent in that type (tqueue/_pack.py): for writes that cross a socket, where fewer bytes
-    cost less than the pass that narrows them. ``enc`` itself where nothing narrows."""
+    cost less than the pass that narrows them. ``enc`` itself where nothing narrows.
+    ``take(nbytes)``: where big narrow buffers come from (the client's pool)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):
         frames = enc.buffers[at : at + len(block.counts)]
         at += len(block.counts)
         wide = int_dtype(block.spec) if whole is not None else None
-        narrowed = narrow(np.frombuffer(whole, dtype=wide)) if wide is not None else None
+        narrowed = narrow(np.frombuffer(whole, dtype=wide), take) if wide is not None else None
         if narrowed is None:
             out.blocks.append(block)
             out.buffers.extend(frames)
