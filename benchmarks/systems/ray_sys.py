@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from benchmarks import workload
-from benchmarks.harness import Result, Scenario, now
+from benchmarks.harness import Result, Scenario, now, settle
 from benchmarks.systems import Plan, assemble, grow_actors, is_view_of_larger, make_plan, make_puts, missing, repo_root
 
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
@@ -144,8 +144,6 @@ class _Consumer:
         return True
 
     def get(self, scenario: dict[str, Any], size: int, *sent: dict[str, Any]) -> dict[str, Any]:
-        import gc
-
         import ray
 
         plan = _plan(scenario, size)
@@ -160,7 +158,7 @@ class _Consumer:
         q0, q1 = plan.shares[self.index]
         workload.verify(batch, q0, q1, multimodal=plan.scenario.multimodal)
         del batch, parts, objs, by_producer, sent
-        gc.collect()  # mapped (zero-copy) tensors pin their objects until they are gone
+        settle()  # mapped (zero-copy) tensors pin their objects until they are gone
         return {"t0": t0, "t1": t1}
 
 

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from benchmarks import workload
-from benchmarks.harness import Result, Scenario, now
+from benchmarks.harness import Result, Scenario, now, settle
 from benchmarks.systems import Plan, grow_actors, make_plan, make_puts, missing
 
 TIMEOUT_S = 600.0
@@ -167,6 +167,7 @@ class _Consumer:
         t2 = now()
         workload.verify(batch, q0, q1, multimodal=plan.scenario.multimodal)
         del batch, meta
+        settle()
         return {"t0": t0, "t1": t1, "t2": t2}
 
 

@@ -6,7 +6,7 @@ import itertools
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..harness import Result, Scenario, Worker, now, serve
+from ..harness import Result, Scenario, Worker, now, serve, settle
 from ..workload import fields, make_batch, nbytes, verify
 
 
@@ -59,6 +59,8 @@ def _consumer(conn: Connection, address: str, rank: int, transport: str, pack: b
         if msg["ordered"]:
             verify(batch, meta.indexes[0], meta.indexes[0] + len(meta), multimodal=msg["multimodal"])
         client.ack(meta)
+        del batch
+        settle()
         return {"t0": t0, "t1": t1, "t2": t2, "indexes": meta.indexes}
 
     try:

@@ -33,7 +33,7 @@ import tempfile
 from typing import Any
 
 from benchmarks import workload
-from benchmarks.harness import Result, Scenario, Worker, now, serve
+from benchmarks.harness import Result, Scenario, Worker, now, serve, settle
 from benchmarks.systems import Plan, make_plan, make_puts, missing
 
 FRAME = 1 << 20  # default frame size; the brief's ceiling is 4 MiB
@@ -230,6 +230,8 @@ def _consumer_main(conn: Any, index: int, endpoint: str) -> None:
             raise AssertionError(f"consumer {index}: {got} tensor bytes received, batch holds a different count")
         if mm and any(x is None for x in images):
             raise AssertionError("images missing")
+        del batch, objects, images
+        settle()
         return {"t_first": t_first, "t_done": t_done}
 
     try:
