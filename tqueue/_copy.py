@@ -12,23 +12,38 @@ spins afterwards.
 from __future__ import annotations
 
 import os
+from typing import Callable, TypeVar
 
 import numpy as np
 
 from . import _threads
 
 SPLIT_MIN = 8 << 20  # smaller copies stay on the calling thread: a hand-off costs more
+T = TypeVar("T")
+
+
+def worth_splitting(nbytes: int) -> bool:
+    """Whether a pass over ``nbytes`` pays for a second thread (one core alone does not reach
+    the memory's bandwidth; below ``SPLIT_MIN`` the hand-off costs more)."""
+    return nbytes >= SPLIT_MIN and (os.cpu_count() or 1) >= 2
+
+
+def on_two_threads(lower: Callable[[], T], upper: Callable[[], T]) -> tuple[T, T]:
+    """Run ``upper`` on the process's copy thread while ``lower`` runs on this one (both
+    should release the GIL: numpy copies and the native passes do); their results."""
+    pending = _threads.pool("copy", 1).submit(upper)
+    try:
+        first = lower()
+    finally:
+        second = pending.result()
+    return first, second
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` for two flat uint8 arrays of one size; halves in parallel when big."""
     n = dst.nbytes
-    if n < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+    if not worth_splitting(n):
         np.copyto(dst, src)
         return
     half = (n // 2) & ~4095  # page-aligned halves: the threads do not share a page
-    upper = _threads.pool("copy", 1).submit(np.copyto, dst[half:], src[half:])
-    try:
-        np.copyto(dst[:half], src[:half])
-    finally:
-        upper.result()
+    on_two_threads(lambda: np.copyto(dst[:half], src[:half]), lambda: np.copyto(dst[half:], src[half:]))

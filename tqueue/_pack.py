@@ -17,12 +17,11 @@ built). ``ClientConfig.pack_ints`` (``TQUEUE_PACK_INTS=0``) turns it off.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np
 
-from . import _threads
+from ._copy import on_two_threads, worth_splitting
 
 try:
     from . import _native_pack
@@ -33,7 +32,6 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
 PACKED = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 MIN_BYTES = 4096  # smaller fields are not worth a check
 _PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
-SPLIT_MIN = 8 << 20  # widening this much or more runs on two threads
 
 
 def packable(dtype: np.dtype) -> bool:
@@ -95,7 +93,7 @@ def widen_all(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     """:func:`widen` for each ``(dst, src)``; many frames (a field arrives in frames of
     about a MiB) are shared out between two threads, each thread taking a run of them."""
     total = sum(dst.nbytes for dst, _ in jobs)
-    if len(jobs) < 4 or total < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+    if len(jobs) < 4 or not worth_splitting(total):
         for dst, src in jobs:
             widen(dst, src)
         return
@@ -105,11 +103,7 @@ def widen_all(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         if 2 * acc >= total:
             cut = i + 1
             break
-    upper = _threads.pool("copy", 1).submit(_widen_each, jobs[cut:])
-    try:
-        _widen_each(jobs[:cut])
-    finally:
-        upper.result()
+    on_two_threads(lambda: _widen_each(jobs[:cut]), lambda: _widen_each(jobs[cut:]))
 
 
 def _widen_each(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -124,14 +118,9 @@ def _copy_safe(src: np.ndarray, _: int, dst: np.ndarray, __: int) -> bool:
 
 def _halves(fn: Callable[[np.ndarray, int, np.ndarray, int], bool], src: np.ndarray, a: int, dst: np.ndarray, b: int) -> bool:
     """``fn(src, a, dst, b)`` over flat arrays of one length, as two halves on two threads
-    when big (both release the GIL; one core alone does not reach the memory's bandwidth);
-    true when both halves are."""
-    if max(src.nbytes, dst.nbytes) < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+    when big; true when both halves are."""
+    if not worth_splitting(max(src.nbytes, dst.nbytes)):
         return fn(src, a, dst, b)
     half = len(src) // 2
-    upper = _threads.pool("copy", 1).submit(fn, src[half:], a, dst[half:], b)
-    try:
-        lower = fn(src[:half], a, dst[:half], b)
-    finally:
-        fits = upper.result()
-    return bool(lower and fits)
+    lower, upper = on_two_threads(lambda: fn(src[:half], a, dst[:half], b), lambda: fn(src[half:], a, dst[half:], b))
+    return bool(lower and upper)
