@@ -30,7 +30,10 @@ import struct
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
+import numpy as np
+
 from . import _threads
+from ._pack import Misfit, Narrowing, Widening
 from .errors import ProtocolError, StorageUnitUnavailableError
 
 log = logging.getLogger(__name__)
@@ -222,6 +225,36 @@ def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
             break
 
 
+_scratch = threading.local()
+
+
+def send_frames(sock: socket.socket, frames: Sequence[Any]) -> None:
+    """Write every frame: buffers as they are, gathered; each Narrowing narrowed into this
+    thread's scratch buffer (small enough to stay in the core's cache) and sent from it.
+    The kernel has copied the bytes when ``sendmsg`` returns, so the scratch is free again."""
+    run: list[memoryview] = []
+    for f in frames:
+        if not isinstance(f, Narrowing):
+            run.append(memoryview(f).cast("B"))
+            continue
+        if run:
+            send_all(sock, run)
+            run = []
+        out = _scratch_of(f.nbytes)
+        f.into(out)
+        send_all(sock, [memoryview(out)])
+    if run:
+        send_all(sock, run)
+
+
+def _scratch_of(nbytes: int) -> np.ndarray:
+    """``nbytes`` of this thread's scratch buffer (a frame: about a MiB, fits a core's cache)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def stall_limit(sock: socket.socket, timeout: float) -> None:
     """Fail a send or receive that makes no progress for ``timeout`` seconds.
 
@@ -235,16 +268,27 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def read_into(sock: socket.socket, targets: Sequence[memoryview], timeout: float) -> None:
-    """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``."""
+def read_into(sock: socket.socket, targets: Sequence[memoryview | Widening], timeout: float) -> None:
+    """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``.
+    A :class:`~tqueue._pack.Widening` is received into this thread's scratch buffer and
+    widened from there into its rows."""
     stall_limit(sock, timeout)
     for t in targets:
-        got, n = 0, t.nbytes
-        while got < n:
-            r = sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
-            if r == 0:
-                raise OSError("the peer closed the stream")
-            got += r
+        if isinstance(t, Widening):
+            buf = _scratch_of(t.nbytes)
+            _recv_exactly(sock, memoryview(buf))
+            t.take(buf)
+        else:
+            _recv_exactly(sock, t)
+
+
+def _recv_exactly(sock: socket.socket, t: memoryview) -> None:
+    got, n = 0, t.nbytes
+    while got < n:
+        r = sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
+        if r == 0:
+            raise OSError("the peer closed the stream")
+        got += r
 
 
 class BulkStream:
@@ -274,13 +318,17 @@ class BulkStream:
 
     def write(self, frames: Sequence[Any], timeout: float) -> None:
         """Send ``frames`` back to back (a put's lane); StorageUnitUnavailableError if the unit
-        stops reading."""
+        stops reading. :class:`~tqueue._pack.Narrowing` frames are narrowed on the way; where
+        one raises Misfit the stream is closed (its reader is left mid-write) and it goes on."""
         stall_limit(self.sock, timeout)
         try:
-            send_all(self.sock, [memoryview(f).cast("B") for f in frames])
+            send_frames(self.sock, frames)
         except OSError as exc:
             self.close()
             raise StorageUnitUnavailableError(f"bulk stream to {self.address} broke mid-put: {exc}") from exc
+        except Misfit:
+            self.close()
+            raise
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)

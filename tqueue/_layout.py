@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._pack import PACKED, packable
+from ._pack import PACKED, Narrowing, packable
 from ._wire import FieldBlock, FieldSpec
 from .errors import ProtocolError
 
@@ -213,6 +213,8 @@ def frame_layout(block: FieldBlock, frames: Sequence[Any]) -> tuple[np.ndarray, 
 
 
 def nbytes(frame: Any) -> int:
+    if isinstance(frame, Narrowing):
+        return frame.nbytes
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     return memoryview(buf).nbytes
 

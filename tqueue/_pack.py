@@ -31,7 +31,7 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
 # the types a field may be packed into, narrowest first
 PACKED = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 MIN_BYTES = 4096  # smaller fields are not worth a check
-_PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
+PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
 
 
 def packable(dtype: np.dtype) -> bool:
@@ -60,11 +60,10 @@ def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) 
     if values.nbytes < MIN_BYTES or not packable(values.dtype):
         return None
     size = values.dtype.itemsize
-    if len(values) <= _PROBE:  # small: the exact range, then numpy's cast (faster on cached data)
+    if len(values) <= PROBE:  # small: the exact range, then numpy's cast (faster on cached data)
         name = _width_for(int(values.min()), int(values.max()), size)
         return (values.astype(PACKED[name]), name) if name else None
-    probe = values[:_PROBE]
-    name = _width_for(int(probe.min()), int(probe.max()), size)
+    name = guess(values)
     if not name:  # some values already need the full width
         return None
     if _native_pack is not None:
@@ -78,6 +77,64 @@ def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) 
     out = _empty(len(values), PACKED[name], take)
     np.copyto(out, values, casting="unsafe")  # every value fits: nothing is lost
     return out, name
+
+
+def guess(values: np.ndarray) -> str:
+    """The packed type the first ``PROBE`` values of ``values`` fit, or "": a guess for the
+    whole field, which the narrowing pass then checks value by value."""
+    probe = values[:PROBE]
+    return _width_for(int(probe.min()), int(probe.max()), values.dtype.itemsize) if len(probe) else ""
+
+
+class Misfit(Exception):
+    """A value of a field being narrowed as it is sent does not fit the guessed type."""
+
+
+class Narrowing:
+    """A frame that is narrowed as it is sent: ``src`` (flat values of a :func:`packable`
+    dtype) in the packed type ``dtype``, which :func:`guess` chose before every value was
+    looked at. The sender narrows into a small buffer that stays in the CPU's cache and
+    sends it from there (tqueue/_bulk.py), so the narrow bytes are never written to memory
+    and read back; a value that does not fit raises :class:`Misfit` and the write is sent
+    again with the widths of the whole range."""
+
+    __slots__ = ("src", "dtype", "nbytes")
+
+    def __init__(self, src: np.ndarray, dtype: np.dtype) -> None:
+        self.src = src
+        self.dtype = dtype
+        self.nbytes = len(src) * dtype.itemsize
+
+    def into(self, out: np.ndarray) -> None:
+        """Write the narrow values into ``out`` (bytes, ``nbytes`` long); :class:`Misfit`
+        where one does not fit."""
+        dst = out.view(self.dtype)
+        if _native_pack is not None:
+            fits = _native_pack.narrow_into(self.src, self.src.dtype.itemsize, dst, self.dtype.itemsize)
+        else:
+            bounds = np.iinfo(self.dtype)
+            fits = bool(self.src.min() >= bounds.min and self.src.max() <= bounds.max)
+            if fits:
+                np.copyto(dst, self.src, casting="unsafe")
+        if not fits:
+            raise Misfit(f"a value does not fit {self.dtype.name}")
+
+
+class Widening:
+    """Where a packed frame received on a bulk stream goes: widened into ``dst`` (the batch
+    rows, of the field's own dtype) straight from the small buffer it was received into,
+    while it is in the CPU's cache (tqueue/_bulk.py). ``nbytes``: the packed bytes."""
+
+    __slots__ = ("dst", "dtype", "nbytes")
+
+    def __init__(self, dst: np.ndarray, dtype: np.dtype) -> None:
+        self.dst = dst
+        self.dtype = dtype
+        self.nbytes = len(dst) * dtype.itemsize
+
+    def take(self, got: np.ndarray) -> None:
+        """Widen ``got`` (the frame's packed bytes) into the rows."""
+        np.copyto(self.dst, got.view(self.dtype), casting="safe")
 
 
 def _empty(n: int, dtype: np.dtype, take: Callable[[int], np.ndarray] | None) -> np.ndarray:

@@ -269,3 +269,78 @@ def test_an_update_of_an_integer_field_is_packed_and_exact(cluster, partition):
         assert c.stats.wire_bytes - sent == rewards.numel()  # int8 on the wire
         got = c.get_data(partition, ["ids", "scores"], 16, task="t", timeout=10)
         assert torch.equal(got["scores"], rewards) and got["scores"].dtype == torch.int64
+
+
+# --- narrowed as sent, widened as received (bulk streams) -------------------------------
+
+
+def big_batch(n: int, seed: int) -> dict[str, Any]:
+    """Fields of more than ``PROBE`` values: over bulk streams they are narrowed as sent."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 151_936, (n, 4096), generator=g),  # int32
+        "mask": torch.randint(0, 2, (n, 4096), generator=g),  # int8
+        "hashes": torch.randint(-(2**62), 2**62, (n, 1024), generator=g),  # stays int64
+        "text": [f"sample {seed}-{i}" for i in range(n)],
+    }
+
+
+def stored(c: tqueue.Client, partition: str) -> int:
+    return next(p.nbytes for p in c.status().partitions if p.name == partition)
+
+
+def counting_packs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record each ``pack`` the client makes: True where narrowing is deferred to the send."""
+    calls: list[bool] = []
+    real = client_mod.pack
+
+    def spy(enc: Any, chunk: int, take: Any = None, *, defer: bool = False) -> Any:
+        calls.append(defer)
+        return real(enc, chunk, take, defer=defer)
+
+    monkeypatch.setattr(client_mod, "pack", spy)
+    return calls
+
+
+def test_big_fields_are_narrowed_as_sent_and_widened_as_received(cluster, partition, impl, monkeypatch):
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
+    calls = counting_packs(monkeypatch)
+    data = big_batch(64, seed=5)
+    with client(cluster, SOCKET) as producer, client(cluster, SOCKET) as consumer:
+        producer.put(partition, data)
+        assert calls == [True]  # one pack, deferred, and no second one: the guesses held
+        ids, mask, hashes = (data[f].numel() for f in ("ids", "mask", "hashes"))
+        sent = producer.stats.wire_bytes
+        assert sent == ids * 4 + mask + hashes * 8 + producer.stats.put_bytes - (ids + mask + hashes) * 8
+        batch = consumer.get_data(partition, list(data), 64, task="t", timeout=10)
+        assert_same(batch, data)
+        assert consumer._inner._streams  # the fetch came over bulk streams
+        assert consumer.stats.wire_bytes == sent and consumer.stats.get_bytes == producer.stats.put_bytes
+        assert stored(consumer, partition) == sent
+
+
+def test_a_value_past_the_first_ones_sends_the_put_again_at_its_width(cluster, partition, impl, monkeypatch):
+    """The width is guessed from a field's first values before the Store goes; a later value
+    that does not fit stops the streams mid-write, and the put is sent again knowing every
+    value. The unit keeps only the second write; the client and unit go on working."""
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
+    calls = counting_packs(monkeypatch)
+    data = big_batch(64, seed=6)
+    data["mask"][-1, -1] = 40_000  # int8 for the first 64Ki values, int32 for the whole field
+    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as producer, client(cluster, SOCKET) as consumer:
+        producer.put(partition, data)
+        assert calls == [True, False]  # deferred, then again with every value known
+        ids, mask, hashes = (data[f].numel() for f in ("ids", "mask", "hashes"))
+        sent = producer.stats.wire_bytes
+        assert sent == ids * 4 + mask * 4 + hashes * 8 + producer.stats.put_bytes - (ids + mask + hashes) * 8
+        assert stored(consumer, partition) == sent  # the broken first write left nothing
+        batch = consumer.get_data(partition, list(data), 64, task="t", timeout=10)
+        assert_same(batch, data)
+        # the samples in a scattered order: packed frames staged, then widened
+        meta = batch.meta
+        order = meta.indexes[1::2] + meta.indexes[::2]
+        scattered = msgspec.structs.replace(meta, indexes=order, units=[meta.units[0]] * 64, versions=None, groups=None)
+        assert_same(consumer.get_data(scattered), data, rows=order)
+        more = big_batch(64, seed=7)
+        producer.put(partition, more)  # the streams that were stopped are replaced
+        assert_same(consumer.get_data(partition, list(more), 64, task="t", timeout=10), more)

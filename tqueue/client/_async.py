@@ -49,7 +49,7 @@ from ..errors import (
     UnknownFieldError,
 )
 from .._layout import int_dtype, itemsize, nbytes, split_lanes
-from .._pack import PACKED
+from .._pack import PACKED, Misfit, Narrowing, Widening
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, pack, sample_count
 from ._args import _groups, _versions, _wait
@@ -356,9 +356,11 @@ class AsyncClient(Lifecycle):
         )
         arena = self._arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
         placed = await self._into_arena(peer, arena, enc) if arena is not None else None
-        logical = enc.nbytes
+        logical, wide = enc.nbytes, enc
+        bulk = arena is None and self._bulk_to(unit.unit_id)
         if placed is None and self.config.pack_ints:  # through a socket: fewer bytes pay
-            enc = pack(enc, self.config.chunk_bytes, self._pool.take)
+            # over bulk streams big fields are narrowed as they are sent (frames in cache)
+            enc = pack(wide, self.config.chunk_bytes, self._pool.take, defer=bulk)
             store.blocks = enc.blocks
         buffers: Sequence[Any] | None = enc.buffers
         copied = enc.copied
@@ -366,9 +368,18 @@ class AsyncClient(Lifecycle):
             store.blocks, store.shm, store.region = placed
             buffers = ()
             copied += enc.nbytes
-        elif arena is None and enc.nbytes >= PUT_BULK_MIN_BYTES and self._bulk_to(unit.unit_id):
-            if await self._store_bulk(unit.unit_id, peer, store, enc):
+        elif bulk and enc.nbytes >= PUT_BULK_MIN_BYTES:
+            try:
+                sent = await self._store_bulk(unit.unit_id, peer, store, enc)
+            except Misfit:  # a value past the first ones' range: narrow knowing them all
+                enc = pack(wide, self.config.chunk_bytes, self._pool.take)
+                store.blocks, store.bulk = enc.blocks, None
+                sent = await self._store_bulk(unit.unit_id, peer, store, enc)
+            if sent:
                 buffers = None
+        if buffers is not None and enc is not wide and any(isinstance(b, Narrowing) for b in enc.buffers):
+            enc = pack(wide, self.config.chunk_bytes, self._pool.take)  # inline after all
+            store.blocks, buffers, copied = enc.blocks, enc.buffers, enc.copied
         if buffers is not None:
             await peer.request(store, buffers)
         self.stats.puts += 1
@@ -400,6 +411,8 @@ class AsyncClient(Lifecycle):
         try:
             await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
             broken = next((w for w in writes if w.done() and w.exception() is not None), None)
+            if broken is not None and isinstance(broken.exception(), Misfit):
+                broken.result()  # the unit is left mid-write and will refuse it: send again
             if broken is not None and not reply.done():
                 # a unit that refuses a put closes its streams, then says why: wait for that
                 await asyncio.wait([reply], timeout=LANE_GRACE)
@@ -708,13 +721,14 @@ class AsyncClient(Lifecycle):
         parts = list(
             await asyncio.gather(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
         )
-        received = logical = 0
+        received = logical = copied = 0
         for part in parts:
             for block, frames in part.blocks.values():
                 got = [nbytes(f) for f in frames]
-                received += sum(got)
+                received += sum(got) if part.wire < 0 else 0
                 logical += sum(got) if not block.packed else _widened(block, got)
-        copied = 0
+            received += max(part.wire, 0)
+            copied += part.widened
         with paused_gc():
             for field in fields:
                 values[field], lens, n = assemble_field(
@@ -742,6 +756,7 @@ class AsyncClient(Lifecycle):
         peer = await self._unit(unit_id)
         arena = self._arena(self._units[unit_id])
         stream = await self._stream(unit_id) if self._bulk_to(unit_id) else None
+        wire, widened = -1, 0
         try:
             reply, frames = await peer.request(
                 Fetch(
@@ -759,6 +774,7 @@ class AsyncClient(Lifecycle):
                     raise ProtocolError("a bulk reply to a fetch that asked for none, or with inline frames")
                 frames, targets = bulk_targets(pos, reply.blocks, meta.schema, dests, reply.bulk, self._pool)
                 await _bulk.run_blocking(stream.read, targets, self.config.request_timeout)
+                wire, widened = reply.bulk, sum(t.dst.nbytes for t in targets if isinstance(t, Widening))
         except BaseException:
             if stream is not None:
                 stream.close()  # bytes may be in flight: never read this stream again
@@ -773,7 +789,7 @@ class AsyncClient(Lifecycle):
         for block in reply.blocks:
             blocks[block.name] = (block, frames[at : at + len(block.counts)])
             at += len(block.counts)
-        return Part(positions=pos, blocks=blocks)
+        return Part(positions=pos, blocks=blocks, wire=wire, widened=widened)
 
     def _lanes(self, meta: BatchMeta, fields: list[str], unit_id: int, pos: np.ndarray) -> list[np.ndarray]:
         """The samples of one unit split into runs fetched at once over parallel bulk streams.

@@ -22,7 +22,7 @@ import torch
 
 from .._copy import copy_bytes
 from .._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
-from .._pack import PACKED, widen, widen_all
+from .._pack import PACKED, Widening, widen, widen_all
 from .._wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
@@ -74,6 +74,8 @@ class Part:
 
     positions: np.ndarray
     blocks: dict[str, tuple[FieldBlock, list[Any]]]
+    wire: int = -1  # bytes received, where frames do not say (some were widened on arrival)
+    widened: int = 0  # bytes written by widening packed frames on arrival
 
 
 class Batch(Mapping[str, Any]):
@@ -458,15 +460,17 @@ def bulk_targets(
     dests: Mapping[str, np.ndarray],
     total: int,
     pool: BufferPool,
-) -> tuple[list[np.ndarray], list[memoryview]]:
+) -> tuple[list[np.ndarray], list[memoryview | Widening]]:
     """Where each frame of a bulk reply lands, and the buffers to receive into, in order.
 
     A dense frame whose samples are consecutive batch positions goes straight into those
-    rows of the field's buffer in ``dests``; every other run of frames goes into one staging
+    rows of the field's buffer in ``dests``; a packed one is widened into them as it
+    arrives (a :class:`~tqueue._pack.Widening`; its entry in ``block.packed`` becomes "",
+    as the frame is then those rows, wide). Every other run of frames goes into one staging
     buffer, of which the frames are slices. ``total`` (the bytes the unit announced) must
     match the blocks."""
     frames: list[np.ndarray] = []
-    targets: list[memoryview] = []
+    targets: list[memoryview | Widening] = []
     staged: list[int] = []  # sizes of frames waiting for a staging buffer
 
     def stage() -> None:
@@ -494,9 +498,9 @@ def bulk_targets(
         in_place = (
             dest is not None and spec is not None and block.spec.layout == "dense"
             and tuple(block.spec.shape) == tuple(spec.shape) and block.spec.dtype == spec.dtype
-            and not block.packed  # packed frames are staged, then widened into the rows
         )
-        row = int(sizes[0]) if len(sizes) else 0
+        row = int(np.prod(block.spec.shape, dtype=np.int64)) * itemsize(block.spec)
+        wide = int_dtype(block.spec) if block.packed else None
         for i in range(len(block.counts)):
             a, b = int(bounds[i]), int(bounds[i + 1])
             n = int(ends[b] - ends[a])
@@ -507,7 +511,13 @@ def bulk_targets(
                 stage()
                 view = dest[int(pos[0]) * row : (int(pos[-1]) + 1) * row]
                 frames.append(view)
-                targets.append(memoryview(view))
+                narrow = block.packed[i] if block.packed else ""
+                if narrow:  # sample_sizes checked the name and the width
+                    assert wide is not None and block.packed is not None
+                    targets.append(Widening(view.view(wide), PACKED[narrow]))
+                    block.packed[i] = ""
+                else:
+                    targets.append(memoryview(view))
             else:
                 staged.append(n)
     if got != total:

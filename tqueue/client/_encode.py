@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .._layout import TORCH_ITEMSIZE, int_dtype
-from .._pack import narrow
+from .._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
 from .._wire import FieldBlock, FieldSpec
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 
@@ -219,32 +219,63 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
     return counts
 
 
-def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None) -> Encoded:
+def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False) -> Encoded:
     """``enc`` with each dense integer field whose values all fit a narrower signed type
     sent in that type (tqueue/_pack.py): for writes that cross a socket, where fewer bytes
     cost less than the pass that narrows them. ``enc`` itself where nothing narrows.
-    ``take(nbytes)``: where big narrow buffers come from (the client's pool)."""
+    ``take(nbytes)``: where big narrow buffers come from (the client's pool).
+
+    ``defer``: big fields become :class:`~tqueue._pack.Narrowing` frames in the type their
+    first values fit, narrowed and checked only as a bulk stream sends them (which raises
+    :class:`~tqueue._pack.Misfit` where the guess was wrong: pack again without ``defer``)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):
         frames = enc.buffers[at : at + len(block.counts)]
         at += len(block.counts)
         wide = int_dtype(block.spec) if whole is not None else None
-        narrowed = narrow(np.frombuffer(whole, dtype=wide), take) if wide is not None else None
+        values = np.frombuffer(whole, dtype=wide) if wide is not None else None
+        if defer and values is not None and _deferred(values, block, enc.count, chunk, out):
+            continue
+        narrowed = narrow(values, take) if values is not None else None
         if narrowed is None:
             out.blocks.append(block)
             out.buffers.extend(frames)
             out.whole.append(whole)
             out.nbytes += sum(memoryview(f).nbytes for f in frames)
             continue
-        values, name = narrowed
-        buf = memoryview(values.view(np.uint8))
+        packed, name = narrowed
+        buf = memoryview(packed.view(np.uint8))
         counts = _chunks(buf, enc.count, chunk, out.buffers)
         out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
         out.whole.append(buf)
         out.nbytes += buf.nbytes
         out.copied += buf.nbytes  # the narrow values were written once: a copy
     return out if out.copied > enc.copied else enc
+
+
+def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: Encoded) -> bool:
+    """Append ``values`` (a dense field of ``n`` rows) to ``out`` as frames narrowed when
+    sent, if it is big and its first values fit a narrower type; False otherwise."""
+    if len(values) <= PROBE or not packable(values.dtype):
+        return False
+    name = guess(values)
+    if not name:
+        return False
+    dtype = PACKED[name]
+    per_row = len(values) // n
+    rows = max(1, chunk // (per_row * dtype.itemsize)) if per_row else n
+    counts = []
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        out.buffers.append(Narrowing(values[a * per_row : b * per_row], dtype))
+        counts.append(b - a)
+    out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
+    out.whole.append(None)
+    nbytes = len(values) * dtype.itemsize
+    out.nbytes += nbytes
+    out.copied += nbytes  # written once, into a cached buffer the stream sends from
+    return True
 
 
 def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
