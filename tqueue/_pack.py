@@ -105,6 +105,14 @@ class Narrowing:
         self.dtype = dtype
         self.nbytes = len(src) * dtype.itemsize
 
+    @property
+    def cost(self) -> int:
+        """What sending this frame costs, in bytes sent as they are: lanes are balanced by
+        it. Reading the wide values costs about half as much as sending the narrow ones
+        (measured here: with lanes split by bytes sent, the lane of narrowed frames took
+        1.3-1.5x as long as the other; split by this, the two end within 1-5 ms)."""
+        return self.nbytes + self.src.nbytes // 2
+
     def into(self, out: np.ndarray) -> None:
         """Write the narrow values into ``out`` (bytes, ``nbytes`` long); :class:`Misfit`
         where one does not fit."""

@@ -344,3 +344,27 @@ def test_a_value_past_the_first_ones_sends_the_put_again_at_its_width(cluster, p
         more = big_batch(64, seed=7)
         producer.put(partition, more)  # the streams that were stopped are replaced
         assert_same(consumer.get_data(partition, list(more), 64, task="t", timeout=10), more)
+
+
+def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition, monkeypatch):
+    """A narrowed frame costs its narrow bytes plus half its wide ones: a lane of int64
+    values sent as int32 carries half the bytes of a lane of float32 sent as they are."""
+    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
+    monkeypatch.setattr(client_mod, "LANE_MIN_BYTES", 1 << 20)
+    lanes: list[int] = []
+    real = tqueue._bulk.BulkStream.write
+
+    def spy(self: Any, frames: Any, timeout: float) -> None:
+        lanes.append(sum(tqueue._layout.nbytes(f) for f in frames))
+        real(self, frames, timeout)
+
+    monkeypatch.setattr(tqueue._bulk.BulkStream, "write", spy)
+    data = {
+        "ids": torch.arange(64 * 8192).reshape(64, 8192),  # 4 MiB wide, 2 MiB as int32
+        "logp": torch.randn(64, 16384),  # 4 MiB
+    }
+    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as c:
+        c.put(partition, data)
+        assert sorted(lanes) == [2 << 20, 4 << 20]  # by bytes alone: 3 MiB each
+        got = c.get_data(partition, ["ids", "logp"], 64, task="t", timeout=10)
+        assert torch.equal(got["ids"], data["ids"]) and torch.equal(got["logp"], data["logp"])

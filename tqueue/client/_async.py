@@ -391,7 +391,7 @@ class AsyncClient(Lifecycle):
         """Send a put's frames over bulk streams (two lanes at once when big) while the
         ``Store`` goes on ZeroMQ; False if no stream could be opened (send inline instead)."""
         want = self.config.bulk_lanes if enc.nbytes >= LANE_MIN_BYTES * self.config.bulk_lanes else 1
-        counts = split_lanes([nbytes(b) for b in enc.buffers], max(1, want))
+        counts = split_lanes([b.cost if isinstance(b, Narrowing) else nbytes(b) for b in enc.buffers], max(1, want))
         streams: list[_bulk.BulkStream] = []
         for _ in counts:
             st = await self._stream(unit_id)
