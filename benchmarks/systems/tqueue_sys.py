@@ -80,12 +80,13 @@ class TQueueSystem:
         self.units = units
         self.pack = pack
         self.copies = (
-            "put: integer fields narrowed into a new buffer (1 pass, writes 0.25-0.5 of their bytes), "
-            "other dense tensors 0 user-space copies (frames are views of the tensor, sent on "
-            "bulk streams), small jagged samples and objects joined once; kernel: 1 copy each "
-            "way; unit: 0 (receives into buffers it keeps, answers with slices); get: packed "
-            "fields widened into the batch's rows (1 pass), other dense fields 0 (received into "
-            "the batch's rows), objects decoded from staging"
+            "put: integer fields narrowed frame by frame into a cache-sized buffer the bulk "
+            "stream sends from (1 pass; the narrow bytes are not written to memory and read "
+            "back), other dense tensors 0 user-space copies (frames are views of the tensor), "
+            "small jagged samples and objects joined once; kernel: 1 copy each way; unit: 0 "
+            "(receives into buffers it keeps, answers with slices); get: packed frames received "
+            "into a cache-sized buffer and widened from it into the batch's rows (1 pass), "
+            "other dense fields 0 (received into the batch's rows), objects decoded from staging"
             if transport == "tcp" and pack
             else "put: dense tensors 0 user-space copies (frames are views of the tensor, sent on "
             "bulk streams), small jagged samples and objects joined once; kernel: 1 copy each "
