@@ -368,3 +368,16 @@ def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition
         assert sorted(lanes) == [2 << 20, 4 << 20]  # by bytes alone: 3 MiB each
         got = c.get_data(partition, ["ids", "logp"], 64, task="t", timeout=10)
         assert torch.equal(got["ids"], data["ids"]) and torch.equal(got["logp"], data["logp"])
+
+
+def test_a_put_too_small_for_the_streams_is_narrowed_before_it_is_sent(cluster, partition, monkeypatch):
+    """Deferred frames are only for the streams: a put that goes inline on ZeroMQ after all
+    is packed again, before sending, and reads back exact."""
+    calls = counting_packs(monkeypatch)
+    data = big_batch(24, seed=8)  # ids and mask of 96 Ki values: deferred at first
+    with client(cluster, SOCKET) as c:
+        c.put(partition, data)
+        assert calls == [True, False]
+        ids, mask = data["ids"].numel(), data["mask"].numel()
+        assert c.stats.wire_bytes == c.stats.put_bytes - ids * 4 - mask * 7
+        assert_same(c.get_data(partition, list(data), 24, task="t", timeout=10), data)

@@ -499,8 +499,8 @@ def bulk_targets(
             dest is not None and spec is not None and block.spec.layout == "dense"
             and tuple(block.spec.shape) == tuple(spec.shape) and block.spec.dtype == spec.dtype
         )
-        row = int(np.prod(block.spec.shape, dtype=np.int64)) * itemsize(block.spec)
-        wide = int_dtype(block.spec) if block.packed else None
+        row = int(np.prod(block.spec.shape, dtype=np.int64)) * itemsize(block.spec) if in_place else 0
+        wide = int_dtype(block.spec) if in_place and block.packed else None
         for i in range(len(block.counts)):
             a, b = int(bounds[i]), int(bounds[i + 1])
             n = int(ends[b] - ends[a])
