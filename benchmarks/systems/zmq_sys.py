@@ -72,6 +72,7 @@ def _producer_main(conn: Any, index: int) -> None:
         return socks[endpoint]
 
     def prepare(msg: dict[str, Any]) -> dict[str, Any]:
+        state.pop("parts", None)  # the last run's batch, freed here, untimed (harness.py)
         plan = _plan(msg)
         parts = make_puts(plan, index)
         # sends[i]: (consumer, lo, hi) row ranges of put i, one per consumer that takes some
