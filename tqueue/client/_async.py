@@ -377,7 +377,7 @@ class AsyncClient(Lifecycle):
                 sent = await self._store_bulk(unit.unit_id, peer, store, enc)
             if sent:
                 buffers = None
-        if buffers is not None and enc is not wide and any(isinstance(b, Narrowing) for b in enc.buffers):
+        if buffers is not None and enc.deferred:
             enc = pack(wide, self.config.chunk_bytes, self._pool.take)  # inline after all
             store.blocks, buffers, copied = enc.blocks, enc.buffers, enc.copied
         if buffers is not None:

@@ -44,6 +44,8 @@ class Encoded:
     # per block, the field's bytes as one buffer where they are contiguous (dense fields):
     # the same-host path copies that in one go instead of frame by frame
     whole: list[Any] = dataclasses.field(default_factory=list)
+    # some buffers are Narrowing frames (pack(defer=True)): only a bulk stream can send them
+    deferred: bool = False
 
     def grant_blocks(self) -> list[FieldBlock]:
         """The blocks as the controller needs them: specs and shapes, not frame layout."""
@@ -206,17 +208,20 @@ def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx
     out.copied += copied
 
 
-def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
-    """Cut the ``n`` equal rows of ``buf`` into frames of at most ``chunk`` bytes (at least
-    one row each), appended to ``into``; returns the rows in each."""
-    row_bytes = buf.nbytes // n if n else 0
+def _row_runs(n: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
+    """``n`` rows of ``row_bytes`` cut into runs ``[a, b)`` of at most ``chunk`` bytes (at
+    least one row each): the frames of a dense field."""
     per = max(1, chunk // row_bytes) if row_bytes else n
-    counts = []
-    for a in range(0, n, per):
-        b = min(n, a + per)
-        into.append(buf[a * row_bytes : b * row_bytes])
-        counts.append(b - a)
-    return counts
+    return [(a, min(n, a + per)) for a in range(0, n, per)]
+
+
+def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
+    """Cut the ``n`` equal rows of ``buf`` into frames of at most ``chunk`` bytes, appended
+    to ``into``; returns the rows in each."""
+    row_bytes = buf.nbytes // n if n else 0
+    runs = _row_runs(n, row_bytes, chunk)
+    into.extend(buf[a * row_bytes : b * row_bytes] for a, b in runs)
+    return [b - a for a, b in runs]
 
 
 def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False) -> Encoded:
@@ -264,12 +269,10 @@ def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: En
         return False
     dtype = PACKED[name]
     per_row = len(values) // n
-    rows = max(1, chunk // (per_row * dtype.itemsize)) if per_row else n
-    counts = []
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        out.buffers.append(Narrowing(values[a * per_row : b * per_row], dtype))
-        counts.append(b - a)
+    runs = _row_runs(n, per_row * dtype.itemsize, chunk)
+    out.buffers.extend(Narrowing(values[a * per_row : b * per_row], dtype) for a, b in runs)
+    counts = [b - a for a, b in runs]
+    out.deferred = True
     out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
     out.whole.append(None)
     nbytes = len(values) * dtype.itemsize
