@@ -23,8 +23,11 @@ GRAIN = 1 * MiB
 class BufferPool:
     """Idle buffers, best fit first; at most ``max_idle_bytes`` kept idle."""
 
-    def __init__(self, max_idle_bytes: int) -> None:
+    def __init__(self, max_idle_bytes: int, *, pinned: bool = False) -> None:
+        """``pinned``: page-locked memory (torch's CUDA host allocator), which copies to a
+        GPU run from by DMA at full speed; needs CUDA."""
         self.max_idle_bytes = max_idle_bytes
+        self.pinned = pinned
         self._idle: list[tuple[int, int, np.ndarray]] = []  # (capacity, id, buffer)
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -34,7 +37,7 @@ class BufferPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes``; back to the pool when it is collected."""
         if nbytes < MIN_POOLED or self.max_idle_bytes <= 0:
-            return np.empty(nbytes, dtype=np.uint8)
+            return self._alloc(nbytes)
         buf = None
         with self._lock:
             i = bisect.bisect_left(self._idle, (nbytes, -1))
@@ -44,7 +47,7 @@ class BufferPool:
                 self._idle_bytes -= cap
                 self.reused += 1
         if buf is None:
-            buf = np.empty(-(-nbytes // GRAIN) * GRAIN, dtype=np.uint8)
+            buf = self._alloc(-(-nbytes // GRAIN) * GRAIN)
             self.allocated += 1
         # The buffer returns when the last array over it is collected. numpy points every
         # slice of an array at the object that exports its memory, skipping arrays between:
@@ -53,6 +56,13 @@ class BufferPool:
         owner = (ctypes.c_uint8 * nbytes).from_buffer(buf)
         weakref.finalize(owner, self._give_back, buf)
         return np.frombuffer(owner, dtype=np.uint8)
+
+    def _alloc(self, nbytes: int) -> np.ndarray:
+        if not self.pinned:
+            return np.empty(nbytes, dtype=np.uint8)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -150,3 +150,10 @@ def test_blocking_peer_skips_the_late_answer_to_a_request_it_gave_up_on():
         peer.close()
         server.close(0)
         ctx.term()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
+def test_pin_memory_without_cuda_is_a_typed_error_before_connecting():
+    config = tqueue.ClientConfig(pin_memory=True)
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"pin_memory needs a CUDA device, and torch sees none"):
+        tqueue.Client("tcp://127.0.0.1:1", config=config)

@@ -39,3 +39,42 @@ def test_cuda_fields_come_back_exact_and_the_device_copy_is_counted(cluster, par
             assert torch.equal(batch[k], host[k]), k
         assert all(torch.equal(a, b) for a, b in zip(batch["jagged"], host["jagged"]))
         assert torch.equal(batch["ids"].cuda(non_blocking=True), data["ids"])
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_big_cuda_fields_are_read_only_after_their_copy_to_the_host_ends(cluster, partition, shm):
+    """The copies to pinned host memory are queued without waiting; the put must wait for
+    them before it reads a byte. A copy of 256 MB takes milliseconds, long enough that
+    reading early returns stale or zero bytes."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    big = torch.randint(-(1 << 40), 1 << 40, (64, 1 << 19), device="cuda", generator=g)
+    also = torch.randn(64, 1 << 18, device="cuda", generator=g)
+    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=60)
+    with tqueue.Client(cluster.address, config=config) as c:
+        for round_ in range(2):  # the second put reuses pinned blocks that hold the first's bytes
+            part = f"{partition}-{round_}"
+            c.put(part, {"big": big, "also": also})
+            batch = c.get_data(part, ["big", "also"], 64, task="t", timeout=60)
+            assert torch.equal(batch["big"], big.cpu()) and torch.equal(batch["also"], also.cpu())
+            big.add_(1)
+            also.mul_(2)
+
+
+def test_pin_memory_assembles_socket_batches_in_pinned_memory(cluster, partition):
+    data = {
+        "ids": torch.randint(0, 151_936, (256, 4096)),
+        "logp": torch.randn(256, 1024),
+        "jagged": [torch.arange(n) for n in range(1, 257)],
+        "prompt": [f"p{i}" for i in range(256)],
+    }
+    config = tqueue.ClientConfig(shm=False, pin_memory=True, request_timeout=30)
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.put(partition, data)
+        for task in ("a", "b"):  # the second get reuses pooled pinned buffers
+            batch = c.get_data(partition, list(data), 256, task=task, timeout=30)
+            for k in ("ids", "logp"):
+                assert batch[k].is_pinned(), k
+                assert torch.equal(batch[k], data[k]), k
+                assert torch.equal(batch[k].to("cuda", non_blocking=True).cpu(), data[k]), k
+            assert all(torch.equal(a, b) for a, b in zip(batch["jagged"], data["jagged"]))
+            assert list(batch["prompt"]) == data["prompt"]

@@ -101,7 +101,9 @@ class AsyncClient(Lifecycle):
         self.config = config or ClientConfig.from_env()
         self.host = self.config.host or _env.host()
         self.stats = ClientStats()
-        self._pool = BufferPool(self.config.buffer_pool_bytes)
+        if self.config.pin_memory and not torch.cuda.is_available():
+            raise InvalidArgumentError("ClientConfig.pin_memory needs a CUDA device, and torch sees none")
+        self._pool = BufferPool(self.config.buffer_pool_bytes, pinned=self.config.pin_memory)
         self._arenas: dict[int, ArenaMap | None] = {}
         self._releases: dict[int, list[int]] = {}
         self._reserved = 0  # samples admitted by reserve() and not yet put

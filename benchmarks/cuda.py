@@ -1,0 +1,135 @@
+"""Rollout workers that put CUDA tensors, trainers that move what they get to the GPU.
+
+    python benchmarks/cuda.py [--size 1024] [--repeats 7] [--out bench-results]
+
+Needs a CUDA device (prints a line and exits 0 without one). On the workload batch with its
+tensor fields on the GPU, medians over ``--repeats``:
+
+* the floor of each crossing: device to host into fresh pageable memory (what ``.cpu()``
+  does), into reused pinned memory, and host to device from each;
+* tqueue's put of the CUDA batch (sockets, and the same-host arena), and its share spent
+  crossing to the host;
+* tqueue's get followed by ``.to("cuda", non_blocking=True)`` of every tensor field, with
+  batches in pageable memory and with ``ClientConfig.pin_memory``.
+
+GB/s count the tensor fields' bytes only (the prompts and metadata stay on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import tqueue  # noqa: E402
+from benchmarks.workload import TENSOR_FIELDS, fields, make_batch  # noqa: E402
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
+    """Median, min and max seconds of ``fn`` (the GPU synchronized after each call)."""
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs), min(runs), max(runs)
+
+
+def run(size: int, repeats: int) -> list[dict[str, Any]]:
+    host = make_batch(size)
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in host.items()}
+    tensors = {k: dev[k] for k in TENSOR_FIELDS}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in tensors.items()}
+    rows: list[dict[str, Any]] = []
+
+    def row(what: str, copies: str, stats: tuple[float, float, float]) -> None:
+        med, lo, hi = stats
+        rows.append({"what": what, "copies": copies, "ms": med * 1e3, "min_ms": lo * 1e3,
+                     "max_ms": hi * 1e3, "gbps": nbytes / med / 1e9})
+
+    row("device to host, fresh pageable (.cpu())", "1 DMA + driver staging",
+        timed(lambda: [t.cpu() for t in tensors.values()], repeats))
+    row("device to host, reused pinned", "1 DMA",
+        timed(lambda: [pinned[k].copy_(t, non_blocking=True) for k, t in tensors.items()], repeats))
+    kept = {k: t.cpu() for k, t in tensors.items()}
+    row("host to device, from pageable", "1 DMA + driver staging",
+        timed(lambda: [t.to("cuda") for t in kept.values()], repeats))
+    row("host to device, from pinned", "1 DMA",
+        timed(lambda: [t.to("cuda", non_blocking=True) for t in pinned.values()], repeats))
+
+    with tqueue.LocalCluster(num_storage_units=2) as cluster:
+        for transport in ("tcp", "tcp, pin_memory", "shm"):
+            config = dataclasses.replace(
+                tqueue.ClientConfig(), shm=transport == "shm", pin_memory=transport.endswith("pin_memory")
+            )
+            with tqueue.Client(cluster.address, config=config) as client:
+                prefix = transport.replace(", ", "-")
+                row(f"tqueue put of the CUDA batch ({transport})", "device to host once, then as CPU tensors",
+                    timed(_putter(client, prefix, dev), repeats))
+                client.put(f"{prefix}-last", dev)
+                row(f"tqueue get, then .to('cuda') ({transport})", "as CPU tensors, then host to device",
+                    timed(_getter(client, f"{prefix}-last", size), repeats))
+    return rows
+
+
+def _putter(client: Any, prefix: str, batch: dict[str, Any]) -> Callable[[], None]:
+    names = iter(range(1 << 30))
+    return lambda: client.put(f"{prefix}-{next(names)}", batch)
+
+
+def _getter(client: Any, partition: str, size: int) -> Callable[[], None]:
+    tasks = iter(range(1 << 30))
+
+    def get() -> None:  # a new task each time: the same samples again
+        meta = client.get_meta(partition, fields(), size, task=f"t{next(tasks)}", timeout=60)
+        batch = client.get_data(meta)
+        for k in TENSOR_FIELDS:
+            batch[k].to("cuda", non_blocking=True)
+
+    return get
+
+
+def markdown(rows: list[dict[str, Any]], size: int, device: str) -> str:
+    lines = [f"CUDA paths, {size} samples ({device}); GB/s of the tensor fields' bytes", "",
+             "| path | copies | ms (min-max) | GB/s |", "|---|---|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | {r['copies']} | {r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f}) | {r['gbps']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    device = torch.cuda.get_device_name()
+    rows = run(args.size, args.repeats)
+    text = markdown(rows, args.size, device)
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda.md").write_text(text + "\n")
+    (out / "cuda.json").write_text(json.dumps({"size": args.size, "device": device, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
