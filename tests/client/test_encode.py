@@ -134,3 +134,21 @@ def test_numpy_string_and_object_arrays_are_object_fields():
 def test_bad_input_names_field_sample_and_type(data, err, match):
     with pytest.raises(err, match=match):
         enc(data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host where pinned memory is refused")
+def test_refused_pinned_memory_falls_back_to_pageable_copies_and_says_so_once(monkeypatch, caplog):
+    """Pinned memory is refused for real here (no CUDA). ``_from_cuda`` is what ``put`` calls
+    for CUDA tensors; on a CPU tensor it exercises the same refusal and fallback."""
+    from tqueue.client import _encode
+
+    monkeypatch.setattr(_encode, "_unpinned", False)
+    out = _encode.Encoded(count=0, blocks=[], buffers=[])
+    src = torch.arange(12).reshape(3, 4).t()  # not contiguous
+    with caplog.at_level("WARNING", logger="tqueue.client._encode"):
+        first = _encode._from_cuda(src, out)
+        second = _encode._from_cuda(src * 2, out)
+    assert torch.equal(first, src) and torch.equal(second, src * 2)
+    assert first.is_contiguous() and not out.cuda_devices
+    warned = [r for r in caplog.records if "no pinned host memory" in r.getMessage()]
+    assert len(warned) == 1

@@ -10,6 +10,7 @@ Everything is checked before anything is sent; a value the wire cannot carry is 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import msgspec
@@ -20,6 +21,8 @@ from .._layout import TORCH_ITEMSIZE, int_dtype
 from .._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
 from .._wire import FieldBlock, FieldSpec
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in TORCH_ITEMSIZE if hasattr(torch, name)
@@ -204,6 +207,9 @@ def _tensor_bytes(
     return memoryview(flat.numpy()), name, tuple(t.shape), copied
 
 
+_unpinned = False  # pinned memory was refused once: this process copies with .cpu()
+
+
 def _from_cuda(t: torch.Tensor, out: Encoded | None) -> torch.Tensor:
     """``t`` copied into pinned host memory, queued on its device's current stream.
 
@@ -211,11 +217,20 @@ def _from_cuda(t: torch.Tensor, out: Encoded | None) -> torch.Tensor:
     into pinned memory runs at 54 GB/s (benchmarks/cuda.py). torch caches freed pinned
     blocks, so a producer's next put reuses them. The layout is made contiguous on the
     device first (one copy in device memory, then one crossing). ``out`` collects the
-    devices to wait for before any byte is read; without it this waits here."""
+    devices to wait for before any byte is read; without it this waits here. Where pinned
+    memory cannot be had (a memlock limit, a driver that refuses), ``.cpu()`` it is."""
+    global _unpinned
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     t = t.contiguous()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    if not _unpinned:
+        try:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError as exc:
+            _unpinned = True
+            log.warning("no pinned host memory (%s); CUDA tensors are copied to pageable memory, more slowly", exc)
+    if _unpinned:
+        return t.cpu()
     host.copy_(t, non_blocking=True)
     if out is None:
         torch.cuda.current_stream(t.device).synchronize()
