@@ -197,12 +197,8 @@ def _tensor_bytes(
     elif t.device.type != "cpu":
         t = t.cpu()
         copied += nbytes
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-        copied += nbytes
-    if not t.is_contiguous():
-        t = t.contiguous()
-        copied += nbytes
+    t, passes = _plain_layout(t)
+    copied += passes * nbytes
     flat = t.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()), name, tuple(t.shape), copied
 
@@ -220,23 +216,33 @@ def _from_cuda(t: torch.Tensor, out: Encoded | None) -> torch.Tensor:
     devices to wait for before any byte is read; without it this waits here. Where pinned
     memory cannot be had (a memlock limit, a driver that refuses), ``.cpu()`` it is."""
     global _unpinned
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    t = t.contiguous()
+    t, _ = _plain_layout(t)  # in device memory: not a host copy
     if not _unpinned:
         try:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         except RuntimeError as exc:
             _unpinned = True
             log.warning("no pinned host memory (%s); CUDA tensors are copied to pageable memory, more slowly", exc)
-    if _unpinned:
-        return t.cpu()
-    host.copy_(t, non_blocking=True)
-    if out is None:
-        torch.cuda.current_stream(t.device).synchronize()
-    else:
-        out.cuda_devices.add(t.device)
-    return host
+        else:
+            host.copy_(t, non_blocking=True)
+            if out is None:
+                torch.cuda.current_stream(t.device).synchronize()
+            else:
+                out.cuda_devices.add(t.device)
+            return host
+    return t.cpu()
+
+
+def _plain_layout(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` with no conjugate or negative bit, contiguous; and how many copies that made."""
+    passes = 0
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+        passes += 1
+    if not t.is_contiguous():
+        t = t.contiguous()
+        passes += 1
+    return t, passes
 
 
 def _array_bytes(
