@@ -6,7 +6,7 @@ For each size: start one unit, put the workload batch (N payload bytes) over soc
 through the unit's shared-memory arena, and read the unit's memory: resident set (RSS)
 for socket writes, and RSS plus the arena pages in use (the memory file's allocated
 blocks) for arena writes. Reports (memory - baseline) / S, where S is the bytes the unit
-was sent (N, or less where integer fields were packed: socket writes, see tqueue/_pack.py),
+was sent (N, or less where integer fields were packed: socket writes, see tqueue/wire/_pack.py),
 which the target keeps under 1.1 (no hidden copies kept); the same against N; and the memory
 after the partition is cleared (retained for reuse up to ``retain_bytes``, returned beyond it).
 """

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import tqueue
-from tqueue import _wire
+from tqueue.wire import _messages as _wire
 
 _names = itertools.count()
 

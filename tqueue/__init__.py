@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
+from .wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
 from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
     ControllerUnavailableError,

@@ -53,7 +53,7 @@ class StorageConfig:
     lapses if it never released it (a reader that died).
     ``bulk``: also listen on a plain TCP port next to the ZeroMQ one, over which clients
     that are not on this host receive fetched payload straight into their batch tensors
-    (see :mod:`tqueue._bulk`). Only for ``tcp://`` binds.
+    (see :mod:`tqueue.transport._bulk`). Only for ``tcp://`` binds.
     """
 
     controller: str
@@ -97,7 +97,7 @@ class ClientConfig:
     (one TCP stream on loopback leaves the cores half idle).
     ``pack_ints``: a dense integer field whose values all fit a narrower signed type (token
     ids in int32, masks in int8) is sent and stored in that type; readers get the field's
-    own dtype back (see :mod:`tqueue._pack`).
+    own dtype back (see :mod:`tqueue.wire._pack`).
     ``pin_memory``: assemble batches in page-locked (pinned) host memory, which a trainer
     moves to its GPU by DMA (``.to("cuda", non_blocking=True)``): 54 against 10 GB/s from
     pageable memory on an H100 host (benchmarks/cuda.py). Needs CUDA. Batches read on a

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tqueue  # noqa: E402
-from tqueue import _wire  # noqa: E402
+from tqueue.wire import _messages as _wire  # noqa: E402
 from tqueue.client._encode import encode  # noqa: E402
 from benchmarks.workload import make_batch  # noqa: E402
 
@@ -126,13 +126,13 @@ def test_dp_split_planner_partition_4096(benchmark, planner, dp):
     benchmark(planner.balanced_partition, lengths, dp)
 
 
-# --- packed integer fields (tqueue/_pack.py, native/pack.c) ----------------------------
+# --- packed integer fields (tqueue/wire/_pack.py, native/pack.c) ----------------------------
 
 
 @pytest.fixture(params=["numpy", "native"])
 def narrowing(request, monkeypatch):
-    """tqueue._pack.narrow with its one-pass C routine, or with numpy's min, max and cast."""
-    from tqueue import _pack
+    """tqueue.wire._pack.narrow with its one-pass C routine, or with numpy's min, max and cast."""
+    from tqueue.wire import _pack
 
     if request.param == "native" and _pack._native_pack is None:
         pytest.skip("tqueue._native_pack is not built (no C compiler at install time)")
@@ -150,7 +150,7 @@ def test_narrow_field_1024(benchmark, narrowing, field):
 
 def test_widen_field_1024(benchmark):
     """Widen the packed input_ids (int32) back into an int64 [1024, 4096] buffer, in 1 MiB frames."""
-    from tqueue import _pack
+    from tqueue.wire import _pack
 
     narrow, _ = _pack.narrow(make_batch(N)["input_ids"].numpy().reshape(-1))
     out = np.empty(len(narrow), dtype=np.int64)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tqueue
-from tqueue import _wire
+from tqueue.wire import _messages as _wire
 from tqueue.errors import ControllerUnavailableError, ProtocolVersionError
 
 
@@ -125,7 +125,7 @@ def test_blocking_peer_skips_the_late_answer_to_a_request_it_gave_up_on():
     (typed), request 2 gets its own answer, not the late one."""
     import zmq
 
-    from tqueue import _transport
+    from tqueue.transport import _zmq as _transport
 
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)

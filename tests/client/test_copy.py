@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tqueue._copy import SPLIT_MIN, copy_bytes
+from tqueue._threads import SPLIT_MIN, copy_bytes
 
 
 @pytest.mark.parametrize("n", [0, 1, 4097, SPLIT_MIN - 1, SPLIT_MIN, SPLIT_MIN + 4095, 3 * SPLIT_MIN + 12345])

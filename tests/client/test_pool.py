@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from tqueue._pool import MIN_POOLED, BufferPool
+from tqueue._memory import MIN_POOLED, BufferPool
 
 
 def test_a_buffer_is_reused_after_its_tensors_are_gone():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tqueue._layout import TORCH_ITEMSIZE
+from tqueue.wire._layout import TORCH_ITEMSIZE
 from tqueue.client._encode import TORCH_DTYPES
 
 # float4 packs two values in a byte and has no constructors worth testing with.

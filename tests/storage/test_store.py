@@ -7,9 +7,9 @@ import gc
 import numpy as np
 import pytest
 
-from tqueue._wire import FieldBlock, FieldSpec
+from tqueue.wire import FieldBlock, FieldSpec
 from tqueue.errors import SchemaError
-from tqueue.storage._arena import Arena
+from tqueue.transport._arena import Arena
 from tqueue.storage._store import SMALL_RUN, Store
 
 ROW = 1 << 17  # bigger than SMALL_RUN: each run goes out as its own zero-copy slice

@@ -1,9 +1,9 @@
-"""The bulk stream (``tqueue._bulk``): payload over plain TCP streams, fetched straight into
+"""The bulk stream (``tqueue.transport._bulk``): payload over plain TCP streams, fetched straight into
 the batch's rows and put into the unit's memory. Real controller and unit processes, real
 sockets on 127.0.0.1; every client is ``shm=False`` (the bulk path is only for clients that
 do not map the unit's arena).
 
-``streams`` wraps ``tqueue._bulk.BulkStream`` (the client looks it up at call time) to
+``streams`` wraps ``tqueue.transport._bulk.BulkStream`` (the client looks it up at call time) to
 count, per unit bulk address, the streams that carried fetches, the bytes read on them and
 the bytes of puts written, so that a test knows which path its payload really took."""
 
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import tqueue
-from tqueue import _bulk
-from tqueue._layout import split_lanes
+from tqueue.transport import _bulk
+from tqueue.wire._layout import split_lanes
 
 HOSTS = ("bulk-a", "bulk-b")  # the units' host names: a producer on one puts to its unit
 

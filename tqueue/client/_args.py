@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .._wire import GroupId
+from ..wire import GroupId
 from ..errors import InvalidArgumentError
 
 

@@ -11,8 +11,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import _bulk, _env, _memory, _transport
-from .._wire import (
+from .. import _env, _memory
+from ..transport import _bulk, _zmq
+from ..wire import (
     PROTOCOL_VERSION,
     Ack,
     Alloc,
@@ -48,14 +49,14 @@ from ..errors import (
     UnavailableError,
     UnknownFieldError,
 )
-from .._layout import int_dtype, itemsize, nbytes, split_lanes
-from .._pack import PACKED, Misfit, Narrowing, Widening
+from ..wire._layout import int_dtype, itemsize, nbytes, split_lanes
+from ..wire._pack import PACKED, Misfit, Narrowing, Widening
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, pack, sample_count
 from ._args import _groups, _versions, _wait
 from ._lifecycle import Lifecycle
-from .._pool import BufferPool
-from ._shm import ArenaMap, aligned, open_arena
+from .._memory import BufferPool
+from ..transport._arena import ArenaMap, aligned, open_arena
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ClientStats:
     """Payload counters of one client, for throughput and copy accounting.
 
     ``put_bytes`` and ``get_bytes`` count payload as the fields hold it; ``wire_bytes``
-    what of it was sent or received, after integer fields were packed (tqueue/_pack.py).
+    what of it was sent or received, after integer fields were packed (tqueue/wire/_pack.py).
     ``copied_bytes`` counts copies tqueue made in this process (contiguous copies, joins
     and narrowing on put, assembly and widening on get); kernel socket copies are not
     included.
@@ -109,9 +110,9 @@ class AsyncClient(Lifecycle):
         self._reserved = 0  # samples admitted by reserve() and not yet put
         self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._controller: _transport.Peer | None = None
+        self._controller: _zmq.Peer | None = None
         self._units: dict[int, UnitInfo] = {}
-        self._unit_peers: dict[int, _transport.Peer] = {}
+        self._unit_peers: dict[int, _zmq.Peer] = {}
         self._streams: dict[int, list[_bulk.BulkStream]] = {}  # idle bulk streams per unit
         self._no_bulk: set[int] = set()  # units whose bulk listener could not be reached
         self._connecting: asyncio.Lock | None = None
@@ -133,7 +134,7 @@ class AsyncClient(Lifecycle):
             self._loop = asyncio.get_running_loop()
             if self.config.keep_freed_bytes > 0:
                 _memory.keep_freed(self.config.keep_freed_bytes)
-            peer = _transport.Peer(
+            peer = _zmq.Peer(
                 self.address,
                 name="controller",
                 unavailable=ControllerUnavailableError,
@@ -150,12 +151,12 @@ class AsyncClient(Lifecycle):
             self._units = {u.unit_id: u for u in reply.units}
             self._controller = peer
 
-    async def _ctl(self) -> _transport.Peer:
+    async def _ctl(self) -> _zmq.Peer:
         await self.connect()
         assert self._controller is not None
         return self._controller
 
-    async def _unit(self, unit_id: int) -> _transport.Peer:
+    async def _unit(self, unit_id: int) -> _zmq.Peer:
         peer = self._unit_peers.get(unit_id)
         if peer is not None:
             return peer
@@ -169,11 +170,11 @@ class AsyncClient(Lifecycle):
                 raise StorageUnitUnavailableError(f"storage unit {unit_id} is not registered")
         return self._connect_unit(info)
 
-    def _connect_unit(self, info: UnitInfo) -> _transport.Peer:
+    def _connect_unit(self, info: UnitInfo) -> _zmq.Peer:
         peer = self._unit_peers.get(info.unit_id)
         if peer is None:
             self._units[info.unit_id] = info
-            peer = self._unit_peers[info.unit_id] = _transport.Peer(
+            peer = self._unit_peers[info.unit_id] = _zmq.Peer(
                 info.address,
                 name=f"storage unit {info.unit_id}",
                 unavailable=StorageUnitUnavailableError,
@@ -389,7 +390,7 @@ class AsyncClient(Lifecycle):
         self.stats.wire_bytes += enc.nbytes
         self.stats.copied_bytes += copied
 
-    async def _store_bulk(self, unit_id: int, peer: _transport.Peer, store: Store, enc: Encoded) -> bool:
+    async def _store_bulk(self, unit_id: int, peer: _zmq.Peer, store: Store, enc: Encoded) -> bool:
         """Send a put's frames over bulk streams (two lanes at once when big) while the
         ``Store`` goes on ZeroMQ; False if no stream could be opened (send inline instead)."""
         want = self.config.bulk_lanes if enc.nbytes >= LANE_MIN_BYTES * self.config.bulk_lanes else 1
@@ -435,7 +436,7 @@ class AsyncClient(Lifecycle):
         return True
 
     async def _into_arena(
-        self, peer: _transport.Peer, arena: ArenaMap, enc: Encoded
+        self, peer: _zmq.Peer, arena: ArenaMap, enc: Encoded
     ) -> tuple[list[FieldBlock], list[list[int]], int] | None:
         """Copy a write's payload into the unit's arena: one range per field."""
         fields, at = [], 0

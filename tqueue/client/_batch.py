@@ -20,13 +20,13 @@ import msgspec
 import numpy as np
 import torch
 
-from .._copy import copy_bytes
-from .._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
-from .._pack import PACKED, Widening, widen, widen_all
-from .._wire import BatchMeta, FieldBlock, FieldSpec
+from .._threads import copy_bytes
+from ..wire._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
+from ..wire._pack import PACKED, Widening, widen, widen_all
+from ..wire import BatchMeta, FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
-from .._pool import BufferPool
+from .._memory import BufferPool
 
 JaggedAs = Literal["list", "padded", "nested"]
 _DECODER = msgspec.msgpack.Decoder()
@@ -465,7 +465,7 @@ def bulk_targets(
 
     A dense frame whose samples are consecutive batch positions goes straight into those
     rows of the field's buffer in ``dests``; a packed one is widened into them as it
-    arrives (a :class:`~tqueue._pack.Widening`; its entry in ``block.packed`` becomes "",
+    arrives (a :class:`~tqueue.wire._pack.Widening`; its entry in ``block.packed`` becomes "",
     as the frame is then those rows, wide). Every other run of frames goes into one staging
     buffer, of which the frames are slices. ``total`` (the bytes the unit announced) must
     match the blocks."""

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 import torch
 
-from .._layout import TORCH_ITEMSIZE, int_dtype
-from .._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
-from .._wire import FieldBlock, FieldSpec
+from ..wire._layout import TORCH_ITEMSIZE, int_dtype
+from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
+from ..wire import FieldBlock, FieldSpec
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 
 log = logging.getLogger(__name__)
@@ -283,13 +283,13 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
 
 def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False) -> Encoded:
     """``enc`` with each dense integer field whose values all fit a narrower signed type
-    sent in that type (tqueue/_pack.py): for writes that cross a socket, where fewer bytes
+    sent in that type (tqueue/wire/_pack.py): for writes that cross a socket, where fewer bytes
     cost less than the pass that narrows them. ``enc`` itself where nothing narrows.
     ``take(nbytes)``: where big narrow buffers come from (the client's pool).
 
-    ``defer``: big fields become :class:`~tqueue._pack.Narrowing` frames in the type their
+    ``defer``: big fields become :class:`~tqueue.wire._pack.Narrowing` frames in the type their
     first values fit, narrowed and checked only as a bulk stream sends them (which raises
-    :class:`~tqueue._pack.Misfit` where the guess was wrong: pack again without ``defer``)."""
+    :class:`~tqueue.wire._pack.Misfit` where the guess was wrong: pack again without ``defer``)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):

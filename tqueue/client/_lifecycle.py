@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from .._wire import Admission, BatchMeta, Fail, GroupId, Meta, Postpone, Reserve, Seal, Sealed, Select, SetVersion
+from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Postpone, Reserve, Seal, Sealed, Select, SetVersion
 from ..errors import InvalidArgumentError, SchemaError
 from ._args import _rows, _wait
 from ._encode import sample_count
 
 if TYPE_CHECKING:
-    from .. import _transport
+    from ..transport import _zmq
     from ..config import ClientConfig
     from ._batch import Batch
 
@@ -38,7 +38,7 @@ class Lifecycle:
     config: ClientConfig
     _reserved: int
 
-    async def _ctl(self) -> _transport.Peer:
+    async def _ctl(self) -> _zmq.Peer:
         raise NotImplementedError
 
     async def get_data(self, meta: Any, fields: Any = None, *args: Any, **kwargs: Any) -> Batch:

@@ -7,8 +7,8 @@ import threading
 import weakref
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
-from .. import _transport
-from .._wire import BatchMeta, GroupId, StatusReply
+from ..transport import _zmq
+from ..wire import BatchMeta, GroupId, StatusReply
 from ..config import ClientConfig
 from ..errors import ControllerUnavailableError
 from ._async import AsyncClient, ClientStats
@@ -53,7 +53,7 @@ class Client:
         self._inner = AsyncClient(address, config=config)
         self._local = threading.local()
         self._direct_lock = threading.Lock()
-        self._direct_peers: list[_transport.BlockingPeer] = []  # one per calling thread
+        self._direct_peers: list[_zmq.BlockingPeer] = []  # one per calling thread
         self._finalizer = weakref.finalize(
             self, _shutdown, self._loop, self._thread, self._inner, self._direct_peers
         )
@@ -241,14 +241,14 @@ class Client:
         reply = self._direct().request(msg, timeout=inner.config.request_timeout if limit is None else limit)
         return inner._got_meta(msg, reply)
 
-    def _direct(self) -> _transport.BlockingPeer:
+    def _direct(self) -> _zmq.BlockingPeer:
         """This thread's own connection to the controller (after the client's handshake)."""
         peer = getattr(self._local, "peer", None)
         if peer is None or peer.closed:
             if not self._finalizer.alive:
                 raise RuntimeError("the client is closed")
             self.connect()
-            peer = _transport.BlockingPeer(
+            peer = _zmq.BlockingPeer(
                 self._inner.address, name="controller", unavailable=ControllerUnavailableError
             )
             self._local.peer = peer

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
+from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
 from ..errors import InvalidArgumentError, PartitionClearedError, WaitTimeoutError
 from ._state import EXCLUDED, HIDDEN, Moved, Partition
 
 if TYPE_CHECKING:
-    from .. import _transport
+    from ..transport import _zmq
 
 DROP_TIMEOUT = 30.0
 log = logging.getLogger(__name__)
@@ -38,10 +38,10 @@ class Waiter:
 class Moves:
     """Moves and seals (mixin; the state is the controller's)."""
 
-    _server: _transport.Server
+    _server: _zmq.Server
     _loop: asyncio.AbstractEventLoop
     _partitions: dict[str, Partition]
-    _unit_peers: dict[int, _transport.Peer]
+    _unit_peers: dict[int, _zmq.Peer]
     _prefetching: set[int]
     _sealed_waiters: dict[str, list[Any]]
 

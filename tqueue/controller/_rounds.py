@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .._wire import BatchMeta
+from ..wire import BatchMeta
 from ..errors import InvalidArgumentError
 from . import _balance
 

@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .. import _transport
-from .._wire import (
+from ..transport import _zmq
+from ..wire import (
     PROTOCOL_VERSION,
     Ack,
     Admission,
@@ -90,7 +90,7 @@ class Controller(Writes, Moves):
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.config = config or ControllerConfig()
-        self._server = _transport.Server(
+        self._server = _zmq.Server(
             self.config.bind, name="controller", max_header=self.config.max_header_bytes
         )
         self.address = self._server.address
@@ -99,7 +99,7 @@ class Controller(Writes, Moves):
         self._partitions: dict[str, Partition] = {}
         self._by_uid: dict[int, Partition] = {}
         self._units: dict[int, Unit] = {}
-        self._unit_peers: dict[int, _transport.Peer] = {}
+        self._unit_peers: dict[int, _zmq.Peer] = {}
         self._grants: dict[int, GrantRecord] = {}
         self._waiters: dict[str, list[Waiter]] = {}
         self._parked: list[ParkedWrite] = []
@@ -160,7 +160,7 @@ class Controller(Writes, Moves):
         unit_id = next(self._unit_ids)
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
         self._units[unit_id] = Unit(info=info, capacity=msg.capacity)
-        self._unit_peers[unit_id] = _transport.Peer(
+        self._unit_peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError
         )
         log.info("storage unit %d registered at %s (host %s)", unit_id, msg.address, msg.host)

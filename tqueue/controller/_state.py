@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .._wire import FieldBlock, FieldSpec, GroupId, UnitInfo
+from ..wire import FieldBlock, FieldSpec, GroupId, UnitInfo
 from ..errors import InvalidArgumentError, SchemaError, UnknownFieldError
 
 COMMITTED = np.uint64(1 << 63)

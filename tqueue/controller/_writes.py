@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from .._wire import Admission, Grant, Granted, Ok, Reserve, SetVersion
+from ..wire import Admission, Grant, Granted, Ok, Reserve, SetVersion
 from ..errors import InvalidArgumentError, StorageFullError, TQueueError, WaitTimeoutError
 from ._state import GrantRecord, Partition, Unit
 
 if TYPE_CHECKING:
     import asyncio
 
-    from .._transport import Server
+    from ..transport._zmq import Server
 
 # A put's bytes must be committed within this long after its grant, else the grant lapses
 # (a producer that died between grant and store) and the partition can be freed.

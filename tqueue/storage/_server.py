@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _bulk, _env, _memory, _transport
-from .._pool import BufferPool
-from .._layout import frame_sizes
-from .._layout import nbytes as nbytes_of
-from .._wire import (
+from .. import _env, _memory
+from ..transport import _bulk, _zmq
+from .._memory import BufferPool
+from ..wire._layout import frame_sizes
+from ..wire._layout import nbytes as nbytes_of
+from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
     Allocated,
@@ -39,7 +40,7 @@ from .._wire import (
 )
 from ..config import StorageConfig
 from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
-from ._arena import Arena, Region
+from ..transport._arena import Arena, Region
 from ._store import Store as _Data
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class StorageUnit:
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
         self.host = config.host or _env.host()
-        self._server = _transport.Server(
+        self._server = _zmq.Server(
             config.bind, name="storage unit", max_header=config.max_header_bytes
         )
         self.address = self._server.address
@@ -67,7 +68,7 @@ class StorageUnit:
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
         self.unit_id = -1
-        self._controller: _transport.Peer | None = None
+        self._controller: _zmq.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle]] = {}
         self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle]] = {}
@@ -83,7 +84,7 @@ class StorageUnit:
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements."""
-        self._controller = _transport.Peer(
+        self._controller = _zmq.Peer(
             self.config.controller, name="controller", unavailable=ControllerUnavailableError
         )
         reply, _ = await self._controller.request(

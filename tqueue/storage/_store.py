@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .._layout import block_shapes, frame_layout, nbytes
-from .._wire import FieldBlock, FieldSpec
+from ..wire._layout import block_shapes, frame_layout, nbytes
+from ..wire import FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, PartitionClearedError, ProtocolError, SchemaError
-from ._arena import Arena, Region
+from ..transport._arena import Arena, Region
 
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16

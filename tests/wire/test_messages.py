@@ -7,7 +7,7 @@ import pickle
 import msgspec
 import pytest
 
-from tqueue import _wire
+from tqueue.wire import _messages as _wire
 from tqueue.errors import ProtocolError
 
 

@@ -17,7 +17,7 @@ mid-way closes the stream, so bytes are never read out of step.
 Each stream has a writer thread on the unit (sends release the GIL); reads, on both sides,
 run in worker threads with ``MSG_WAITALL``: one system call per destination.
 
-Packed integer frames (tqueue/_pack.py) pass through a per-thread scratch buffer of about a
+Packed integer frames (tqueue/wire/_pack.py) pass through a per-thread scratch buffer of about a
 MiB: a client's writer narrows each ``Narrowing`` frame into it and sends it from there, and
 a client's reader receives each ``Widening`` frame into it and widens it into the batch's rows,
 so the narrow bytes stay in the core's cache on both sides.
@@ -37,9 +37,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from . import _threads
-from ._pack import Misfit, Narrowing, Widening
-from .errors import ProtocolError, StorageUnitUnavailableError
+from .. import _threads
+from ..wire._pack import Misfit, Narrowing, Widening
+from ..errors import ProtocolError, StorageUnitUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -275,7 +275,7 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
 
 def read_into(sock: socket.socket, targets: Sequence[memoryview | Widening], timeout: float) -> None:
     """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``.
-    A :class:`~tqueue._pack.Widening` is received into this thread's scratch buffer and
+    A :class:`~tqueue.wire._pack.Widening` is received into this thread's scratch buffer and
     widened from there into its rows."""
     stall_limit(sock, timeout)
     for t in targets:
@@ -323,7 +323,7 @@ class BulkStream:
 
     def write(self, frames: Sequence[Any], timeout: float) -> None:
         """Send ``frames`` back to back (a put's lane); StorageUnitUnavailableError if the unit
-        stops reading. :class:`~tqueue._pack.Narrowing` frames are narrowed on the way; where
+        stops reading. :class:`~tqueue.wire._pack.Narrowing` frames are narrowed on the way; where
         one raises Misfit the stream is closed (its reader is left mid-write) and it goes on."""
         stall_limit(self.sock, timeout)
         try:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Sequence, Union
 
 import msgspec
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: FieldBlock.packed
 
@@ -94,7 +94,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``packed`` (integer fields only): per frame, ``""`` or the narrower signed integer dtype
     (``int8``, ``int16``, ``int32``) its values travel and are stored in; they all fit it,
-    and readers get them back in ``spec.dtype``. See tqueue/_pack.py.
+    and readers get them back in ``spec.dtype``. See tqueue/wire/_pack.py.
     """
 
     name: str

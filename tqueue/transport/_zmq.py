@@ -23,8 +23,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import zmq
 
-from ._wire import Error, Message, decode, encode, error_reply, salvage_rid
-from .errors import ProtocolError, TQueueError, UnavailableError, from_code
+from ..wire import Error, Message, decode, encode, error_reply, salvage_rid
+from ..errors import ProtocolError, TQueueError, UnavailableError, from_code
 
 log = logging.getLogger(__name__)
 

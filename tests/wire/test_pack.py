@@ -1,4 +1,4 @@
-"""Integer fields packed into narrower types on the wire (tqueue/_pack.py).
+"""Integer fields packed into narrower types on the wire (tqueue/wire/_pack.py).
 
 Readers must get exactly the values and the dtype that were put, on every path: socket and
 bulk stream, same-host readers of socket-written data, several writes of different widths in
@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import tqueue
-from tqueue import _pack
-from tqueue._layout import frame_layout, sample_sizes
-from tqueue._wire import FieldBlock, FieldSpec
+import tqueue.transport._bulk
+import tqueue.wire._layout
+from tqueue.wire import _pack
+from tqueue.wire._layout import frame_layout, sample_sizes
+from tqueue.wire import FieldBlock, FieldSpec
 from tqueue.client import _async as client_mod
 from tqueue.errors import ProtocolError
 
@@ -352,13 +354,13 @@ def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition
     monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
     monkeypatch.setattr(client_mod, "LANE_MIN_BYTES", 1 << 20)
     lanes: list[int] = []
-    real = tqueue._bulk.BulkStream.write
+    real = tqueue.transport._bulk.BulkStream.write
 
     def spy(self: Any, frames: Any, timeout: float) -> None:
-        lanes.append(sum(tqueue._layout.nbytes(f) for f in frames))
+        lanes.append(sum(tqueue.wire._layout.nbytes(f) for f in frames))
         real(self, frames, timeout)
 
-    monkeypatch.setattr(tqueue._bulk.BulkStream, "write", spy)
+    monkeypatch.setattr(tqueue.transport._bulk.BulkStream, "write", spy)
     data = {
         "ids": torch.arange(64 * 8192).reshape(64, 8192),  # 4 MiB wide, 2 MiB as int32
         "logp": torch.randn(64, 16384),  # 4 MiB

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from tqueue import _wire
-from tqueue._wire import Kind
+from tqueue.wire import _messages as _wire
+from tqueue.wire import Kind
 
 K = lambda kind: bytes([kind])  # noqa: E731
 

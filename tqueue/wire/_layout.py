@@ -12,8 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._pack import PACKED, Narrowing, packable
-from ._wire import FieldBlock, FieldSpec
-from .errors import ProtocolError
+from ._messages import FieldBlock, FieldSpec
+from ..errors import ProtocolError
 
 # torch dtypes by name, with their item size, without importing torch.
 TORCH_ITEMSIZE = {

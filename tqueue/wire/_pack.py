@@ -21,10 +21,10 @@ from typing import Callable
 
 import numpy as np
 
-from ._copy import on_two_threads, worth_splitting
+from .._threads import on_two_threads, worth_splitting
 
 try:
-    from . import _native_pack
+    from .. import _native_pack
 except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
@@ -94,7 +94,7 @@ class Narrowing:
     """A frame that is narrowed as it is sent: ``src`` (flat values of a :func:`packable`
     dtype) in the packed type ``dtype``, which :func:`guess` chose before every value was
     looked at. The sender narrows into a small buffer that stays in the CPU's cache and
-    sends it from there (tqueue/_bulk.py), so the narrow bytes are never written to memory
+    sends it from there (tqueue/transport/_bulk.py), so the narrow bytes are never written to memory
     and read back; a value that does not fit raises :class:`Misfit` and the write is sent
     again with the widths of the whole range."""
 
@@ -131,7 +131,7 @@ class Narrowing:
 class Widening:
     """Where a packed frame received on a bulk stream goes: widened into ``dst`` (the batch
     rows, of the field's own dtype) straight from the small buffer it was received into,
-    while it is in the CPU's cache (tqueue/_bulk.py). ``nbytes``: the packed bytes."""
+    while it is in the CPU's cache (tqueue/transport/_bulk.py). ``nbytes``: the packed bytes."""
 
     __slots__ = ("dst", "dtype", "nbytes")
 
