@@ -142,9 +142,9 @@ def test_blocking_peer_skips_the_late_answer_to_a_request_it_gave_up_on():
     peer = _transport.BlockingPeer(f"tcp://127.0.0.1:{port}", name="controller", unavailable=ControllerUnavailableError)
     try:
         with pytest.raises(ControllerUnavailableError, match=r"did not answer Hello within 0.2 s"):
-            peer.request(_wire.Hello(protocol=1), timeout=0.2)
-        reply = peer.request(_wire.Hello(protocol=1), timeout=10)
-        assert isinstance(reply, _wire.Registered) and reply.unit_id == 20
+            peer.request(_wire.Hello(protocol=1), expect=_wire.HelloReply, timeout=0.2)
+        reply = peer.request(_wire.Hello(protocol=1), expect=_wire.Registered, timeout=10)
+        assert reply.unit_id == 20
     finally:
         thread.join(timeout=10)
         peer.close()

@@ -31,11 +31,13 @@ from ..wire import (
     Hello,
     HelloReply,
     Meta,
+    Ok,
     Release,
     Renew,
     StatusReply,
     StatusRequest,
     Store,
+    Stored,
     UnitInfo,
 )
 from ..config import ClientConfig
@@ -142,7 +144,8 @@ class AsyncClient(Lifecycle):
             )
             try:
                 reply, _ = await peer.request(
-                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.host)
+                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.host),
+                    expect=HelloReply,
                 )
             except BaseException:
                 await peer.close()
@@ -163,7 +166,7 @@ class AsyncClient(Lifecycle):
         info = self._units.get(unit_id)
         if info is None:
             ctl = await self._ctl()
-            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.host))
+            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.host), expect=HelloReply)
             self._units = {u.unit_id: u for u in reply.units}
             info = self._units.get(unit_id)
             if info is None:
@@ -248,7 +251,8 @@ class AsyncClient(Lifecycle):
                 target_groups=target_groups,
                 recycle_to=recycle_to,
                 prefetch=prefetch,
-            )
+            ),
+            expect=Ok,
         )
 
     async def clear(self, target: str | BatchMeta) -> None:
@@ -261,13 +265,12 @@ class AsyncClient(Lifecycle):
             msg = Clear(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes))
         else:
             msg = Clear(partition=target)
-        await ctl.request(msg)
+        await ctl.request(msg, expect=Ok)
 
     async def status(self) -> StatusReply:
         """Partitions, per-task progress, units and waiting callers, from the controller."""
         ctl = await self._ctl()
-        reply, _ = await ctl.request(StatusRequest())
-        assert isinstance(reply, StatusReply)
+        reply, _ = await ctl.request(StatusRequest(), expect=StatusReply)
         return reply
 
     # --- writes ---------------------------------------------------------------------
@@ -320,9 +323,9 @@ class AsyncClient(Lifecycle):
                 partial=partial,
             ),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            expect=Granted,
         )
         self._reserved -= reserved
-        assert isinstance(reply, Granted)
         fields = [b.name for b in enc.blocks]
         if reply.status == "aborted":
             return BatchMeta(
@@ -384,7 +387,7 @@ class AsyncClient(Lifecycle):
             enc = pack(wide, self.config.chunk_bytes, self._pool.take)  # inline after all
             store.blocks, buffers, copied = enc.blocks, enc.buffers, enc.copied
         if buffers is not None:
-            await peer.request(store, buffers)
+            await peer.request(store, buffers, expect=Stored)
         self.stats.puts += 1
         self.stats.put_bytes += logical
         self.stats.wire_bytes += enc.nbytes
@@ -406,7 +409,7 @@ class AsyncClient(Lifecycle):
             return False
         store.bulk = [[st.token, n] for st, n in zip(streams, counts)]
         limit = self.config.request_timeout
-        reply = asyncio.ensure_future(peer.request(store))
+        reply = asyncio.ensure_future(peer.request(store, expect=Stored))
         writes, at = [], 0
         for st, n in zip(streams, counts):
             writes.append(asyncio.ensure_future(_bulk.run_blocking(st.write, enc.buffers[at : at + n], limit)))
@@ -444,8 +447,7 @@ class AsyncClient(Lifecycle):
             bufs = enc.buffers[at : at + len(block.counts)]
             at += len(block.counts)
             fields.append((block, [whole] if whole is not None else bufs, sum(memoryview(b).nbytes for b in bufs)))
-        reply, _ = await peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)))
-        assert isinstance(reply, Allocated)
+        reply, _ = await peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)), expect=Allocated)
         if reply.offset < 0:
             return None  # the arena is full: the socket path still works
         blocks, refs, off = [], [], reply.offset
@@ -506,9 +508,9 @@ class AsyncClient(Lifecycle):
                     indexes=indexes,
                     complete=complete,
                     segment=list(segment) if segment is not None else None,
-                )
+                ),
+                expect=Granted,
             )
-            assert isinstance(reply, Granted)
             await self._unit(unit_id)
             await self._store(self._units[unit_id], meta.partition, reply, enc, indexes)
 
@@ -561,7 +563,7 @@ class AsyncClient(Lifecycle):
             max_staleness=max_staleness, pad=pad,
         )
         ctl = await self._ctl()
-        reply, _ = await ctl.request(msg, timeout=limit)
+        reply, _ = await ctl.request(msg, expect=Meta, timeout=limit)
         return self._got_meta(msg, reply)
 
     def _get_meta_request(
@@ -613,8 +615,7 @@ class AsyncClient(Lifecycle):
         )
         return msg, None if math.isinf(wait) else wait + self.config.request_timeout
 
-    def _got_meta(self, msg: GetMeta, reply: Any) -> BatchMeta:
-        assert isinstance(reply, Meta)
+    def _got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
         meta = reply.meta
         if msg.dp_size:
             key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size)
@@ -634,7 +635,8 @@ class AsyncClient(Lifecycle):
                 task=meta.task,
                 lease=meta.lease,
                 timeout=None if math.isinf(lease) else lease,
-            )
+            ),
+            expect=Ok,
         )
 
     async def get_data(
@@ -769,9 +771,9 @@ class AsyncClient(Lifecycle):
                     fields=fields,
                     shm=arena is not None,
                     bulk=stream.token if stream is not None else 0,
-                )
+                ),
+                expect=Fetched,
             )
-            assert isinstance(reply, Fetched)
             if reply.bulk:
                 if stream is None or frames:
                     raise ProtocolError("a bulk reply to a fetch that asked for none, or with inline frames")
@@ -866,7 +868,7 @@ class AsyncClient(Lifecycle):
             if peer is None or peer.closed:
                 continue
             try:
-                await peer.request(Release(holds=holds))
+                await peer.request(Release(holds=holds), expect=Ok)
             except (UnavailableError, ProtocolError) as exc:
                 # the unit lets holds lapse after its hold_timeout; nothing is lost
                 log.info("could not release %d arena holds on unit %d: %s", len(holds), unit_id, exc)
@@ -883,7 +885,8 @@ class AsyncClient(Lifecycle):
                 task=meta.task,
                 indexes=list(meta.indexes),
                 lease=meta.lease,
-            )
+            ),
+            expect=Ok,
         )
 
 

@@ -246,7 +246,6 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
     packed: list[str] = []
     seen = 0
     dense_only = spec.kind != "object" and spec.layout == "dense"
-    elems = int(np.prod(spec.shape, dtype=np.int64)) if dense_only else 0
     for part in parts:
         block, frames = part.blocks[field]
         if block.spec.kind != spec.kind or block.spec.dtype != spec.dtype:

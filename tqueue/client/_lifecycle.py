@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Postpone, Reserve, Seal, Sealed, Select, SetVersion
+from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Ok, Postpone, Reserve, Seal, Sealed, Select, SetVersion
 from ..errors import InvalidArgumentError, SchemaError
 from ._args import _rows, _wait
 from ._encode import sample_count
@@ -51,7 +51,7 @@ class Lifecycle:
         """Say that no more samples will be put to ``partition``; once every task has
         consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
         ctl = await self._ctl()
-        await ctl.request(Seal(partition=partition))
+        await ctl.request(Seal(partition=partition), expect=Ok)
 
     async def fail(
         self,
@@ -71,19 +71,19 @@ class Lifecycle:
             if group is None:
                 raise InvalidArgumentError("fail(partition, ...) needs the group whose members failed")
             msg = Fail(partition=target, group=group, count=count, reason=reason)
-        await ctl.request(msg)
+        await ctl.request(msg, expect=Ok)
 
     async def set_version(self, version: int) -> None:
         """The trainer's current policy weight version (admission and staleness use it)."""
         ctl = await self._ctl()
-        await ctl.request(SetVersion(version=version))
+        await ctl.request(SetVersion(version=version), expect=Ok)
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
         """Bound how far producers run ahead of the trainer, AReaL-style: at most
         ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
         and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
         ctl = await self._ctl()
-        await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size))
+        await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size), expect=Ok)
 
     async def reserve(self, count: int, *, timeout: float | None = None) -> None:
         """Admit ``count`` samples before generating them (waits like a put, up to
@@ -93,6 +93,7 @@ class Lifecycle:
         await ctl.request(
             Reserve(count=count, timeout=None if math.isinf(wait) else wait),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            expect=Ok,
         )
         self._reserved += count
 
@@ -164,9 +165,9 @@ class Lifecycle:
                 indexes=[i for i in meta.indexes if i >= 0],
                 to=to,
                 whole_groups=whole_groups,
-            )
+            ),
+            expect=Meta,
         )
-        assert isinstance(reply, Meta)
         return reply.meta
 
     async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
@@ -177,14 +178,14 @@ class Lifecycle:
         await ctl.request(
             Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
             timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            expect=Ok,
         )
 
     async def field_stats(self, partition: str, field: str) -> FieldStats:
         """count, mean, std, min and max of a scalar field over the partition's live samples:
         aborted, failed, postponed and partial samples and pad rows are left out."""
         ctl = await self._ctl()
-        reply, _ = await ctl.request(Select(partition=partition, fields=[field]))
-        assert isinstance(reply, Meta)
+        reply, _ = await ctl.request(Select(partition=partition, fields=[field]), expect=Meta)
         meta = reply.meta
         if not len(meta):
             return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)

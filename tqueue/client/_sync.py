@@ -8,7 +8,7 @@ import weakref
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from ..transport import _zmq
-from ..wire import BatchMeta, GroupId, StatusReply
+from ..wire import BatchMeta, GroupId, Meta, StatusReply
 from ..config import ClientConfig
 from ..errors import ControllerUnavailableError
 from ._async import AsyncClient, ClientStats
@@ -238,7 +238,7 @@ class Client:
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
             max_staleness=max_staleness, pad=pad,
         )
-        reply = self._direct().request(msg, timeout=inner.config.request_timeout if limit is None else limit)
+        reply = self._direct().request(msg, expect=Meta, timeout=inner.config.request_timeout if limit is None else limit)
         return inner._got_meta(msg, reply)
 
     def _direct(self) -> _zmq.BlockingPeer:

@@ -83,6 +83,7 @@ class Moves:
                         dst_indexes=idx[sel].tolist(),
                     ),
                     timeout=DROP_TIMEOUT,
+                    expect=Ok,
                 )
             )
         for result in await asyncio.gather(*calls, return_exceptions=True):

@@ -562,7 +562,7 @@ class Controller(Writes, Moves):
         units = list(self._unit_peers.items())
         listed = None if indexes is None else indexes.tolist()
         results = await asyncio.gather(
-            *(peer.request(Drop(partition_uid=part.uid, indexes=listed), timeout=DROP_TIMEOUT) for _, peer in units),
+            *(peer.request(Drop(partition_uid=part.uid, indexes=listed), timeout=DROP_TIMEOUT, expect=Dropped) for _, peer in units),
             return_exceptions=True,
         )
         for (unit_id, _), result in zip(units, results):

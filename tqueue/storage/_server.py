@@ -34,6 +34,7 @@ from ..wire import (
     Move,
     Ok,
     RegisterUnit,
+    Registered,
     Release,
     Store,
     Stored,
@@ -95,7 +96,8 @@ class StorageUnit:
                 capacity=self.config.capacity_bytes,
                 shm=self.arena.path if self.arena is not None else "",
                 bulk=self.bulk.address if self.bulk is not None else "",
-            )
+            ),
+            expect=Registered,
         )
         self.unit_id = reply.unit_id
         self._server.name = f"storage unit {self.unit_id}"
@@ -155,7 +157,8 @@ class StorageUnit:
                         nbytes=nbytes,
                         partition_bytes=part.nbytes,
                         unit_bytes=self.data.nbytes,
-                    )
+                    ),
+                    expect=Ok,
                 )
             except BaseException:
                 pending.rollback()

@@ -19,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import zmq
 
@@ -27,6 +27,19 @@ from ..wire import Error, Message, decode, encode, error_reply, salvage_rid
 from ..errors import ProtocolError, TQueueError, UnavailableError, from_code
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Message)
+
+
+def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
+    """``reply`` as ``expect``, or :class:`ProtocolError` naming what came instead (a check
+    that holds under ``python -O``, unlike an ``assert``)."""
+    if not isinstance(reply, expect):
+        raise ProtocolError(
+            f"{peer} answered {type(request).__name__} with {type(reply).__name__}, "
+            f"expected {expect.__name__}"
+        )
+    return reply
 
 _CONTEXT: tuple[int, zmq.Context] | None = None
 
@@ -135,12 +148,18 @@ class Peer:
         return self._socket.closed
 
     async def request(
-        self, msg: Message, buffers: Sequence[Any] = (), *, timeout: float | None = None
-    ) -> tuple[Message, list[Any]]:
-        """Send ``msg`` with ``buffers`` (zero-copy) and wait for its reply.
+        self,
+        msg: Message,
+        buffers: Sequence[Any] = (),
+        *,
+        expect: type[R],
+        timeout: float | None = None,
+    ) -> tuple[R, list[Any]]:
+        """Send ``msg`` with ``buffers`` (zero-copy) and wait for its reply, of type ``expect``.
 
-        An ``Error`` reply is raised as its exception class; no reply within ``timeout``
-        (default: the peer's) raises this peer's :class:`UnavailableError` subclass.
+        An ``Error`` reply is raised as its exception class, a reply of another type as
+        :class:`ProtocolError`; no reply within ``timeout`` (default: the peer's) raises this
+        peer's :class:`UnavailableError` subclass.
         """
         if self.closed:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
@@ -162,7 +181,7 @@ class Peer:
             self._pending.pop(rid, None)
         if isinstance(reply, Error):
             raise from_code(reply.code, reply.message)
-        return reply, frames
+        return expected(reply, expect, peer=self.name, request=msg), frames
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -201,7 +220,7 @@ class BlockingPeer:
         self._ids = itertools.count(1)
         self.closed = False
 
-    def request(self, msg: Message, *, timeout: float) -> Message:
+    def request(self, msg: Message, *, expect: type[R], timeout: float) -> R:
         """Send ``msg`` and wait up to ``timeout`` seconds for its reply (replies to earlier
         requests that timed out are skipped); an ``Error`` reply is raised as its class."""
         if self.closed:
@@ -225,7 +244,7 @@ class BlockingPeer:
                 continue  # a late answer to a request that timed out
             if isinstance(reply, Error):
                 raise from_code(reply.code, reply.message)
-            return reply
+            return expected(reply, expect, peer=self.name, request=msg)
 
     def close(self) -> None:
         if not self.closed:

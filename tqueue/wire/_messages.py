@@ -58,6 +58,7 @@ class Kind(enum.IntEnum):
     POSTPONE = 33
     SEALED = 34
     SELECT = 35
+    CANCEL = 36
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -462,6 +463,15 @@ class Select(Message):
     KIND = Kind.SELECT
     partition: str
     fields: list[str]
+
+
+class Cancel(Message):
+    """The sender gave up on its request ``of`` (timeout, cancellation): a server withdraws it
+    if it is still waiting (a parked ``GetMeta``, a write waiting for budget, a ``Sealed``
+    wait) and sends no reply, neither to this message nor to the withdrawn one."""
+
+    KIND = Kind.CANCEL
+    of: int
 
 
 class Renew(Message):
