@@ -24,15 +24,16 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import tqueue  # noqa: E402
-from benchmarks.workload import TENSOR_FIELDS, fields, make_batch  # noqa: E402
+import tqueue
+from benchmarks.workload import TENSOR_FIELDS, fields, make_batch
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float]:

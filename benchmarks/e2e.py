@@ -28,7 +28,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import SCENARIOS, Result  # noqa: E402
+from benchmarks.harness import SCENARIOS, Result
 
 # name -> (module, class, constructor kwargs)
 SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -178,7 +178,7 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
         groups.setdefault((r["system"], r["scenario"], r["size"]), []).append(r)
     rows = []
     for (system, scenario, size), runs in groups.items():
-        def med(key: str) -> float | None:
+        def med(key: str, runs: list[dict] = runs) -> float | None:
             vals = [r[key] for r in runs if r[key] is not None]
             return statistics.median(vals) if vals else None
 
@@ -263,7 +263,7 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> str | None:
             if not pts:
                 continue
             xs, ys, lo, hi = zip(*pts)
-            ax.errorbar(xs, ys, yerr=[[y - l for y, l in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]], marker="o", capsize=3, label=system)
+            ax.errorbar(xs, ys, yerr=[[y - low for y, low in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]], marker="o", capsize=3, label=system)
         ax.set_xscale("log", base=2)
         ax.set_title(scenario)
         ax.set_xlabel("batch size (samples)")

@@ -12,8 +12,9 @@ import dataclasses
 import json
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Worker:
         self.proc.start()
         child.close()
 
-    def ready(self, timeout: float = 120.0) -> "Worker":
+    def ready(self, timeout: float = 120.0) -> Worker:
         """Wait until the worker answers (its imports and set-up are done)."""
         self.send({"cmd": "ping"})
         self.recv(timeout)

@@ -23,8 +23,8 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import tqueue  # noqa: E402
-from benchmarks.workload import make_batch, nbytes  # noqa: E402
+import tqueue
+from benchmarks.workload import make_batch, nbytes
 
 
 def rss(pid: int) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
 from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
     ControllerUnavailableError,
@@ -32,6 +31,7 @@ from .errors import (
     WaitTimeoutError,
 )
 from .launch import LocalCluster
+from .wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Batch, Client, ClientStats, FieldStats

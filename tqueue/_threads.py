@@ -16,7 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 

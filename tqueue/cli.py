@@ -6,8 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
-from typing import Sequence
-
+from collections.abc import Sequence
 
 from .config import StorageConfig
 

@@ -121,7 +121,7 @@ class ClientConfig:
     pin_memory: bool = False
 
     @classmethod
-    def from_env(cls) -> "ClientConfig":
+    def from_env(cls) -> ClientConfig:
         return cls(
             request_timeout=_env.number("TQUEUE_REQUEST_TIMEOUT", cls.request_timeout),
             get_timeout=_env.number("TQUEUE_GET_TIMEOUT", cls.get_timeout),

@@ -13,10 +13,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import tqueue  # noqa: E402
-from tqueue.wire import _messages as _wire  # noqa: E402
-from tqueue.client._encode import encode  # noqa: E402
-from benchmarks.workload import make_batch  # noqa: E402
+import tqueue
+from benchmarks.workload import make_batch
+from tqueue.client._encode import encode
+from tqueue.wire import _messages as _wire
 
 pytest.importorskip("pytest_benchmark")
 

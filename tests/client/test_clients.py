@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.wire import _messages as _wire
 from tqueue.errors import ControllerUnavailableError, ProtocolVersionError
+from tqueue.wire import _messages as _wire
 
 
 def public_methods(cls):

@@ -31,7 +31,7 @@ def test_best_fit_and_limits():
     del big, small
     gc.collect()
     assert pool.idle_bytes == 10 << 20
-    x = pool.take((2 << 20) - 100)  # the 2 MiB buffer fits; the 8 MiB one would waste too much
+    _held = pool.take((2 << 20) - 100)  # the 2 MiB buffer fits; the 8 MiB one would waste too much
     assert pool.idle_bytes == 8 << 20 and pool.reused == 1  # the 8 MiB one is still idle
     y = pool.take(16 << 20)  # too big for either: a new buffer
     assert pool.allocated == 3

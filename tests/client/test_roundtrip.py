@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tqueue.wire._layout import TORCH_ITEMSIZE
 from tqueue.client._encode import TORCH_DTYPES
+from tqueue.wire._layout import TORCH_ITEMSIZE
 
 # float4 packs two values in a byte and has no constructors worth testing with.
 DTYPES = [

@@ -19,7 +19,6 @@ import pytest
 from tqueue.controller import _balance
 from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_round
 
-
 NOT_BUILT = (
     "tqueue._native_balance is not built (no C compiler when tqueue was installed, or its build "
     "failed): only the Python planner can be tested"

@@ -7,10 +7,10 @@ import gc
 import numpy as np
 import pytest
 
-from tqueue.wire import FieldBlock, FieldSpec
 from tqueue.errors import SchemaError
-from tqueue.transport._arena import Arena
 from tqueue.storage._store import SMALL_RUN, Store
+from tqueue.transport._arena import Arena
+from tqueue.wire import FieldBlock, FieldSpec
 
 ROW = 1 << 17  # bigger than SMALL_RUN: each run goes out as its own zero-copy slice
 

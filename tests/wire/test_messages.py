@@ -7,8 +7,8 @@ import pickle
 import msgspec
 import pytest
 
-from tqueue.wire import _messages as _wire
 from tqueue.errors import ProtocolError
+from tqueue.wire import _messages as _wire
 
 
 def test_every_kind_has_one_struct():

@@ -18,11 +18,10 @@ import torch
 import tqueue
 import tqueue.transport._bulk
 import tqueue.wire._layout
-from tqueue.wire import _pack
-from tqueue.wire._layout import frame_layout, sample_sizes
-from tqueue.wire import FieldBlock, FieldSpec
 from tqueue.client import _async as client_mod
 from tqueue.errors import ProtocolError
+from tqueue.wire import FieldBlock, FieldSpec, _pack
+from tqueue.wire._layout import frame_layout, sample_sizes
 
 SOCKET = tqueue.ClientConfig(shm=False, request_timeout=10)
 SHM = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=10)

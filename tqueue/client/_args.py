@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ..wire import GroupId
 from ..errors import InvalidArgumentError
+from ..wire import GroupId
 
 
 def _wait(timeout: float | None, default: float, name: str = "timeout") -> float:

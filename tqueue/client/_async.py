@@ -6,13 +6,27 @@ import asyncio
 import dataclasses
 import logging
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import _env, _memory
+from .._memory import BufferPool
+from ..config import ClientConfig
+from ..errors import (
+    ControllerUnavailableError,
+    InvalidArgumentError,
+    ProtocolError,
+    ProtocolVersionError,
+    SchemaError,
+    StorageUnitUnavailableError,
+    UnavailableError,
+    UnknownFieldError,
+)
 from ..transport import _bulk, _zmq
+from ..transport._arena import ArenaMap, aligned, open_arena
 from ..wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -40,25 +54,12 @@ from ..wire import (
     Stored,
     UnitInfo,
 )
-from ..config import ClientConfig
-from ..errors import (
-    ControllerUnavailableError,
-    InvalidArgumentError,
-    ProtocolError,
-    ProtocolVersionError,
-    SchemaError,
-    StorageUnitUnavailableError,
-    UnavailableError,
-    UnknownFieldError,
-)
 from ..wire._layout import int_dtype, itemsize, nbytes, split_lanes
 from ..wire._pack import PACKED, Misfit, Narrowing, Widening
+from ._args import _groups, _versions, _wait
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, pack, sample_count
-from ._args import _groups, _versions, _wait
 from ._lifecycle import Lifecycle
-from .._memory import BufferPool
-from ..transport._arena import ArenaMap, aligned, open_arena
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class AsyncClient(Lifecycle):
         for st in streams:
             st.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         await self.connect()
         return self
 

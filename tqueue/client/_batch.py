@@ -14,19 +14,20 @@ import contextlib
 import dataclasses
 import gc
 import struct
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 import torch
 
+from .._memory import BufferPool
 from .._threads import copy_bytes
+from ..errors import InvalidArgumentError, ProtocolError
+from ..wire import BatchMeta, FieldBlock, FieldSpec
 from ..wire._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
 from ..wire._pack import PACKED, Widening, widen, widen_all
-from ..wire import BatchMeta, FieldBlock, FieldSpec
-from ..errors import InvalidArgumentError, ProtocolError
 from ._encode import TORCH_DTYPES
-from .._memory import BufferPool
 
 JaggedAs = Literal["list", "padded", "nested"]
 _DECODER = msgspec.msgpack.Decoder()

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
+from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
+from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import TORCH_ITEMSIZE, int_dtype
 from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
-from ..wire import FieldBlock, FieldSpec
-from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 
 log = logging.getLogger(__name__)
 

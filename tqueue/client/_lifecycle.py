@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Ok, Postpone, Reserve, Seal, Sealed, Select, SetVersion
 from ..errors import InvalidArgumentError, SchemaError
+from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Ok, Postpone, Reserve, Seal, Sealed, Select, SetVersion
 from ._args import _rows, _wait
 from ._encode import sample_count
 
 if TYPE_CHECKING:
-    from ..transport import _zmq
     from ..config import ClientConfig
+    from ..transport import _zmq
     from ._batch import Batch
 
 

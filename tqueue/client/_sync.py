@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, Coroutine, Mapping, Sequence, TypeVar
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
-from ..transport import _zmq
-from ..wire import BatchMeta, GroupId, Meta, StatusReply
 from ..config import ClientConfig
 from ..errors import ControllerUnavailableError
+from ..transport import _zmq
+from ..wire import BatchMeta, GroupId, Meta, StatusReply
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch, JaggedAs
 from ._lifecycle import FieldStats
@@ -87,7 +88,7 @@ class Client:
         """Close connections and stop the loop thread. Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         self.connect()
         return self
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
 from ..errors import InvalidArgumentError, PartitionClearedError, WaitTimeoutError
+from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
 from ._state import EXCLUDED, HIDDEN, Moved, Partition
 
 if TYPE_CHECKING:

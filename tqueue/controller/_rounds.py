@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from ..wire import BatchMeta
 from ..errors import InvalidArgumentError
+from ..wire import BatchMeta
 from . import _balance
 
 KEEP_ROUNDS = 256  # formed rounds remembered per (partition, task), for late peers
@@ -92,9 +92,9 @@ class RoundBook:
         if not self.max_tokens:
             return ranks, [[r] for r in ranks], 1
         per_rank = [lengths[np.asarray(r, dtype=np.int64)].tolist() for r in ranks]
-        count = max(len(_balance.micro_batches(l, self.max_tokens)) for l in per_rank)
+        count = max(len(_balance.micro_batches(lens, self.max_tokens)) for lens in per_rank)
         count = min(count, min(len(r) for r in ranks))
         micro = []
-        for r, l in zip(ranks, per_rank):
-            micro.append([[r[p] for p in mb] for mb in _balance.micro_batches(l, self.max_tokens, count=count)])
+        for r, lens in zip(ranks, per_rank):
+            micro.append([[r[p] for p in mb] for mb in _balance.micro_batches(lens, self.max_tokens, count=count)])
         return ranks, micro, count

@@ -18,6 +18,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..config import ControllerConfig
+from ..errors import (
+    InvalidArgumentError,
+    PartitionClearedError,
+    ProtocolVersionError,
+    StorageUnitUnavailableError,
+    TQueueError,
+    WaitTimeoutError,
+)
 from ..transport import _zmq
 from ..wire import (
     PROTOCOL_VERSION,
@@ -37,10 +46,10 @@ from ..wire import (
     Meta,
     Ok,
     PartitionStatus,
+    Postpone,
     Registered,
     RegisterUnit,
     Renew,
-    Postpone,
     Reserve,
     Seal,
     Sealed,
@@ -53,21 +62,12 @@ from ..wire import (
     UnitStatus,
     WaiterStatus,
 )
-from ..config import ControllerConfig
-from ..errors import (
-    InvalidArgumentError,
-    PartitionClearedError,
-    ProtocolVersionError,
-    StorageUnitUnavailableError,
-    TQueueError,
-    WaitTimeoutError,
-)
 from ._moves import DROP_TIMEOUT, Moves, Waiter
 from ._policies import BUILT_IN, Candidates, check
 from ._policies import load as load_policies
 from ._rounds import RoundBook
-from ._writes import ParkedWrite, Writes
 from ._state import FAILURE_POLICIES, LEASED, GrantRecord, Options, Partition, Unit
+from ._writes import ParkedWrite, Writes
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..wire import FieldBlock, FieldSpec, GroupId, UnitInfo
 from ..errors import InvalidArgumentError, SchemaError, UnknownFieldError
+from ..wire import FieldBlock, FieldSpec, GroupId, UnitInfo
 
 COMMITTED = np.uint64(1 << 63)
 EXCLUDED = np.uint64(1 << 62)
@@ -410,7 +410,7 @@ class Partition:
             task.state[held] = AVAILABLE  # excluded anyway: the bit keeps them out
         return len(fresh)
 
-    def take_out(self, indexes: np.ndarray, reason: str) -> "Moved":
+    def take_out(self, indexes: np.ndarray, reason: str) -> Moved:
         """Everything the controller knows of these samples, which leave (excluded here)."""
         moved = Moved(
             fields={name: spec for name, spec in self.specs.items()},
@@ -429,7 +429,7 @@ class Partition:
         self.exclude(indexes, reason)
         return moved
 
-    def reserve_in(self, moved: "Moved") -> np.ndarray:
+    def reserve_in(self, moved: Moved) -> np.ndarray:
         """Indexes here for samples on their way in (invisible until ``land``)."""
         names = [n for n, has in moved.has.items() if has.any()]
         for name in names:
@@ -445,7 +445,7 @@ class Partition:
         start = self.allocate(count, moved.groups, None)
         return np.arange(start, start + count)
 
-    def land(self, idx: np.ndarray, moved: "Moved") -> None:
+    def land(self, idx: np.ndarray, moved: Moved) -> None:
         """The samples' data is keyed here now: make them visible (partial ones stay hidden)."""
         names = [n for n, has in moved.has.items() if has.any()]
         count = len(idx)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from ..wire import Admission, Grant, Granted, Ok, Reserve, SetVersion
 from ..errors import InvalidArgumentError, StorageFullError, TQueueError, WaitTimeoutError
+from ..wire import Admission, Grant, Granted, Ok, Reserve, SetVersion
 from ._state import GrantRecord, Partition, Unit
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..config import StorageConfig
 from ._serve import READY
@@ -80,7 +81,7 @@ class LocalCluster:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         try:
             ctl = self._spawn(["controller", "--bind", f"tcp://{self.host}:0", *self.controller_args])
             self.address = self._ready(ctl)["address"]
@@ -142,7 +143,7 @@ class LocalCluster:
         """Stop every process (units first). Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from .. import _env, _memory
-from ..transport import _bulk, _zmq
 from .._memory import BufferPool
-from ..wire._layout import frame_sizes
-from ..wire._layout import nbytes as nbytes_of
+from ..config import StorageConfig
+from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
+from ..transport import _bulk, _zmq
+from ..transport._arena import Arena, Region
 from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
@@ -33,15 +34,14 @@ from ..wire import (
     HelloReply,
     Move,
     Ok,
-    RegisterUnit,
     Registered,
+    RegisterUnit,
     Release,
     Store,
     Stored,
 )
-from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
-from ..transport._arena import Arena, Region
+from ..wire._layout import frame_sizes
+from ..wire._layout import nbytes as nbytes_of
 from ._store import Store as _Data
 
 log = logging.getLogger(__name__)

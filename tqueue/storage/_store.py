@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..wire._layout import block_shapes, frame_layout, nbytes
-from ..wire import FieldBlock, FieldSpec
 from ..errors import InvalidArgumentError, PartitionClearedError, ProtocolError, SchemaError
 from ..transport._arena import Arena, Region
+from ..wire import FieldBlock, FieldSpec
+from ..wire._layout import block_shapes, frame_layout, nbytes
 
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16
@@ -41,7 +42,7 @@ class Piece:
         self.nbytes = sum(nbytes(f) for f in frames)
         self.packed = block.packed  # per frame: "" or the narrower int type its values are in
 
-    def subset(self, rows: np.ndarray) -> "Piece":
+    def subset(self, rows: np.ndarray) -> Piece:
         """A piece over some of these rows, sharing the frames (for moving samples)."""
         sub = object.__new__(Piece)
         sub.spec, sub.frames, sub.arena, sub.region = self.spec, self.frames, self.arena, self.region

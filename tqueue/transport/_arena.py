@@ -25,7 +25,8 @@ import logging
 import mmap
 import os
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -33,13 +33,14 @@ import queue
 import socket
 import struct
 import threading
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import _threads
-from ..wire._pack import Misfit, Narrowing, Widening
 from ..errors import ProtocolError, StorageUnitUnavailableError
+from ..wire._pack import Misfit, Narrowing, Widening
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class BulkServer:
             log.info("%s: refused a bulk stream: %s", self.name, exc)
             sock.close()
 
-    def _forget(self, writer: "_Writer") -> None:
+    def _forget(self, writer: _Writer) -> None:
         with self._lock:
             if self._streams.get(writer.token) is writer:
                 del self._streams[writer.token]

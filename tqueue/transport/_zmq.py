@@ -19,12 +19,13 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import zmq
 
-from ..wire import Error, Message, decode, encode, error_reply, salvage_rid
 from ..errors import ProtocolError, TQueueError, UnavailableError, from_code
+from ..wire import Error, Message, decode, encode, error_reply, salvage_rid
 
 log = logging.getLogger(__name__)
 

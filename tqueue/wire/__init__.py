@@ -8,6 +8,7 @@ import it.
 """
 
 from ._messages import (
+    PROTOCOL_VERSION,
     Ack,
     Admission,
     Alloc,
@@ -17,12 +18,9 @@ from ._messages import (
     Clear,
     Commit,
     CreatePartition,
-    decode,
     Drop,
     Dropped,
-    encode,
     Error,
-    error_reply,
     Fail,
     Fetch,
     Fetched,
@@ -41,13 +39,11 @@ from ._messages import (
     Ok,
     PartitionStatus,
     Postpone,
-    PROTOCOL_VERSION,
     Registered,
     RegisterUnit,
     Release,
     Renew,
     Reserve,
-    salvage_rid,
     Seal,
     Sealed,
     Select,
@@ -60,6 +56,10 @@ from ._messages import (
     UnitInfo,
     UnitStatus,
     WaiterStatus,
+    decode,
+    encode,
+    error_reply,
+    salvage_rid,
 )
 
 __all__ = [

@@ -7,13 +7,14 @@ back). It needs numpy only, so servers start without importing torch.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ._pack import PACKED, Narrowing, packable
-from ._messages import FieldBlock, FieldSpec
 from ..errors import ProtocolError
+from ._messages import FieldBlock, FieldSpec
+from ._pack import PACKED, Narrowing, packable
 
 # torch dtypes by name, with their item size, without importing torch.
 TORCH_ITEMSIZE = {

@@ -11,7 +11,8 @@ change that old peers cannot read bumps :data:`PROTOCOL_VERSION`, which the hand
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, ClassVar, Union
 
 import msgspec
 
@@ -162,7 +163,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     def __len__(self) -> int:
         return len(self.indexes)
 
-    def select(self, positions: Sequence[int]) -> "BatchMeta":
+    def select(self, positions: Sequence[int]) -> BatchMeta:
         """The meta of some of these samples (by position), e.g. to fail or clear them."""
         pick = list(positions)
 

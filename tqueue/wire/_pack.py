@@ -17,7 +17,7 @@ built). ``ClientConfig.pack_ints`` (``TQUEUE_PACK_INTS=0``) turns it off.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
