@@ -1,0 +1,94 @@
+"""Who may import whom: the layers of docs/architecture.md, checked on the source.
+
+Every import of a tqueue module, at module level or inside a function, is resolved to the part of
+the package it lands in; a part may import only the parts of lower layers and itself. Roles
+(controller, storage, client) never import each other, and nothing but the command line, the
+demo and the bridges themselves imports a bridge.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import tqueue
+
+ROOT = pathlib.Path(tqueue.__file__).parent
+
+BASE = {"errors", "_env", "config", "_memory", "_threads", "_native_pack", "_native_balance"}
+LAYERS: dict[str, set[str]] = {
+    # part: the parts it may import (besides itself)
+    **{b: BASE for b in BASE},
+    "wire": BASE,
+    "transport": BASE | {"wire"},
+    "controller": BASE | {"wire", "transport"},
+    "storage": BASE | {"wire", "transport"},
+    "client": BASE | {"wire", "transport"},
+    "launch": BASE | {"wire", "transport", "controller", "storage", "client"},
+    "bridges": BASE | {"wire", "transport", "client", "launch", "bridges"},
+    "__init__": BASE | {"wire", "client", "launch"},
+    "demo": BASE | {"wire", "client", "launch", "bridges"},
+    "cli": BASE | {"wire", "client", "launch", "demo", "bridges", "controller", "storage"},
+    "__main__": {"cli"},
+}
+
+
+def _part(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_parts(source: str, rel: pathlib.PurePath) -> set[tuple[str, int]]:
+    """(part, line) for every tqueue module imported by ``source``, the module at ``rel``
+    inside the package."""
+    package = ["tqueue", *rel.parts[:-1]]  # the package the module sits in
+    found = set()
+    for node in ast.walk(ast.parse(source, str(rel))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # ``from .. import wire`` names submodules: each alias may be a part
+            names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "tqueue" and len(bits) > 1:
+                found.add((bits[1], node.lineno))
+    return found
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
+def test_imports_follow_the_layers(path: pathlib.Path) -> None:
+    part = _part(path)
+    assert part in LAYERS, f"{path.relative_to(ROOT)}: part {part!r} has no place in the layers"
+    allowed = LAYERS[part] | {part}
+    wrong = sorted(f"line {line}: imports tqueue.{p}" for p, line in _imported_parts(path.read_text(), path.relative_to(ROOT)) if p not in allowed)
+    assert not wrong, f"{path.relative_to(ROOT)} ({part}) " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("source", "part"),
+    [
+        ("from ..client import Client\n", "client"),
+        ("from .. import storage\n", "storage"),
+        ("def f():\n    import tqueue.client._async\n", "client"),
+        ("from tqueue.launch import LocalCluster\n", "launch"),
+    ],
+    ids=["relative", "submodule-alias", "lazy-absolute", "absolute"],
+)
+def test_the_checker_sees_a_wrong_import(source: str, part: str) -> None:
+    """A controller module importing a role or the launcher is caught (the checker can fail)."""
+    rel = pathlib.PurePath("controller", "_probe.py")
+    assert part in {p for p, _ in _imported_parts(source, rel)}
+    assert part not in LAYERS["controller"]
