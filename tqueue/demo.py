@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 FIELDS = ["prompt_ids", "response_ids", "log_probs", "prompt", "meta"]
 
@@ -118,7 +118,8 @@ def _consumer(plan: Plan, rank: int, out: Connection) -> None:
             for i, m in enumerate(batch["meta"]):
                 if meta.groups is None or meta.groups[i] != m["uid"] or not batch["prompt"][i].startswith(f"<prompt {m['uid']}>"):
                     raise AssertionError(f"sample {meta.indexes[i]}: fields of different samples mixed up")
-            if sorted(set(meta.groups or [])) and any(meta.groups.count(g) != plan.group_size for g in set(meta.groups)):
+            groups = list(meta.groups or [])
+            if any(groups.count(g) != plan.group_size for g in set(groups)):
                 raise AssertionError("a GRPO group arrived incomplete")
             tokens = int(batch.lengths("prompt_ids").sum() + batch.lengths("response_ids").sum())
             client.ack(meta)
@@ -255,7 +256,7 @@ def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: 
                 print("demo: no progress for 600 s; giving up", file=sys.stderr)
                 ok = False
                 break
-            for conn in ready:
+            for conn in cast("list[Connection]", ready):  # wait() returns what it was given
                 try:
                     msg = json.loads(conn.recv_bytes())
                 except EOFError:
