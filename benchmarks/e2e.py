@@ -10,7 +10,8 @@ the median of ``--repeats`` runs, with min and max, spread over ``--rounds`` rou
 systems in turn; each round starts every system afresh and runs ``--warmup`` unrecorded first.
 Writes ``results.md``, ``results.json`` and (with matplotlib) ``throughput.png`` to ``--out``.
 ``--smoke`` only proves the harness runs end to end (32 samples, 1to1, one run, no warm-up):
-its figures mean nothing.
+its figures mean nothing. To compare two trees, run each tree's harness into its own folders,
+alternating, and read them with ``benchmarks/compare.py`` (its docstring has the commands).
 """
 
 from __future__ import annotations

@@ -57,3 +57,19 @@ def test_without_matplotlib_no_plot_is_claimed(tmp_path, monkeypatch, capsys):
     assert tmp_path / "throughput.png" not in paths
     assert all(p.exists() for p in paths) and len(paths) == 2
     assert "no plot" in (tmp_path / "results.md").read_text()
+
+
+def test_compare_puts_two_labelled_sets_of_runs_side_by_side(tmp_path):
+    from benchmarks import compare
+
+    def runs(folder: str, gbps: list[float]) -> str:
+        records = [{"system": "tqueue", "scenario": "1to1", "size": 1024, "gbps": g, "put_s": 0.1, "get_s": 0.2} for g in gbps]
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps({"results": records}))
+        return str(tmp_path / folder)
+
+    before = f"before={runs('b1', [1.0, 3.0])},{runs('b2', [2.0])}"
+    after = f"after={runs('a1', [3.0, 5.0, 4.0])}"
+    assert compare.main([before, after, "--out", str(tmp_path / "t.md")]) == 0
+    row = (tmp_path / "t.md").read_text().splitlines()[2]
+    assert row == "| 1to1 | 1024 | tqueue | 2.00 | 4.00 | 100 / 200 | 100 / 200 | 3 + 3 | 2.00x |"
