@@ -5,7 +5,7 @@ each rank a share with nearly the same number of tokens, then cuts every share i
 number of micro-batches (pipeline parallelism needs equal counts), each under a token cap where
 the samples allow it.
 
-The method is deliberately plain, in Python over integers (numpy to sort and sum):
+The method is deliberately plain, in Python over integers (numpy only reads array inputs):
 
 * ranks: greedy, longest sample first into the lightest rank that still has room (equal sizes),
   then trades between the heaviest rank and the lightest ones while a swap (or, without equal
@@ -16,8 +16,9 @@ The method is deliberately plain, in Python over integers (numpy to sort and sum
 
 Against the optimum (brute force on small rounds, ``max(ceil(total / ranks), largest item)`` on
 big ones) the heaviest rank is within 0.01% at 4096 samples and within a few percent on rounds of
-8 to 16 samples (native/README.md has the figures). A 4096-sample round plans in a few ms,
-16384 in tens of ms: the controller's loop waits for that.
+2 to 12 samples (native/README.md has the figures). A round of 4096 samples plans in 10-30 ms,
+16384 in 50-135 ms (the tighter the cap, the longer): the controller's loop waits for that,
+once per round.
 
 Deterministic: a plan depends only on the length values, ties broken by position, so every
 caller that plans the same round gets the identical plan. The controller never imports torch.
@@ -149,7 +150,9 @@ def plan_groups(
         raise ValueError(f"{len(members)} groups cannot be split into {dp_size} equal parts")
     sums = [sum(vals[p] for p in g) for g in members]
     assignment = _partition(sums, dp_size, equal_size=True)
-    if cap is not None and _slack(vals, members, assignment, cap) < 0:
+    sizes = {sum(len(members[g]) for g in part) for part in assignment}
+    # Ranks of equal size always have a common count (none needs more than its samples).
+    if cap is not None and len(sizes) > 1 and _slack(vals, members, assignment, cap) < 0:
         found = _feasible(vals, members, assignment, cap, sums)
         if found is None:
             raise InvalidArgumentError(_no_plan(vals, members, dp_size, cap, names))
@@ -313,18 +316,24 @@ def _cut(
     k = count - len(oversize)
     if not k:
         return _canonical(oversize)
-    bins: list[list[int]] | None = [[] for _ in range(k)]
-    heap = [(0, 0, b) for b in range(k)]  # the lightest bin has the most room: worst fit
-    for p in _descending(vals, rest):
-        tokens, n, b = heapq.heappop(heap)
-        if tokens + vals[p] > cap:  # nor does any other bin: fall back on FFD's packing
-            bins = None
-            break
-        bins[b].append(p)  # type: ignore[index]
-        heapq.heappush(heap, (tokens + vals[p], n + 1, b))
+    bins = _worst_fit(vals, rest, k, cap)
     if bins is None:  # FFD's bins are full but for the last: trade them level
         bins = _trade(_split(ffd, k, vals), vals, moves=True)
     return _canonical(bins + oversize)
+
+
+def _worst_fit(vals: list[int], positions: list[int], k: int, cap: int) -> list[list[int]] | None:
+    """Longest first into the lightest of ``k`` bins (which has the most room): balanced, and
+    none empty (k <= len(positions)); None as soon as a sample fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    heap = [(0, 0, b) for b in range(k)]  # (tokens, samples, bin): empty bins first
+    for p in _descending(vals, positions):
+        tokens, n, b = heapq.heappop(heap)
+        if tokens + vals[p] > cap:
+            return None
+        bins[b].append(p)
+        heapq.heappush(heap, (tokens + vals[p], n + 1, b))
+    return bins
 
 
 def _split(bins: list[list[int]], k: int, vals: list[int]) -> list[list[int]]:
