@@ -1,6 +1,6 @@
 """End-to-end benchmark: tqueue beside its peers, on the same batch, in one run.
 
-    python benchmarks/e2e.py [--quick] [--sizes 256,1024] [--scenarios 1to1,1to4]
+    python benchmarks/e2e.py [--quick | --smoke] [--sizes 256,1024] [--scenarios 1to1,1to4]
                              [--systems tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
                              [--repeats 5] [--warmup 3] [--rounds 2] [--out bench-results]
 
@@ -8,7 +8,10 @@
 with a line saying so; ``bash benchmarks/install_peers.sh`` installs them. Every figure is
 the median of ``--repeats`` runs, with min and max, spread over ``--rounds`` rounds that take the
 systems in turn; each round starts every system afresh and runs ``--warmup`` unrecorded first.
-Writes ``results.md``, ``results.json`` and ``throughput.png`` to ``--out``.
+Writes ``results.md``, ``results.json`` and (with matplotlib) ``throughput.png`` to ``--out``.
+``--smoke`` only proves the harness runs end to end (32 samples, 1to1, one run, no warm-up):
+its figures mean nothing. To compare two trees, run each tree's harness into its own folders,
+alternating, and read them with ``benchmarks/compare.py`` (its docstring has the commands).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def too_big(scenario: str, size: int) -> str | None:
         return f"{scenario} at {size} samples skipped: needs about {need / 1e9:.0f} GB, {have / 1e9:.0f} GB available"
     return None
 QUICK = {"sizes": [256], "scenarios": ["1to1", "1to4"], "repeats": 2, "warmup": 1, "rounds": 1}
+SMOKE = {"sizes": [32], "scenarios": ["1to1"], "repeats": 1, "warmup": 0, "rounds": 1}
 
 
 def make_system(name: str) -> tuple[Any | None, str | None]:
@@ -277,7 +281,8 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> str | None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI mode: 256 samples, 1to1 and 1to4, 2 repeats")
+    p.add_argument("--quick", action="store_true", help="256 samples, 1to1 and 1to4, 2 repeats")
+    p.add_argument("--smoke", action="store_true", help="CI check that the harness runs: 32 samples, 1to1, 1 run")
     p.add_argument("--sizes", default="256,1024,4096,16384")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
@@ -293,26 +298,32 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.scenarios = args.scenarios.split(",")
     args.systems = args.systems.split(",")
     args.max_size = {k: int(v) for k, v in (kv.split("=") for kv in args.max_size.split(",") if kv)}
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    for preset, values in ((args.quick, QUICK), (args.smoke, SMOKE)):
+        if preset:
+            for key, value in values.items():
+                setattr(args, key, value)
     unknown = [s for s in args.systems if s not in SYSTEMS] + [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
         p.error(f"unknown systems or scenarios: {unknown}")
     return args
 
 
-def write(data: dict[str, Any], out: pathlib.Path, *, final: bool) -> str:
+def write(data: dict[str, Any], out: pathlib.Path, *, final: bool) -> tuple[str, list[pathlib.Path]]:
+    """Write the results; returns the table's text and the files written (the plot only where
+    matplotlib could draw it)."""
     rows = summarize(data)
     out.mkdir(parents=True, exist_ok=True)
     data["summary"] = rows
-    (out / "results.json").write_text(json.dumps(data, indent=1))
+    written = [out / "results.md", out / "results.json"]
     note = plot(rows, out / "throughput.png") if final else None
     if note:
         data["notes"].append(note)
+    elif final:
+        written.append(out / "throughput.png")
+    written[1].write_text(json.dumps(data, indent=1))
     text = markdown(data, rows)
-    (out / "results.md").write_text(text)
-    return text
+    written[0].write_text(text)
+    return text, written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.on_progress = progress
     data = run(args)
-    text = write(data, out, final=True)
+    text, written = write(data, out, final=True)
     print("\n" + text)
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'throughput.png'}")
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -13,8 +13,6 @@
 ``TQUEUE_BULK``             0: keep all payload on ZeroMQ, never on the units' bulk streams
 ``TQUEUE_BULK_LANES``       bulk streams one big transfer is split over
 ``TQUEUE_PACK_INTS``        0: send integer fields in their own dtype, never narrowed
-``TQUEUE_NATIVE``           0: plan rounds with the pure-Python planner even where its C
-                          extension is built
 """
 
 from __future__ import annotations

@@ -89,41 +89,25 @@ def test_get_meta_latency(benchmark, cluster, size):
         client.clear(name)
 
 
-def test_dp_split_planner_4096(benchmark):
-    """Token-balanced split of one round of 4096 samples over 8 DP ranks, micro-batches of
-    at most 16384 tokens (skewed lengths); the default implementation (native where built)."""
-    balance = pytest.importorskip("tqueue.controller._balance")
+def _planner_lengths(n: int) -> np.ndarray:
     rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(6.5, 1.0, 4096).astype(np.int64) + 16, 8192)
-    benchmark(balance.plan_round, lengths, 8, max_tokens_per_micro_batch=16384)
+    return np.minimum(rng.lognormal(6.5, 1.0, n).astype(np.int64) + 16, 8192)
 
 
-@pytest.fixture(params=["python", "native"])
-def planner(request):
-    """tqueue.controller._balance with its inner routines in Python or in C (native/balance.c);
-    both plan identically."""
+@pytest.mark.parametrize("cap", [4096, 16384], ids=lambda c: f"cap{c}")
+@pytest.mark.parametrize("n", [4096, 16384], ids=lambda n: f"n{n}")
+def test_dp_split_planner(benchmark, n, cap):
+    """Token-balanced split of one round over 8 DP ranks into micro-batches of at most ``cap``
+    tokens (skewed lengths): what the controller's loop waits for once per round."""
     balance = pytest.importorskip("tqueue.controller._balance")
-    if request.param == "native" and balance._native_balance is None:
-        pytest.skip("tqueue._native_balance is not built (no C compiler at install time)")
-    previous = balance.use_native(request.param == "native")
-    yield balance
-    balance.use_native(previous == "native")
+    benchmark(balance.plan_round, _planner_lengths(n), 8, max_tokens_per_micro_batch=cap)
 
 
 @pytest.mark.parametrize("dp", [4, 8], ids=lambda d: f"dp{d}")
-def test_dp_split_planner_4096_impl(benchmark, planner, dp):
-    """As test_dp_split_planner_4096, at 4 and 8 ranks, on each implementation."""
-    rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(6.5, 1.0, 4096).astype(np.int64) + 16, 8192)
-    benchmark(planner.plan_round, lengths, dp, max_tokens_per_micro_batch=16384)
-
-
-@pytest.mark.parametrize("dp", [4, 8], ids=lambda d: f"dp{d}")
-def test_dp_split_planner_partition_4096(benchmark, planner, dp):
-    """balanced_partition alone (equal sizes, no micro-batches), on each implementation."""
-    rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(6.5, 1.0, 4096).astype(np.int64) + 16, 8192)
-    benchmark(planner.balanced_partition, lengths, dp)
+def test_dp_split_planner_partition_4096(benchmark, dp):
+    """balanced_partition alone (equal sizes, no micro-batches)."""
+    balance = pytest.importorskip("tqueue.controller._balance")
+    benchmark(balance.balanced_partition, _planner_lengths(4096), dp)
 
 
 # --- packed integer fields (tqueue/wire/_pack.py, native/pack.c) ----------------------------

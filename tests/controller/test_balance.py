@@ -1,15 +1,14 @@
-"""Token balance for a round: balanced_partition, micro_batches and plan_round.
+"""Token balance for a round: balanced_partition, micro_batches, plan_round and plan_groups.
 
-Every test runs twice, on the Python planner and on its C inner routines (ids ``python`` and
-``native``; the latter skips where tqueue._native_balance is not built), and the last section
-checks that the two give identical results on many random inputs.
+Besides the structural guarantees, the balance is measured against the optimum: exhaustive
+search on small rounds, the bound ``max(ceil(total / ranks), longest sample)`` on big ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import os
 import subprocess
 import sys
 
@@ -17,23 +16,8 @@ import numpy as np
 import pytest
 
 from tqueue.controller import _balance
-from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_round
-
-NOT_BUILT = (
-    "tqueue._native_balance is not built (no C compiler when tqueue was installed, or its build "
-    "failed): only the Python planner can be tested"
-)
-
-
-@pytest.fixture(autouse=True, params=["python", "native"])
-def implementation(request):
-    """Every test on both implementations of the inner routines."""
-    if request.param == "native" and _balance._native_balance is None:
-        pytest.skip(NOT_BUILT)
-    previous = _balance.use_native(request.param == "native")
-    assert _balance.IMPLEMENTATION == request.param
-    yield request.param
-    _balance.use_native(previous == "native")
+from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_groups, plan_round
+from tqueue.errors import InvalidArgumentError
 
 
 def random_lengths(seed: int, n: int, high: int = 5000) -> list[int]:
@@ -386,13 +370,13 @@ def test_plan_round_balances_micro_batches_within_a_rank(dp_size, cap):
 def test_plan_round_maps_micro_batches_to_global_positions():
     lengths = [5000, 100, 100, 100, 4000, 900, 900, 900]
     plan = plan_round(lengths, 2, max_tokens_per_micro_batch=1000)
-    assert plan.ranks == [[0, 1, 2, 5], [3, 4, 6, 7]]
-    assert plan.token_sums == [6100, 5900]
+    assert plan.ranks == [[0, 2, 3, 7], [1, 4, 5, 6]]
+    assert plan.token_sums == [6100, 5900]  # the optimum: 5000 + 100 + 100 + 900 on one side
     assert plan.num_micro_batches == 3  # each rank: its oversize sample alone, then two
-    assert plan.micro_batches == [[[0], [1, 2], [5]], [[3, 6], [4], [7]]]
+    assert plan.micro_batches == [[[0], [2, 3], [7]], [[1, 5], [4], [6]]]
     plan = plan_round(lengths, 2, max_tokens_per_micro_batch=5000)
     assert plan.num_micro_batches == 2
-    assert plan.micro_batches == [[[0], [1, 2, 5]], [[3, 6, 7], [4]]]
+    assert plan.micro_batches == [[[0], [2, 3, 7]], [[1, 5, 6], [4]]]
 
 
 def test_plan_round_is_deterministic_and_frozen():
@@ -419,149 +403,182 @@ def test_plan_round_rejects_bad_arguments(lengths, dp_size, cap, match):
         plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap)
 
 
-def test_module_does_not_import_torch(implementation):
-    """Nor does the extension; TQUEUE_NATIVE=0 picks the Python path at import."""
-    code = (
-        "import sys, tqueue.controller._balance as b; "
-        "print('torch' in sys.modules, b.IMPLEMENTATION)"
-    )
-    env = dict(os.environ, TQUEUE_NATIVE="1" if implementation == "native" else "0")
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env
-    )
-    assert out.stdout.split() == ["False", implementation]
+def test_module_does_not_import_torch():
+    code = "import sys, tqueue.controller._balance; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False"]
 
 
 # ---------------------------------------------------------------------------------------------
-# the C inner routines: exactly the Python ones
+# against the optimum
 
 
-def native_module():
-    if _balance._native_balance is None:
-        pytest.skip(NOT_BUILT)
-    return _balance._native_balance
+def every_equal_partition(n: int, parts: int):
+    """Each division of range(n) into ``parts`` unordered lists of n // parts, once."""
+
+    def deal(items, parts):
+        if parts == 1:
+            yield [items]
+            return
+        first, rest = items[0], items[1:]
+        for others in itertools.combinations(rest, len(items) // parts - 1):
+            left = [x for x in rest if x not in others]
+            for tail in deal(left, parts - 1):
+                yield [[first, *others], *tail]
+
+    yield from deal(list(range(n)), parts)
 
 
-def once(implementation: str) -> None:
-    """The tests below call both implementations themselves: run them once, as [native]."""
-    if implementation == "python":
-        pytest.skip("compares both implementations: runs once, as [native]")
+def optimum(lengths: list[int], parts: int) -> int:
+    """The smallest possible largest part sum, equal sizes, by exhaustive search."""
+    return min(max(sum(lengths[p] for p in g) for g in a) for a in every_equal_partition(len(lengths), parts))
 
 
-def fuzz_lengths(rng: np.random.Generator, n: int, kind: int) -> list[int]:
-    """Lengths with many ties, zeros, a heavy tail, or all equal."""
-    if kind == 0:
-        return rng.integers(0, 4, size=n).tolist()  # mostly ties, zeros among them
-    if kind == 1:
-        return rng.integers(1, 10**6, size=n).tolist()
-    if kind == 2:
-        return np.clip(rng.lognormal(7.0, 1.5, size=n), 0, 131072).astype(np.int64).tolist()
-    if kind == 3:
-        return [int(rng.integers(0, 3))] * n
-    return rng.integers(200, 1000, size=n).tolist()  # tight against caps of ~1000
+def small_rounds(count: int, seed: int):
+    rng = np.random.default_rng(seed)
+    for case in range(count):
+        parts = int(rng.choice([2, 3, 4]))
+        n = parts * int(rng.integers(1, {2: 7, 3: 4, 4: 3}[parts] + 1))
+        kind = case % 3
+        if kind == 0:
+            lengths = rng.integers(1, 100, n)
+        elif kind == 1:
+            lengths = np.clip(rng.lognormal(7.0, 1.5, n), 1, 131072).astype(np.int64)
+        else:
+            lengths = rng.integers(0, 4, n)  # ties and zeros
+        yield lengths.tolist(), parts
 
 
-def test_native_inner_routines_match_python(implementation):
-    once(implementation)
-    native = native_module()
-    rng = np.random.default_rng(2024)
-    for case in range(1500):
-        n = int(rng.integers(0, 160))
-        vals = fuzz_lengths(rng, n, case % 5)
-        parts = int(rng.choice([1, 2, 3, 4, 7, 8, 16, 64]))
-        equal_size = bool(case % 2)
-        order = sorted(range(n), key=vals.__getitem__, reverse=True)
-        if equal_size:
-            order = order[: n - n % parts]
-        if case % 3 == 0:  # not sorted by length: KK's result still depends only on its input
-            order = rng.permutation(order).tolist()
-        args = (vals, order, parts, equal_size)
-        assert native.kk(*args) == _balance._kk_python(*args), args
-
-        cap = int(rng.integers(1, 2 * max(vals, default=1) + 2))
-        positions = rng.permutation(n)[: int(rng.integers(0, n + 1))].tolist()
-        for where in (positions, range(n)):
-            args = (vals, where, cap)
-            assert native.first_fit_decreasing(*args) == _balance._first_fit_decreasing_python(
-                *args
-            ), args
-
-        cuts = sorted(rng.integers(0, n + 1, size=parts - 1).tolist())
-        bins = [positions[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
-        bins = [list(b) for b in np.array_split(rng.permutation(n), parts)] if case % 4 else bins
-        bins = [[int(p) for p in b] for b in bins]
-        until = int(rng.choice([0, 0, cap, sum(vals) // parts + 1]))
-        args = (bins, vals, until, bool(case % 3))
-        assert native.refine(*args) == _balance._refine_python(*args), args
-
-        assert native.descending(vals, positions) == sorted(
-            positions, key=vals.__getitem__, reverse=True
-        )
-        groups = [*bins, [], *bins[:2]] if case % 2 else bins  # empties; equal first positions
-        assert native.canonical(groups) == _balance._canonical_python(groups), groups
+def test_small_rounds_against_the_exhaustive_optimum():
+    """200 rounds of 2 to 12 samples over 2 to 4 ranks. Measured (600 such rounds): 94% optimal,
+    mean excess 0.05%, 99th percentile 1.6%, worst 3.4% (the greedy with its swaps; the
+    Karmarkar-Karp planner it replaced had the same figures on these rounds)."""
+    excess = []
+    for lengths, parts in small_rounds(200, seed=1):
+        best = optimum(lengths, parts)
+        got = max(sums_of(balanced_partition(lengths, parts), lengths))
+        assert got >= best
+        excess.append(got / best - 1 if best else 0.0)
+    assert np.mean([e == 0 for e in excess]) >= 0.9
+    assert np.mean(excess) <= 0.002
+    assert max(excess) <= 0.05
 
 
-@pytest.mark.parametrize("cap", [None, 1, 700, 1000, 4096, 16384], ids=lambda c: f"cap{c}")
-def test_native_and_python_plan_identically(implementation, cap):
-    once(implementation)
-    native_module()
-    rng = np.random.default_rng(cap or 0)
-    for case in range(40):
-        dp_size = int(rng.choice([1, 2, 3, 4, 8]))
-        n = dp_size * int(rng.integers(1, 80))
-        lengths = fuzz_lengths(rng, n, case % 5)
-        plans = []
-        for flag in (False, True):
-            _balance.use_native(flag)
-            out = [
-                plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap),
-                balanced_partition(lengths, dp_size),
-                balanced_partition(lengths, dp_size + 1, equal_size=False),
-            ]
-            if cap is not None:
-                minimum = len(micro_batches(lengths, cap))
-                for count in {minimum, (minimum + n) // 2, n}:
-                    out.append(micro_batches(lengths, cap, count=count))
-            plans.append(out)
-        assert plans[0] == plans[1], (lengths, dp_size, cap)
-    _balance.use_native(True)
+@pytest.mark.parametrize("parts", [4, 8, 16], ids=lambda p: f"parts{p}")
+@pytest.mark.parametrize("kind", ["lognormal", "few_long_many_short"])
+@pytest.mark.parametrize("n", [4096, 16384], ids=lambda n: f"n{n}")
+def test_big_rounds_reach_the_lower_bound(n, kind, parts):
+    """No plan can do better than max(ceil(total / ranks), longest sample); measured, these
+    rounds meet it exactly (the heaviest rank holds the bound, within a token)."""
+    lengths = skewed_lengths(kind, n=n, seed=parts)
+    bound = max(math.ceil(sum(lengths) / parts), max(lengths))
+    assert max(sums_of(balanced_partition(lengths, parts), lengths)) <= bound * (1 + 1e-4)
 
 
-def test_native_plans_4096_samples_as_python(implementation):
-    once(implementation)
-    native_module()
-    for kind, cap in [("lognormal", 16384), ("lognormal", 4096), ("few_long_many_short", 8192)]:
-        lengths = skewed_lengths(kind, seed=7)
-        for dp_size in (4, 8):
-            _balance.use_native(False)
-            expected = plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap)
-            _balance.use_native(True)
-            assert plan_round(lengths, dp_size, max_tokens_per_micro_batch=cap) == expected
+def minimum_bins(lengths: list[int], cap: int) -> int:
+    """The fewest bins of at most ``cap`` for lengths that each fit, by exhaustive search."""
+    for bins in range(1, len(lengths) + 1):
+        for labels in itertools.product(range(bins), repeat=len(lengths)):
+            loads = [0] * bins
+            for x, b in zip(lengths, labels):
+                loads[b] += x
+            if max(loads) <= cap:
+                return bins
+    return 0
 
 
-def test_lengths_beyond_int64_take_the_python_path(implementation):
-    """The C routines refuse what int64 cannot hold; the planner then runs them in Python."""
-    huge = [2**70, 1, 2**64, 5, 3, 2**63]
-    assert balanced_partition(huge, 2) == [[0, 1, 4], [2, 3, 5]]  # 2**70 with the two least
-    assert micro_batches([100, 200, 300], 10**30) == [[0, 1, 2]]
-    assert micro_batches([2**63 - 2, 2**63 - 2, 1], 2**63 - 1) == [[0, 2], [1]]  # total > int64
-    if implementation == "native":
-        native = native_module()
-        with pytest.raises(OverflowError):
-            native.kk(huge, [0, 2, 5, 4, 3, 1], 2, True)
-        with pytest.raises(OverflowError):  # fits in int64, the total does not
-            native.kk([2**62, 2**62, 2**62, 1], [0, 1, 2, 3], 2, True)
-        with pytest.raises(OverflowError):
-            native.first_fit_decreasing([1, 2], [0, 1], 2**64)
-        with pytest.raises(OverflowError):
-            native.refine([[0], [1]], [-1, 2], 0, True)
+def test_micro_batch_count_against_the_exhaustive_minimum():
+    """First-fit decreasing's count is at most 11/9 of the minimum plus 6/9; on these small
+    shares it is the minimum in most cases."""
+    rng = np.random.default_rng(5)
+    hits = 0
+    for _ in range(60):
+        lengths = rng.integers(100, 1000, int(rng.integers(1, 8))).tolist()
+        best = minimum_bins(lengths, 1000)
+        got = len(micro_batches(lengths, 1000))
+        assert best <= got <= 11 / 9 * best + 6 / 9
+        hits += got == best
+    assert hits >= 50
 
 
-def test_use_native_without_the_extension(implementation, monkeypatch):
-    monkeypatch.setattr(_balance, "_native_balance", None)
-    with pytest.raises(RuntimeError, match="not built"):
-        _balance.use_native(True)
-    assert _balance.IMPLEMENTATION == implementation  # unchanged by the refusal
-    _balance.use_native(False)
-    assert _balance.IMPLEMENTATION == "python"
-    assert balanced_partition([1, 2, 3, 4], 2) == [[0, 3], [1, 2]]
+# ---------------------------------------------------------------------------------------------
+# plan_groups: whole groups per rank
+
+
+def deal_groups(sizes: list[int]) -> list[list[int]]:
+    """Groups of consecutive positions with these sizes."""
+    starts = np.cumsum([0, *sizes]).tolist()
+    return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+
+
+def test_group_plan_keeps_groups_whole_and_balanced():
+    lengths = skewed_lengths("lognormal", n=256, seed=2)
+    groups = deal_groups([8] * 32)
+    plan = plan_groups(lengths, groups, 4, max_tokens_per_micro_batch=16384)
+    owner = {p: r for r, rank in enumerate(plan.ranks) for p in rank}
+    for g in groups:
+        assert len({owner[p] for p in g}) == 1
+    assert [len(r) for r in plan.ranks] == [64] * 4
+    assert {len(m) for m in plan.micro_batches} == {plan.num_micro_batches}
+    sums = [sum(lengths[p] for p in g) for g in groups]
+    bound = max(math.ceil(sum(sums) / 4), max(sums))
+    assert max(plan.token_sums) <= bound * 1.01
+
+
+def test_group_plan_with_a_short_group_finds_a_plan_where_one_exists():
+    """One group lost a member (mask_member), so one rank holds 7 samples. The token-balanced
+    deal puts the two groups of unsplittable 600-token samples together (8 micro-batches of at
+    most 1000 tokens needed) beside a rank of 7 samples: no common count. Dealing each of them
+    with one of the other groups works (7 micro-batches each)."""
+    lengths = [600] * 4 + [600] * 4 + [1500, 1500, 1000] + [200] * 4
+    groups = deal_groups([4, 4, 3, 4])
+    plan = plan_groups(lengths, groups, 2, max_tokens_per_micro_batch=1000)
+    assert plan.num_micro_batches == 7
+    for rank, batches in zip(plan.ranks, plan.micro_batches):
+        assert len(batches) == 7 and sorted(p for b in batches for p in b) == rank
+        for b in batches:
+            assert sum(lengths[p] for p in b) <= 1000 or len(b) == 1
+    assert sorted(len(r) for r in plan.ranks) == [7, 8]
+    assert not any(set(groups[0]) | set(groups[1]) <= set(r) for r in plan.ranks)
+
+
+def test_group_plan_with_a_short_group_by_swaps_on_a_big_round():
+    """The same on a round with too many deals to try them all: swaps of groups find one."""
+    unsplittable, light = [600] * 4, [100] * 4
+    lengths, sizes = [], []
+    for i in range(16):
+        members = unsplittable if i < 8 else light
+        if i == 15:
+            members = [1500, 1500, 1000]  # the short group, heavy as two groups of 600s
+        lengths += members
+        sizes.append(len(members))
+    assert _balance._assignments(16, 2) > _balance._BRUTE_FORCE
+    groups = deal_groups(sizes)
+    plan = plan_groups(lengths, groups, 2, max_tokens_per_micro_batch=1000)
+    counts = [len(b) for b in plan.micro_batches]
+    assert counts[0] == counts[1] == plan.num_micro_batches
+    for rank, batches in zip(plan.ranks, plan.micro_batches):
+        for b in batches:
+            assert sum(lengths[p] for p in b) <= 1000 or len(b) == 1
+        assert sorted(p for b in batches for p in b) == rank
+
+
+def test_group_plan_that_cannot_exist_names_the_groups_and_the_cap():
+    lengths = [600] * 15  # every sample needs a micro-batch of its own; 8 cannot match 7
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens_per_micro_batch=1000.*group 'c' \(3 samples"):
+        plan_groups(lengths, deal_groups([4, 4, 3, 4]), 2, max_tokens_per_micro_batch=1000, names=["'a'", "'b'", "'c'", "'d'"])
+
+
+def test_round_book_with_a_short_group_plans_or_raises_a_typed_error():
+    """The controller's RoundBook: the case above used to raise ValueError from micro_batches
+    (the count clamped below one rank's minimum)."""
+    from tqueue.controller._rounds import RoundBook
+
+    lengths = np.asarray([600] * 8 + [1500, 1500, 1000] + [200] * 4, dtype=np.int64)
+    indexes = np.arange(100, 115, dtype=np.int64)
+    groups = [np.asarray(g, dtype=np.int64) for g in deal_groups([4, 4, 3, 4])]
+    rnd = RoundBook(2, 8, 1000).form(indexes, lengths, [], groups)
+    assert rnd.num_micro == 7 and all(len(m) == 7 for m in rnd.micro)
+    assert sorted(i for s in rnd.shares for i in s.tolist()) == indexes.tolist()
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens_per_micro_batch=1000.*group with samples \[108, 109, 110\] \(3 samples"):
+        RoundBook(2, 8, 1000).form(indexes, np.full(15, 600, dtype=np.int64), [], groups)

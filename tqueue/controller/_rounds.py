@@ -58,43 +58,30 @@ class RoundBook:
         lengths: np.ndarray,
         leases: list[int],
         groups: list[np.ndarray] | None = None,
+        names: list[str] | None = None,
     ) -> Round:
         """Split this round's samples among the ranks; it becomes round ``next``.
 
-        With ``groups`` (positions into ``indexes``, one array per whole group), every rank
-        gets whole groups, the same number of them, balanced by their token sums."""
+        With ``groups`` (positions into ``indexes``, one array per whole group; ``names`` their
+        ids, for errors), every rank gets whole groups, the same number of them, balanced by
+        their token sums. Raises InvalidArgumentError where the groups cannot be dealt so that
+        every rank has the same number of micro-batches under the cap."""
+        cap = self.max_tokens or None
         if groups is None:
-            plan = _balance.plan_round(
-                lengths.tolist(), self.dp_size, max_tokens_per_micro_batch=self.max_tokens or None
-            )
-            ranks, micro = plan.ranks, plan.micro_batches
-            num_micro = plan.num_micro_batches
+            plan = _balance.plan_round(lengths, self.dp_size, max_tokens_per_micro_batch=cap)
         else:
-            sums = [int(lengths[g].sum()) for g in groups]
-            ranks = [
-                sorted(int(p) for gi in part for p in groups[gi])
-                for part in _balance.balanced_partition(sums, self.dp_size, equal_size=True)
-            ]
-            ranks, micro, num_micro = self._micro(ranks, lengths)
+            if names is None:  # name a group by its samples' partition indexes
+                names = [f"with samples {indexes[g].tolist()}" for g in groups]
+            plan = _balance.plan_groups(
+                lengths, [g.tolist() for g in groups], self.dp_size, max_tokens_per_micro_batch=cap, names=names
+            )
         shares, rank_micro = [], []
-        for rank_positions, mbs in zip(ranks, micro):
+        for rank_positions, mbs in zip(plan.ranks, plan.micro_batches):
             where = {p: i for i, p in enumerate(rank_positions)}
             shares.append(indexes[np.asarray(rank_positions, dtype=np.int64)])
             rank_micro.append([[where[p] for p in mb] for mb in mbs])
-        rnd = Round(self.next, shares, rank_micro, num_micro, leases, [None] * self.dp_size)
+        rnd = Round(self.next, shares, rank_micro, plan.num_micro_batches, leases, [None] * self.dp_size)
         self.rounds[self.next] = rnd
         self.rounds.pop(self.next - KEEP_ROUNDS, None)
         self.next += 1
         return rnd
-
-    def _micro(self, ranks: list[list[int]], lengths: np.ndarray) -> tuple[list[list[int]], list[list[list[int]]], int]:
-        """The same number of micro-batches on every rank (positions into the round)."""
-        if not self.max_tokens:
-            return ranks, [[r] for r in ranks], 1
-        per_rank = [lengths[np.asarray(r, dtype=np.int64)].tolist() for r in ranks]
-        count = max(len(_balance.micro_batches(lens, self.max_tokens)) for lens in per_rank)
-        count = min(count, min(len(r) for r in ranks))
-        micro = []
-        for r, lens in zip(ranks, per_rank):
-            micro.append([[r[p] for p in mb] for mb in _balance.micro_batches(lens, self.max_tokens, count=count)])
-        return ranks, micro, count
