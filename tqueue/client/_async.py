@@ -323,7 +323,7 @@ class AsyncClient(Lifecycle):
                 reserved=reserved,
                 partial=partial,
             ),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Granted,
         )
         self._reserved -= reserved
@@ -584,9 +584,10 @@ class AsyncClient(Lifecycle):
         balance_by: Sequence[str] | None,
         max_staleness: int | None,
         pad: bool,
-    ) -> tuple[GetMeta, float | None]:
+    ) -> tuple[GetMeta, float]:
         """The ``GetMeta`` of a ``get_meta`` call and how long to wait for its answer (shared
-        with the blocking client, which sends it from the caller's thread)."""
+        with the blocking client, which sends it from the caller's thread); ``math.inf``:
+        no limit."""
         wait = _wait(timeout, self.config.get_timeout)
         lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
         if isinstance(fields, str):
@@ -614,7 +615,7 @@ class AsyncClient(Lifecycle):
             max_staleness=max_staleness,
             pad=pad,
         )
-        return msg, None if math.isinf(wait) else wait + self.config.request_timeout
+        return msg, wait + self.config.request_timeout
 
     def _got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
         meta = reply.meta

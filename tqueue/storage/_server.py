@@ -25,6 +25,7 @@ from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
     Allocated,
+    Cancel,
     Commit,
     Drop,
     Dropped,
@@ -82,6 +83,7 @@ class StorageUnit:
         s.route(Alloc, self._alloc)
         s.route(Release, self._release)
         s.route(Move, self._move)
+        s.route(Cancel, self._cancel)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements."""
@@ -119,6 +121,10 @@ class StorageUnit:
         self.data.partitions.clear()
         if self.arena is not None:
             self.arena.close()
+
+    def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
+        """A client gave up on a request. Nothing here waits on anything but its own bytes
+        (a store or a fetch runs to its end), so there is nothing to withdraw."""
 
     def _hello(self, ident: bytes, msg: Hello, bufs: list[Any]) -> HelloReply:
         if msg.protocol != PROTOCOL_VERSION:

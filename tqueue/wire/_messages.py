@@ -632,8 +632,8 @@ def salvage_rid(frames: Sequence[Any]) -> int:
         return 0
     try:
         obj = _ANY.decode(_view(frames[1]))
-    except (msgspec.DecodeError, ValueError, TypeError):
-        return 0
+    except (ValueError, TypeError, RecursionError, MemoryError):  # DecodeError is a ValueError
+        return 0  # too deep to read, or not MessagePack at all: nothing to salvage
     rid = obj.get("rid") if isinstance(obj, dict) else None
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
 
