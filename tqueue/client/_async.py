@@ -55,7 +55,7 @@ from ..wire import (
     UnitInfo,
 )
 from ..wire._layout import int_dtype, itemsize, nbytes, split_lanes
-from ..wire._pack import PACKED, Misfit, Narrowing, Widening
+from ..wire._pack import PACKED, Narrowing, Widening
 from ._args import _groups, _versions, _wait
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, pack, sample_count
@@ -378,7 +378,7 @@ class AsyncClient(Lifecycle):
         elif bulk and enc.nbytes >= PUT_BULK_MIN_BYTES:
             try:
                 sent = await self._store_bulk(unit.unit_id, peer, store, enc)
-            except Misfit:  # a value past the first ones' range: narrow knowing them all
+            except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
                 enc = pack(wide, self.config.chunk_bytes, self._pool.take)
                 store.blocks, store.bulk = enc.blocks, None
                 sent = await self._store_bulk(unit.unit_id, peer, store, enc)
@@ -418,7 +418,7 @@ class AsyncClient(Lifecycle):
         try:
             await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
             broken = next((w for w in writes if w.done() and w.exception() is not None), None)
-            if broken is not None and isinstance(broken.exception(), Misfit):
+            if broken is not None and isinstance(broken.exception(), _bulk.FrameRefused):
                 broken.result()  # the unit is left mid-write and will refuse it: send again
             if broken is not None and not reply.done():
                 # a unit that refuses a put closes its streams, then says why: wait for that
