@@ -119,7 +119,7 @@ def packed_block(packed):
         pytest.param(
             store("p", [packed_block(["float32"])]),
             [b"\x00" * 12],
-            r"field 'x': frame 0 is packed as 'float32', which is not a narrower signed integer type than 'int64'",
+            r"bad Store header: Invalid enum value 'float32' - at `\$.blocks\[0\].packed\[0\]`",
             id="packed-not-an-int",
         ),
         pytest.param(store("p", [int64_block([1])]), [b"\x00" * 24], r"grant 424242 is unknown", id="no-grant"),

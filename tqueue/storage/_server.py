@@ -180,11 +180,11 @@ class StorageUnit:
         """Receive a put's frames from the writer's bulk streams, the lanes at once, into
         fresh heap buffers (warm: freed payload stays mapped)."""
         assert msg.bulk is not None
-        tokens = [lane[0] for lane in msg.bulk if len(lane) == 2]
+        tokens = [token for token, _ in msg.bulk]  # lanes are pairs: decoding checked
         try:
             if self.bulk is None:
                 raise ProtocolError("a Store over bulk streams to a unit without a bulk listener")
-            if raw or msg.shm is not None or len(tokens) != len(msg.bulk):
+            if raw or msg.shm is not None:
                 raise ProtocolError("a Store over bulk streams lists [token, frames] lanes and nothing else")
             sizes = [n for block in msg.blocks for n in frame_sizes(block)]
             if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
@@ -192,7 +192,7 @@ class StorageUnit:
             frames = [self._buffers.take(n) for n in sizes]
             jobs, at = [], 0
             for token, n in msg.bulk:
-                views = [memoryview(f) for f in frames[at : at + n] if f.nbytes]
+                views = [f.data for f in frames[at : at + n] if f.nbytes]
                 jobs.append(_bulk.run_blocking(self.bulk.read, token, views, BULK_READ_TIMEOUT))
                 at += n
             await asyncio.gather(*jobs)
