@@ -623,3 +623,15 @@ def test_bulk_streams_know_frames_by_protocol_not_by_the_codec():
     finally:
         a.close()
         b.close()
+
+
+def test_stream_failures_are_typed_at_the_transport_boundary():
+    """A listener that cannot bind and a stream that cannot connect fail as tqueue errors
+    naming the operation, raised from the OS error."""
+    with pytest.raises(tqueue.UnavailableError, match=r"cannot listen for bulk streams on 203\.0\.113\.1: \w+") as info:
+        _bulk.BulkServer("203.0.113.1")  # TEST-NET-3: never an address of this host
+    assert isinstance(info.value.__cause__, OSError)
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # a port that was just free and is closed again below
+    with pytest.raises(tqueue.StorageUnitUnavailableError, match=rf"cannot open a bulk stream to 127\.0\.0\.1:{port}: ConnectionRefusedError"):
+        _bulk.BulkStream(f"127.0.0.1:{port}", timeout=10)

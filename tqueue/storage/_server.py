@@ -18,7 +18,7 @@ import numpy as np
 from .. import _env, _memory
 from .._memory import BufferPool
 from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
+from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError, UnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..wire import (
@@ -347,6 +347,6 @@ def _bulk_server(enabled: bool, address: str) -> _bulk.BulkServer | None:
     host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     try:
         return _bulk.BulkServer(host)
-    except OSError as exc:
-        log.warning("no bulk stream listener on %s (%s); fetched payload goes over ZeroMQ", host, exc)
+    except UnavailableError as exc:
+        log.warning("%s; fetched payload goes over ZeroMQ", exc)
         return None

@@ -45,7 +45,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from .. import _threads
-from ..errors import ProtocolError, StorageUnitUnavailableError
+from ..errors import ProtocolError, StorageUnitUnavailableError, UnavailableError
 from ._boundary import Boundary, ErrorMap, io_errors
 
 log = logging.getLogger(__name__)
@@ -122,11 +122,13 @@ def _writer_opts(sock: socket.socket) -> None:
 
 
 class BulkServer:
-    """A unit's listening stream socket, its accepted streams and their writer threads."""
+    """A unit's listening stream socket, its accepted streams and their writer threads;
+    UnavailableError where it cannot listen on ``host``."""
 
     def __init__(self, host: str, *, name: str = "storage unit") -> None:
         self.name = name
-        self._listener = socket.create_server((host, 0), backlog=64)
+        with Boundary(f"{name}: cannot listen for bulk streams on {host}", io_errors(UnavailableError)):
+            self._listener = socket.create_server((host, 0), backlog=64)
         self.address = "%s:%d" % self._listener.getsockname()[:2]
         self._streams: dict[int, _Writer] = {}
         self._lock = threading.Lock()
