@@ -55,6 +55,7 @@ from ..wire import (
     UnitInfo,
 )
 from ..wire._layout import int_dtype, itemsize, nbytes, split_lanes
+from ..wire._messages import MEMBER_FAILURES
 from ..wire._pack import PACKED, Narrowing, Widening
 from ._args import _groups, _versions, _wait
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
@@ -239,6 +240,8 @@ class AsyncClient(Lifecycle):
         ``prefetch``: a consumer short of samples here, once this partition is sealed and
         drained, takes ready samples from that (later) partition; they count as taken there.
         """
+        if on_member_failure not in MEMBER_FAILURES:  # the wire would refuse it less kindly
+            raise InvalidArgumentError(f"on_member_failure is one of {list(MEMBER_FAILURES)}, got {on_member_failure!r}")
         ctl = await self._ctl()
         await ctl.request(
             CreatePartition(

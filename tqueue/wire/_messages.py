@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 
@@ -33,6 +33,7 @@ FieldLayout = Literal["dense", "jagged"]
 PackedType = Literal["", "int8", "int16", "int32"]  # "": the field's own dtype
 PutStatus = Literal["ok", "aborted", "recycled"]
 MemberFailure = Literal["drop_group", "mask_member"]
+MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
 WaiterKind = Literal["get_meta", "put", "reserve"]
 
 
