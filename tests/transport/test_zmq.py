@@ -185,3 +185,35 @@ def test_get_meta_with_an_infinite_timeout_waits_past_the_request_timeout(cluste
     finally:
         thread.join(30)
     assert isinstance(got[0], _wire.BatchMeta) and got[0].indexes == [0], got
+
+
+def test_a_decode_failure_beyond_the_codec_costs_one_reply_only(stand, monkeypatch):
+    """A decode that fails with something other than the codec's own errors (here a
+    RecursionError, as a frame nested too deep gives) fails the request it answers with
+    ProtocolError; the reply queued behind it in the same wake-up still reaches its caller."""
+    real = _zmq.decode
+    calls = []
+
+    def decode(frames, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+        return real(frames, **kw)
+
+    monkeypatch.setattr(_zmq, "decode", decode)
+
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+        try:
+            first = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Ok, timeout=30))
+            second = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Ok, timeout=30))
+            (ident, a), (_, b) = await asyncio.to_thread(lambda: (stand.recv(), stand.recv()))
+            stand.send(ident, _wire.encode(_wire.Ok(rid=a.rid)))
+            stand.send(ident, _wire.encode(_wire.Ok(rid=b.rid)))
+            with pytest.raises(ProtocolError, match=r"malformed reply: reply from controller at \S+: RecursionError"):
+                await asyncio.wait_for(first, WAIT)
+            assert isinstance((await asyncio.wait_for(second, WAIT))[0], _wire.Ok)
+        finally:
+            await peer.close()
+
+    asyncio.run(main())
