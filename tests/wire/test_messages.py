@@ -90,3 +90,81 @@ def test_batch_meta_round_trips_as_msgpack():
     )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=_wire.BatchMeta)
     assert back == meta and len(back) == 2 and back.size == 2
+
+
+def header(kind: _wire.Kind, msg: _wire.Message, **change) -> list[bytes]:
+    """The frames of ``msg`` with some header fields replaced by raw values."""
+    fields = msgspec.to_builtins(msg)
+    for path, value in change.items():
+        *outer, last = path.split("__")
+        at = fields
+        for key in outer:
+            at = at[int(key)] if key.isdigit() else at[key]
+        at[last] = value
+    return [bytes([kind]), msgspec.msgpack.encode(fields)]
+
+
+def a_store(**block) -> _wire.Store:
+    spec = _wire.FieldSpec(kind="tensor", dtype="int64", shape=(3,))
+    return _wire.Store(
+        grant_id=1, partition="p", partition_uid=1, start=0, count=1,
+        blocks=[_wire.FieldBlock(name="x", spec=spec, counts=[1], **block)],
+    )
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        pytest.param(
+            header(_wire.Kind.STORE, a_store(), blocks__0__spec__kind="pickle"),
+            r"bad Store header: Invalid enum value 'pickle' - at `\$.blocks\[0\].spec.kind`",
+            id="field-kind",
+        ),
+        pytest.param(
+            header(_wire.Kind.STORE, a_store(), blocks__0__spec__layout="sparse"),
+            r"Invalid enum value 'sparse' - at `\$.blocks\[0\].spec.layout`",
+            id="field-layout",
+        ),
+        pytest.param(
+            header(_wire.Kind.STORE, a_store(packed=["int8"]), blocks__0__packed=["uint8"]),
+            r"Invalid enum value 'uint8' - at `\$.blocks\[0\].packed\[0\]`",
+            id="packed-type",
+        ),
+        pytest.param(
+            header(_wire.Kind.STORE, a_store(), bulk=[[5, 1, 7]]),
+            r"Expected `array` of length 2, got 3 - at `\$.bulk\[0\]`",
+            id="lane-not-a-pair",
+        ),
+        pytest.param(
+            header(_wire.Kind.GRANTED, _wire.Granted(grant_id=1, partition_uid=1, start=0), status="lost"),
+            r"bad Granted header: Invalid enum value 'lost' - at `\$.status`",
+            id="put-status",
+        ),
+        pytest.param(
+            header(_wire.Kind.CREATE_PARTITION, _wire.CreatePartition(partition="p"), on_member_failure="shrug"),
+            r"Invalid enum value 'shrug' - at `\$.on_member_failure`",
+            id="member-failure",
+        ),
+        pytest.param(
+            header(_wire.Kind.GRANT, _wire.Grant(partition="p", count=1, blocks=[]), segment=[1, 2, 3]),
+            r"Expected `array` of length 2, got 3 - at `\$.segment`",
+            id="segment-not-a-pair",
+        ),
+    ],
+)
+def test_closed_names_and_pairs_are_checked_by_decoding(frames, match):
+    """Enum-like names and fixed pairs are typed on the wire: decoding refuses what no
+    handler could use, naming the path, before any handler sees it."""
+    with pytest.raises(ProtocolError, match=match):
+        _wire.decode(frames)
+
+
+def test_typed_names_and_pairs_encode_as_before():
+    """``Literal`` names and tuples encode as the strings and arrays they replaced: peers
+    of this protocol version read each other either way."""
+    store = a_store(packed=["int8"])
+    store.bulk = [(5, 1)]
+    fields = msgspec.msgpack.decode(_wire.encode(store)[1])
+    assert fields["bulk"] == [[5, 1]] and fields["blocks"][0]["packed"] == ["int8"]
+    back, _ = _wire.decode(header(_wire.Kind.STORE, store))
+    assert back.bulk == [(5, 1)] and back.blocks[0].spec.kind == "tensor"

@@ -55,7 +55,8 @@ from ..wire import (
     UnitInfo,
 )
 from ..wire._layout import int_dtype, itemsize, nbytes, split_lanes
-from ..wire._pack import PACKED, Misfit, Narrowing, Widening
+from ..wire._messages import MEMBER_FAILURES
+from ..wire._pack import PACKED, Narrowing, Widening
 from ._args import _groups, _versions, _wait
 from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._encode import Encoded, encode, pack, sample_count
@@ -239,6 +240,8 @@ class AsyncClient(Lifecycle):
         ``prefetch``: a consumer short of samples here, once this partition is sealed and
         drained, takes ready samples from that (later) partition; they count as taken there.
         """
+        if on_member_failure not in MEMBER_FAILURES:  # the wire would refuse it less kindly
+            raise InvalidArgumentError(f"on_member_failure is one of {list(MEMBER_FAILURES)}, got {on_member_failure!r}")
         ctl = await self._ctl()
         await ctl.request(
             CreatePartition(
@@ -323,7 +326,7 @@ class AsyncClient(Lifecycle):
                 reserved=reserved,
                 partial=partial,
             ),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Granted,
         )
         self._reserved -= reserved
@@ -378,7 +381,7 @@ class AsyncClient(Lifecycle):
         elif bulk and enc.nbytes >= PUT_BULK_MIN_BYTES:
             try:
                 sent = await self._store_bulk(unit.unit_id, peer, store, enc)
-            except Misfit:  # a value past the first ones' range: narrow knowing them all
+            except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
                 enc = pack(wide, self.config.chunk_bytes, self._pool.take)
                 store.blocks, store.bulk = enc.blocks, None
                 sent = await self._store_bulk(unit.unit_id, peer, store, enc)
@@ -418,7 +421,7 @@ class AsyncClient(Lifecycle):
         try:
             await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
             broken = next((w for w in writes if w.done() and w.exception() is not None), None)
-            if broken is not None and isinstance(broken.exception(), Misfit):
+            if broken is not None and isinstance(broken.exception(), _bulk.FrameRefused):
                 broken.result()  # the unit is left mid-write and will refuse it: send again
             if broken is not None and not reply.done():
                 # a unit that refuses a put closes its streams, then says why: wait for that
@@ -584,9 +587,10 @@ class AsyncClient(Lifecycle):
         balance_by: Sequence[str] | None,
         max_staleness: int | None,
         pad: bool,
-    ) -> tuple[GetMeta, float | None]:
+    ) -> tuple[GetMeta, float]:
         """The ``GetMeta`` of a ``get_meta`` call and how long to wait for its answer (shared
-        with the blocking client, which sends it from the caller's thread)."""
+        with the blocking client, which sends it from the caller's thread); ``math.inf``:
+        no limit."""
         wait = _wait(timeout, self.config.get_timeout)
         lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
         if isinstance(fields, str):
@@ -614,7 +618,7 @@ class AsyncClient(Lifecycle):
             max_staleness=max_staleness,
             pad=pad,
         )
-        return msg, None if math.isinf(wait) else wait + self.config.request_timeout
+        return msg, wait + self.config.request_timeout
 
     def _got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
         meta = reply.meta

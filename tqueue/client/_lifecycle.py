@@ -93,7 +93,7 @@ class Lifecycle:
         ctl = await self._ctl()
         await ctl.request(
             Reserve(count=count, timeout=None if math.isinf(wait) else wait),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Ok,
         )
         self._reserved += count
@@ -178,7 +178,7 @@ class Lifecycle:
         ctl = await self._ctl()
         await ctl.request(
             Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
-            timeout=None if math.isinf(wait) else wait + self.config.request_timeout,
+            timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Ok,
         )
 

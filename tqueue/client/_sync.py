@@ -239,7 +239,7 @@ class Client:
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
             max_staleness=max_staleness, pad=pad,
         )
-        reply = self._direct().request(msg, expect=Meta, timeout=inner.config.request_timeout if limit is None else limit)
+        reply = self._direct().request(msg, expect=Meta, timeout=limit)
         return inner._got_meta(msg, reply)
 
     def _direct(self) -> _zmq.BlockingPeer:

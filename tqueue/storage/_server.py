@@ -18,13 +18,14 @@ import numpy as np
 from .. import _env, _memory
 from .._memory import BufferPool
 from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError
+from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError, UnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
     Allocated,
+    Cancel,
     Commit,
     Drop,
     Dropped,
@@ -82,6 +83,7 @@ class StorageUnit:
         s.route(Alloc, self._alloc)
         s.route(Release, self._release)
         s.route(Move, self._move)
+        s.route(Cancel, self._cancel)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements."""
@@ -119,6 +121,10 @@ class StorageUnit:
         self.data.partitions.clear()
         if self.arena is not None:
             self.arena.close()
+
+    def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
+        """A client gave up on a request. Nothing here waits on anything but its own bytes
+        (a store or a fetch runs to its end), so there is nothing to withdraw."""
 
     def _hello(self, ident: bytes, msg: Hello, bufs: list[Any]) -> HelloReply:
         if msg.protocol != PROTOCOL_VERSION:
@@ -174,11 +180,11 @@ class StorageUnit:
         """Receive a put's frames from the writer's bulk streams, the lanes at once, into
         fresh heap buffers (warm: freed payload stays mapped)."""
         assert msg.bulk is not None
-        tokens = [lane[0] for lane in msg.bulk if len(lane) == 2]
+        tokens = [token for token, _ in msg.bulk]  # lanes are pairs: decoding checked
         try:
             if self.bulk is None:
                 raise ProtocolError("a Store over bulk streams to a unit without a bulk listener")
-            if raw or msg.shm is not None or len(tokens) != len(msg.bulk):
+            if raw or msg.shm is not None:
                 raise ProtocolError("a Store over bulk streams lists [token, frames] lanes and nothing else")
             sizes = [n for block in msg.blocks for n in frame_sizes(block)]
             if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
@@ -186,7 +192,7 @@ class StorageUnit:
             frames = [self._buffers.take(n) for n in sizes]
             jobs, at = [], 0
             for token, n in msg.bulk:
-                views = [memoryview(f) for f in frames[at : at + n] if f.nbytes]
+                views = [f.data for f in frames[at : at + n] if f.nbytes]
                 jobs.append(_bulk.run_blocking(self.bulk.read, token, views, BULK_READ_TIMEOUT))
                 at += n
             await asyncio.gather(*jobs)
@@ -341,6 +347,6 @@ def _bulk_server(enabled: bool, address: str) -> _bulk.BulkServer | None:
     host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     try:
         return _bulk.BulkServer(host)
-    except OSError as exc:
-        log.warning("no bulk stream listener on %s (%s); fetched payload goes over ZeroMQ", host, exc)
+    except UnavailableError as exc:
+        log.warning("%s; fetched payload goes over ZeroMQ", exc)
         return None

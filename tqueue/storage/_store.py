@@ -20,6 +20,7 @@ from ..errors import InvalidArgumentError, PartitionClearedError, ProtocolError,
 from ..transport._arena import Arena, Region
 from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import block_shapes, frame_layout, nbytes
+from ..wire._messages import PackedType
 
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16
@@ -364,8 +365,8 @@ class Store:
         block = FieldBlock(name=field, spec=spec, counts=[])
         if spec.kind == "object":
             block.sizes = size.tolist()
-        elif len(layouts) == 1 and None not in layouts:
-            block.spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="dense", shape=next(iter(layouts)))
+        elif len(layouts) == 1 and (shape := next(iter(layouts))) is not None:
+            block.spec = FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="dense", shape=shape)
         else:
             ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
             shapes = np.empty((n, ndim), dtype=np.int64)
@@ -386,15 +387,15 @@ class Store:
 
     def _emit(
         self, runs: list[tuple[Piece, int, int, int, int]], out: ReadReply, held: dict[int, Region], shm: bool
-    ) -> tuple[list[int], list[str] | None]:
+    ) -> tuple[list[int], list[PackedType] | None]:
         """Turn runs into frames (or arena ranges); return samples per output frame and,
         where some runs are packed, each output frame's packed type (runs of different
         types are never joined)."""
         counts: list[int] = []
-        packed: list[str] = []
+        packed: list[PackedType] = []
         small: list[Any] = []
         pending = [0, 0]  # samples, bytes in ``small``
-        kind = [""]  # packed type of ``small``
+        kind: list[PackedType] = [""]  # packed type of ``small``
 
         def flush() -> None:
             if not small:

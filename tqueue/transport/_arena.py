@@ -1,20 +1,21 @@
-"""A unit's shared-memory arena, for producers and consumers on the unit's host.
+"""The same-host path: a storage unit's shared-memory arena, and a client's mapping of it.
 
-The arena is one anonymous memory file (``memfd``) that the unit maps once; clients on the
-same host map it through ``/proc/<pid>/fd/<n>`` and copy payload straight in (put) or read
-it in place (get). It vanishes with the unit, so a crash leaves nothing in ``/dev/shm``.
+The unit's half, :class:`Arena`: one anonymous memory file (``memfd``) that the unit maps
+once. It vanishes with the unit, so a crash leaves nothing in ``/dev/shm``. Memory is handed
+out in *regions*, each with a reference count: one per stored piece that lives in it, one
+per reader that still holds a zero-copy view (a *hold*), one per send in flight. A region
+returns to the free list only when the count reaches zero, so bytes a reader is looking at
+are never reused under it.
 
-Memory is handed out in *regions*, each with a reference count: one per stored piece that
-lives in it, one per reader that still holds a zero-copy view (a *hold*), one per send in
-flight. A region returns to the free list only when the count reaches zero, so bytes a
-reader is looking at are never reused under it.
+The client's half, :class:`ArenaMap`: a process on the unit's host maps the same file through
+``/proc/<pid>/fd/<n>``. A producer copies payload straight into a region it was granted (one
+copy, into pages that stay mapped, no socket), placing its pieces at :data:`PIECE_ALIGN`
+inside it; a consumer reads in place. Views handed to the consumer keep the unit's hold on
+those bytes: when the last tensor over them is collected, the hold is released and the unit
+may reuse the range.
 
-The client's half: The same-host path: a storage unit's arena mapped into this process.
-
-A producer on the unit's host copies payload straight into the arena (one copy, into pages
-that stay mapped, no socket); a consumer reads it in place. Views handed to the consumer
-keep the unit's *hold* on those bytes: when the last tensor over them is collected, the
-hold is released and the unit may reuse the range.
+A client that cannot map the file (another host, another PID namespace) uses sockets for that
+unit; the failure passes through the transport's boundary and is logged once.
 """
 
 from __future__ import annotations
@@ -31,15 +32,25 @@ from typing import Any
 import numpy as np
 
 from .._threads import copy_bytes
+from ..errors import StorageUnitUnavailableError, UnavailableError
+from ._boundary import Boundary, io_errors
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # regions start on pages: a unit punches freed ones out whole
+# Regions start and end on pages: a unit gives freed ones back to the OS whole (punch).
+ALIGN = 4096
+# A client's pieces start on cache lines inside a region: no piece shares a line with the
+# one before it, and copies into it run at full width.
+PIECE_ALIGN = 64
+# fallocate(2) flags (linux/falloc.h): free the pages of a range, keep the file's size
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 class Region:
+    """A range of the arena handed out whole, with its reference count (see the module)."""
+
+
     __slots__ = ("offset", "length", "refs")
 
     def __init__(self, offset: int, length: int) -> None:
@@ -53,6 +64,9 @@ class Region:
 
 
 class Arena:
+    """The unit's arena: regions handed out first-fit from a free list kept by offset, merged
+    with their neighbours when they come back. Used from the unit's loop only."""
+
     def __init__(self, size: int, name: str = "tqueue-arena") -> None:
         self.size = (size // ALIGN) * ALIGN
         self.fd = os.memfd_create(name, 0)
@@ -152,19 +166,19 @@ class Arena:
 
 # --- the client's half -------------------------------------------------------------
 
-PIECE_ALIGN = 64  # where a client places pieces inside a region (cache-line aligned)
-
 
 class ArenaMap:
-    """A unit's arena, mapped once for the life of the client."""
+    """A unit's arena, mapped once for the life of the client; StorageUnitUnavailableError
+    where it cannot be (see :func:`open_arena`)."""
 
     def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.size = os.fstat(fd).st_size
-            self.mm = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
+        with Boundary(f"cannot map the storage unit's arena {path}", io_errors(StorageUnitUnavailableError)):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self.size = os.fstat(fd).st_size
+                self.mm = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.path = path
 
@@ -184,7 +198,7 @@ class ArenaMap:
         hi = max(r[0] + r[1] for r in ranges)
         anchor = (ctypes.c_uint8 * (hi - lo)).from_buffer(self.mm, lo)
         weakref.finalize(anchor, on_release)
-        whole = np.frombuffer(anchor, dtype=np.uint8)
+        whole = np.frombuffer(anchor, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
         return [whole[off - lo : off - lo + length] for off, length in ranges]
 
 
@@ -192,10 +206,11 @@ def open_arena(path: str) -> ArenaMap | None:
     """Map a unit's arena, or None where this process cannot (another host or namespace)."""
     try:
         return ArenaMap(path)
-    except OSError as exc:
-        log.info("cannot map arena %s (%s); using sockets for that unit", path, exc)
+    except UnavailableError as exc:
+        log.info("%s; using sockets for that unit", exc)
         return None
 
 
 def aligned(n: int) -> int:
+    """``n`` rounded up to :data:`PIECE_ALIGN`: where the next piece of a region starts."""
     return -(-n // PIECE_ALIGN) * PIECE_ALIGN

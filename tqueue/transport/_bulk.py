@@ -17,10 +17,16 @@ mid-way closes the stream, so bytes are never read out of step.
 Each stream has a writer thread on the unit (sends release the GIL); reads, on both sides,
 run in worker threads with ``MSG_WAITALL``: one system call per destination.
 
-Packed integer frames (tqueue/wire/_pack.py) pass through a per-thread scratch buffer of about a
-MiB: a client's writer narrows each ``Narrowing`` frame into it and sends it from there, and
-a client's reader receives each ``Widening`` frame into it and widens it into the batch's rows,
-so the narrow bytes stay in the core's cache on both sides.
+Some frames pass through a per-thread scratch buffer of about a MiB, so that their bytes stay
+in the core's cache: a :class:`Produced` frame is written into it as it is sent, a
+:class:`Consumed` one read out of it as it arrives (packed integer fields, narrowed on the way
+out and widened on the way in: tqueue/wire/_pack.py). These two protocols are all the streams
+know of such frames. A produced frame that cannot be produced as promised raises
+:class:`FrameRefused`; the stream is closed then, and its writer sends the data another way.
+
+Socket failures become tqueue errors through :class:`~tqueue.transport._boundary.Boundary`:
+a client's stream that breaks raises :class:`StorageUnitUnavailableError` naming the unit and
+the operation, a unit's stream that breaks under a put :class:`ProtocolError`.
 """
 
 from __future__ import annotations
@@ -34,13 +40,13 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from .. import _threads
-from ..errors import ProtocolError, StorageUnitUnavailableError
-from ..wire._pack import Misfit, Narrowing, Widening
+from ..errors import ProtocolError, StorageUnitUnavailableError, UnavailableError
+from ._boundary import Boundary, ErrorMap, io_errors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,10 +55,44 @@ _HELLO = struct.Struct("<4sQ")  # magic, token
 _MAGIC = b"TQB1"
 _OK = b"K"
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
+HELLO_TIMEOUT = 10.0  # seconds a new stream may take to say its token before it is dropped
 WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stream is dropped
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 LOOPBACK_SNDBUF = 256 << 10
 IO_THREADS = 32
+_CLIENT_IO = io_errors(StorageUnitUnavailableError)
+_UNIT_IO: ErrorMap = {OSError: ProtocolError}  # a writer that breaks off its put: the put is refused
+
+
+class Produced(Protocol):
+    """A frame produced into a scratch buffer as it is sent: ``nbytes`` go on the stream,
+    ``cost`` is what sending them costs in bytes sent as they are (lanes are balanced by it),
+    and ``produce(scratch)`` writes the frame into ``scratch`` (``nbytes`` long), false where
+    it cannot (then :class:`FrameRefused` is raised and the stream closed)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def cost(self) -> int: ...
+
+    def produce(self, scratch: np.ndarray) -> bool: ...
+
+
+class Consumed(Protocol):
+    """A frame consumed from a scratch buffer as it arrives: ``nbytes`` come off the stream
+    into ``scratch``, then ``consume(scratch)`` takes them where they belong."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def consume(self, scratch: np.ndarray) -> None: ...
+
+
+class FrameRefused(Exception):
+    """A :class:`Produced` frame could not be produced (a value of a field narrowed on the
+    way does not fit the narrow type). The stream was closed, as its reader is left mid-write;
+    the writer sends the data again another way."""
 
 
 def run_blocking(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -82,11 +122,13 @@ def _writer_opts(sock: socket.socket) -> None:
 
 
 class BulkServer:
-    """A unit's listening stream socket, its accepted streams and their writer threads."""
+    """A unit's listening stream socket, its accepted streams and their writer threads;
+    UnavailableError where it cannot listen on ``host``."""
 
     def __init__(self, host: str, *, name: str = "storage unit") -> None:
         self.name = name
-        self._listener = socket.create_server((host, 0), backlog=64)
+        with Boundary(f"{name}: cannot listen for bulk streams on {host}", io_errors(UnavailableError)):
+            self._listener = socket.create_server((host, 0), backlog=64)
         self.address = "%s:%d" % self._listener.getsockname()[:2]
         self._streams: dict[int, _Writer] = {}
         self._lock = threading.Lock()
@@ -110,11 +152,8 @@ class BulkServer:
             writer = self._streams.get(token)
         if writer is None or writer.dead:
             raise ProtocolError(f"no bulk stream with token {token} (closed, or never opened)")
-        try:
+        with writer.reading:
             read_into(writer.sock, targets, timeout)
-        except OSError as exc:
-            writer.stop()
-            raise ProtocolError(f"bulk stream {token} broke while a put was read: {exc}") from exc
 
     def drop(self, token: int) -> None:
         """Close a stream whose bytes are out of step (a put that was refused unread)."""
@@ -146,23 +185,28 @@ class BulkServer:
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(10.0)
-            hello = sock.recv(_HELLO.size, socket.MSG_WAITALL)
-            if len(hello) != _HELLO.size or hello[:4] != _MAGIC:
-                raise ProtocolError(f"not a tqueue bulk stream hello: {hello[:16]!r}")
-            (_, token) = _HELLO.unpack(hello)
-            stall_limit(sock, WRITE_STALL)  # a reader that stops reading frees the writer
-            _writer_opts(sock)
-            writer = _Writer(sock, token, self._forget)
-            with self._lock:
-                if self._closed or token in self._streams:
-                    raise ProtocolError(f"bulk stream token {token} is already in use")
-                self._streams[token] = writer
-            sock.sendall(_OK)
-            writer.start()
-        except (OSError, ProtocolError) as exc:
+            with Boundary(f"{self.name}: bulk stream hello", _UNIT_IO):
+                self._greet(sock)
+        except ProtocolError as exc:  # an accept thread has no caller: the peer sees the close
             log.info("%s: refused a bulk stream: %s", self.name, exc)
             sock.close()
+
+    def _greet(self, sock: socket.socket) -> None:
+        """Read the hello, register the stream under its token and answer ``K``."""
+        sock.settimeout(HELLO_TIMEOUT)
+        hello = sock.recv(_HELLO.size, socket.MSG_WAITALL)
+        if len(hello) != _HELLO.size or hello[:4] != _MAGIC:
+            raise ProtocolError(f"not a tqueue bulk stream hello: {hello[:16]!r}")
+        (_, token) = _HELLO.unpack(hello)
+        stall_limit(sock, WRITE_STALL)  # a reader that stops reading frees the writer
+        _writer_opts(sock)
+        writer = _Writer(sock, token, self._forget)
+        with self._lock:
+            if self._closed or token in self._streams:
+                raise ProtocolError(f"bulk stream token {token} is already in use")
+            self._streams[token] = writer
+        sock.sendall(_OK)
+        writer.start()
 
     def _forget(self, writer: _Writer) -> None:
         with self._lock:
@@ -179,6 +223,7 @@ class _Writer:
         self.jobs: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
         self.dead = False
         self._forget = forget
+        self.reading = Boundary(f"bulk stream {token} broke while a put was read", _UNIT_IO, on_error=self.stop)
         self._thread = threading.Thread(target=self._run, name="tqueue-bulk-writer", daemon=True)
 
     def start(self) -> None:
@@ -235,20 +280,23 @@ _scratch = threading.local()
 
 
 def send_frames(sock: socket.socket, frames: Sequence[Any]) -> None:
-    """Write every frame: buffers as they are, gathered; each Narrowing narrowed into this
-    thread's scratch buffer (small enough to stay in the core's cache) and sent from it.
-    The kernel has copied the bytes when ``sendmsg`` returns, so the scratch is free again."""
+    """Write every frame: buffers as they are, gathered; each :class:`Produced` frame
+    produced into this thread's scratch buffer (small enough to stay in the core's cache) and
+    sent from it. The kernel has copied the bytes when ``sendmsg`` returns, so the scratch is
+    free again. :class:`FrameRefused` where a frame cannot be produced."""
     run: list[memoryview] = []
     for f in frames:
-        if not isinstance(f, Narrowing):
+        produce = getattr(f, "produce", None)  # the one lookup a plain buffer costs
+        if produce is None:
             run.append(memoryview(f).cast("B"))
             continue
         if run:
             send_all(sock, run)
             run = []
         out = _scratch_of(f.nbytes)
-        f.into(out)
-        send_all(sock, [memoryview(out)])
+        if not produce(out):
+            raise FrameRefused(f"a frame of {f.nbytes} bytes could not be produced for the stream")
+        send_all(sock, [memoryview(out)])  # type: ignore[arg-type]
     if run:
         send_all(sock, run)
 
@@ -274,18 +322,19 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def read_into(sock: socket.socket, targets: Sequence[memoryview | Widening], timeout: float) -> None:
+def read_into(sock: socket.socket, targets: Sequence[memoryview | Consumed], timeout: float) -> None:
     """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``.
-    A :class:`~tqueue.wire._pack.Widening` is received into this thread's scratch buffer and
-    widened from there into its rows."""
+    A :class:`Consumed` target is received into this thread's scratch buffer and consumed
+    from there."""
     stall_limit(sock, timeout)
     for t in targets:
-        if isinstance(t, Widening):
-            buf = _scratch_of(t.nbytes)
-            _recv_exactly(sock, memoryview(buf))
-            t.take(buf)
+        consume = getattr(t, "consume", None)  # the one lookup a plain target costs
+        if consume is None:
+            _recv_exactly(sock, t)  # type: ignore[arg-type]
         else:
-            _recv_exactly(sock, t)
+            buf = _scratch_of(t.nbytes)
+            _recv_exactly(sock, memoryview(buf))  # type: ignore[arg-type]
+            consume(buf)
 
 
 def _recv_exactly(sock: socket.socket, t: memoryview) -> None:
@@ -304,40 +353,31 @@ class BulkStream:
         host, _, port = address.rpartition(":")
         self.token = int.from_bytes(os.urandom(8), "little") | 1
         self.address = address
-        try:
-            self.sock = socket.create_connection((host, int(port)), timeout=timeout)
-            _stream_opts(self.sock)
-            self.sock.sendall(_HELLO.pack(_MAGIC, self.token))
-            if self.sock.recv(1, socket.MSG_WAITALL) != _OK:
-                raise OSError("the unit closed the stream during the hello")
-        except OSError as exc:
-            self.close()
-            raise StorageUnitUnavailableError(f"cannot open a bulk stream to {address}: {exc}") from exc
+        self._reading = Boundary(f"bulk stream from {address} broke mid-fetch", _CLIENT_IO, on_error=self.close)
+        self._writing = Boundary(f"bulk stream to {address} broke mid-put", _CLIENT_IO, on_error=self.close)
+        with Boundary(f"cannot open a bulk stream to {address}", _CLIENT_IO, on_error=self.close):
+            self.sock = sock = socket.create_connection((host, int(port)), timeout=timeout)
+            _stream_opts(sock)
+            sock.sendall(_HELLO.pack(_MAGIC, self.token))
+            if sock.recv(1, socket.MSG_WAITALL) != _OK:
+                raise ConnectionError("the unit closed the stream during the hello")
 
-    def read(self, targets: Sequence[memoryview], timeout: float) -> None:
-        """Fill every target in order; StorageUnitUnavailableError if the unit stops sending."""
-        try:
+    def read(self, targets: Sequence[memoryview | Consumed], timeout: float) -> None:
+        """Fill every target in order; StorageUnitUnavailableError if the unit stops sending
+        (the stream is closed then: bytes may be left unread)."""
+        with self._reading:
             read_into(self.sock, targets, timeout)
-        except OSError as exc:  # socket.timeout is an OSError
-            self.close()
-            raise StorageUnitUnavailableError(f"bulk stream from {self.address} broke mid-fetch: {exc}") from exc
 
     def write(self, frames: Sequence[Any], timeout: float) -> None:
         """Send ``frames`` back to back (a put's lane); StorageUnitUnavailableError if the unit
-        stops reading. :class:`~tqueue.wire._pack.Narrowing` frames are narrowed on the way; where
-        one raises Misfit the stream is closed (its reader is left mid-write) and it goes on."""
-        stall_limit(self.sock, timeout)
-        try:
+        stops reading. :class:`Produced` frames are produced on the way; where one cannot be,
+        the stream is closed (its reader is left mid-write) and :class:`FrameRefused` raised."""
+        with self._writing:
+            stall_limit(self.sock, timeout)
             send_frames(self.sock, frames)
-        except OSError as exc:
-            self.close()
-            raise StorageUnitUnavailableError(f"bulk stream to {self.address} broke mid-put: {exc}") from exc
-        except Misfit:
-            self.close()
-            raise
 
     def close(self) -> None:
-        sock = getattr(self, "sock", None)
+        sock = getattr(self, "sock", None)  # None: the connect failed
         if sock is None:
             return
         try:

@@ -2,7 +2,14 @@
 
 IO here only moves frames. State lives in the components; errors that cross a socket are
 translated here and nowhere else: a server turns every exception into a typed ``Error``
-reply and goes on, a peer turns an ``Error`` reply back into the exception class.
+reply and goes on, a peer turns an ``Error`` reply back into the exception class, and
+ZeroMQ and decode failures become tqueue errors through the boundaries of ``_boundary``.
+A message that cannot be decoded costs that message only, never the receive loop.
+
+A request's timeout is a number of seconds, ``math.inf`` (no timer: wait while the peer is
+alive) or :data:`PEER_DEFAULT` (the peer's own request timeout). A request given up on (its
+timeout ran out, or its task was cancelled) is withdrawn with a ``Cancel`` on the same
+connection, so the server does not keep a wait nobody will read; servers never answer one.
 
 Sockets are plain (blocking-API) ZeroMQ sockets whose file descriptor is watched by the
 asyncio loop; a readable event drains every queued message and dispatches it at once.
@@ -14,22 +21,38 @@ handlers that wait on another server.
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import zmq
 
 from ..errors import ProtocolError, TQueueError, UnavailableError, from_code
-from ..wire import Error, Message, decode, encode, error_reply, salvage_rid
+from ..wire import Cancel, Error, Kind, Message, decode, encode, error_reply, salvage_rid
+from ._boundary import DECODE_ERRORS, Boundary, io_errors
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Message)
+
+
+class _Default(enum.Enum):
+    PEER = "the peer's request timeout"
+
+
+PEER_DEFAULT: Final = _Default.PEER
+"""A request's ``timeout`` when the caller has none of its own: the peer's request timeout.
+(``math.inf`` means no timeout at all; ``None`` is not a timeout.)"""
+
+Timeout = float | Literal[_Default.PEER]
+
+_CANCEL_KIND = bytes([Kind.CANCEL])
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -41,6 +64,7 @@ def expected(reply: Message, expect: type[R], *, peer: str, request: Message) ->
             f"expected {expect.__name__}"
         )
     return reply
+
 
 _CONTEXT: tuple[int, zmq.Context] | None = None
 
@@ -76,21 +100,27 @@ class _LoopSocket:
     ZeroMQ's descriptor is edge-triggered and only says "look at EVENTS": on each wake-up
     every queued message is received and handed to ``on_message``; after each send the
     events are checked again, since a send can consume the edge of a message that arrived.
-    Sends never block: high-water marks are unbounded.
+    Sends never block: high-water marks are unbounded. ``on_message`` handles its own
+    failures; one that escapes it anyway is logged and costs that message only, since the
+    messages queued behind it would otherwise wait for the next edge.
     """
 
-    def __init__(self, kind: int, on_message: Callable[[list[zmq.Frame]], None]) -> None:
+    def __init__(self, kind: int, on_message: Callable[[list[zmq.Frame]], None], *, sending: Boundary) -> None:
         self.sock = context().socket(kind)
         _tune(self.sock)
         self._on_message = on_message
+        self._sending = sending
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self._scheduled = False
         self.closed = False
 
     def send(self, frames: Sequence[Any], *, copy: bool) -> None:
-        self.sock.send_multipart(frames, copy=copy)
-        self._check()
+        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call) is raised as
+        the ``sending`` boundary's error."""
+        with self._sending:
+            self.sock.send_multipart(frames, copy=copy)
+            self._check()
 
     def _check(self) -> None:
         if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -104,11 +134,14 @@ class _LoopSocket:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except zmq.ZMQError as exc:
+            except zmq.ZMQError as exc:  # a receive loop has no caller to raise to
                 if not self.closed:
-                    log.warning("receive failed: %s", exc)
+                    log.warning("%s: receive failed: %s", self._sending.what, exc)
                 return
-            self._on_message(frames)
+            try:
+                self._on_message(frames)
+            except Exception:  # a bug in a handler: it costs this message, not the loop
+                log.exception("%s: a message could not be handled", self._sending.what)
 
     def close(self) -> None:
         if self.closed:
@@ -119,6 +152,10 @@ class _LoopSocket:
         except (RuntimeError, ValueError, zmq.ZMQError):
             pass  # the loop is already closed
         self.sock.close(linger=0)
+
+
+def _malformed(peer: str, exc: TQueueError) -> ProtocolError:
+    return ProtocolError(f"{peer} sent a malformed reply: {exc}")
 
 
 class Peer:
@@ -139,7 +176,11 @@ class Peer:
         self.name = name
         self.timeout = timeout
         self._unavailable = unavailable
-        self._socket = _LoopSocket(zmq.DEALER, self._on_reply)
+        where = f"{name} at {address}"
+        self._decoding = Boundary(f"reply from {where}", DECODE_ERRORS)
+        self._socket = _LoopSocket(
+            zmq.DEALER, self._on_reply, sending=Boundary(f"request to {where}", io_errors(unavailable))
+        )
         self._socket.sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[Message, list[Any]]]] = {}
@@ -154,13 +195,15 @@ class Peer:
         buffers: Sequence[Any] = (),
         *,
         expect: type[R],
-        timeout: float | None = None,
+        timeout: Timeout = PEER_DEFAULT,
     ) -> tuple[R, list[Any]]:
         """Send ``msg`` with ``buffers`` (zero-copy) and wait for its reply, of type ``expect``.
 
-        An ``Error`` reply is raised as its exception class, a reply of another type as
-        :class:`ProtocolError`; no reply within ``timeout`` (default: the peer's) raises this
-        peer's :class:`UnavailableError` subclass.
+        An ``Error`` reply is raised as its exception class, a reply of another type or one
+        that cannot be decoded as :class:`ProtocolError`; no reply within ``timeout``
+        (:data:`PEER_DEFAULT`: the peer's; ``math.inf``: none, the wait lasts while the peer
+        is open) raises this peer's :class:`UnavailableError` subclass. A request that times
+        out or whose task is cancelled is withdrawn with a ``Cancel``.
         """
         if self.closed:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
@@ -168,27 +211,50 @@ class Peer:
         msg.rid = rid
         fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        limit = self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is PEER_DEFAULT else timeout
         try:
             # tiny messages are cheaper copied than wrapped as zero-copy frames
             self._socket.send(encode(msg, buffers), copy=not buffers)
-            reply, frames = await asyncio.wait_for(fut, limit)
+            if limit == math.inf:
+                reply, frames = await fut
+            else:
+                reply, frames = await asyncio.wait_for(fut, limit)
         except asyncio.TimeoutError:
+            self._withdraw(rid)
             raise self._unavailable(
                 f"{self.name} at {self.address} did not answer {type(msg).__name__} "
                 f"within {limit:.1f} s"
             ) from None
+        except asyncio.CancelledError:
+            if not fut.done() or fut.cancelled():
+                self._withdraw(rid)
+            raise
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, Error):
             raise from_code(reply.code, reply.message)
         return expected(reply, expect, peer=self.name, request=msg), frames
 
+    def _withdraw(self, rid: int) -> None:
+        """Tell the server that nobody waits for request ``rid`` any more (no reply comes)."""
+        if self.closed:
+            return
+        try:
+            self._socket.send(encode(Cancel(of=rid)), copy=True)
+        except UnavailableError as exc:  # fire and forget: the caller already has its error
+            log.debug("%s", exc)
+
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
-            msg, buffers = decode(frames)
-        except TQueueError as exc:
-            log.warning("dropping malformed reply from %s: %s", self.address, exc)
+            with self._decoding:
+                msg, buffers = decode(frames)
+        except ProtocolError as exc:
+            # its caller learns now, not at its timeout, where the request id can be read
+            fut = self._pending.get(salvage_rid(frames))
+            if fut is not None and not fut.done():
+                fut.set_exception(_malformed(f"{self.name} at {self.address}", exc))
+            else:
+                log.warning("dropping malformed reply from %s: %s", self.address, exc)
             return
         fut = self._pending.get(msg.rid)
         if fut is not None and not fut.done():
@@ -215,6 +281,9 @@ class BlockingPeer:
         self.address = address
         self.name = name
         self._unavailable = unavailable
+        where = f"{name} at {address}"
+        self._io = Boundary(f"request to {where}", io_errors(unavailable))
+        self._decoding = Boundary(f"reply from {where}", DECODE_ERRORS)
         self.sock = context().socket(zmq.DEALER)
         _tune(self.sock)
         self.sock.connect(address)
@@ -222,30 +291,38 @@ class BlockingPeer:
         self.closed = False
 
     def request(self, msg: Message, *, expect: type[R], timeout: float) -> R:
-        """Send ``msg`` and wait up to ``timeout`` seconds for its reply (replies to earlier
-        requests that timed out are skipped); an ``Error`` reply is raised as its class."""
+        """Send ``msg`` and wait up to ``timeout`` seconds (``math.inf``: no limit) for its
+        reply (replies to earlier requests that timed out are skipped); an ``Error`` reply is
+        raised as its class, a malformed reply to this request as :class:`ProtocolError`. A
+        request that times out is withdrawn with a ``Cancel``."""
         if self.closed:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
         msg.rid = rid = next(self._ids)
-        self.sock.send_multipart(encode(msg))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
-                raise self._unavailable(
-                    f"{self.name} at {self.address} did not answer {type(msg).__name__} "
-                    f"within {timeout:.1f} s"
-                )
-            try:
-                reply, _ = decode(self.sock.recv_multipart(copy=False))
-            except TQueueError as exc:
-                log.warning("dropping malformed reply from %s: %s", self.address, exc)
-                continue
-            if reply.rid != rid:
-                continue  # a late answer to a request that timed out
-            if isinstance(reply, Error):
-                raise from_code(reply.code, reply.message)
-            return expected(reply, expect, peer=self.name, request=msg)
+        with self._io:
+            self.sock.send_multipart(encode(msg))
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.sock.poll(-1 if left == math.inf else max(1, int(left * 1000))):
+                    self.sock.send_multipart(encode(Cancel(of=rid)))
+                    raise self._unavailable(
+                        f"{self.name} at {self.address} did not answer {type(msg).__name__} "
+                        f"within {timeout:.1f} s"
+                    )
+                frames = self.sock.recv_multipart(copy=False)
+                try:
+                    with self._decoding:
+                        reply, _ = decode(frames)
+                except ProtocolError as exc:
+                    if salvage_rid(frames) == rid:
+                        raise _malformed(f"{self.name} at {self.address}", exc) from exc
+                    log.warning("dropping malformed reply from %s: %s", self.address, exc)
+                    continue
+                if reply.rid != rid:
+                    continue  # a late answer to a request that timed out
+                if isinstance(reply, Error):
+                    raise from_code(reply.code, reply.message)
+                return expected(reply, expect, peer=self.name, request=msg)
 
     def close(self) -> None:
         if not self.closed:
@@ -262,12 +339,18 @@ class Server:
     A handler gets ``(identity, message, buffers)`` and returns a reply message, a
     ``(reply, buffers)`` pair, ``None`` (it will answer later with :meth:`reply`), or an
     awaitable of one of those. Whatever it raises becomes an error reply; serving goes on.
+
+    A ``Cancel`` is never answered: it goes to its handler where one is routed (whatever that
+    returns or raises is dropped) and is dropped otherwise.
     """
 
     def __init__(self, endpoint: str, *, name: str, max_header: int) -> None:
         self.name = name
         self.max_header = max_header
-        self._socket = _LoopSocket(zmq.ROUTER, self._on_request)
+        self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
+        self._socket = _LoopSocket(
+            zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
+        )
         self.address = bind(self._socket.sock, endpoint)
         self._handlers: dict[type, Handler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -277,10 +360,15 @@ class Server:
         self._handlers[msg_type] = handler
 
     def reply(self, ident: bytes, rid: int, msg: Message, buffers: Sequence[Any] = ()) -> None:
+        """Send a reply; one that cannot be sent (the socket closed) is logged: the handler
+        that answers has no caller to tell, and the requester times out."""
         if self._socket.closed:
             return
         msg.rid = rid
-        self._socket.send([ident, *encode(msg, buffers)], copy=not buffers)
+        try:
+            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers)
+        except UnavailableError as exc:
+            log.warning("%s", exc)
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
@@ -295,12 +383,17 @@ class Server:
         ident = frames[0].bytes
         body = frames[1:]
         try:
-            msg, buffers = decode(body, max_header=self.max_header)
+            with self._decoding:
+                msg, buffers = decode(body, max_header=self.max_header)
         except TQueueError as exc:
             log.warning("%s: malformed request: %s", self.name, exc)
-            self.reply_error(ident, salvage_rid(body), exc)
+            if bytes(body[0].buffer if body else b"") != _CANCEL_KIND:
+                self.reply_error(ident, salvage_rid(body), exc)
             return
         handler = self._handlers.get(type(msg))
+        if isinstance(msg, Cancel):
+            self._cancel(handler, ident, msg)
+            return
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} does not handle {type(msg).__name__} messages")
@@ -314,6 +407,15 @@ class Server:
             task.add_done_callback(self._tasks.discard)
         else:
             self._send_result(ident, msg.rid, result)
+
+    def _cancel(self, handler: Handler | None, ident: bytes, msg: Cancel) -> None:
+        """A requester gave up on request ``msg.of``: withdraw it, and answer nothing."""
+        if handler is None:
+            return
+        try:
+            handler(ident, msg, [])
+        except Exception:  # nobody to answer: a failed withdrawal is the server's to report
+            log.exception("%s: withdrawing request %d failed", self.name, msg.of)
 
     async def _finish(self, ident: bytes, rid: int, pending: Awaitable[Any]) -> None:
         try:

@@ -6,13 +6,20 @@ Payload bytes never pass through MessagePack and nothing is ever unpickled.
 
 Schema evolution follows msgspec's rules: new struct fields get defaults and go last; a
 change that old peers cannot read bumps :data:`PROTOCOL_VERSION`, which the handshake checks.
+
+Closed sets of names are ``Literal`` types and fixed pairs are tuples, so decoding checks
+them as it checks every other type (a ``FieldSpec`` of layout ``"sparse"``, a lane of three
+numbers is a ``ProtocolError`` naming the path, before any handler runs). Both encode as the
+strings and arrays they replaced: peers of this protocol version read each other either way.
+Sets that grow at run time stay ``str`` and are checked where they are known: batch policies
+(loaded by the controller), error codes (an unknown code becomes ``RemoteError``), dtypes.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Literal, Union, get_args
 
 import msgspec
 
@@ -21,6 +28,13 @@ from ..errors import ProtocolError
 PROTOCOL_VERSION = 2  # 2: FieldBlock.packed
 
 GroupId = Union[str, int, None]
+FieldKind = Literal["tensor", "ndarray", "object"]
+FieldLayout = Literal["dense", "jagged"]
+PackedType = Literal["", "int8", "int16", "int32"]  # "": the field's own dtype
+PutStatus = Literal["ok", "aborted", "recycled"]
+MemberFailure = Literal["drop_group", "mask_member"]
+MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
+WaiterKind = Literal["get_meta", "put", "reserve"]
 
 
 class Kind(enum.IntEnum):
@@ -80,9 +94,9 @@ class FieldSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     (per-sample shapes of ``ndim`` dimensions that may differ; a batch keeps them apart).
     """
 
-    kind: str
+    kind: FieldKind
     dtype: str = ""
-    layout: str = "dense"
+    layout: FieldLayout = "dense"
     shape: tuple[int, ...] = ()
     ndim: int = 0
 
@@ -104,7 +118,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     counts: list[int]
     shapes: list[int] | None = None
     sizes: list[int] | None = None
-    packed: list[str] | None = None
+    packed: list[PackedType] | None = None
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +160,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     versions_max: list[int] | None = None
     segments: list[list[list[int]]] | None = None  # per sample: [[version, first_token], ...]
     revisions: list[int] | None = None
-    status: str = "ok"  # a put's fate: "ok", "aborted" (discarded) or "recycled"
+    status: PutStatus = "ok"  # a put's fate: "ok", "aborted" (discarded) or "recycled"
     sealed: bool = False  # the partition takes no more samples (its target was reached)
     recycled_to: str = ""
 
@@ -236,7 +250,7 @@ class CreatePartition(Message):
     exist_ok: bool = True
     tasks: list[str] | None = None
     group_size: int = 0
-    on_member_failure: str = "drop_group"
+    on_member_failure: MemberFailure = "drop_group"
     auto_free: bool = True
     target: int = 0  # seal once this many samples are complete (over-sampling)
     target_groups: int = 0  # ... or this many whole groups
@@ -261,7 +275,7 @@ class Grant(Message):
     reserved: int = 0  # samples of this write already admitted by a reserve()
     partial: bool = False  # unfinished samples: stored, never served until completed
     complete: bool = False  # (update) the samples are finished now
-    segment: list[int] | None = None  # (update) [version, first_token] of a resumed rollout
+    segment: tuple[int, int] | None = None  # (update) (version, first_token) of a resumed rollout
 
 
 class Granted(Message):
@@ -274,7 +288,7 @@ class Granted(Message):
     start: int
     unit: UnitInfo | None = None
     schema: dict[str, FieldSpec] = {}
-    status: str = "ok"
+    status: PutStatus = "ok"
     partition: str = ""
     sealed: bool = False
 
@@ -298,9 +312,11 @@ class Store(Message):
     """Payload for a grant: one frame per ``counts`` entry of each block, in order.
 
     With ``shm`` (a writer on the unit's host), each frame is either an arena range
-    ``[offset, length]`` inside the ``region`` it allocated, or ``[]``: the next raw frame.
-    With ``bulk``, no frames follow here: lane ``[token, n]`` carries the next ``n`` frames
-    back to back on the writer's bulk stream ``token``, the lanes at once.
+    ``[offset, length]`` inside the ``region`` it allocated, or ``[]``: the next raw frame
+    (a pair or nothing: msgspec cannot tell two array types apart in a union, so these stay
+    lists and the unit checks each). With ``bulk``, no frames follow here: lane
+    ``(token, n)`` carries the next ``n`` frames back to back on the writer's bulk stream
+    ``token``, the lanes at once.
     """
 
     KIND = Kind.STORE
@@ -313,7 +329,7 @@ class Store(Message):
     indexes: list[int] | None = None
     region: int = -1
     shm: list[list[int]] | None = None
-    bulk: list[list[int]] | None = None
+    bulk: list[tuple[int, int]] | None = None
 
 
 class Stored(Message):
@@ -570,7 +586,7 @@ class WaiterStatus(msgspec.Struct, kw_only=True):
     partition: str
     task: str
     reason: str
-    kind: str = "get_meta"
+    kind: WaiterKind = "get_meta"
 
 
 class StatusReply(Message):
@@ -632,8 +648,8 @@ def salvage_rid(frames: Sequence[Any]) -> int:
         return 0
     try:
         obj = _ANY.decode(_view(frames[1]))
-    except (msgspec.DecodeError, ValueError, TypeError):
-        return 0
+    except (ValueError, TypeError, RecursionError, MemoryError):  # DecodeError is a ValueError
+        return 0  # too deep to read, or not MessagePack at all: nothing to salvage
     rid = obj.get("rid") if isinstance(obj, dict) else None
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
 

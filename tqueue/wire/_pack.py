@@ -29,7 +29,7 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
 # the types a field may be packed into, narrowest first
-PACKED = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+PACKED: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 MIN_BYTES = 4096  # smaller fields are not worth a check
 PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
 
@@ -86,17 +86,13 @@ def guess(values: np.ndarray) -> str:
     return _width_for(int(probe.min()), int(probe.max()), values.dtype.itemsize) if len(probe) else ""
 
 
-class Misfit(Exception):
-    """A value of a field being narrowed as it is sent does not fit the guessed type."""
-
-
 class Narrowing:
     """A frame that is narrowed as it is sent: ``src`` (flat values of a :func:`packable`
     dtype) in the packed type ``dtype``, which :func:`guess` chose before every value was
-    looked at. The sender narrows into a small buffer that stays in the CPU's cache and
-    sends it from there (tqueue/transport/_bulk.py), so the narrow bytes are never written to memory
-    and read back; a value that does not fit raises :class:`Misfit` and the write is sent
-    again with the widths of the whole range."""
+    looked at. A bulk stream's ``Produced`` frame (tqueue/transport/_bulk.py): the sender
+    narrows into a small buffer that stays in the CPU's cache and sends it from there, so the
+    narrow bytes are never written to memory and read back; where a value does not fit, the
+    stream refuses the frame and the write is sent again with the widths of the whole range."""
 
     __slots__ = ("src", "dtype", "nbytes")
 
@@ -113,9 +109,9 @@ class Narrowing:
         1.3-1.5x as long as the other; split by this, the two end within 1-5 ms)."""
         return self.nbytes + self.src.nbytes // 2
 
-    def into(self, out: np.ndarray) -> None:
-        """Write the narrow values into ``out`` (bytes, ``nbytes`` long); :class:`Misfit`
-        where one does not fit."""
+    def produce(self, out: np.ndarray) -> bool:
+        """Write the narrow values into ``out`` (bytes, ``nbytes`` long); false where one
+        does not fit (``out`` then holds garbage)."""
         dst = out.view(self.dtype)
         if _native_pack is not None:
             fits = _native_pack.narrow_into(self.src, self.src.dtype.itemsize, dst, self.dtype.itemsize)
@@ -124,14 +120,14 @@ class Narrowing:
             fits = bool(self.src.min() >= bounds.min and self.src.max() <= bounds.max)
             if fits:
                 np.copyto(dst, self.src, casting="unsafe")
-        if not fits:
-            raise Misfit(f"a value does not fit {self.dtype.name}")
+        return bool(fits)
 
 
 class Widening:
     """Where a packed frame received on a bulk stream goes: widened into ``dst`` (the batch
     rows, of the field's own dtype) straight from the small buffer it was received into,
-    while it is in the CPU's cache (tqueue/transport/_bulk.py). ``nbytes``: the packed bytes."""
+    while it is in the CPU's cache (a bulk stream's ``Consumed`` frame,
+    tqueue/transport/_bulk.py). ``nbytes``: the packed bytes."""
 
     __slots__ = ("dst", "dtype", "nbytes")
 
@@ -140,7 +136,7 @@ class Widening:
         self.dtype = dtype
         self.nbytes = len(dst) * dtype.itemsize
 
-    def take(self, got: np.ndarray) -> None:
+    def consume(self, got: np.ndarray) -> None:
         """Widen ``got`` (the frame's packed bytes) into the rows."""
         np.copyto(self.dst, got.view(self.dtype), casting="safe")
 

@@ -1,0 +1,219 @@
+"""The ZeroMQ peers against a raw ROUTER socket standing in for a server: malformed replies
+fail their caller at once, infinite timeouts have no timer, and a request given up on is
+withdrawn with a ``Cancel`` on the same connection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import tqueue
+from tqueue.errors import ControllerUnavailableError, ProtocolError
+from tqueue.transport import _zmq
+from tqueue.wire import Kind
+from tqueue.wire import _messages as _wire
+
+WAIT = 10.0  # seconds a test waits for something that must happen
+
+
+class Stand:
+    """A ROUTER socket that plays a server by hand, from the test's thread."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def recv(self) -> tuple[bytes, _wire.Message]:
+        if not self.sock.poll(int(WAIT * 1000)):
+            raise TimeoutError(f"no request within {WAIT} s")
+        ident, *frames = self.sock.recv_multipart()
+        return ident, _wire.decode(frames)[0]
+
+    def send(self, ident: bytes, frames: list[bytes]) -> None:
+        self.sock.send_multipart([ident, *frames])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def stand():
+    s = Stand()
+    yield s
+    s.close()
+
+
+def malformed_meta(rid: int) -> list[bytes]:
+    """A Meta reply whose rid can be read but whose body does not validate."""
+    return [bytes([Kind.META]), msgspec.msgpack.encode({"rid": rid, "meta": 5})]
+
+
+def get_meta() -> _wire.GetMeta:
+    return _wire.GetMeta(partition="p", fields=["x"], batch_size=1, task="t")
+
+
+def test_a_malformed_reply_fails_its_request_at_once(stand):
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+        try:
+            pending = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Meta, timeout=600))
+            ident, msg = await asyncio.to_thread(stand.recv)
+            stand.send(ident, malformed_meta(msg.rid))
+            with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad Meta header"):
+                await asyncio.wait_for(pending, WAIT)
+        finally:
+            await peer.close()
+
+    asyncio.run(main())
+
+
+def test_a_malformed_reply_fails_a_blocking_request_at_once(stand):
+    def serve():
+        ident, msg = stand.recv()
+        stand.send(ident, malformed_meta(msg.rid))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    peer = _zmq.BlockingPeer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+    try:
+        with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad Meta header"):
+            peer.request(get_meta(), expect=_wire.Meta, timeout=30)
+    finally:
+        thread.join(WAIT)
+        peer.close()
+
+
+def test_an_infinite_timeout_outlasts_the_peer_default_and_a_cancel_withdraws(stand):
+    """``math.inf`` sets no timer (the peer's own timeout is short here); cancelling the
+    task sends ``Cancel(of=rid)`` on the same connection, and the server answers nothing."""
+
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", timeout=0.2)
+        try:
+            waiting = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Meta, timeout=math.inf))
+            _, msg = await asyncio.to_thread(stand.recv)
+            with pytest.raises(asyncio.TimeoutError):  # well past the peer's 0.2 s
+                await asyncio.wait_for(asyncio.shield(waiting), 1.0)
+            waiting.cancel()
+            _, cancel = await asyncio.to_thread(stand.recv)
+            assert isinstance(cancel, _wire.Cancel) and cancel.of == msg.rid
+        finally:
+            await peer.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_times_out_is_withdrawn(stand):
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+        try:
+            with pytest.raises(ControllerUnavailableError, match=r"did not answer GetMeta within 0.1 s"):
+                await peer.request(get_meta(), expect=_wire.Meta, timeout=0.1)
+            _, msg = await asyncio.to_thread(stand.recv)
+            _, cancel = await asyncio.to_thread(stand.recv)
+            assert isinstance(cancel, _wire.Cancel) and cancel.of == msg.rid
+        finally:
+            await peer.close()
+
+    asyncio.run(main())
+
+
+def test_a_blocking_request_that_times_out_is_withdrawn(stand):
+    peer = _zmq.BlockingPeer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+    try:
+        with pytest.raises(ControllerUnavailableError, match=r"did not answer GetMeta within 0.1 s"):
+            peer.request(get_meta(), expect=_wire.Meta, timeout=0.1)
+        _, msg = stand.recv()
+        _, cancel = stand.recv()
+        assert isinstance(cancel, _wire.Cancel) and cancel.of == msg.rid
+    finally:
+        peer.close()
+
+
+def test_a_closed_socket_under_a_send_is_unavailable(stand):
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+        peer._socket.sock.close(0)  # the socket goes away beneath the peer
+        with pytest.raises(ControllerUnavailableError, match=r"request to controller at tcp://\S+: ZMQError") as info:
+            await peer.request(get_meta(), expect=_wire.Meta, timeout=1)
+        assert isinstance(info.value.__cause__, zmq.ZMQError)
+        await peer.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_get_meta_with_an_infinite_timeout_waits_past_the_request_timeout(cluster, client, partition, kind):
+    """``timeout=math.inf`` waits as long as the controller lives, whatever
+    ``request_timeout`` says; it returns when a put lands."""
+    config = tqueue.ClientConfig(request_timeout=2.0)  # its handshake must not time out under load
+    got: list[object] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        try:
+            if kind == "sync":
+                with tqueue.Client(cluster.address, config=config) as c:
+                    got.append(c.get_meta(partition, ["x"], 1, task="t", timeout=math.inf))
+            else:
+
+                async def main():
+                    async with tqueue.AsyncClient(cluster.address, config=config) as c:
+                        return await c.get_meta(partition, ["x"], 1, task="t", timeout=math.inf)
+
+                got.append(asyncio.run(main()))
+        except BaseException as exc:  # reported below
+            got.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        assert not done.wait(3.0), got  # past request_timeout, still waiting
+        client.put(partition, {"x": torch.arange(1)})
+        assert done.wait(30), "get_meta did not return after the put"
+    finally:
+        thread.join(30)
+    assert isinstance(got[0], _wire.BatchMeta) and got[0].indexes == [0], got
+
+
+def test_a_decode_failure_beyond_the_codec_costs_one_reply_only(stand, monkeypatch):
+    """A decode that fails with something other than the codec's own errors (here a
+    RecursionError, as a frame nested too deep gives) fails the request it answers with
+    ProtocolError; the reply queued behind it in the same wake-up still reaches its caller."""
+    real = _zmq.decode
+    calls = []
+
+    def decode(frames, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+        return real(frames, **kw)
+
+    monkeypatch.setattr(_zmq, "decode", decode)
+
+    async def main():
+        peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
+        try:
+            first = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Ok, timeout=30))
+            second = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Ok, timeout=30))
+            (ident, a), (_, b) = await asyncio.to_thread(lambda: (stand.recv(), stand.recv()))
+            stand.send(ident, _wire.encode(_wire.Ok(rid=a.rid)))
+            stand.send(ident, _wire.encode(_wire.Ok(rid=b.rid)))
+            with pytest.raises(ProtocolError, match=r"malformed reply: reply from controller at \S+: RecursionError"):
+                await asyncio.wait_for(first, WAIT)
+            assert isinstance((await asyncio.wait_for(second, WAIT))[0], _wire.Ok)
+        finally:
+            await peer.close()
+
+    asyncio.run(main())
