@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 
 import pytest
@@ -12,20 +11,6 @@ import torch
 import tqueue
 from tqueue.errors import ControllerUnavailableError, ProtocolVersionError
 from tqueue.wire import _messages as _wire
-
-
-def public_methods(cls):
-    return {n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v)}
-
-
-def test_sync_and_async_have_the_same_methods_and_signatures():
-    sync, asyn = tqueue.Client, tqueue.AsyncClient
-    assert public_methods(sync) == public_methods(asyn)
-    for name in public_methods(sync):
-        s = inspect.signature(getattr(sync, name))
-        a = inspect.signature(getattr(asyn, name))
-        assert list(s.parameters) == list(a.parameters), name
-        assert inspect.iscoroutinefunction(getattr(asyn, name)), name
 
 
 def test_sync_client_never_calls_asyncio_run(client, partition, monkeypatch):
@@ -63,7 +48,7 @@ def test_async_client_in_a_users_loop(cluster, partition):
 
 
 def test_protocol_version_mismatch_names_both_versions(cluster, monkeypatch):
-    import tqueue.client._async as mod
+    import tqueue.client._connections as mod
 
     monkeypatch.setattr(mod, "PROTOCOL_VERSION", _wire.PROTOCOL_VERSION + 1)
     with pytest.raises(ProtocolVersionError, match=rf"peer speaks tqueue protocol {_wire.PROTOCOL_VERSION + 1}, the controller speaks protocol {_wire.PROTOCOL_VERSION}"):

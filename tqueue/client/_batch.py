@@ -349,13 +349,13 @@ def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:
         start, end = int(off[a]), int(off[b - 1] + sz[b - 1])
         try:
             if b - a == 1:
-                values = [_DECODER.decode(buf[start:end])]
+                values = [_DECODER.decode(buf[start:end].data)]
             else:
                 # a pooled buffer: already-mapped memory copies 4x faster than fresh pages
                 packed = pool.take(5 + end - start) if pool is not None else np.empty(5 + end - start, np.uint8)
                 packed[:5] = np.frombuffer(_ARRAY32.pack(0xDD, b - a), dtype=np.uint8)
                 packed[5:] = buf[start:end]
-                values = _DECODER.decode(packed)
+                values = _DECODER.decode(packed.data)
         except msgspec.DecodeError:
             values = None
         if values is None or len(values) != b - a:
@@ -374,7 +374,7 @@ def _one_by_one(p: Pieces, pos: list[int], a: int, b: int) -> list[Any]:
     for k in range(a, b):
         buf, off, n = p.buffers[int(p.buffer_of[k])], int(p.offsets[k]), int(p.sizes[k])
         try:
-            values.append(_DECODER.decode(buf[off : off + n]))
+            values.append(_DECODER.decode(buf[off : off + n].data))
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"object value for batch position {pos[k]} is not valid MessagePack") from exc
     return values
@@ -477,7 +477,7 @@ def bulk_targets(
         if not staged:
             return
         buf = pool.take(sum(staged))
-        targets.append(memoryview(buf))
+        targets.append(buf.data)
         at = 0
         for n in staged:
             frames.append(buf[at : at + n])
@@ -517,7 +517,7 @@ def bulk_targets(
                     targets.append(Widening(view.view(wide), PACKED[narrow]))
                     block.packed[i] = ""
                 else:
-                    targets.append(memoryview(view))
+                    targets.append(view.data)
             else:
                 staged.append(n)
     if got != total:

@@ -201,7 +201,7 @@ def _tensor_bytes(
     t, passes = _plain_layout(t)
     copied += passes * nbytes
     flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()), name, tuple(t.shape), copied
+    return flat.numpy().data, name, tuple(t.shape), copied
 
 
 _unpinned = False  # pinned memory was refused once: this process copies with .cpu()
@@ -255,7 +255,7 @@ def _array_bytes(
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
         copied += a.nbytes
-    return memoryview(a.reshape(-1).view(np.uint8)), a.dtype.str, tuple(a.shape), copied
+    return a.reshape(-1).view(np.uint8).data, a.dtype.str, tuple(a.shape), copied
 
 
 def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
@@ -308,7 +308,7 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
             out.nbytes += sum(memoryview(f).nbytes for f in frames)
             continue
         packed, name = narrowed
-        buf = memoryview(packed.view(np.uint8))
+        buf = packed.view(np.uint8).data
         counts = _chunks(buf, enc.count, chunk, out.buffers)
         out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
         out.whole.append(buf)
@@ -340,7 +340,9 @@ def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: En
 
 
 def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
-    grab = _tensor_bytes if kind == "tensor" else _array_bytes
+    grab: Callable[..., tuple[memoryview, str, tuple[int, ...], int]] = (
+        _tensor_bytes if kind == "tensor" else _array_bytes
+    )
     shapes: list[int] = []
     bufs = []
     dtype0, ndim0 = None, None

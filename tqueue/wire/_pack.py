@@ -29,7 +29,7 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
 # the types a field may be packed into, narrowest first
-PACKED = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+PACKED: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 MIN_BYTES = 4096  # smaller fields are not worth a check
 PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
 
