@@ -194,16 +194,21 @@ class AsyncClient:
     ) -> None:
         """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
         update: a new segment of tokens produced by ``version``, starting at response token
-        ``first_token``.
+        ``first_token``. Token offsets count response tokens, prompt left out (0: the
+        first generated token); ``first_token`` is how many response tokens the sample
+        held before this segment.
 
         Fields in ``append`` (the new response tokens, their log-probs) are appended to
         what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
         the engine returned the field for the whole sequence (routed experts
         ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
-        earlier segments' weights, are kept; the new array supplies the rest. With
-        ``lengths`` each spliced result must have exactly that many rows (prompt plus
+        earlier segments' weights, are kept; the new array supplies the rest. That offset
+        counts rows of the field, prompt included: the prompt length plus ``first_token``.
+        With ``lengths`` each spliced result must have exactly that many rows (prompt plus
         response tokens). Other fields are replaced. The samples record the segment
         ``(version, first_token)``; once ``finished`` they are visible to consumers.
+        :meth:`Batch.token_versions` gives each row's version, given the prompt lengths
+        for a whole-sequence field.
         """
         await self._lifecycle.complete(
             meta,

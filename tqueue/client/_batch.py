@@ -115,20 +115,38 @@ class Batch(Mapping[str, Any]):
         """Bool ``[B]``: which rows are padding (all-zero tensors, None objects)."""
         return torch.tensor([i < 0 for i in self._meta.indexes], dtype=torch.bool)
 
-    def token_versions(self, field: str) -> list[torch.Tensor]:
-        """Per sample, the policy version that produced each row of a jagged field (its
-        tokens), from the sample's segments ``(version, first_token)``; -1 where unknown."""
+    def token_versions(
+        self, field: str, *, prompt_lengths: int | Sequence[int] | torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Per sample, the policy version that produced each row of a jagged field; -1 where
+        unknown.
+
+        Read from the sample's segments ``(version, first_token)``, whose ``first_token``
+        counts response tokens (0: the first generated token), as every token offset in
+        tqueue does. A field whose rows are response tokens (the tokens, their log-probs)
+        maps row ``r`` to response token ``r``: leave ``prompt_lengths`` out. A field whose
+        rows cover the whole sequence, prompt first (routed experts ``[prompt + response,
+        layers, top_k]`` as engines return them, spliced by :meth:`AsyncClient.complete`),
+        needs ``prompt_lengths`` (one for every sample, or one per sample): row ``r`` is
+        then response token ``r - prompt_length``, and the prompt's rows belong to the
+        segment that starts at response token 0 (the weights that prefilled it)."""
         values = self._values[field]
         meta = self._meta
+        prompts = _prompt_lengths(prompt_lengths, len(values), field)
         out = []
         for i, value in enumerate(values):
             n = len(value)
+            prompt = prompts[i]
+            if prompt > n:
+                raise InvalidArgumentError(
+                    f"field {field!r} of sample {meta.indexes[i]} has {n} rows, fewer than its prompt length {prompt}"
+                )
             versions = torch.full((n,), -1, dtype=torch.int64)
             segments = meta.segments[i] if meta.segments is not None else None
             if segments is None and meta.versions is not None:
                 segments = [[meta.versions[i], 0]]
             for version, first in segments or []:
-                versions[first:] = version
+                versions[prompt + first if first > 0 else 0 :] = version
             out.append(versions)
         return out
 
@@ -607,3 +625,18 @@ def _padded(p: Pieces, shapes: np.ndarray, size: int, options: Options, pool: Bu
             dest[pos, at : at + n].copy_(torch.from_numpy(p.buffers[buf][off : off + n]))
             copied += n
     return out, copied
+
+
+def _prompt_lengths(given: int | Sequence[int] | torch.Tensor | None, count: int, field: str) -> list[int]:
+    """Per sample, the rows of ``field`` before its first response token."""
+    if given is None:
+        return [0] * count
+    if isinstance(given, int):
+        out = [given] * count
+    else:
+        out = [int(p) for p in (given.tolist() if isinstance(given, torch.Tensor) else given)]
+    if len(out) != count:
+        raise InvalidArgumentError(f"token_versions({field!r}) got {len(out)} prompt lengths for {count} samples")
+    if any(p < 0 for p in out):
+        raise InvalidArgumentError(f"token_versions({field!r}): prompt lengths must be >= 0, got {out}")
+    return out
