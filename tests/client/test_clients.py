@@ -18,11 +18,14 @@ def test_sync_client_never_calls_asyncio_run(client, partition, monkeypatch):
         raise AssertionError("asyncio.run called")
 
     monkeypatch.setattr(asyncio, "run", forbidden)
-    threads = threading.active_count()
+    monkeypatch.setattr(asyncio, "new_event_loop", forbidden)
+    # loop threads only: pools start workers lazily, and a client another test dropped ends
+    # whenever the collector gets to it
+    loops = [t for t in threading.enumerate() if t.name == "tqueue-client"]
     for i in range(5):
         client.put(partition, {"x": torch.tensor([i])})
     assert client.get_data(partition, ["x"], 5, task="t", timeout=5)["x"].tolist() == [0, 1, 2, 3, 4]
-    assert threading.active_count() == threads
+    assert [t for t in threading.enumerate() if t.name == "tqueue-client"] == loops
 
 
 def test_context_manager_stops_the_loop_thread(cluster):
@@ -64,8 +67,12 @@ def test_no_controller_is_a_typed_unavailable_error():
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
         config = tqueue.ClientConfig(request_timeout=0.3)
-        with pytest.raises(ControllerUnavailableError, match=rf"controller at tcp://127.0.0.1:{port} did not answer Hello within 0.3 s"):
-            tqueue.Client(f"tcp://127.0.0.1:{port}", config=config).connect()
+        client = tqueue.Client(f"tcp://127.0.0.1:{port}", config=config)
+        try:
+            with pytest.raises(ControllerUnavailableError, match=rf"controller at tcp://127.0.0.1:{port} did not answer Hello within 0.3 s"):
+                client.connect()
+        finally:
+            client.close()  # now: left to the collector, its loop thread would end during a later test
     finally:
         silent.close(0)
         ctx.term()
