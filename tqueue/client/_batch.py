@@ -258,10 +258,44 @@ def pad_rows(meta: BatchMeta) -> np.ndarray:
     return np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0)
 
 
+def _dense_frames(
+    field: str,
+    block: FieldBlock,
+    frames: list[Any],
+    seen: int,
+    buffers: list[np.ndarray],
+    packed: list[str],
+    counts: list[tuple[int, int]],
+) -> int:
+    """Add a dense block's frames (checked against its header) to a field's pieces, its
+    samples numbered from ``seen``; returns the number after them."""
+    items = sample_sizes(block)  # checks ``packed``; bytes per sample of each frame
+    at = 0
+    for i, (frame, c) in enumerate(zip(frames, block.counts)):
+        buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+        want = int(items[at]) * c if c else 0
+        if buf.nbytes != want:
+            raise ProtocolError(
+                f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {want}"
+            )
+        buffers.append(buf)
+        packed.append(block.packed[i] if block.packed else "")
+        counts.append((seen, c))
+        seen += c
+        at += c
+    if len(frames) != len(block.counts):
+        raise ProtocolError(
+            f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
+        )
+    return seen
+
+
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
     """A field's pieces across the parts. For a dense field only frames and positions (what
     :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise."""
-    positions, buffers, buffer_of, offsets, sizes, shapes, counts = [], [], [], [], [], [], []
+    positions, buffer_of, offsets, sizes, shapes = [], [], [], [], []
+    buffers: list[np.ndarray] = []
+    counts: list[tuple[int, int]] = []
     packed: list[str] = []
     seen = 0
     dense_only = spec.kind != "object" and spec.layout == "dense"
@@ -273,24 +307,7 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
             # a dense field is copied (or viewed) frame by frame: no per-sample layout needed
             # (a block kept jagged, of samples that all have the field's shape, takes the
             # general path below; _dense reads the same buffers, counts and positions)
-            items = sample_sizes(block)  # checks ``packed``; bytes per sample of each frame
-            at = 0
-            for i, (frame, c) in enumerate(zip(frames, block.counts)):
-                buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
-                want = int(items[at]) * c if c else 0
-                if buf.nbytes != want:
-                    raise ProtocolError(
-                        f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {want}"
-                    )
-                buffers.append(buf)
-                packed.append(block.packed[i] if block.packed else "")
-                counts.append((seen, c))
-                seen += c
-                at += c
-            if len(frames) != len(block.counts):
-                raise ProtocolError(
-                    f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
-                )
+            seen = _dense_frames(field, block, frames, seen, buffers, packed, counts)
             positions.append(part.positions)
             continue
         if block.packed is not None:
