@@ -23,6 +23,10 @@ from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import TORCH_ITEMSIZE, int_dtype
 from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
 
+# The ``type: ignore[arg-type]`` on ndarrays passed as buffers: numpy's stubs declare the
+# buffer protocol only from Python 3.12, and mypy checks 3.10 (ndarray.data would cost a
+# memoryview more per sample decoded).
+
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -201,7 +205,7 @@ def _tensor_bytes(
     t, passes = _plain_layout(t)
     copied += passes * nbytes
     flat = t.reshape(-1).view(torch.uint8)
-    return flat.numpy().data, name, tuple(t.shape), copied
+    return memoryview(flat.numpy()), name, tuple(t.shape), copied  # type: ignore[arg-type]
 
 
 _unpinned = False  # pinned memory was refused once: this process copies with .cpu()
@@ -255,7 +259,7 @@ def _array_bytes(
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
         copied += a.nbytes
-    return a.reshape(-1).view(np.uint8).data, a.dtype.str, tuple(a.shape), copied
+    return memoryview(a.reshape(-1).view(np.uint8)), a.dtype.str, tuple(a.shape), copied  # type: ignore[arg-type]
 
 
 def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
@@ -308,7 +312,7 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
             out.nbytes += sum(memoryview(f).nbytes for f in frames)
             continue
         packed, name = narrowed
-        buf = packed.view(np.uint8).data
+        buf = memoryview(packed.view(np.uint8))  # type: ignore[arg-type]
         counts = _chunks(buf, enc.count, chunk, out.buffers)
         out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
         out.whole.append(buf)
