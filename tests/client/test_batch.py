@@ -74,12 +74,16 @@ def test_dense_field_stays_dense_when_written_as_list(any_client, partition):
 
 def test_batch_follows_meta_order_across_units(any_client, partition):
     """Samples held by two units interleave in the meta; the batch keeps meta order."""
-    units = set()
-    while len(units) < 2:
-        m = any_client.put(partition, {"x": torch.arange(len(units) * 100, len(units) * 100 + 4), "pad": torch.zeros(4, 1 << 18)})
+    units: set[int] = set()
+    puts = 0
+    while len(units) < 2:  # least-loaded placement alternates once loads cross
+        assert puts < 64, "puts never reached a second unit"
+        m = any_client.put(partition, {"x": torch.arange(puts * 100, puts * 100 + 4), "pad": torch.zeros(4, 1 << 18)})
         units.update(m.units)
-    meta = any_client.get_meta(partition, ["x"], 8, task="t", timeout=10)
-    order = [3, 6, 0, 7, 1, 5, 2, 4]
+        puts += 1
+    meta = any_client.get_meta(partition, ["x"], 4 * puts, task="t", timeout=10)
+    assert len(set(meta.units)) == 2  # every sample: some on each unit
+    order = [int(i) for i in torch.randperm(len(meta), generator=torch.Generator().manual_seed(0))]
     shuffled = type(meta)(
         partition=meta.partition,
         partition_uid=meta.partition_uid,

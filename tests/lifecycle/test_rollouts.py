@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.errors import SchemaError, WaitTimeoutError
+from tqueue.errors import InvalidArgumentError, SchemaError, WaitTimeoutError
 
 
 def status(client, partition):
@@ -210,3 +210,28 @@ def test_postpone_whole_groups(client, partition):
     assert sorted(moved.groups) == ["a", "a", "c", "c"]
     assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5)["x"].tolist()) == [0, 1, 4, 5]
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["b", "b"]
+
+
+def test_token_versions_of_a_spliced_whole_sequence_field_count_the_prompt(client, partition):
+    """Segment offsets count response tokens; routed experts also hold the prompt's rows.
+    Given the prompt lengths, each row gets the version its splice kept it from."""
+    prompt, layers, top_k = 3, 2, 2
+
+    def experts(rows, value):
+        return [torch.full((rows, layers, top_k), value, dtype=torch.int32)]
+
+    meta = client.put(partition, {"resp": [torch.arange(2)], "experts": experts(prompt + 2, 0)}, version=0, partial=True)
+    client.complete(meta, {"resp": [torch.arange(2, 4)], "experts": experts(prompt + 4, 1)}, version=1,
+                    first_token=2, append=["resp"], splice={"experts": prompt + 2}, finished=False)
+    client.complete(meta, {"resp": [torch.arange(4, 5)], "experts": experts(prompt + 5, 2)}, version=2,
+                    first_token=4, append=["resp"], splice={"experts": prompt + 4})
+    batch = client.get_data(client.get_meta(partition, ["resp", "experts"], 1, task="t", timeout=5))
+    spliced = batch["experts"][0][:, 0, 0].tolist()
+    assert spliced == [0, 0, 0, 0, 0, 1, 1, 2]
+    assert batch.token_versions("experts", prompt_lengths=prompt)[0].tolist() == spliced
+    assert batch.token_versions("experts", prompt_lengths=[prompt])[0].tolist() == spliced
+    assert batch.token_versions("resp")[0].tolist() == [0, 0, 1, 1, 2]  # response-aligned
+    with pytest.raises(InvalidArgumentError, match=r"field 'experts' of sample \d+ has 8 rows, fewer than its prompt length 9"):
+        batch.token_versions("experts", prompt_lengths=9)
+    with pytest.raises(InvalidArgumentError, match=r"got 2 prompt lengths for 1 samples"):
+        batch.token_versions("experts", prompt_lengths=[3, 3])

@@ -24,7 +24,7 @@ def cluster():
 def arena_offset(client: tqueue.AsyncClient, t: torch.Tensor) -> tuple[str, int]:
     """Which arena a tensor lives in, and where."""
     ptr = t.untyped_storage().data_ptr()
-    for a in client._arenas.values():
+    for a in client._conns.arenas.values():
         if a is not None and a.array.ctypes.data <= ptr < a.array.ctypes.data + a.size:
             return a.path, ptr - a.array.ctypes.data
     raise AssertionError("tensor is not a view of an arena")
@@ -47,7 +47,7 @@ def test_views_stay_valid_while_held_and_ranges_are_reused_after(cluster, partit
             del batch, x, other
             gc.collect()  # the last views die: their holds are queued for release
             await asyncio.sleep(0)  # one loop turn to queue them
-            await c._flush_releases()
+            await c._conns.flush_releases()
             await c.clear(again)
             await c.put(partition, {"x": torch.full((64, 4096), 5, dtype=torch.int32)})
             third = await c.get_data(partition, ["x"], 64, task="t2", timeout=10)

@@ -190,13 +190,13 @@ def connect(bulk_cluster: tqueue.LocalCluster) -> Iterator[Callable[..., tqueue.
 
 
 def bulk_address(client: tqueue.Client, unit_id: int) -> str:
-    address = client._inner._units[unit_id].bulk
+    address = client._inner._conns.units[unit_id].bulk
     assert address.startswith("127.0.0.1:"), address
     return address
 
 
 def idle_streams(client: tqueue.Client, unit_id: int) -> int:
-    return len(client._inner._streams.get(unit_id, []))
+    return len(client._inner._conns.streams.get(unit_id, []))
 
 
 # --- tests ----------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_bulk_off_on_the_client_or_on_the_unit_gives_the_same_bytes(connect, str
         p = connect(address=plain.address)
         plain_meta = p.put(partition, data)
         c = connect(address=plain.address)
-        assert c._inner._units[plain_meta.units[0]].bulk == ""  # the unit offers none
+        assert c._inner._conns.units[plain_meta.units[0]].bulk == ""  # the unit offers none
         via_plain_unit = c.get_data(plain_meta)
     assert sum(streams.opened.values()) == 1
 
@@ -270,7 +270,7 @@ def test_scattered_samples_on_two_units_come_back_exact(connect, streams, partit
         assert len(set(meta.units)) == 1
         source.update({idx: (data, row) for row, idx in enumerate(meta.indexes)})
     assert len(units) == 2  # both units hold samples
-    unit_a, unit_b = sorted(units, key=lambda u: on_a._inner._units[u].host)
+    unit_a, unit_b = sorted(units, key=lambda u: on_a._inner._conns.units[u].host)
 
     consumer = connect()
     addr_a, addr_b = bulk_address(consumer, unit_a), bulk_address(consumer, unit_b)
@@ -349,7 +349,7 @@ def test_unit_killed_under_an_idle_stream_fails_typed_within_the_request_timeout
             same(client.get_data(meta), data)
             assert idle_streams(client, unit) == 1  # an open stream, waiting for the next fetch
 
-            pid = unit_pid(cluster, client._inner._units[unit].address)
+            pid = unit_pid(cluster, client._inner._conns.units[unit].address)
             os.kill(pid, signal.SIGKILL)
             wait_exit(pid)
             with pytest.raises(
@@ -367,7 +367,7 @@ def test_unit_killed_mid_stream_fails_typed_at_once(streams, partition):
             data = payload(512, seed=6)  # 20 MiB dense
             meta = client.put(partition, data)
             unit = meta.units[0]
-            pid = unit_pid(cluster, client._inner._units[unit].address)
+            pid = unit_pid(cluster, client._inner._conns.units[unit].address)
 
             def small_window(stream: Any) -> None:
                 # a fixed small receive buffer (no autotuning), so that the dead unit's socket
@@ -400,13 +400,13 @@ def test_concurrent_fetches_from_one_unit_open_and_reuse_several_streams(bulk_cl
             metas = [await producer.put(partition, d) for d in datas]
             unit = metas[0].units[0]
             assert all(m.units == [unit] * len(m) for m in metas)
-            address = consumer._units[unit].bulk
+            address = consumer._conns.units[unit].bulk
             for round_ in range(2):
                 batches = await asyncio.gather(*(consumer.get_data(m) for m in metas))
                 for batch, data in zip(batches, datas):
                     same(batch, data)
                 assert streams.opened[address] == 4, round_  # 4 at once; the second round reuses them
-                assert len(consumer._streams[unit]) == 4
+                assert len(consumer._conns.streams[unit]) == 4
                 assert streams.read[address] >= (round_ + 1) * sum(dense_nbytes(d) for d in datas)
             # and out of step: a dense-only fetch beside a full one, both exact
             a, b = await asyncio.gather(
@@ -425,7 +425,7 @@ def test_local_cluster_storage_bulk_false_turns_the_listener_off():
         config = tqueue.ClientConfig(shm=False)
         with tqueue.Client(cluster.address, config=config) as client:
             client.connect()
-            [info] = client._inner._units.values()
+            [info] = client._inner._conns.units.values()
             assert info.bulk == "", f"the unit still listens for bulk streams at {info.bulk}"
 
 
@@ -486,7 +486,7 @@ def test_staged_parts_of_two_units_do_not_share_a_buffer(connect, streams, parti
 def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
     """With ``bulk_lanes=2`` a fetch of one unit's samples above the lane threshold is split
     over two streams read at once (each half lands in place: no copy); a small one is not."""
-    from tqueue.client._async import LANE_MIN_BYTES
+    from tqueue.client._connections import LANE_MIN_BYTES
 
     producer = connect()
     consumer = connect(bulk_lanes=2)
@@ -512,8 +512,8 @@ def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
 def test_a_put_over_bulk_lanes_is_exact_and_visible_once_acknowledged(connect, streams, partition, monkeypatch):
     """A big put goes over two lanes into the unit; a small one over one; both read back
     exact (inline and over the bulk stream)."""
-    import tqueue.client._async as client_mod
-    from tqueue.client._async import LANE_MIN_BYTES
+    import tqueue.client._puts as client_mod
+    from tqueue.client._connections import LANE_MIN_BYTES
 
     monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)  # the small one too
     producer = connect(bulk_lanes=2)
@@ -536,7 +536,7 @@ def test_a_put_whose_stream_breaks_midway_is_refused_and_leaves_nothing(connect,
     """A writer that stops halfway through a lane (as a producer that dies would): the unit
     refuses the put without storing a byte, says why (the typed error the put raises), and
     keeps serving."""
-    import tqueue.client._async as client_mod
+    import tqueue.client._puts as client_mod
 
     monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)
     producer = connect(bulk_lanes=1)
@@ -566,7 +566,7 @@ def test_a_put_whose_stream_breaks_midway_is_refused_and_leaves_nothing(connect,
 def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, partition, monkeypatch):
     """The unit refuses a Store whose lanes do not add up (typed ProtocolError, named); the
     client drops those streams, whose bytes are out of step, and the next put is exact."""
-    import tqueue.client._async as client_mod
+    import tqueue.client._puts as client_mod
 
     producer = connect(bulk_lanes=1)
     data = payload(64, seed=31)
@@ -582,7 +582,7 @@ def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, p
 def test_a_put_below_the_bulk_threshold_goes_inline_and_one_above_over_a_stream(connect, streams, partition):
     """Small puts (a rollout's group) skip the streams, whose hand-offs would cost more than
     they save; a put from ``PUT_BULK_MIN_BYTES`` up takes one. Both read back exact."""
-    from tqueue.client._async import PUT_BULK_MIN_BYTES
+    from tqueue.client._puts import PUT_BULK_MIN_BYTES
 
     producer = connect()
     small = payload(64, seed=41)  # 2.5 MiB

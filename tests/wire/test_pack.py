@@ -18,7 +18,8 @@ import torch
 import tqueue
 import tqueue.transport._bulk
 import tqueue.wire._layout
-from tqueue.client import _async as client_mod
+from tqueue.client import _connections
+from tqueue.client import _puts as client_mod
 from tqueue.errors import ProtocolError
 from tqueue.wire import FieldBlock, FieldSpec, _pack
 from tqueue.wire._layout import frame_layout, sample_sizes
@@ -229,7 +230,7 @@ def test_big_put_over_bulk_lanes_and_bulk_fetch_are_exact(cluster, partition, mo
         producer.put(partition, data)
         batch = consumer.get_data(partition, list(data), 100, task="t", timeout=10)
         assert_same(batch, data)
-        assert consumer._inner._streams  # the fetch came over a bulk stream
+        assert consumer._inner._conns.streams  # the fetch came over a bulk stream
 
 
 def test_one_read_of_writes_packed_to_different_widths(cluster, partition):
@@ -315,7 +316,7 @@ def test_big_fields_are_narrowed_as_sent_and_widened_as_received(cluster, partit
         assert sent == ids * 4 + mask + hashes * 8 + producer.stats.put_bytes - (ids + mask + hashes) * 8
         batch = consumer.get_data(partition, list(data), 64, task="t", timeout=10)
         assert_same(batch, data)
-        assert consumer._inner._streams  # the fetch came over bulk streams
+        assert consumer._inner._conns.streams  # the fetch came over bulk streams
         assert consumer.stats.wire_bytes == sent and consumer.stats.get_bytes == producer.stats.put_bytes
         assert stored(consumer, partition) == sent
 
@@ -351,7 +352,7 @@ def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition
     """A narrowed frame costs its narrow bytes plus half its wide ones: a lane of int64
     values sent as int32 carries half the bytes of a lane of float32 sent as they are."""
     monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
-    monkeypatch.setattr(client_mod, "LANE_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(_connections, "LANE_MIN_BYTES", 1 << 20)
     lanes: list[int] = []
     real = tqueue.transport._bulk.BulkStream.write
 

@@ -6,10 +6,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ..wire import GroupId
+from ..wire import BatchMeta, GroupId
 
 
 def _wait(timeout: float | None, default: float, name: str = "timeout") -> float:
@@ -54,3 +55,11 @@ def _rows(value: Any) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return list(value.unbind(0))
     return list(value)
+
+
+def _by_unit(meta: BatchMeta) -> dict[int, np.ndarray]:
+    """Batch positions of a meta's samples per unit (pad rows, unit -1, left out)."""
+    units = np.asarray(meta.units, dtype=np.int64)
+    if len(units) != len(meta.indexes):
+        raise InvalidArgumentError("meta has a different number of units and indexes")
+    return {int(u): np.flatnonzero(units == u) for u in np.unique(units) if u >= 0}  # -1: pad rows

@@ -26,6 +26,7 @@ from .._threads import copy_bytes
 from ..errors import InvalidArgumentError, ProtocolError
 from ..wire import BatchMeta, FieldBlock, FieldSpec
 from ..wire._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
+from ..wire._messages import PackedType
 from ..wire._pack import PACKED, Widening, widen, widen_all
 from ._encode import TORCH_DTYPES
 
@@ -115,20 +116,38 @@ class Batch(Mapping[str, Any]):
         """Bool ``[B]``: which rows are padding (all-zero tensors, None objects)."""
         return torch.tensor([i < 0 for i in self._meta.indexes], dtype=torch.bool)
 
-    def token_versions(self, field: str) -> list[torch.Tensor]:
-        """Per sample, the policy version that produced each row of a jagged field (its
-        tokens), from the sample's segments ``(version, first_token)``; -1 where unknown."""
+    def token_versions(
+        self, field: str, *, prompt_lengths: int | Sequence[int] | torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Per sample, the policy version that produced each row of a jagged field; -1 where
+        unknown.
+
+        Read from the sample's segments ``(version, first_token)``, whose ``first_token``
+        counts response tokens (0: the first generated token), as every token offset in
+        tqueue does. A field whose rows are response tokens (the tokens, their log-probs)
+        maps row ``r`` to response token ``r``: leave ``prompt_lengths`` out. A field whose
+        rows cover the whole sequence, prompt first (routed experts ``[prompt + response,
+        layers, top_k]`` as engines return them, spliced by :meth:`AsyncClient.complete`),
+        needs ``prompt_lengths`` (one for every sample, or one per sample): row ``r`` is
+        then response token ``r - prompt_length``, and the prompt's rows belong to the
+        segment that starts at response token 0 (the weights that prefilled it)."""
         values = self._values[field]
         meta = self._meta
+        prompts = _prompt_lengths(prompt_lengths, len(values), field)
         out = []
         for i, value in enumerate(values):
             n = len(value)
+            prompt = prompts[i]
+            if prompt > n:
+                raise InvalidArgumentError(
+                    f"field {field!r} of sample {meta.indexes[i]} has {n} rows, fewer than its prompt length {prompt}"
+                )
             versions = torch.full((n,), -1, dtype=torch.int64)
             segments = meta.segments[i] if meta.segments is not None else None
             if segments is None and meta.versions is not None:
                 segments = [[meta.versions[i], 0]]
             for version, first in segments or []:
-                versions[first:] = version
+                versions[prompt + first if first > 0 else 0 :] = version
             out.append(versions)
         return out
 
@@ -186,7 +205,7 @@ class Pieces:
     sizes: np.ndarray
     shapes: np.ndarray | None
     counts: list[tuple[int, int]]  # per buffer: (first sample in positions order, count)
-    packed: list[str] = dataclasses.field(default_factory=list)  # per buffer (dense): "" or its narrow type
+    packed: list[PackedType] = dataclasses.field(default_factory=list)  # per buffer (dense): "" or its narrow type
 
 
 def assemble(
@@ -240,11 +259,45 @@ def pad_rows(meta: BatchMeta) -> np.ndarray:
     return np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0)
 
 
+def _dense_frames(
+    field: str,
+    block: FieldBlock,
+    frames: list[Any],
+    seen: int,
+    buffers: list[np.ndarray],
+    packed: list[PackedType],
+    counts: list[tuple[int, int]],
+) -> int:
+    """Add a dense block's frames (checked against its header) to a field's pieces, its
+    samples numbered from ``seen``; returns the number after them."""
+    items = sample_sizes(block)  # checks ``packed``; bytes per sample of each frame
+    at = 0
+    for i, (frame, c) in enumerate(zip(frames, block.counts)):
+        buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+        want = int(items[at]) * c if c else 0
+        if buf.nbytes != want:
+            raise ProtocolError(
+                f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {want}"
+            )
+        buffers.append(buf)
+        packed.append(block.packed[i] if block.packed else "")
+        counts.append((seen, c))
+        seen += c
+        at += c
+    if len(frames) != len(block.counts):
+        raise ProtocolError(
+            f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
+        )
+    return seen
+
+
 def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
     """A field's pieces across the parts. For a dense field only frames and positions (what
     :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise."""
-    positions, buffers, buffer_of, offsets, sizes, shapes, counts = [], [], [], [], [], [], []
-    packed: list[str] = []
+    positions, buffer_of, offsets, sizes, shapes = [], [], [], [], []
+    buffers: list[np.ndarray] = []
+    counts: list[tuple[int, int]] = []
+    packed: list[PackedType] = []
     seen = 0
     dense_only = spec.kind != "object" and spec.layout == "dense"
     for part in parts:
@@ -255,24 +308,7 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
             # a dense field is copied (or viewed) frame by frame: no per-sample layout needed
             # (a block kept jagged, of samples that all have the field's shape, takes the
             # general path below; _dense reads the same buffers, counts and positions)
-            items = sample_sizes(block)  # checks ``packed``; bytes per sample of each frame
-            at = 0
-            for i, (frame, c) in enumerate(zip(frames, block.counts)):
-                buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
-                want = int(items[at]) * c if c else 0
-                if buf.nbytes != want:
-                    raise ProtocolError(
-                        f"field {field!r}: frame {i} has {buf.nbytes} bytes, the header declares {want}"
-                    )
-                buffers.append(buf)
-                packed.append(block.packed[i] if block.packed else "")
-                counts.append((seen, c))
-                seen += c
-                at += c
-            if len(frames) != len(block.counts):
-                raise ProtocolError(
-                    f"field {field!r}: header declares {len(block.counts)} frame(s), {len(frames)} arrived"
-                )
+            seen = _dense_frames(field, block, frames, seen, buffers, packed, counts)
             positions.append(part.positions)
             continue
         if block.packed is not None:
@@ -417,7 +453,8 @@ def _dense(p: Pieces, size: int, pool: BufferPool, raw: np.ndarray | None = None
     wide = None if plain else int_dtype(p.spec)
     widening: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, packed values), done together
     copied = 0
-    for buf, narrow, (first, c) in zip(p.buffers, p.packed or [""] * len(p.buffers), p.counts):
+    wide_frames: list[PackedType] = [""] * len(p.buffers)
+    for buf, narrow, (first, c) in zip(p.buffers, p.packed or wide_frames, p.counts):
         if c == 0:
             continue
         pos = p.positions[first : first + c]
@@ -607,3 +644,18 @@ def _padded(p: Pieces, shapes: np.ndarray, size: int, options: Options, pool: Bu
             dest[pos, at : at + n].copy_(torch.from_numpy(p.buffers[buf][off : off + n]))
             copied += n
     return out, copied
+
+
+def _prompt_lengths(given: int | Sequence[int] | torch.Tensor | None, count: int, field: str) -> list[int]:
+    """Per sample, the rows of ``field`` before its first response token."""
+    if given is None:
+        return [0] * count
+    if isinstance(given, int):
+        out = [given] * count
+    else:
+        out = [int(p) for p in (given.tolist() if isinstance(given, torch.Tensor) else given)]
+    if len(out) != count:
+        raise InvalidArgumentError(f"token_versions({field!r}) got {len(out)} prompt lengths for {count} samples")
+    if any(p < 0 for p in out):
+        raise InvalidArgumentError(f"token_versions({field!r}): prompt lengths must be >= 0, got {out}")
+    return out

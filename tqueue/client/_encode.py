@@ -21,6 +21,7 @@ import torch
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import TORCH_ITEMSIZE, int_dtype
+from ..wire._messages import FieldKind
 from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def _array_bytes(
     return memoryview(a.reshape(-1).view(np.uint8)), a.dtype.str, tuple(a.shape), copied
 
 
-def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
+def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx: _Ctx, chunk: int, out: Encoded, kind: FieldKind) -> None:
     spec = FieldSpec(kind=kind, dtype=dtype, layout="dense", shape=shape[1:])
     out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=_chunks(buf, shape[0], chunk, out.buffers)))
     out.whole.append(buf)
@@ -290,7 +291,7 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
 
     ``defer``: big fields become :class:`~tqueue.wire._pack.Narrowing` frames in the type their
     first values fit, narrowed and checked only as a bulk stream sends them (which raises
-    :class:`~tqueue.wire._pack.Misfit` where the guess was wrong: pack again without ``defer``)."""
+    :class:`~tqueue.transport._bulk.FrameRefused` where the guess was wrong: pack again without ``defer``)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):
@@ -339,8 +340,10 @@ def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: En
     return True
 
 
-def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: str) -> None:
-    grab = _tensor_bytes if kind == "tensor" else _array_bytes
+def _jagged(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded, kind: FieldKind) -> None:
+    grab: Callable[..., tuple[memoryview, str, tuple[int, ...], int]] = (
+        _tensor_bytes if kind == "tensor" else _array_bytes
+    )
     shapes: list[int] = []
     bufs = []
     dtype0, ndim0 = None, None

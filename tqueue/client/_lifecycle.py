@@ -1,6 +1,6 @@
 """Client calls for flow control and the rollout lifecycle: seals and failures, the
-staleness bound, partial rollouts, postponing, metrics. A mixin of
-:class:`~tqueue.client.AsyncClient` (same connection, same helpers)."""
+staleness bound, partial rollouts, postponing, metrics. :class:`~tqueue.client.AsyncClient`
+holds one :class:`Lifecycle` beside its puts and gets."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from ._args import _rows, _wait
 from ._encode import sample_count
 
 if TYPE_CHECKING:
-    from ..config import ClientConfig
-    from ..transport import _zmq
-    from ._batch import Batch
+    from ._connections import Connections
+    from ._gets import Gets
+    from ._puts import Puts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,24 +34,19 @@ class FieldStats:
 
 
 class Lifecycle:
-    """Seals, failures, admission and the rollout lifecycle (mixin of AsyncClient)."""
+    """Seals, failures, admission and the rollout lifecycle of one client: controller
+    requests on its connections, and for ``complete`` and ``field_stats`` its reads and
+    writes."""
 
-    config: ClientConfig
-    _reserved: int
-
-    async def _ctl(self) -> _zmq.Peer:
-        raise NotImplementedError
-
-    async def get_data(self, meta: Any, fields: Any = None, *args: Any, **kwargs: Any) -> Batch:
-        raise NotImplementedError
-
-    async def _update(self, meta: BatchMeta, data: Any, *, complete: bool = False, segment: tuple[int, int] | None = None) -> None:
-        raise NotImplementedError
+    def __init__(self, conns: Connections, puts: Puts, gets: Gets) -> None:
+        self._conns = conns
+        self.config = conns.config
+        self._puts = puts
+        self._gets = gets
 
     async def seal(self, partition: str) -> None:
-        """Say that no more samples will be put to ``partition``; once every task has
-        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.seal`."""
+        ctl = await self._conns.ctl()
         await ctl.request(Seal(partition=partition), expect=Ok)
 
     async def fail(
@@ -62,10 +57,8 @@ class Lifecycle:
         group: GroupId = None,
         count: int = 1,
     ) -> None:
-        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
-        that will never be put. The partition's ``on_member_failure`` decides whether the
-        group is aborted or released without them; either way they are never served."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.fail`."""
+        ctl = await self._conns.ctl()
         if isinstance(target, BatchMeta):
             msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
         else:
@@ -75,28 +68,25 @@ class Lifecycle:
         await ctl.request(msg, expect=Ok)
 
     async def set_version(self, version: int) -> None:
-        """The trainer's current policy weight version (admission and staleness use it)."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.set_version`."""
+        ctl = await self._conns.ctl()
         await ctl.request(SetVersion(version=version), expect=Ok)
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
-        """Bound how far producers run ahead of the trainer, AReaL-style: at most
-        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
-        and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.set_staleness`."""
+        ctl = await self._conns.ctl()
         await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size), expect=Ok)
 
     async def reserve(self, count: int, *, timeout: float | None = None) -> None:
-        """Admit ``count`` samples before generating them (waits like a put, up to
-        ``timeout``); the next puts of this client draw on the reservation."""
+        """:meth:`AsyncClient.reserve`."""
         wait = _wait(timeout, self.config.put_timeout)
-        ctl = await self._ctl()
+        ctl = await self._conns.ctl()
         await ctl.request(
             Reserve(count=count, timeout=None if math.isinf(wait) else wait),
             timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Ok,
         )
-        self._reserved += count
+        self._puts.reserved += count
 
     async def complete(
         self,
@@ -110,19 +100,7 @@ class Lifecycle:
         lengths: Sequence[int] | None = None,
         finished: bool = True,
     ) -> None:
-        """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
-        update: a new segment of tokens produced by ``version``, starting at response token
-        ``first_token``.
-
-        Fields in ``append`` (the new response tokens, their log-probs) are appended to
-        what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
-        the engine returned the field for the whole sequence (routed experts
-        ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
-        earlier segments' weights, are kept; the new array supplies the rest. With
-        ``lengths`` each spliced result must have exactly that many rows (prompt plus
-        response tokens). Other fields are replaced. The samples record the segment
-        ``(version, first_token)``; once ``finished`` they are visible to consumers.
-        """
+        """:meth:`AsyncClient.complete`."""
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
             raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
@@ -130,7 +108,7 @@ class Lifecycle:
         for name in [*append, *splice]:
             if name not in cols:
                 raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
-        old = await self.get_data(meta, [*append, *splice]) if (append or splice) else None
+        old = await self._gets.get_data(meta, [*append, *splice]) if (append or splice) else None
         new = dict(cols)
         for name in append:
             assert old is not None
@@ -153,12 +131,11 @@ class Lifecycle:
                     )
                 out.append(row)
             new[name] = out
-        await self._update(meta, new, complete=finished, segment=(version, first_token))
+        await self._puts.update(meta, new, complete=finished, segment=(version, first_token))
 
     async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
-        """Move these samples (with ``whole_groups``, every member of their groups) to a later
-        partition, data kept and partial ones still partial; returns their meta there."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.postpone`."""
+        ctl = await self._conns.ctl()
         reply, _ = await ctl.request(
             Postpone(
                 partition=meta.partition,
@@ -172,10 +149,9 @@ class Lifecycle:
         return reply.meta
 
     async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
-        """Wait until ``partition`` is sealed (its over-sampling target reached, or
-        ``seal``): producers of the surplus learn it here without polling."""
+        """:meth:`AsyncClient.sealed`."""
         wait = _wait(timeout, self.config.get_timeout)
-        ctl = await self._ctl()
+        ctl = await self._conns.ctl()
         await ctl.request(
             Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
             timeout=wait + self.config.request_timeout,  # math.inf: no limit
@@ -183,14 +159,13 @@ class Lifecycle:
         )
 
     async def field_stats(self, partition: str, field: str) -> FieldStats:
-        """count, mean, std, min and max of a scalar field over the partition's live samples:
-        aborted, failed, postponed and partial samples and pad rows are left out."""
-        ctl = await self._ctl()
+        """:meth:`AsyncClient.field_stats`."""
+        ctl = await self._conns.ctl()
         reply, _ = await ctl.request(Select(partition=partition, fields=[field]), expect=Meta)
         meta = reply.meta
         if not len(meta):
             return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)
-        values = (await self.get_data(meta, [field]))[field]
+        values = (await self._gets.get_data(meta, [field]))[field]
         if isinstance(values, list):
             values = torch.tensor([float(v) for v in values], dtype=torch.float64)
         values = torch.as_tensor(values).to(torch.float64)

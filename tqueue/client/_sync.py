@@ -233,14 +233,14 @@ class Client:
         Sent from the calling thread on its own connection to the controller, not through
         the loop thread: the answer comes about twice as fast."""
         inner = self._inner
-        msg, limit = inner._get_meta_request(
+        msg, limit = inner._gets.request(
             partition, fields, batch_size, task=task, timeout=timeout, lease_timeout=lease_timeout,
             policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
             max_staleness=max_staleness, pad=pad,
         )
         reply = self._direct().request(msg, expect=Meta, timeout=limit)
-        return inner._got_meta(msg, reply)
+        return inner._gets.got_meta(msg, reply)
 
     def _direct(self) -> _zmq.BlockingPeer:
         """This thread's own connection to the controller (after the client's handshake)."""

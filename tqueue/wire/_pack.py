@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._threads import on_two_threads, worth_splitting
+from ._messages import PackedType
 
 try:
     from .. import _native_pack
@@ -29,7 +30,7 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
 # the types a field may be packed into, narrowest first
-PACKED: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+PACKED: dict[PackedType, np.dtype] = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 MIN_BYTES = 4096  # smaller fields are not worth a check
 PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
 
@@ -42,7 +43,7 @@ def packable(dtype: np.dtype) -> bool:
 _BOUNDS = [(name, dt.itemsize, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for name, dt in PACKED.items()]
 
 
-def _width_for(lo: int, hi: int, itemsize: int) -> str:
+def _width_for(lo: int, hi: int, itemsize: int) -> PackedType:
     """The narrowest packed type holding ``[lo, hi]`` below ``itemsize``, or ""."""
     for name, size, least, most in _BOUNDS:
         if size >= itemsize:
@@ -52,7 +53,7 @@ def _width_for(lo: int, hi: int, itemsize: int) -> str:
     return ""
 
 
-def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, str] | None:
+def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, PackedType] | None:
     """``values`` (a flat, contiguous array of a :func:`packable` dtype) in the narrowest
     type all of them fit, and its name; None where none narrower fits (or too few bytes).
     ``take(nbytes)`` gives the buffer for big results (a pool of warm memory: fresh pages
@@ -79,7 +80,7 @@ def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) 
     return out, name
 
 
-def guess(values: np.ndarray) -> str:
+def guess(values: np.ndarray) -> PackedType:
     """The packed type the first ``PROBE`` values of ``values`` fit, or "": a guess for the
     whole field, which the narrowing pass then checks value by value."""
     probe = values[:PROBE]

@@ -1,0 +1,226 @@
+"""A client's connections: the controller peer, unit peers, bulk streams and arena maps."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from .. import _env, _memory
+from ..config import ClientConfig
+from ..errors import (
+    ControllerUnavailableError,
+    InvalidArgumentError,
+    ProtocolError,
+    ProtocolVersionError,
+    StorageUnitUnavailableError,
+    UnavailableError,
+)
+from ..transport import _bulk, _zmq
+from ..transport._arena import ArenaMap, open_arena
+from ..wire import PROTOCOL_VERSION, Fetched, Hello, HelloReply, Ok, Release, UnitInfo
+
+log = logging.getLogger(__name__)
+
+LANE_MIN_BYTES = 4 << 20  # a fetch is split over parallel bulk streams only above this per stream
+
+
+@dataclasses.dataclass
+class ClientStats:
+    """Payload counters of one client, for throughput and copy accounting.
+
+    ``put_bytes`` and ``get_bytes`` count payload as the fields hold it; ``wire_bytes``
+    what of it was sent or received, after integer fields were packed (tqueue/wire/_pack.py).
+    ``copied_bytes`` counts copies tqueue made in this process (contiguous copies, joins
+    and narrowing on put, assembly and widening on get); kernel socket copies are not
+    included.
+    """
+
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    copied_bytes: int = 0
+    wire_bytes: int = 0
+
+
+class Connections:
+    """Everything a client holds open: the controller peer (after the protocol handshake),
+    one peer per storage unit, idle bulk streams per unit, and the arenas of units on this
+    host with the holds on them that wait to be released. Puts and gets share one."""
+
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.address = address
+        self.config = config
+        self.host = config.host or _env.host()
+        self.arenas: dict[int, ArenaMap | None] = {}
+        self._releases: dict[int, list[int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.controller: _zmq.Peer | None = None
+        self.units: dict[int, UnitInfo] = {}
+        self.unit_peers: dict[int, _zmq.Peer] = {}
+        self.streams: dict[int, list[_bulk.BulkStream]] = {}  # idle bulk streams per unit
+        self.no_bulk: set[int] = set()  # units whose bulk listener could not be reached
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+
+    async def connect(self) -> None:
+        """Handshake with the controller (protocol version) and learn the storage units."""
+        if self.controller is not None:
+            return
+        if self._closed:
+            raise InvalidArgumentError("the client is closed")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self.controller is not None:
+                return
+            self._loop = asyncio.get_running_loop()
+            if self.config.keep_freed_bytes > 0:
+                _memory.keep_freed(self.config.keep_freed_bytes)
+            peer = _zmq.Peer(
+                self.address,
+                name="controller",
+                unavailable=ControllerUnavailableError,
+                timeout=self.config.request_timeout,
+            )
+            try:
+                reply, _ = await peer.request(
+                    Hello(protocol=PROTOCOL_VERSION, role="client", host=self.host),
+                    expect=HelloReply,
+                )
+            except BaseException:
+                await peer.close()
+                raise
+            _check_hello(reply, "controller")
+            self.units = {u.unit_id: u for u in reply.units}
+            self.controller = peer
+
+    async def ctl(self) -> _zmq.Peer:
+        """The controller's peer, connecting first if need be."""
+        await self.connect()
+        assert self.controller is not None
+        return self.controller
+
+    async def unit(self, unit_id: int) -> _zmq.Peer:
+        """The peer of a storage unit; asks the controller about units it does not know yet."""
+        peer = self.unit_peers.get(unit_id)
+        if peer is not None:
+            return peer
+        info = self.units.get(unit_id)
+        if info is None:
+            ctl = await self.ctl()
+            reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.host), expect=HelloReply)
+            self.units = {u.unit_id: u for u in reply.units}
+            info = self.units.get(unit_id)
+            if info is None:
+                raise StorageUnitUnavailableError(f"storage unit {unit_id} is not registered")
+        return self.connect_unit(info)
+
+    def connect_unit(self, info: UnitInfo) -> _zmq.Peer:
+        peer = self.unit_peers.get(info.unit_id)
+        if peer is None:
+            self.units[info.unit_id] = info
+            peer = self.unit_peers[info.unit_id] = _zmq.Peer(
+                info.address,
+                name=f"storage unit {info.unit_id}",
+                unavailable=StorageUnitUnavailableError,
+                timeout=self.config.request_timeout,
+            )
+        return peer
+
+    async def close(self) -> None:
+        """Close every connection. Idempotent."""
+        self._closed = True
+        await self.flush_releases()
+        peers = list(self.unit_peers.values())
+        if self.controller is not None:
+            peers.append(self.controller)
+        self.unit_peers.clear()
+        self.controller = None
+        for peer in peers:
+            await peer.close()
+        streams = [st for idle in self.streams.values() for st in idle]
+        self.streams.clear()
+        for st in streams:
+            st.close()
+
+    # --- bulk streams -----------------------------------------------------------------
+
+    def bulk_to(self, unit_id: int) -> bool:
+        """Whether fetches from this unit come over its bulk stream."""
+        info = self.units.get(unit_id)
+        return (
+            self.config.bulk and info is not None and bool(info.bulk)
+            and unit_id not in self.no_bulk and self.arena(info) is None
+        )
+
+    async def stream(self, unit_id: int) -> _bulk.BulkStream | None:
+        """An idle bulk stream to the unit, opened if none is; None if it cannot be reached
+        (fetches from it then come in ZeroMQ frames)."""
+        idle = self.streams.get(unit_id)
+        if idle:
+            return idle.pop()
+        info = self.units[unit_id]
+        try:
+            return await _bulk.run_blocking(_bulk.BulkStream, info.bulk, self.config.request_timeout)
+        except UnavailableError as exc:
+            log.warning("%s; payload from unit %d comes over ZeroMQ instead", exc, unit_id)
+            self.no_bulk.add(unit_id)
+            return None
+
+    # --- arenas -----------------------------------------------------------------------
+
+    def arena(self, unit: UnitInfo) -> ArenaMap | None:
+        """The unit's arena, mapped once, where the unit is on this host; else None."""
+        if unit.unit_id not in self.arenas:
+            local = self.config.shm and unit.shm and unit.host == self.host
+            self.arenas[unit.unit_id] = open_arena(unit.shm) if local else None
+        return self.arenas[unit.unit_id]
+
+    def resolve(self, unit_id: int, arena: ArenaMap, reply: Fetched, raw: list[Any]) -> list[Any]:
+        """Frames of a same-host reply: arena views (holding the unit's hold) and raw frames."""
+        assert reply.shm is not None
+        ranges = [r for r in reply.shm if r]
+        if not ranges:
+            return raw
+        hold = reply.hold
+        views = iter(arena.views(ranges, lambda: self._release_soon(unit_id, hold)))
+        frames = iter(raw)
+        return [next(views) if r else next(frames) for r in reply.shm]
+
+    def _release_soon(self, unit_id: int, hold: int) -> None:
+        """Queue a hold's release; called from whichever thread dropped the last view."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # the unit lets the hold lapse after its hold_timeout
+        try:
+            loop.call_soon_threadsafe(self._queue_release, unit_id, hold)
+        except RuntimeError:
+            pass
+
+    def _queue_release(self, unit_id: int, hold: int) -> None:
+        if not self._releases:
+            asyncio.get_running_loop().create_task(self.flush_releases())
+        self._releases.setdefault(unit_id, []).append(hold)
+
+    async def flush_releases(self) -> None:
+        pending, self._releases = self._releases, {}
+        for unit_id, holds in pending.items():
+            peer = self.unit_peers.get(unit_id)
+            if peer is None or peer.closed:
+                continue
+            try:
+                await peer.request(Release(holds=holds), expect=Ok)
+            except (UnavailableError, ProtocolError) as exc:
+                # the unit lets holds lapse after its hold_timeout; nothing is lost
+                log.info("could not release %d arena holds on unit %d: %s", len(holds), unit_id, exc)
+
+
+def _check_hello(reply: Any, server: str) -> None:
+    if not isinstance(reply, HelloReply) or reply.protocol != PROTOCOL_VERSION:
+        got = getattr(reply, "protocol", "?")
+        raise ProtocolVersionError(
+            f"the {server} speaks tqueue protocol {got}, this client speaks {PROTOCOL_VERSION}"
+        )
