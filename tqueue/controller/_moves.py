@@ -135,7 +135,7 @@ class Moves:
             if waiter.timer is not None:
                 waiter.timer.cancel()
             self._server.reply(waiter.ident, waiter.req.rid, Ok())
-        self._wake(part.name)  # a drained, sealed partition may now pad or prefetch
+        self._wake_soon(part.name)  # a drained, sealed partition may now pad or prefetch
         self._maybe_free(part)
 
     def _sealed(self, ident: bytes, msg: Sealed, bufs: list[Any]) -> Ok | None:

@@ -24,7 +24,6 @@ from ..errors import (
     PartitionClearedError,
     ProtocolVersionError,
     StorageUnitUnavailableError,
-    TQueueError,
     WaitTimeoutError,
 )
 from ..transport import _zmq
@@ -239,10 +238,15 @@ class Controller(Writes, Moves):
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
-        self._wake(part.name)
-        if part.sealed and not was_sealed:
-            self._on_sealed(part)
+        # Waiters are served after this reply is sent: a failure while serving one of them
+        # must not undo (or even delay) a commit the controller already recorded.
+        self._loop.call_soon(self._after_commit, part, part.sealed and not was_sealed)
         return Ok()
+
+    def _after_commit(self, part: Partition, sealed_now: bool) -> None:
+        self._wake(part.name)
+        if sealed_now:
+            self._on_sealed(part)
 
     # --- reads ----------------------------------------------------------------------
 
@@ -401,6 +405,10 @@ class Controller(Writes, Moves):
             )
             self._wake(part.name)
 
+    def _wake_soon(self, partition: str) -> None:
+        """Wake the waiters of ``partition`` once the running handler has replied."""
+        self._loop.call_soon(self._wake, partition)
+
     def _renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
         record = self._leases.get(msg.lease)
         if record is None:
@@ -422,9 +430,9 @@ class Controller(Writes, Moves):
         for waiter in list(waiters):
             try:
                 reply = self._try_serve(waiter.req)
-            except TQueueError as exc:
+            except Exception as exc:  # this waiter's failure is this waiter's answer alone
                 self._finish(waiter)
-                self._server.reply_error(waiter.ident, waiter.req.rid, exc)
+                self._server.reply_error(waiter.ident, waiter.req.rid, exc)  # logs a non-tqueue one
                 continue
             if reply is not None:
                 self._finish(waiter)
@@ -508,7 +516,7 @@ class Controller(Writes, Moves):
             part.fail_members(msg.group, msg.count, msg.reason)
         else:
             raise InvalidArgumentError("fail needs the samples (a meta) or a group and a count")
-        self._wake(part.name)
+        self._wake_soon(part.name)
         self._maybe_free(part)
         return Ok()
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, StorageFullError, TQueueError, WaitTimeoutError
+from ..errors import InvalidArgumentError, StorageFullError, WaitTimeoutError
 from ..wire import Admission, Grant, Granted, Ok, Reserve, SetVersion
 from ._state import GrantRecord, Partition, Unit
 
@@ -214,7 +214,7 @@ class Writes:
             except _Wait as wait:
                 parked.reason, parked.full = wait.reason, wait.full
                 continue
-            except TQueueError as exc:
+            except Exception as exc:  # this write's failure is this write's answer alone
                 reply = exc
             self._parked.remove(parked)
             if parked.timer is not None:
@@ -237,7 +237,7 @@ class Writes:
         if msg.version > self._version:
             self._version = msg.version
             log.info("trainer version %d", msg.version)
-            self._retry_parked()
+            self._loop.call_soon(self._retry_parked)  # after this reply
         return Ok()
 
     def _set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
@@ -247,7 +247,7 @@ class Writes:
             if msg.batch_size < 1:
                 raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
             self._admission = (msg.max_staleness, msg.batch_size)
-        self._retry_parked()
+        self._loop.call_soon(self._retry_parked)  # after this reply
         return Ok()
 
     def _lapse_grant(self, grant_id: int) -> None:
