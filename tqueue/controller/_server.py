@@ -32,6 +32,7 @@ from ..wire import (
     Ack,
     Admission,
     BatchMeta,
+    Cancel,
     Clear,
     Commit,
     CreatePartition,
@@ -134,6 +135,7 @@ class Controller(Writes, Moves):
             (Admission, self._set_admission),
             (Reserve, self._reserve),
             (StatusRequest, self._status),
+            (Cancel, self._cancel),
         ):
             s.route(msg_type, handler)
 
@@ -503,6 +505,29 @@ class Controller(Writes, Moves):
                     record.timer.cancel()
         self._maybe_free(part)
         return Ok()
+
+    def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
+        """The caller gave up on request ``msg.of``: withdraw it wherever it waits, so that
+        what it waited for goes to a live caller. No reply, to either message."""
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if waiter.ident == ident and waiter.req.rid == msg.of:
+                    self._finish(waiter)
+                    return None
+        for parked in self._parked:
+            if parked.ident == ident and parked.req.rid == msg.of:
+                self._parked.remove(parked)
+                if parked.timer is not None:
+                    parked.timer.cancel()
+                return None
+        for sealed in self._sealed_waiters.values():
+            for waiter in sealed:
+                if waiter.ident == ident and waiter.req.rid == msg.of:
+                    sealed.remove(waiter)
+                    if waiter.timer is not None:
+                        waiter.timer.cancel()
+                    return None
+        return None  # already answered: nothing to withdraw
 
     # --- failures and cleanup -------------------------------------------------------
 

@@ -185,7 +185,7 @@ class Writes:
         self._admitted += count
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
-        timeout = msg.timeout or 0.0
+        timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
         if wait.never or timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
