@@ -130,3 +130,22 @@ def test_a_cancelled_write_waiting_for_the_trainer_is_withdrawn(cluster, client,
         assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3  # and got no reply
     finally:
         client.set_staleness(None)
+
+
+def test_a_put_larger_than_the_staleness_window_waits_for_the_trainer(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as producer, tqueue.AsyncClient(cluster.address) as trainer:
+            await trainer.set_staleness(max_staleness=0, batch_size=2)  # a window of 2 samples
+            try:
+                status = await trainer.status()
+                count = max(0, status.admission_limit - status.admitted) + 3
+                blocked = await parked(producer.put(partition, {"x": torch.arange(count)}, timeout=60))
+                status = await producer.status()  # same connection as the put: ordered after it
+                assert [w.kind for w in status.waiting] == ["put"]
+                await trainer.set_version(status.version + 2)  # the limit grows by 4 >= 3
+                meta = await asyncio.wait_for(blocked, 10)
+                assert len(meta) == count
+            finally:
+                await trainer.set_staleness(None)
+
+    asyncio.run(main())

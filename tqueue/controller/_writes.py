@@ -169,7 +169,11 @@ class Writes:
 
     def _admit(self, count: int, partition: str) -> None:
         """AReaL-style staleness admission: raise _Wait if ``count`` more samples would put
-        producers more than ``max_staleness`` versions ahead of the trainer."""
+        producers more than ``max_staleness`` versions ahead of the trainer.
+
+        The bound is on the running total, so a put larger than the window
+        (``(max_staleness + 1) * batch_size``) is not refused: it waits until the trainer's
+        version makes room for all of it, as smaller puts do."""
         if self._admission is None or count <= 0:
             return
         k, batch = self._admission
@@ -179,8 +183,7 @@ class Writes:
                 f"{count} samples for partition {partition!r} wait for the trainer: "
                 f"{self._admitted} samples admitted of {limit} allowed (trainer version "
                 f"{self._version}, max_staleness {k}, batch_size {batch})",
-                full=False,
-                never=count > (k + 1) * batch,
+                full=False,  # never "never": the limit grows with each version, so any put fits in time
             )
         self._admitted += count
 
