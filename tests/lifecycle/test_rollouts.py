@@ -210,3 +210,29 @@ def test_postpone_whole_groups(client, partition):
     assert sorted(moved.groups) == ["a", "a", "c", "c"]
     assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5)["x"].tolist()) == [0, 1, 4, 5]
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["b", "b"]
+
+
+def test_a_put_crossing_the_target_is_told_which_samples_are_kept(client, partition):
+    client.create_partition(partition, target=8)
+    first = client.put(partition, {"x": torch.arange(5)})
+    second = client.put(partition, {"x": torch.arange(5, 10)})
+    assert (first.status, first.fates) == ("ok", None)
+    assert (second.status, second.fates) == ("trimmed", ["ok"] * 3 + ["aborted"] * 2)
+    st = status(client, partition)
+    assert (st.ready, st.sealed, st.reasons) == (8, True, {"over target": 2})
+    meta = client.get_meta(partition, ["x"], 8, task="t", timeout=5)
+    kept = [i for i, f in zip(second.indexes, second.fates) if f == "ok"]
+    assert sorted(meta.indexes) == first.indexes + kept  # every sample told "ok" is served
+
+
+def test_concurrent_producers_are_told_ok_exactly_for_the_samples_served(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.create_partition(partition, target=8)
+            metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}) for i in range(16)))
+            ok = sorted(i for m in metas if m.status == "ok" for i in m.indexes)
+            assert [m.status for m in metas].count("aborted") == 8
+            served = await c.get_meta(partition, ["x"], 8, task="t", timeout=5)
+            assert sorted(served.indexes) == ok and len(ok) == 8
+
+    asyncio.run(main())

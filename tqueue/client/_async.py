@@ -302,7 +302,9 @@ class AsyncClient(Lifecycle):
         ``partial``: unfinished rollouts; stored but never served until :meth:`complete`.
         A put to a sealed partition (its over-sampling target was reached) sends nothing and
         returns a meta with ``status="aborted"``, or, where the partition recycles late
-        samples, stores them as partial samples there (``status="recycled"``).
+        samples, stores them as partial samples there (``status="recycled"``). A put that
+        crosses the target keeps only the samples that reach it (``status="trimmed"``,
+        ``fates`` per sample "ok" or "aborted"); every fate is final when the put returns.
         """
         enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
         group_ids = _groups(groups, enc.count, partition)
@@ -331,11 +333,12 @@ class AsyncClient(Lifecycle):
         if reply.status == "aborted":
             return BatchMeta(
                 partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],
-                fields=fields, schema={}, status="aborted", sealed=True,
+                fields=fields, schema={}, status="aborted", sealed=reply.sealed,
             )
         assert reply.unit is not None
         where = reply.partition or partition
         await self._store(reply.unit, where, reply, enc, None)
+        trimmed = 0 <= reply.kept < enc.count
         return BatchMeta(
             partition=where,
             partition_uid=reply.partition_uid,
@@ -345,9 +348,10 @@ class AsyncClient(Lifecycle):
             schema=reply.schema,
             groups=group_ids,
             versions=versions,
-            status=reply.status,
+            status="trimmed" if trimmed else reply.status,
             sealed=reply.sealed,
             recycled_to=where if reply.status == "recycled" else "",
+            fates=["ok"] * reply.kept + ["aborted"] * (enc.count - reply.kept) if trimmed else None,
         )
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:

@@ -114,6 +114,7 @@ class GrantRecord:
     partial: bool = False
     complete: bool = False
     segment: tuple[int, int] | None = None
+    kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
 
 
 @dataclasses.dataclass
@@ -191,6 +192,7 @@ class Partition:
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
         self.complete = 0  # committed, finished and not excluded
+        self.promised = 0  # target places held by puts granted but not yet committed
         self.groups_done = 0  # complete groups counted toward target_groups
 
     @property
@@ -332,7 +334,26 @@ class Partition:
         self.committed += grant.count
         self.in_flight -= 1
         if not grant.partial:
-            self._count_complete(np.arange(grant.start, grant.start + grant.count))
+            self.promised -= grant.kept
+            if grant.kept < grant.count:  # the producer was told at its grant which are kept
+                self.exclude(np.arange(grant.start + grant.kept, grant.start + grant.count), "over target")
+            self._count_complete(np.arange(grant.start, grant.start + grant.kept))
+
+    def promise(self, count: int) -> int:
+        """How many of a put's ``count`` samples are kept: all without a target, else those
+        that fit in what completed samples and earlier grants left of it (held until the put
+        commits or is forgotten)."""
+        target = self.options.target
+        if not target:
+            return count
+        kept = max(0, min(count, target - self.complete - self.promised))
+        self.promised += kept
+        return kept
+
+    def target_promised(self) -> bool:
+        """Every place of the target is taken, by complete samples or puts in flight."""
+        target = self.options.target
+        return bool(target) and self.complete + self.promised >= target
 
     def _count_complete(self, indexes: np.ndarray, toward_target: bool = True) -> None:
         """Finished samples: count them toward their groups and the partition's target."""
@@ -396,6 +417,8 @@ class Partition:
         """A grant that will never commit (its write failed)."""
         if grant.indexes is None:
             self.in_flight -= 1
+            if not grant.partial:
+                self.promised -= grant.kept
             self.mask[grant.start : grant.start + grant.count] |= EXCLUDED
 
     def exclude(self, indexes: np.ndarray, reason: str) -> int:

@@ -85,7 +85,7 @@ class Writes:
 
     def _grant_put(self, msg: Grant) -> Granted:
         part = self._partitions.get(msg.partition)
-        if part is not None and part.sealed:
+        if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
             return self._late_put(part, msg)
         if part is not None:
             added = part.check_blocks(msg.blocks, msg.count)
@@ -100,26 +100,32 @@ class Writes:
         unit.reserved += msg.nbytes
         grant_id = next(self._grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
+        kept = msg.count if msg.partial else part.promise(msg.count)
         self._grants[grant_id] = GrantRecord(
-            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes, partial=msg.partial
+            grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
+            partial=msg.partial, kept=kept,
         )
         self._loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
-            partition=part.name,
+            partition=part.name, kept=-1 if kept == msg.count else kept,
         )
 
     def _late_put(self, part: Partition, msg: Grant) -> Granted:
-        """A put to a sealed partition: recycled as partial samples into the partition's
-        ``recycle_to``, or accepted and discarded (the producer learns it from the reply)."""
+        """A put to a sealed partition, or one whose target earlier puts already hold:
+        recycled as partial samples into the partition's ``recycle_to``, or refused
+        (``aborted``, nothing is sent); the producer learns which from the reply."""
+        when = "after seal" if part.sealed else "over target"
         recycle = part.options.recycle_to
         if recycle and recycle != part.name:
             redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
             granted = self._grant_put(redirected)
-            part.reasons["recycled after seal"] += msg.count
-            return msgspec.structs.replace(granted, status="recycled", sealed=True)
-        part.reasons["discarded after seal"] += msg.count
-        return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=True, partition=part.name)
+            part.reasons[f"recycled {when}"] += msg.count
+            return msgspec.structs.replace(granted, status="recycled", sealed=part.sealed)
+        part.reasons[f"discarded {when}"] += msg.count
+        return Granted(
+            grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed, partition=part.name
+        )
 
     def _grant_update(self, msg: Grant) -> Granted:
         part = self._live(msg.partition, msg.partition_uid)

@@ -146,9 +146,10 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     versions_max: list[int] | None = None
     segments: list[list[list[int]]] | None = None  # per sample: [[version, first_token], ...]
     revisions: list[int] | None = None
-    status: str = "ok"  # a put's fate: "ok", "aborted" (discarded) or "recycled"
+    status: str = "ok"  # a put's fate: "ok", "aborted" (discarded), "recycled" or "trimmed"
     sealed: bool = False  # the partition takes no more samples (its target was reached)
     recycled_to: str = ""
+    fates: list[str] | None = None  # a "trimmed" put's, per sample: "ok" (kept) or "aborted"
 
     @property
     def pads(self) -> int:
@@ -265,8 +266,10 @@ class Grant(Message):
 
 
 class Granted(Message):
-    """Where to write; ``status`` "aborted": the partition is sealed, nothing is to be sent;
-    "recycled": the samples go to ``partition`` (the recycle partition) as partial."""
+    """Where to write; ``status`` "aborted": the partition is sealed (or its target is
+    promised to earlier puts), nothing is to be sent; "recycled": the samples go to
+    ``partition`` (the recycle partition) as partial; ``kept`` >= 0: the put crosses the
+    target, only its first ``kept`` samples are kept, the others are stored and never served."""
 
     KIND = Kind.GRANTED
     grant_id: int
@@ -277,6 +280,7 @@ class Granted(Message):
     status: str = "ok"
     partition: str = ""
     sealed: bool = False
+    kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
 
 
 class Alloc(Message):
