@@ -9,6 +9,7 @@ typed error at its deadline that says what it waited for. Leases expire on timer
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -71,6 +72,11 @@ from ._writes import ParkedWrite, Writes
 
 log = logging.getLogger(__name__)
 
+# A partition that sealed and freed itself leaves a tombstone: puts to its name are refused
+# ("aborted") for this long, so that stragglers do not start a new partition that nobody
+# consumes or frees. ``create_partition`` lifts it; the oldest go first past the count.
+TOMBSTONE_SECONDS = 600.0
+MAX_TOMBSTONES = 10_000
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,6 +113,7 @@ class Controller(Writes, Moves):
         self._rounds: dict[tuple[int, str], RoundBook] = {}
         self._sealed_waiters: dict[str, list[Waiter]] = {}
         self._prefetching: set[int] = set()  # partitions a prefetch is moving samples into
+        self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
         self._version = 0
         self._admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
         self._admitted = 0
@@ -191,6 +198,7 @@ class Controller(Writes, Moves):
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
         if msg.target_groups and not msg.group_size:
             raise InvalidArgumentError("target_groups needs a group_size")
+        self._tombstones.pop(msg.partition, None)  # an explicit new start
         if msg.partition in self._partitions:
             if not msg.exist_ok:
                 raise InvalidArgumentError(f"partition {msg.partition!r} already exists")
@@ -548,6 +556,7 @@ class Controller(Writes, Moves):
     def _maybe_free(self, part: Partition) -> None:
         if part.finished() and self._forget(part, None):
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
+            self._bury(part.name)
             self._loop.create_task(self._drop_everywhere(part, None))
 
     async def _clear(self, ident: bytes, msg: Clear, bufs: list[Any]) -> Ok:
@@ -563,6 +572,19 @@ class Controller(Writes, Moves):
             return Ok()
         await self._free(part, f"partition {part.name!r} was cleared while get_meta waited")
         return Ok()
+
+    def _bury(self, name: str) -> None:
+        self._tombstones.pop(name, None)
+        self._tombstones[name] = self._loop.time() + TOMBSTONE_SECONDS
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _buried(self, name: str) -> bool:
+        """A put to ``name`` is refused: its partition sealed and freed itself lately."""
+        now = self._loop.time()
+        while self._tombstones and next(iter(self._tombstones.values())) <= now:
+            self._tombstones.popitem(last=False)  # kept in order of expiry: oldest first
+        return name in self._tombstones
 
     async def _free(self, part: Partition, cleared: str | None) -> None:
         if self._forget(part, cleared):

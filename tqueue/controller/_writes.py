@@ -65,6 +65,8 @@ class Writes:
     _admission: tuple[int, int] | None
     _admitted: int
 
+    def _buried(self, name: str) -> bool: ...
+
     def _grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted | None:
         if msg.count < 1:
             raise InvalidArgumentError(f"partition {msg.partition!r}: a write needs samples")
@@ -87,6 +89,9 @@ class Writes:
         part = self._partitions.get(msg.partition)
         if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
             return self._late_put(part, msg)
+        if part is None and self._buried(msg.partition):
+            log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
+            return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
         if part is not None:
             added = part.check_blocks(msg.blocks, msg.count)
         else:  # validate against a scratch partition: nothing is created for a refused put
