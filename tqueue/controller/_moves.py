@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, PartitionClearedError, WaitTimeoutError
+from ..errors import InvalidArgumentError, PartitionClearedError, RemoteError, WaitTimeoutError
 from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
 from ._state import EXCLUDED, HIDDEN, Moved, Partition
 
@@ -41,6 +41,7 @@ class Moves:
     _server: _zmq.Server
     _loop: asyncio.AbstractEventLoop
     _partitions: dict[str, Partition]
+    _by_uid: dict[int, Partition]
     _unit_peers: dict[int, _zmq.Peer]
     _prefetching: set[int]
     _sealed_waiters: dict[str, list[Any]]
@@ -57,40 +58,54 @@ class Moves:
         taken = src.all_ready(src.task(msg.task), smask, min_version)[:need]
         if len(taken) < need:
             return False
-        moved = src.take_out(taken, f"prefetched into {part.name!r}")
+        reason = f"prefetched into {part.name!r}"
+        moved = src.take_out(taken, reason)
         idx = part.reserve_in(moved)
         self._prefetching.add(part.uid)
-        task = self._loop.create_task(self._land(moved, part, idx))
+        task = self._loop.create_task(self._land(moved, part, idx, reason))
         task.add_done_callback(lambda _: self._prefetching.discard(part.uid))
         return True
 
-    async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray) -> None:
-        """Re-key the samples' data on their units, then make them visible in ``dst``."""
+    async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
+        """Re-key the samples' data on their units, then make them visible in ``dst``.
+
+        Samples a unit did not re-key (it refused, or did not answer) are not landed: they
+        stay where they were (their data never left) and are never served in ``dst``.
+        Returns one line per unit that failed, empty if every sample moved."""
         units = moved.units
+        asked: list[tuple[int, np.ndarray]] = []
         calls = []
+        failed: list[str] = []
+        ok = np.ones(len(idx), dtype=bool)
         for unit_id in np.unique(units).tolist():
-            peer = self._unit_peers.get(unit_id)
             sel = units == unit_id
+            peer = self._unit_peers.get(unit_id)
             if peer is None:
+                ok &= ~sel
+                failed.append(f"unit {unit_id} is not registered (samples {moved.indexes[sel].tolist()})")
                 continue
-            calls.append(
-                peer.request(
-                    Move(
-                        src_uid=moved.uid,
-                        dst_uid=dst.uid,
-                        dst_name=dst.name,
-                        src_indexes=moved.indexes[sel].tolist(),
-                        dst_indexes=idx[sel].tolist(),
-                    ),
-                    timeout=DROP_TIMEOUT,
-                    expect=Ok,
-                )
+            move = Move(
+                src_uid=moved.uid,
+                dst_uid=dst.uid,
+                dst_name=dst.name,
+                src_indexes=moved.indexes[sel].tolist(),
+                dst_indexes=idx[sel].tolist(),
             )
-        for result in await asyncio.gather(*calls, return_exceptions=True):
+            calls.append(peer.request(move, timeout=DROP_TIMEOUT, expect=Ok))
+            asked.append((unit_id, sel))
+        for (unit_id, sel), result in zip(asked, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException):
-                log.error("moving samples into partition %r failed on a unit: %s", dst.name, result)
-        dst.land(idx, moved)
-        self._wake(dst.name)
+                ok &= ~sel
+                failed.append(f"unit {unit_id} refused samples {moved.indexes[sel].tolist()}: {result}")
+        if failed:
+            log.error("moving samples into partition %r failed: %s", dst.name, "; ".join(failed))
+            src = self._by_uid.get(moved.uid)
+            if src is not None:
+                src.restore(moved.indexes[~ok], reason)
+            dst.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
+        dst.land(idx[ok], moved.subset(ok))
+        self._wake_soon(dst.name)
+        return failed
 
     async def _postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
         part = self._live(msg.partition, msg.partition_uid)
@@ -105,10 +120,16 @@ class Moves:
         dst = self._partition(msg.to)
         if dst.sealed:
             raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
-        moved = part.take_out(idx, f"postponed to {msg.to!r}")
+        reason = f"postponed to {msg.to!r}"
+        moved = part.take_out(idx, reason)
         new = dst.reserve_in(moved)
-        await self._land(moved, dst, new)
+        failed = await self._land(moved, dst, new, reason)
         self._maybe_free(part)
+        if failed:
+            raise RemoteError(
+                f"postponing samples {idx.tolist()} of partition {part.name!r} to {msg.to!r}: "
+                f"{'; '.join(failed)}; those samples stay in {part.name!r}, the others moved"
+            )
         return Meta(meta=self._meta_of(dst, new, list(dst.specs), None, 0, None))
 
     def _select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:

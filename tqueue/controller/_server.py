@@ -25,6 +25,7 @@ from ..errors import (
     PartitionClearedError,
     ProtocolVersionError,
     StorageUnitUnavailableError,
+    TQueueError,
     WaitTimeoutError,
 )
 from ..transport import _zmq
@@ -63,6 +64,7 @@ from ..wire import (
     UnitStatus,
     WaiterStatus,
 )
+from ._drops import PendingDrops
 from ._moves import DROP_TIMEOUT, Moves, Waiter
 from ._policies import BUILT_IN, Candidates, check
 from ._policies import load as load_policies
@@ -114,6 +116,7 @@ class Controller(Writes, Moves):
         self._sealed_waiters: dict[str, list[Waiter]] = {}
         self._prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
+        self._drops = PendingDrops(self._loop, self._drop_on)
         self._version = 0
         self._admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
         self._admitted = 0
@@ -614,21 +617,32 @@ class Controller(Writes, Moves):
 
     async def _drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
-        units = list(self._unit_peers.items())
         listed = None if indexes is None else indexes.tolist()
-        results = await asyncio.gather(
-            *(peer.request(Drop(partition_uid=part.uid, indexes=listed), timeout=DROP_TIMEOUT, expect=Dropped) for _, peer in units),
-            return_exceptions=True,
-        )
-        for (unit_id, _), result in zip(units, results):
-            if isinstance(result, BaseException):
-                log.warning("unit %d did not drop partition %r: %s", unit_id, part.name, result)
-                continue
-            reply = result[0]
-            if unit_id in self._units and isinstance(reply, Dropped):
-                self._units[unit_id].nbytes = reply.unit_bytes
-                part.unit_bytes[unit_id] = reply.partition_bytes
+        await asyncio.gather(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self._unit_peers)))
         self._retry_parked()
+
+    async def _drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:
+        """Ask one unit to drop; a failure is remembered and retried (see _drops)."""
+        peer = self._unit_peers.get(unit_id)
+        if peer is None:
+            return True
+        try:
+            reply, _ = await peer.request(
+                Drop(partition_uid=partition_uid, indexes=indexes), timeout=DROP_TIMEOUT, expect=Dropped
+            )
+        except TQueueError as exc:
+            log.warning("unit %d did not drop partition uid %d (retried later): %s", unit_id, partition_uid, exc)
+            self._drops.failed(unit_id, partition_uid, indexes)
+            return False
+        if indexes is None:
+            self._drops.done(unit_id, partition_uid)
+        unit = self._units.get(unit_id)
+        if unit is not None:
+            unit.nbytes = reply.unit_bytes
+        part = self._by_uid.get(partition_uid)
+        if part is not None:
+            part.unit_bytes[unit_id] = reply.partition_bytes
+        return True
 
     # --- status ---------------------------------------------------------------------
 
@@ -655,7 +669,8 @@ class Controller(Writes, Moves):
         ]
         units = [
             UnitStatus(
-                unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes, capacity=u.capacity
+                unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
+                capacity=u.capacity, undropped=self._drops.count(u.info.unit_id),
             )
             for u in self._units.values()
         ]

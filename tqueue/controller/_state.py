@@ -134,6 +134,23 @@ class Moved:
     indexes: np.ndarray  # where they were
     uid: int  # the partition they left
 
+    def subset(self, sel: np.ndarray) -> Moved:
+        """The samples where ``sel`` (a boolean mask) is true."""
+        picked = np.flatnonzero(sel).tolist()
+        return dataclasses.replace(
+            self,
+            has={name: has[sel] for name, has in self.has.items()},
+            partial=self.partial[sel],
+            units=self.units[sel],
+            version=self.version[sel],
+            version_max=self.version_max[sel],
+            revision=self.revision[sel],
+            segments=[self.segments[i] for i in picked],
+            groups=None if self.groups is None else [self.groups[i] for i in picked],
+            lengths={name: arr[sel] for name, arr in self.lengths.items()},
+            indexes=self.indexes[sel],
+        )
+
 
 class Groups:
     """Members of each group, by explicit id; completion order; failures."""
@@ -451,6 +468,15 @@ class Partition:
         )
         self.exclude(indexes, reason)
         return moved
+
+    def restore(self, indexes: np.ndarray, reason: str) -> None:
+        """Undo ``take_out`` for samples whose move failed: their data never left."""
+        back = indexes[(self.mask[indexes] & (EXCLUDED | COMMITTED)) == (EXCLUDED | COMMITTED)]
+        self.mask[back] &= ~EXCLUDED
+        self.excluded -= len(back)
+        self.reasons[reason] -= len(back)
+        if self.reasons[reason] <= 0:
+            del self.reasons[reason]
 
     def reserve_in(self, moved: Moved) -> np.ndarray:
         """Indexes here for samples on their way in (invisible until ``land``)."""

@@ -566,6 +566,7 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     host: str
     nbytes: int
     capacity: int = 0
+    undropped: int = 0  # partitions whose drop this unit has not confirmed (retried)
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):
