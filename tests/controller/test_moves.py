@@ -49,16 +49,16 @@ class FakeUnit:
 async def controller_with(unit: FakeUnit) -> Controller:
     ctl = Controller(ControllerConfig())
     ctl._register_unit(b"unit", RegisterUnit(protocol=PROTOCOL_VERSION, address="tcp://127.0.0.1:9", host="h"), [])
-    await ctl._unit_peers[0].close()
-    ctl._unit_peers[0] = unit  # type: ignore[assignment]
+    await ctl.s.unit_peers[0].close()
+    ctl.s.unit_peers[0] = unit  # type: ignore[assignment]
     return ctl
 
 
 def put(ctl: Controller, partition: str, count: int) -> int:
     enc = encode({"x": torch.arange(count)}, partition=partition, chunk_bytes=1 << 20)
-    granted = ctl._grant(b"p", Grant(partition=partition, count=count, blocks=enc.grant_blocks(), nbytes=enc.nbytes), [])
+    granted = ctl.writes.grant(b"p", Grant(partition=partition, count=count, blocks=enc.grant_blocks(), nbytes=enc.nbytes), [])
     assert granted is not None
-    ctl._commit(b"unit", Commit(grant_id=granted.grant_id, unit_id=0, fields=["x"], nbytes=enc.nbytes,
+    ctl.writes.commit(b"unit", Commit(grant_id=granted.grant_id, unit_id=0, fields=["x"], nbytes=enc.nbytes,
                                 partition_bytes=enc.nbytes, unit_bytes=enc.nbytes), [])
     return granted.partition_uid
 
@@ -75,7 +75,7 @@ def test_a_move_the_unit_refuses_is_not_landed_and_the_caller_is_told():
             uid = put(ctl, "a", 4)
             asked = Postpone(partition="a", partition_uid=uid, indexes=[1, 2], to="b")
             with pytest.raises(RemoteError, match=r"samples \[1, 2\] of partition 'a' to 'b': unit 0 refused samples \[1, 2\]"):
-                await ctl._postpone(b"p", asked, [])
+                await ctl.moves.postpone(b"p", asked, [])
             st = partitions(ctl)
             assert (st["a"].ready, st["a"].excluded, st["a"].reasons) == (4, 0, {})  # they stayed
             assert (st["b"].samples, st["b"].ready) == (0, 0)  # nothing landed
@@ -91,13 +91,13 @@ def test_a_drop_the_unit_refuses_is_reported_and_retried():
         ctl = await controller_with(unit)
         try:
             uid = put(ctl, "a", 4)
-            await ctl._clear(b"p", Clear(partition="a", partition_uid=uid), [])
+            await ctl.cleanup.clear(b"p", Clear(partition="a", partition_uid=uid), [])
             [st] = ctl._status(b"p", StatusRequest(), []).units
-            assert st.undropped == 1 and ctl._drops.armed(0)  # remembered, a retry is due
+            assert st.undropped == 1 and ctl.cleanup.drops.armed(0)  # remembered, a retry is due
             unit.accept = True
-            await ctl._drops.retry(0)  # what the retry timer runs
+            await ctl.cleanup.drops.retry(0)  # what the retry timer runs
             [st] = ctl._status(b"p", StatusRequest(), []).units
-            assert st.undropped == 0 and not ctl._drops.armed(0)
+            assert st.undropped == 0 and not ctl.cleanup.drops.armed(0)
             assert [(type(m).__name__, m.partition_uid, m.indexes) for m in unit.requests] == [("Drop", uid, None)] * 2
         finally:
             await ctl.close()
