@@ -216,3 +216,13 @@ def test_a_cancelled_seal_wait_is_withdrawn(cluster, client, partition, raw):
     client.put(partition, {"x": torch.arange(2)})
     client.seal(partition)
     assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3
+
+
+def test_a_cancel_that_crosses_its_reply_releases_the_lease(cluster, client, partition, raw):
+    client.put(partition, {"x": torch.arange(2)})
+    peer = raw(cluster.address)
+    served = peer.ask(wire.encode(GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t",
+                                          lease_timeout=None)))
+    assert served.meta.indexes == [0, 1]  # leased without expiry to a caller that then gives up
+    park(peer, Cancel(rid=2, of=1))
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]

@@ -236,3 +236,15 @@ def test_concurrent_producers_are_told_ok_exactly_for_the_samples_served(cluster
             assert sorted(served.indexes) == ok and len(ok) == 8
 
     asyncio.run(main())
+
+
+def test_a_late_put_the_recycle_partition_refuses_too_is_aborted(client, partition):
+    nxt = f"{partition}-next"
+    client.create_partition(nxt)
+    client.put(nxt, {"x": torch.tensor([0])})
+    client.seal(nxt)
+    client.create_partition(partition, target=1, recycle_to=nxt)
+    client.put(partition, {"x": torch.tensor([1])})
+    late = client.put(partition, {"x": torch.tensor([2])})
+    assert (late.status, late.indexes) == ("aborted", [])
+    assert status(client, partition).reasons == {"discarded after seal": 1}

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, WaitTimeoutError
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
-from ._core import ControllerState, Lease, Waiter
+from ._core import MAX_SERVED, ControllerState, Lease, Waiter
 from ._policies import BUILT_IN, Candidates, check
 from ._rounds import RoundBook
 from ._state import LEASED, Partition
@@ -40,6 +40,7 @@ class Reads:
         _check_get(msg)
         served = self.try_serve(msg)
         if served is not None:
+            self._remember(ident, msg, served)
             return served
         if msg.timeout is not None and msg.timeout <= 0:
             raise self.timeout_error(msg)
@@ -48,6 +49,15 @@ class Reads:
             waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)
         self.s.waiters.setdefault(msg.partition, []).append(waiter)
         return None
+
+    def _remember(self, ident: bytes, msg: GetMeta, served: Meta) -> None:
+        """Which lease answered which request, for a cancel that crosses the reply (a DP
+        round's share is not released: its peers on other ranks hold the same meta)."""
+        if msg.dp_size or not served.meta.lease:
+            return
+        self.s.served[(ident, msg.rid)] = served.meta.lease
+        while len(self.s.served) > MAX_SERVED:
+            self.s.served.popitem(last=False)
 
     def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
@@ -178,18 +188,27 @@ class Reads:
         self.s.leases[lease_id] = record
         return lease_id
 
-    def expire_lease(self, lease_id: int) -> None:
+    def expire_lease(self, lease_id: int, why: str = "expired") -> None:
         record = self.s.leases.pop(lease_id, None)
         part = self.s.by_uid.get(record.partition_uid) if record else None
         if record is None or part is None:
             return
+        if record.timer is not None:
+            record.timer.cancel()
         back = part.expire(part.task(record.task), record.indexes, lease_id)
         if back:
             log.info(
-                "lease %d of task %r expired: %d samples of partition %r are ready again",
-                lease_id, record.task, back, part.name,
+                "lease %d of task %r %s: %d samples of partition %r are ready again",
+                lease_id, record.task, why, back, part.name,
             )
-            self.wake(part.name)
+            self.wake_soon(part.name)
+
+    def cancelled(self, ident: bytes, rid: int) -> None:
+        """The caller of an answered ``get_meta`` gave up on it (its reply crossed the
+        cancel): the lease it never saw is released, its samples go to a live caller."""
+        lease_id = self.s.served.pop((ident, rid), None)
+        if lease_id is not None:
+            self.expire_lease(lease_id, "cancelled by its caller")
 
     def wake_soon(self, partition: str) -> None:
         """Wake the waiters of ``partition`` once the running handler has replied."""
@@ -220,6 +239,7 @@ class Reads:
                 continue
             if reply is not None:
                 self.s.finish(waiter)
+                self._remember(waiter.ident, waiter.req, reply)
                 self.s.answer(waiter.ident, waiter.req.rid, reply)
 
     def expire(self, waiter: Waiter) -> None:

@@ -109,8 +109,9 @@ class Writes:
         if recycle and recycle != part.name:
             redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
             granted = self._grant_put(redirected)
-            part.reasons[f"recycled {when}"] += msg.count
-            return msgspec.structs.replace(granted, status="recycled", sealed=part.sealed)
+            if granted.status != "aborted":  # the recycle partition may refuse them too
+                part.reasons[f"recycled {when}"] += msg.count
+                return msgspec.structs.replace(granted, status="recycled", sealed=part.sealed)
         part.reasons[f"discarded {when}"] += msg.count
         return Granted(
             grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed, partition=part.name
