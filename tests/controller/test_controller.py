@@ -17,7 +17,7 @@ from tqueue.errors import (
     UnknownFieldError,
     WaitTimeoutError,
 )
-from tqueue.wire import Cancel, GetMeta, Sealed, StatusRequest
+from tqueue.wire import Cancel, GetMeta, Grant, Sealed, StatusRequest
 from tqueue.wire import _messages as wire
 
 from .parking import park, waiting
@@ -226,3 +226,16 @@ def test_a_cancel_that_crosses_its_reply_releases_the_lease(cluster, client, par
     assert served.meta.indexes == [0, 1]  # leased without expiry to a caller that then gives up
     park(peer, Cancel(rid=2, of=1))
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]
+
+
+def test_a_cancelled_put_whose_grant_was_sent_frees_its_target_places(cluster, client, partition, raw):
+    from tqueue.client._encode import encode
+
+    client.create_partition(partition, target=2)
+    enc = encode({"x": torch.arange(2)}, partition=partition, chunk_bytes=1 << 20)
+    peer = raw(cluster.address)
+    granted = peer.ask(wire.encode(Grant(rid=1, partition=partition, count=2, blocks=enc.grant_blocks(), nbytes=enc.nbytes)))
+    assert (granted.status, granted.kept) == ("ok", -1)  # both places held for this put...
+    park(peer, Cancel(rid=2, of=1))  # ...whose caller gives up before it stores
+    meta = client.put(partition, {"x": torch.arange(2)})
+    assert (meta.status, meta.fates) == ("ok", None)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # consumes or frees. ``create_partition`` lifts it; past the count, the oldest go first.
 TOMBSTONE_SECONDS = 600.0
 UNIT_TIMEOUT = 30.0
-MAX_SERVED = 4096  # answered get_meta remembered (request -> lease) for a late Cancel  # for a unit to answer a drop or a move
+MAX_SERVED = 4096  # answered get_meta and puts remembered (request -> lease, grant) for a late Cancel  # for a unit to answer a drop or a move
 MAX_TOMBSTONES = 10_000
 
 
@@ -85,6 +85,7 @@ class ControllerState:
         self.parked: list[ParkedWrite] = []  # writes and reserves waiting for budget
         self.leases: dict[int, Lease] = {}
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
+        self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
         self.rounds: dict[tuple[int, str], RoundBook] = {}
         self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until

@@ -184,8 +184,9 @@ class Controller:
     def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
         """The caller gave up on request ``msg.of``: withdraw it wherever it waits, so that
         what it waited for goes to a live caller. No reply, to either message."""
-        if not self.s.withdraw(ident, msg.of):
-            self.reads.cancelled(ident, msg.of)  # answered already: release what it leased
+        if not self.s.withdraw(ident, msg.of):  # answered already: release what it got
+            self.reads.cancelled(ident, msg.of)
+            self.writes.cancelled(ident, msg.of)
 
     # --- status ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..wire import Admission, Commit, Grant, Granted, Ok, Reserve, SetVersion
-from ._core import ControllerState, ParkedWrite
+from ._core import MAX_SERVED, ControllerState, ParkedWrite
 from ._state import GrantRecord, Partition, Unit
 
 # A put's bytes must be committed within this long after its grant, else the grant lapses
@@ -64,10 +64,26 @@ class Writes:
         if msg.indexes is not None:
             return self._grant_update(msg)
         try:
-            return self._grant_put(msg)
+            granted = self._grant_put(msg)
         except _Wait as wait:
             self._park(ident, msg, wait)
             return None  # answered when it fits, or at its deadline
+        self._remember(ident, msg.rid, granted)
+        return granted
+
+    def _remember(self, ident: bytes, rid: int, granted: Granted) -> None:
+        """Which grant answered which request, for a cancel that crosses the reply."""
+        if granted.grant_id:
+            self.s.granted[(ident, rid)] = granted.grant_id
+            while len(self.s.granted) > MAX_SERVED:
+                self.s.granted.popitem(last=False)
+
+    def cancelled(self, ident: bytes, rid: int) -> None:
+        """The caller of an answered put gave up on it before seeing its grant: it will
+        never store, so the grant lapses now (its memory and target places are freed)."""
+        grant_id = self.s.granted.pop((ident, rid), None)
+        if grant_id is not None:
+            self._lapse_grant(grant_id, "was cancelled by its caller")
 
     def _grant_put(self, msg: Grant) -> Granted:
         part = self.s.partitions.get(msg.partition)
@@ -245,10 +261,9 @@ class Writes:
             self.s.parked.remove(parked)
             if parked.timer is not None:
                 parked.timer.cancel()
-            if isinstance(reply, Exception):
-                self.s.server.reply_error(parked.ident, parked.req.rid, reply)
-            else:
-                self.s.server.reply(parked.ident, parked.req.rid, reply)
+            if isinstance(reply, Granted):
+                self._remember(parked.ident, parked.req.rid, reply)
+            self.s.answer(parked.ident, parked.req.rid, reply)
 
     def reserve(self, ident: bytes, msg: Reserve, bufs: list[Any]) -> Ok | None:
         if msg.count < 1:
@@ -277,11 +292,11 @@ class Writes:
         self.s.loop.call_soon(self.retry_parked)  # after this reply
         return Ok()
 
-    def _lapse_grant(self, grant_id: int) -> None:
+    def _lapse_grant(self, grant_id: int, why: str = "was never committed") -> None:
         grant = self.s.grants.pop(grant_id, None)
         if grant is None:
             return  # committed (or its partition is gone)
-        log.warning("grant %d was never committed; its %d samples are dropped", grant_id, grant.count)
+        log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
         unit = self.s.units.get(grant.unit_id)
         if unit is not None:
             unit.reserved -= grant.nbytes
