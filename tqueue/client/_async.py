@@ -305,6 +305,8 @@ class AsyncClient(Lifecycle):
         samples, stores them as partial samples there (``status="recycled"``). A put that
         crosses the target keeps only the samples that reach it (``status="trimmed"``,
         ``fates`` per sample "ok" or "aborted"); every fate is final when the put returns.
+        A put to a partition that sealed and freed itself is aborted for 10 minutes after
+        (stragglers), unless :meth:`create_partition` starts it again.
         """
         enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
         group_ids = _groups(groups, enc.count, partition)
