@@ -23,3 +23,14 @@ class Greedy:
 
     def select(self, candidates, count):
         return np.arange(count) + 10_000
+
+
+class Exploding:
+    """A broken policy: it waits like ``first_ready``, then fails with a plain exception."""
+
+    name = "exploding"
+
+    def select(self, candidates, count):
+        if len(candidates.ready()) < count:
+            return None
+        raise RuntimeError("exploding policy: a bug in the policy")

@@ -11,6 +11,10 @@ import torch
 
 import tqueue
 from tqueue.errors import StorageFullError, WaitTimeoutError
+from tqueue.wire import Cancel, Reserve, StatusRequest
+from tqueue.wire import _messages as wire
+
+from .parking import park
 
 
 def cpu_seconds(pid: int) -> float:
@@ -45,7 +49,7 @@ def test_producer_blocks_at_the_staleness_bound_until_the_trainer_advances(clust
             try:
                 await producer.put(partition, {"x": torch.arange(8)}, version=0)
                 blocked = await parked(producer.put(partition, {"x": torch.arange(2)}, version=0, timeout=60))
-                status = await trainer.status()
+                status = await producer.status()  # same connection as the put: ordered after it
                 assert [w.kind for w in status.waiting] == ["put"]
                 assert "8 samples admitted of 8 allowed (trainer version 0, max_staleness 1" in status.waiting[0].reason
                 pid = cluster.pids[0]
@@ -108,3 +112,40 @@ def test_put_over_budget_raises_after_its_timeout(cluster, client, partition):
         client.clear(f"{partition}-a")
         client.clear(f"{partition}-b")
     assert partition not in {p.name for p in client.status().partitions}  # nothing half-made
+
+
+def test_a_cancelled_write_waiting_for_the_trainer_is_withdrawn(cluster, client, raw):
+    peer = raw(cluster.address)
+    client.set_staleness(max_staleness=0, batch_size=2)
+    try:
+        before = client.status()
+        if before.admission_limit > before.admitted:  # fill the window
+            client.reserve(before.admission_limit - before.admitted, timeout=0)
+        admitted = client.status().admitted
+        status = park(peer, Reserve(rid=1, count=2, timeout=None))
+        assert [w.kind for w in status.waiting] == ["reserve"]
+        assert park(peer, Cancel(rid=2, of=1)).waiting == []
+        client.set_version(client.status().version + 1)  # would have admitted the withdrawn one
+        assert client.status().admitted == admitted  # ...which took no share of the window
+        assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3  # and got no reply
+    finally:
+        client.set_staleness(None)
+
+
+def test_a_put_larger_than_the_staleness_window_waits_for_the_trainer(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as producer, tqueue.AsyncClient(cluster.address) as trainer:
+            await trainer.set_staleness(max_staleness=0, batch_size=2)  # a window of 2 samples
+            try:
+                status = await trainer.status()
+                count = max(0, status.admission_limit - status.admitted) + 3
+                blocked = await parked(producer.put(partition, {"x": torch.arange(count)}, timeout=60))
+                status = await producer.status()  # same connection as the put: ordered after it
+                assert [w.kind for w in status.waiting] == ["put"]
+                await trainer.set_version(status.version + 2)  # the limit grows by 4 >= 3
+                meta = await asyncio.wait_for(blocked, 10)
+                assert len(meta) == count
+            finally:
+                await trainer.set_staleness(None)
+
+    asyncio.run(main())

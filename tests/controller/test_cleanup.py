@@ -103,3 +103,16 @@ def test_clear_during_a_parked_get_and_ack_after_clear(cluster, partition):
             assert again.partition_uid != meta.partition_uid and again.indexes == [0]
 
     asyncio.run(main())
+
+
+def test_a_put_to_a_partition_that_sealed_and_freed_itself_is_refused(client, partition):
+    client.create_partition(partition, target=2)
+    client.put(partition, {"x": torch.zeros(2, 10)})
+    consume(client, partition, "t", 2)
+    assert partition not in names(client)  # sealed at its target, consumed: freed
+    late = client.put(partition, {"x": torch.zeros(1, 10)})
+    assert (late.status, late.sealed, late.indexes) == ("aborted", True, [])
+    assert partition not in names(client)  # no new partition that nobody would free
+    client.create_partition(partition)  # an explicit new start lifts the refusal
+    again = client.put(partition, {"x": torch.zeros(1, 10)})
+    assert (again.status, again.indexes) == ("ok", [0])

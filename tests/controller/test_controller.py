@@ -17,6 +17,10 @@ from tqueue.errors import (
     UnknownFieldError,
     WaitTimeoutError,
 )
+from tqueue.wire import Cancel, GetMeta, Grant, Sealed, StatusRequest
+from tqueue.wire import _messages as wire
+
+from .parking import park, waiting
 
 
 async def started(coro):
@@ -193,3 +197,45 @@ def test_status_reports_progress_exclusions_and_waiting_calls(cluster, partition
                 await waiting
 
     asyncio.run(main())
+
+
+def test_a_cancelled_get_meta_is_withdrawn_and_the_samples_go_to_a_live_caller(cluster, client, partition, raw):
+    peer = raw(cluster.address)
+    asked = GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t", timeout=None)
+    assert waiting(park(peer, asked), partition) == ["get_meta"]
+    assert waiting(park(peer, Cancel(rid=2, of=1)), partition) == []
+    client.put(partition, {"x": torch.arange(2)})
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]
+    # the next reply on the raw connection is for the next request: none went to 1 or 2
+    assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3
+
+
+def test_a_cancelled_seal_wait_is_withdrawn(cluster, client, partition, raw):
+    peer = raw(cluster.address)
+    park(peer, Sealed(rid=1, partition=partition, timeout=None), Cancel(rid=2, of=1))
+    client.put(partition, {"x": torch.arange(2)})
+    client.seal(partition)
+    assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3
+
+
+def test_a_cancel_that_crosses_its_reply_releases_the_lease(cluster, client, partition, raw):
+    client.put(partition, {"x": torch.arange(2)})
+    peer = raw(cluster.address)
+    served = peer.ask(wire.encode(GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t",
+                                          lease_timeout=None)))
+    assert served.meta.indexes == [0, 1]  # leased without expiry to a caller that then gives up
+    park(peer, Cancel(rid=2, of=1))
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]
+
+
+def test_a_cancelled_put_whose_grant_was_sent_frees_its_target_places(cluster, client, partition, raw):
+    from tqueue.client._encode import encode
+
+    client.create_partition(partition, target=2)
+    enc = encode({"x": torch.arange(2)}, partition=partition, chunk_bytes=1 << 20)
+    peer = raw(cluster.address)
+    granted = peer.ask(wire.encode(Grant(rid=1, partition=partition, count=2, blocks=enc.grant_blocks(), nbytes=enc.nbytes)))
+    assert (granted.status, granted.kept) == ("ok", -1)  # both places held for this put...
+    park(peer, Cancel(rid=2, of=1))  # ...whose caller gives up before it stores
+    meta = client.put(partition, {"x": torch.arange(2)})
+    assert (meta.status, meta.fates) == ("ok", None)

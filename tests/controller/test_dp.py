@@ -11,6 +11,9 @@ import torch
 
 import tqueue
 from tqueue.errors import InvalidArgumentError
+from tqueue.wire import Error, GetMeta
+
+from .parking import park, replies, waiting
 
 DP, TP, BATCH = 4, 2, 32
 CAP = 4096
@@ -86,3 +89,23 @@ def test_group_rounds_give_each_rank_whole_groups(cluster, partition):
         assert len(m) == 8 and all(m.groups.count(g) == 4 for g in set(m.groups))
     assert not set(metas[0].groups) & set(metas[1].groups)
     assert metas[0].num_microbatches == metas[1].num_microbatches
+
+
+def test_a_round_that_cannot_be_planned_fails_its_waiter_and_the_put_stands(cluster, client, partition, raw):
+    """Whole groups over 2 ranks, one group short (mask_member), a token cap: one rank needs
+    two micro-batches, the other holds one sample. The planner's failure reaches the parked
+    request; the put that woke it is recorded by controller and unit alike."""
+    client.create_partition(partition, group_size=2, on_member_failure="mask_member")
+    client.put(partition, {"ids": [torch.ones(10), torch.ones(10)]}, groups=["a", "a"])
+    client.fail(partition, group="b", count=1, reason="engine died")  # b will be short
+    peer = raw(cluster.address)
+    asked = GetMeta(rid=1, partition=partition, fields=["ids"], batch_size=2, task="t", policy="groups",
+                    dp_rank=0, dp_size=2, round=0, max_tokens_per_micro_batch=10, timeout=60)
+    assert waiting(park(peer, asked), partition) == ["get_meta"]  # one complete group of two
+    put = client.put(partition, {"ids": [torch.ones(10)]}, groups=["b"])  # completes b
+    assert (put.status, put.indexes) == ("ok", [2])
+    [reply] = replies(peer, 1).values()
+    assert isinstance(reply, Error)  # typed (whatever the planner raises), to this waiter alone
+    assert {p.name: p for p in client.status().partitions}[partition].samples == 3
+    meta = client.get_meta(partition, ["ids"], 3, task="u", timeout=5)
+    assert [len(x) for x in client.get_data(meta)["ids"]] == [10] * 3  # controller and unit agree

@@ -65,10 +65,12 @@ def test_without_expiry_a_leased_sample_is_not_served_again(client, partition):
 
 def test_renew_keeps_samples_and_stale_acks_are_ignored(cluster, client, partition):
     client.put(partition, {"x": torch.arange(2)})
-    first = client.get_meta(partition, ["x"], 2, task="t", timeout=1, lease_timeout=0.3)
-    client.renew(first, lease_timeout=60)
+    # no wall clock raced against a short lease: the lease is long, renewed without expiry,
+    # then renewed short, which shows a renewal replaces the deadline
+    first = client.get_meta(partition, ["x"], 2, task="t", timeout=1, lease_timeout=60)
+    client.renew(first, lease_timeout=float("inf"))
     with pytest.raises(WaitTimeoutError):
-        client.get_meta(partition, ["x"], 2, task="t", timeout=0.6)  # outlives the old 0.3 s
+        client.get_meta(partition, ["x"], 2, task="t", timeout=0)
     client.renew(first, lease_timeout=0.1)
     with tqueue.Client(cluster.address) as other:
         second = other.get_meta(partition, ["x"], 2, task="t", timeout=10)  # after expiry

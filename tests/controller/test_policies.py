@@ -7,10 +7,14 @@ import torch
 
 import tqueue
 from tqueue.errors import InvalidArgumentError, StorageFullError
+from tqueue.wire import Error, GetMeta, Meta
+
+from .parking import park, replies, waiting
 
 POLICIES = [
     "newest_first=tests.controller.custom_policy:NewestFirst",
     "greedy=tests.controller.custom_policy:Greedy",
+    "exploding=tests.controller.custom_policy:Exploding",
 ]
 
 
@@ -34,7 +38,7 @@ def test_a_policy_cannot_hand_out_samples_that_are_not_ready(client, partition):
     client.put(partition, {"x": torch.arange(4)})
     with pytest.raises(InvalidArgumentError, match=r"policy 'greedy' chose samples .* not ready"):
         client.get_meta(partition, ["x"], 2, task="t", policy="greedy", timeout=5)
-    with pytest.raises(InvalidArgumentError, match=r"unknown policy 'nope'; known: \['first_ready', 'greedy', 'groups', 'newest_first'\]"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown policy 'nope'; known: \['exploding', 'first_ready', 'greedy', 'groups', 'newest_first'\]"):
         client.get_meta(partition, ["x"], 2, task="t", policy="nope", timeout=5)
 
 
@@ -55,3 +59,23 @@ def test_bad_policy_specs_are_refused():
 
     with pytest.raises(ValueError, match="name=module:attribute"):
         load(["nonsense"])
+
+
+def test_a_waiter_that_fails_gets_the_error_alone_and_the_waking_put_stands(cluster, client, partition, raw):
+    """A plain exception while serving a parked get_meta woken by a put: that waiter gets a
+    typed error, the next waiter is served, and the put (already recorded) succeeds."""
+    client.put(partition, {"x": torch.arange(1)})
+    peer = raw(cluster.address)
+    status = park(
+        peer,
+        GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t", policy="exploding", timeout=60),
+        GetMeta(rid=2, partition=partition, fields=["x"], batch_size=2, task="u", timeout=60),
+    )
+    assert waiting(status, partition) == ["get_meta", "get_meta"]
+    put = client.put(partition, {"x": torch.arange(1, 2)})
+    assert (put.status, put.indexes) == ("ok", [1])
+    got = replies(peer, 2)
+    assert isinstance(got[1], Error) and "RuntimeError: exploding policy" in got[1].message
+    assert isinstance(got[2], Meta) and got[2].meta.indexes == [0, 1]
+    assert {p.name: p for p in client.status().partitions}[partition].samples == 2
+    assert client.get_data(got[2].meta)["x"].tolist() == [0, 1]  # controller and unit agree

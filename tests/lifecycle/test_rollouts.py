@@ -235,3 +235,41 @@ def test_token_versions_of_a_spliced_whole_sequence_field_count_the_prompt(clien
         batch.token_versions("experts", prompt_lengths=9)
     with pytest.raises(InvalidArgumentError, match=r"got 2 prompt lengths for 1 samples"):
         batch.token_versions("experts", prompt_lengths=[3, 3])
+
+
+def test_a_put_crossing_the_target_is_told_which_samples_are_kept(client, partition):
+    client.create_partition(partition, target=8)
+    first = client.put(partition, {"x": torch.arange(5)})
+    second = client.put(partition, {"x": torch.arange(5, 10)})
+    assert (first.status, first.fates) == ("ok", None)
+    assert (second.status, second.fates) == ("trimmed", ["ok"] * 3 + ["aborted"] * 2)
+    st = status(client, partition)
+    assert (st.ready, st.sealed, st.reasons) == (8, True, {"over target": 2})
+    meta = client.get_meta(partition, ["x"], 8, task="t", timeout=5)
+    kept = [i for i, f in zip(second.indexes, second.fates) if f == "ok"]
+    assert sorted(meta.indexes) == first.indexes + kept  # every sample told "ok" is served
+
+
+def test_concurrent_producers_are_told_ok_exactly_for_the_samples_served(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.create_partition(partition, target=8)
+            metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}) for i in range(16)))
+            ok = sorted(i for m in metas if m.status == "ok" for i in m.indexes)
+            assert [m.status for m in metas].count("aborted") == 8
+            served = await c.get_meta(partition, ["x"], 8, task="t", timeout=5)
+            assert sorted(served.indexes) == ok and len(ok) == 8
+
+    asyncio.run(main())
+
+
+def test_a_late_put_the_recycle_partition_refuses_too_is_aborted(client, partition):
+    nxt = f"{partition}-next"
+    client.create_partition(nxt)
+    client.put(nxt, {"x": torch.tensor([0])})
+    client.seal(nxt)
+    client.create_partition(partition, target=1, recycle_to=nxt)
+    client.put(partition, {"x": torch.tensor([1])})
+    late = client.put(partition, {"x": torch.tensor([2])})
+    assert (late.status, late.indexes) == ("aborted", [])
+    assert status(client, partition).reasons == {"discarded after seal": 1}

@@ -164,7 +164,11 @@ class AsyncClient:
         ``partial``: unfinished rollouts; stored but never served until :meth:`complete`.
         A put to a sealed partition (its over-sampling target was reached) sends nothing and
         returns a meta with ``status="aborted"``, or, where the partition recycles late
-        samples, stores them as partial samples there (``status="recycled"``).
+        samples, stores them as partial samples there (``status="recycled"``). A put that
+        crosses the target keeps only the samples that reach it (``status="trimmed"``,
+        ``fates`` per sample "ok" or "aborted"); every fate is final when the put returns.
+        A put to a partition that sealed and freed itself is aborted for 10 minutes after
+        (stragglers), unless :meth:`create_partition` starts it again.
         """
         return await self._puts.put(
             partition,

@@ -17,6 +17,7 @@ from ..transport import _bulk, _zmq
 from ..transport._arena import ArenaMap, aligned
 from ..wire import Alloc, Allocated, BatchMeta, FieldBlock, Grant, Granted, GroupId, Store, Stored, UnitInfo
 from ..wire._layout import nbytes, split_lanes
+from ..wire._messages import SampleFate
 from ..wire._pack import Narrowing
 from . import _connections
 from ._args import _by_unit, _groups, _versions, _wait
@@ -78,11 +79,15 @@ class Puts:
         if reply.status == "aborted":
             return BatchMeta(
                 partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],
-                fields=fields, schema={}, status="aborted", sealed=True,
+                fields=fields, schema={}, status="aborted", sealed=reply.sealed,
             )
         assert reply.unit is not None
         where = reply.partition or partition
         await self._store(reply.unit, where, reply, enc, None)
+        trimmed = 0 <= reply.kept < enc.count
+        fates: list[SampleFate] | None = None
+        if trimmed:  # the target was reached inside this put: the first ``kept`` samples count
+            fates = ["ok" if i < reply.kept else "aborted" for i in range(enc.count)]
         return BatchMeta(
             partition=where,
             partition_uid=reply.partition_uid,
@@ -92,9 +97,10 @@ class Puts:
             schema=reply.schema,
             groups=group_ids,
             versions=versions,
-            status=reply.status,
+            status="trimmed" if trimmed else reply.status,
             sealed=reply.sealed,
             recycled_to=where if reply.status == "recycled" else "",
+            fates=fates,
         )
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:

@@ -114,6 +114,7 @@ class GrantRecord:
     partial: bool = False
     complete: bool = False
     segment: tuple[int, int] | None = None
+    kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
 
 
 @dataclasses.dataclass
@@ -132,6 +133,23 @@ class Moved:
     lengths: dict[str, np.ndarray]
     indexes: np.ndarray  # where they were
     uid: int  # the partition they left
+
+    def subset(self, sel: np.ndarray) -> Moved:
+        """The samples where ``sel`` (a boolean mask) is true."""
+        picked = np.flatnonzero(sel).tolist()
+        return dataclasses.replace(
+            self,
+            has={name: has[sel] for name, has in self.has.items()},
+            partial=self.partial[sel],
+            units=self.units[sel],
+            version=self.version[sel],
+            version_max=self.version_max[sel],
+            revision=self.revision[sel],
+            segments=[self.segments[i] for i in picked],
+            groups=None if self.groups is None else [self.groups[i] for i in picked],
+            lengths={name: arr[sel] for name, arr in self.lengths.items()},
+            indexes=self.indexes[sel],
+        )
 
 
 class Groups:
@@ -191,6 +209,7 @@ class Partition:
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
         self.complete = 0  # committed, finished and not excluded
+        self.promised = 0  # target places held by puts granted but not yet committed
         self.groups_done = 0  # complete groups counted toward target_groups
 
     @property
@@ -332,7 +351,26 @@ class Partition:
         self.committed += grant.count
         self.in_flight -= 1
         if not grant.partial:
-            self._count_complete(np.arange(grant.start, grant.start + grant.count))
+            self.promised -= grant.kept
+            if grant.kept < grant.count:  # the producer was told at its grant which are kept
+                self.exclude(np.arange(grant.start + grant.kept, grant.start + grant.count), "over target")
+            self._count_complete(np.arange(grant.start, grant.start + grant.kept))
+
+    def promise(self, count: int) -> int:
+        """How many of a put's ``count`` samples are kept: all without a target, else those
+        that fit in what completed samples and earlier grants left of it (held until the put
+        commits or is forgotten)."""
+        target = self.options.target
+        if not target:
+            return count
+        kept = max(0, min(count, target - self.complete - self.promised))
+        self.promised += kept
+        return kept
+
+    def target_promised(self) -> bool:
+        """Every place of the target is taken, by complete samples or puts in flight."""
+        target = self.options.target
+        return bool(target) and self.complete + self.promised >= target
 
     def _count_complete(self, indexes: np.ndarray, toward_target: bool = True) -> None:
         """Finished samples: count them toward their groups and the partition's target."""
@@ -396,6 +434,8 @@ class Partition:
         """A grant that will never commit (its write failed)."""
         if grant.indexes is None:
             self.in_flight -= 1
+            if not grant.partial:
+                self.promised -= grant.kept
             self.mask[grant.start : grant.start + grant.count] |= EXCLUDED
 
     def exclude(self, indexes: np.ndarray, reason: str) -> int:
@@ -428,6 +468,15 @@ class Partition:
         )
         self.exclude(indexes, reason)
         return moved
+
+    def restore(self, indexes: np.ndarray, reason: str) -> None:
+        """Undo ``take_out`` for samples whose move failed: their data never left."""
+        back = indexes[(self.mask[indexes] & (EXCLUDED | COMMITTED)) == (EXCLUDED | COMMITTED)]
+        self.mask[back] &= ~EXCLUDED
+        self.excluded -= len(back)
+        self.reasons[reason] -= len(back)
+        if self.reasons[reason] <= 0:
+            del self.reasons[reason]
 
     def reserve_in(self, moved: Moved) -> np.ndarray:
         """Indexes here for samples on their way in (invisible until ``land``)."""

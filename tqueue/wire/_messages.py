@@ -31,7 +31,8 @@ GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
 FieldLayout = Literal["dense", "jagged"]
 PackedType = Literal["", "int8", "int16", "int32"]  # "": the field's own dtype
-PutStatus = Literal["ok", "aborted", "recycled"]
+PutStatus = Literal["ok", "aborted", "recycled", "trimmed"]  # trimmed: some samples kept, see fates
+SampleFate = Literal["ok", "aborted"]
 MemberFailure = Literal["drop_group", "mask_member"]
 MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
 WaiterKind = Literal["get_meta", "put", "reserve"]
@@ -160,9 +161,10 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     versions_max: list[int] | None = None
     segments: list[list[list[int]]] | None = None  # per sample: [[version, first_token], ...]
     revisions: list[int] | None = None
-    status: PutStatus = "ok"  # a put's fate: "ok", "aborted" (discarded) or "recycled"
+    status: PutStatus = "ok"  # a put's fate: "ok", "aborted" (discarded), "recycled" or "trimmed"
     sealed: bool = False  # the partition takes no more samples (its target was reached)
     recycled_to: str = ""
+    fates: list[SampleFate] | None = None  # a "trimmed" put's, per sample: "ok" (kept) or "aborted"
 
     @property
     def pads(self) -> int:
@@ -279,8 +281,10 @@ class Grant(Message):
 
 
 class Granted(Message):
-    """Where to write; ``status`` "aborted": the partition is sealed, nothing is to be sent;
-    "recycled": the samples go to ``partition`` (the recycle partition) as partial."""
+    """Where to write; ``status`` "aborted": the partition is sealed (or its target is
+    promised to earlier puts), nothing is to be sent; "recycled": the samples go to
+    ``partition`` (the recycle partition) as partial; ``kept`` >= 0: the put crosses the
+    target, only its first ``kept`` samples are kept, the others are stored and never served."""
 
     KIND = Kind.GRANTED
     grant_id: int
@@ -291,6 +295,7 @@ class Granted(Message):
     status: PutStatus = "ok"
     partition: str = ""
     sealed: bool = False
+    kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
 
 
 class Alloc(Message):
@@ -578,6 +583,7 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     host: str
     nbytes: int
     capacity: int = 0
+    undropped: int = 0  # partitions whose drop this unit has not confirmed (retried)
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):

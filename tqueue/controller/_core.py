@@ -1,0 +1,175 @@
+"""The controller's state, in one object: what every part of the controller reads and changes.
+
+:class:`ControllerState` owns the partitions, the storage units and their peers, the grants
+and parked writes, the parked reads and seal waits, the leases, the DP rounds, the trainer's
+version and the staleness admission counters. The objects that act on it (``Writes``,
+``Reads``, ``Moves``, ``Cleanup``) each take it in their constructor; none holds state of its
+own beyond what it is given. It also answers parked requests (:meth:`answer`), since a parked
+request is state too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..config import ControllerConfig
+from ..errors import InvalidArgumentError, PartitionClearedError
+from ..transport import _zmq
+from ..wire import Message
+from ._policies import Policy
+from ._rounds import RoundBook
+from ._state import GrantRecord, Options, Partition, Unit
+
+log = logging.getLogger(__name__)
+
+# A partition that sealed and freed itself leaves a tombstone: puts to its name are refused
+# ("aborted") for this long, so that stragglers do not start a new partition that nobody
+# consumes or frees. ``create_partition`` lifts it; past the count, the oldest go first.
+TOMBSTONE_SECONDS = 600.0
+UNIT_TIMEOUT = 30.0
+MAX_SERVED = 4096  # answered get_meta and puts remembered (request -> lease, grant) for a late Cancel  # for a unit to answer a drop or a move
+MAX_TOMBSTONES = 10_000
+
+
+@dataclasses.dataclass(eq=False)
+class Waiter:
+    """A parked request (``get_meta`` or ``sealed``) with its deadline timer."""
+
+    ident: bytes
+    req: Any
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    lease_id: int
+    partition_uid: int
+    task: str
+    indexes: np.ndarray
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ParkedWrite:
+    """A grant (or reserve) waiting for memory or for the trainer's version."""
+
+    ident: bytes
+    req: Any  # Grant | Reserve
+    reason: str = ""
+    full: bool = False  # waiting for memory (else for admission)
+    timer: asyncio.TimerHandle | None = None
+
+
+class ControllerState:
+    """Everything the controller knows. Create inside the running loop."""
+
+    def __init__(self, config: ControllerConfig, server: _zmq.Server, policies: dict[str, Policy]) -> None:
+        self.config = config
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.policies = policies
+        self.partitions: dict[str, Partition] = {}
+        self.by_uid: dict[int, Partition] = {}
+        self.units: dict[int, Unit] = {}
+        self.unit_peers: dict[int, _zmq.Peer] = {}
+        self.grants: dict[int, GrantRecord] = {}
+        self.waiters: dict[str, list[Waiter]] = {}  # parked get_meta, by partition name
+        self.sealed_waiters: dict[str, list[Waiter]] = {}
+        self.parked: list[ParkedWrite] = []  # writes and reserves waiting for budget
+        self.leases: dict[int, Lease] = {}
+        self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
+        self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
+        self.rounds: dict[tuple[int, str], RoundBook] = {}
+        self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
+        self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
+        self.version = 0
+        self.admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
+        self.admitted = 0
+        self.uids = itertools.count(1)
+        self.grant_ids = itertools.count(1)
+        self.lease_ids = itertools.count(1)
+        self.unit_ids = itertools.count(0)
+        self.placements = itertools.count()
+
+    # --- partitions -----------------------------------------------------------------
+
+    def partition(self, name: str, options: Options | None = None) -> Partition:
+        """The partition of this name, created (with ``options``) if there is none."""
+        part = self.partitions.get(name)
+        if part is None:
+            if not isinstance(name, str) or not name:
+                raise InvalidArgumentError("a partition name is a non-empty string")
+            part = Partition(name, next(self.uids), options)
+            self.partitions[name] = part
+            self.by_uid[part.uid] = part
+            log.info("partition %r created (uid %d)", name, part.uid)
+        return part
+
+    def live(self, name: str, uid: int) -> Partition:
+        part = self.partitions.get(name)
+        if part is None or (uid and part.uid != uid):
+            raise PartitionClearedError(f"partition {name!r} was cleared (or never existed)")
+        return part
+
+    def bury(self, name: str) -> None:
+        self.tombstones.pop(name, None)
+        self.tombstones[name] = self.loop.time() + TOMBSTONE_SECONDS
+        while len(self.tombstones) > MAX_TOMBSTONES:
+            self.tombstones.popitem(last=False)
+
+    def buried(self, name: str) -> bool:
+        """A put to ``name`` is refused: its partition sealed and freed itself lately."""
+        now = self.loop.time()
+        while self.tombstones and next(iter(self.tombstones.values())) <= now:
+            self.tombstones.popitem(last=False)  # in order of expiry: oldest first
+        return name in self.tombstones
+
+    # --- parked requests ------------------------------------------------------------
+
+    def answer(self, ident: bytes, rid: int, reply: Message | BaseException) -> None:
+        """Reply to a parked request; an exception becomes its typed error reply (one that
+        is not a tqueue error is logged by the server)."""
+        if isinstance(reply, BaseException):
+            self.server.reply_error(ident, rid, reply)
+        else:
+            self.server.reply(ident, rid, reply)
+
+    def finish(self, waiter: Waiter) -> None:
+        """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        waiters = self.waiters.get(waiter.req.partition, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
+            self.waiters.pop(waiter.req.partition, None)
+
+    def withdraw(self, ident: bytes, rid: int) -> bool:
+        """Drop the request ``rid`` of connection ``ident`` wherever it is parked, unanswered."""
+        for waiters in self.waiters.values():
+            for waiter in waiters:
+                if waiter.ident == ident and waiter.req.rid == rid:
+                    self.finish(waiter)
+                    return True
+        for parked in self.parked:
+            if parked.ident == ident and parked.req.rid == rid:
+                self.parked.remove(parked)
+                if parked.timer is not None:
+                    parked.timer.cancel()
+                return True
+        for sealed in self.sealed_waiters.values():
+            for waiter in sealed:
+                if waiter.ident == ident and waiter.req.rid == rid:
+                    sealed.remove(waiter)
+                    if waiter.timer is not None:
+                        waiter.timer.cancel()
+                    return True
+        return False

@@ -1,0 +1,324 @@
+"""The controller's read side: ``get_meta`` (served at once or parked until samples are
+ready), DP rounds, leases (expiry, renewal, acknowledgement) and waking parked reads.
+
+A parked read is served after the handler that made it servable has replied; any exception
+while serving one (a policy's or the planner's, typed or not) is that read's error reply alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..errors import InvalidArgumentError, WaitTimeoutError
+from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
+from ._core import MAX_SERVED, ControllerState, Lease, Waiter
+from ._policies import BUILT_IN, Candidates, check
+from ._rounds import RoundBook
+from ._state import LEASED, Partition
+
+log = logging.getLogger(__name__)
+
+# prefetch(partition, request, count, field mask, min_version): True if samples are on their way in
+Prefetch = Callable[[Partition, GetMeta, int, np.uint64, "int | None"], bool]
+
+
+class Reads:
+    """Serves, parks and wakes ``get_meta``; owns nothing but what ``state`` holds."""
+
+    def __init__(self, state: ControllerState, *, free: Callable[[Partition], None], prefetch: Prefetch) -> None:
+        self.s = state
+        self._free = free  # free a partition if every task consumed it
+        self._prefetch = prefetch
+
+    def get_meta(self, ident: bytes, msg: GetMeta, bufs: list[Any]) -> Meta | None:
+        _check_get(msg)
+        served = self.try_serve(msg)
+        if served is not None:
+            self._remember(ident, msg, served)
+            return served
+        if msg.timeout is not None and msg.timeout <= 0:
+            raise self.timeout_error(msg)
+        waiter = Waiter(ident, msg)
+        if msg.timeout is not None:
+            waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)
+        self.s.waiters.setdefault(msg.partition, []).append(waiter)
+        return None
+
+    def _remember(self, ident: bytes, msg: GetMeta, served: Meta) -> None:
+        """Which lease answered which request, for a cancel that crosses the reply (a DP
+        round's share is not released: its peers on other ranks hold the same meta)."""
+        if msg.dp_size or not served.meta.lease:
+            return
+        self.s.served[(ident, msg.rid)] = served.meta.lease
+        while len(self.s.served) > MAX_SERVED:
+            self.s.served.popitem(last=False)
+
+    def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
+        """Samples for a request (index -1: a pad row), or None if it must wait."""
+        policy = self.s.policies.get(msg.policy)
+        if policy is None:
+            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.s.policies)}")
+        mask, missing = part.field_mask(msg.fields)
+        if missing:
+            return None
+        task = part.task(msg.task)
+        min_version = None if msg.max_staleness is None else self.s.version - msg.max_staleness
+        candidates = Candidates(part, task, mask, min_version)
+        found = policy.select(candidates, count)
+        if found is not None:
+            return found if msg.policy in BUILT_IN else check(found, candidates, msg.policy)
+        if msg.policy == "groups" or not part.drained() or part.uid in self.s.prefetching:
+            return None
+        if part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
+            return None  # samples are on their way in; their landing wakes this request
+        if msg.pad:
+            ready = candidates.ready()
+            if len(ready):
+                return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
+        return None
+
+    def try_serve(self, msg: GetMeta) -> Meta | None:
+        part = self.s.partitions.get(msg.partition)
+        if part is None:
+            return None
+        if msg.dp_size:
+            return self.serve_round(part, msg)
+        indexes = self.select(part, msg, msg.batch_size)
+        if indexes is None:
+            return None
+        lease = self.lease(part, msg.task, indexes, msg.lease_timeout)
+        return Meta(meta=self.meta(part, msg, indexes, lease))
+
+    def serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
+        key = (part.uid, msg.task)
+        book = self.s.rounds.get(key)
+        if book is None:
+            book = self.s.rounds[key] = RoundBook(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch)
+        book.check(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch, f"partition {part.name!r}, task {msg.task!r}")
+        # a caller counting rounds of an earlier partition of this name starts over
+        number = 0 if msg.round_uid and msg.round_uid != part.uid else msg.round
+        rnd = book.rounds.get(number)
+        if rnd is None:
+            if number < book.next:
+                raise InvalidArgumentError(
+                    f"round {number} of task {msg.task!r} on partition {part.name!r} is too old"
+                )
+            if number > book.next:
+                return None  # earlier rounds are not formed yet
+            indexes = self.select(part, msg, msg.dp_size * msg.batch_size)
+            if indexes is None:
+                return None
+            fields = msg.balance_by if msg.balance_by is not None else msg.fields
+            lengths = part.balance_lengths(indexes, fields)
+            groups = None
+            if msg.policy == "groups":  # whole groups per rank
+                ordinals = part.group[indexes]
+                groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
+            rnd = book.form(indexes, lengths, [], groups)
+            rnd.leases = [self.lease(part, msg.task, share, msg.lease_timeout) for share in rnd.shares]
+            self.s.loop.call_soon(self.wake, part.name)  # peers of other ranks may be waiting
+        meta = rnd.metas[msg.dp_rank]
+        if meta is None:
+            share = rnd.shares[msg.dp_rank]
+            meta = self.meta(part, msg, share, rnd.leases[msg.dp_rank])
+            meta = _with(
+                meta,
+                dp_rank=msg.dp_rank,
+                dp_size=msg.dp_size,
+                round=rnd.number,
+                global_batch_size=rnd.size,
+                num_microbatches=rnd.num_micro,
+                micro_batch_indices=rnd.micro[msg.dp_rank],
+            )
+            rnd.metas[msg.dp_rank] = meta
+        return Meta(meta=meta)
+
+    def meta(self, part: Partition, msg: GetMeta, indexes: np.ndarray, lease: int) -> BatchMeta:
+        return self.meta_of(part, indexes, list(msg.fields), msg.task, lease, msg.lease_timeout)
+
+    def meta_of(
+        self, part: Partition, indexes: np.ndarray, fields: list[str], task: str | None, lease: int, lease_timeout: float | None
+    ) -> BatchMeta:
+        real = indexes >= 0
+        safe = np.where(real, indexes, 0)
+
+        def per_sample(arr: np.ndarray, pad: int) -> list[int]:
+            return np.where(real, arr[safe], pad).tolist()
+
+        versions = np.where(real, part.version[safe], -1)
+        groups = part.groups_of(safe)
+        if groups is not None and not real.all():
+            groups = [g if r else None for g, r in zip(groups, real.tolist())]
+        segments = part.segments_of(indexes[real])
+        if segments is not None and not real.all():
+            it = iter(segments)
+            segments = [next(it) if r else [] for r in real.tolist()]
+        return BatchMeta(
+            partition=part.name,
+            partition_uid=part.uid,
+            indexes=indexes.tolist(),
+            units=per_sample(part.unit, -1),
+            fields=fields,
+            schema=dict(part.specs),
+            groups=groups,
+            task=task,
+            lease=lease,
+            lease_timeout=lease_timeout,
+            versions=versions.tolist() if (versions >= 0).any() else None,
+            versions_max=per_sample(part.version_max, -1) if (versions >= 0).any() else None,
+            segments=segments,
+            revisions=per_sample(part.revision, 0) if part.revision[safe].any() else None,
+            global_batch_size=len(indexes),
+            sealed=part.sealed,
+        )
+
+    def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
+        lease_id = next(self.s.lease_ids)
+        indexes = indexes[indexes >= 0]  # pad rows are nobody's
+        part.lease(part.task(task), indexes, lease_id)
+        record = Lease(lease_id, part.uid, task, indexes)
+        if timeout is not None and not math.isinf(timeout):
+            record.timer = self.s.loop.call_later(timeout, self.expire_lease, lease_id)
+        self.s.leases[lease_id] = record
+        return lease_id
+
+    def expire_lease(self, lease_id: int, why: str = "expired") -> None:
+        record = self.s.leases.pop(lease_id, None)
+        part = self.s.by_uid.get(record.partition_uid) if record else None
+        if record is None or part is None:
+            return
+        if record.timer is not None:
+            record.timer.cancel()
+        back = part.expire(part.task(record.task), record.indexes, lease_id)
+        if back:
+            log.info(
+                "lease %d of task %r %s: %d samples of partition %r are ready again",
+                lease_id, record.task, why, back, part.name,
+            )
+            self.wake_soon(part.name)
+
+    def cancelled(self, ident: bytes, rid: int) -> None:
+        """The caller of an answered ``get_meta`` gave up on it (its reply crossed the
+        cancel): the lease it never saw is released, its samples go to a live caller."""
+        lease_id = self.s.served.pop((ident, rid), None)
+        if lease_id is not None:
+            self.expire_lease(lease_id, "cancelled by its caller")
+
+    def wake_soon(self, partition: str) -> None:
+        """Wake the waiters of ``partition`` once the running handler has replied."""
+        self.s.loop.call_soon(self.wake, partition)
+
+    def renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
+        record = self.s.leases.get(msg.lease)
+        if record is None:
+            raise InvalidArgumentError(
+                f"lease {msg.lease} of task {msg.task!r} on partition {msg.partition!r} is "
+                f"no longer held (acknowledged or expired)"
+            )
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
+        if msg.timeout is not None and not math.isinf(msg.timeout):
+            record.timer = self.s.loop.call_later(msg.timeout, self.expire_lease, msg.lease)
+        return Ok()
+
+    def wake(self, partition: str) -> None:
+        """Serve the parked reads of ``partition`` that can be served now."""
+        for waiter in list(self.s.waiters.get(partition, [])):
+            try:
+                reply = self.try_serve(waiter.req)
+            except Exception as exc:  # this waiter's failure is this waiter's answer alone
+                self.s.finish(waiter)
+                self.s.answer(waiter.ident, waiter.req.rid, exc)
+                continue
+            if reply is not None:
+                self.s.finish(waiter)
+                self._remember(waiter.ident, waiter.req, reply)
+                self.s.answer(waiter.ident, waiter.req.rid, reply)
+
+    def expire(self, waiter: Waiter) -> None:
+        waiter.timer = None
+        self.s.finish(waiter)
+        self.s.answer(waiter.ident, waiter.req.rid, self.timeout_error(waiter.req))
+
+    def timeout_error(self, msg: GetMeta) -> WaitTimeoutError:
+        return WaitTimeoutError(
+            f"get_meta timed out after {msg.timeout} s waiting for {msg.batch_size} samples "
+            f"of partition {msg.partition!r} with fields {list(msg.fields)} for task "
+            f"{msg.task!r}: {self.readiness(msg)}"
+        )
+
+    def readiness(self, msg: GetMeta) -> str:
+        part = self.s.partitions.get(msg.partition)
+        if part is None:
+            return "the partition does not exist yet (nothing was put to it)"
+        mask, missing = part.field_mask(msg.fields)
+        if missing:
+            ready = 0
+            note = f"; fields never written to it: {missing} (known: {sorted(part.specs)})"
+        else:
+            ready = part.count_ready(part.tasks.get(msg.task), mask)
+            note = ""
+        if msg.policy == "groups":
+            note += f"; {len(part.groups.order)} groups complete"
+        if msg.dp_size:
+            book = self.s.rounds.get((part.uid, msg.task))
+            formed = book.next if book else 0
+            note += f"; round {msg.round} asked, {formed} rounds formed"
+        return (
+            f"{ready} ready for this task ({part.committed} samples committed in the "
+            f"partition){note}"
+        )
+
+    def ack(self, ident: bytes, msg: Ack, bufs: list[Any]) -> Ok:
+        part = self.s.partitions.get(msg.partition)
+        if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
+            return Ok()  # freed or cleared: nothing is left to acknowledge
+        task = part.tasks.get(msg.task)
+        if task is None:
+            raise InvalidArgumentError(
+                f"task {msg.task!r} has no samples of partition {msg.partition!r} to acknowledge"
+            )
+        indexes = np.asarray(msg.indexes, dtype=np.int64)
+        if len(indexes) and (indexes.min() < 0 or indexes.max() >= part.n):
+            raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
+        part.ack(task, indexes, msg.lease)
+        record = self.s.leases.get(msg.lease)
+        if record is not None:
+            held = (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
+            if not held.any():  # the whole lease is acknowledged
+                del self.s.leases[msg.lease]
+                if record.timer is not None:
+                    record.timer.cancel()
+        self._free(part)
+        return Ok()
+
+
+def _with(meta: BatchMeta, **changes: Any) -> BatchMeta:
+
+    return msgspec.structs.replace(meta, **changes)
+
+
+def _check_get(msg: GetMeta) -> None:
+    if msg.batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
+    for name, value in (("timeout", msg.timeout), ("lease_timeout", msg.lease_timeout)):
+        if value is not None and (math.isnan(value) or value < 0):
+            raise InvalidArgumentError(f"{name} must be >= 0 seconds or None, got {value}")
+    if not msg.task:
+        raise InvalidArgumentError("get_meta needs a task name")
+    if not msg.fields or len(set(msg.fields)) != len(msg.fields):
+        raise InvalidArgumentError(f"get_meta needs distinct field names, got {msg.fields}")
+    if msg.dp_size:
+        if msg.dp_size < 1 or not 0 <= msg.dp_rank < msg.dp_size:
+            raise InvalidArgumentError(f"dp_rank must be in [0, dp_size), got {msg.dp_rank} of {msg.dp_size}")
+        if msg.round < 0:
+            raise InvalidArgumentError(f"round must be >= 0, got {msg.round}")
+    if msg.max_staleness is not None and msg.max_staleness < 0:
+        raise InvalidArgumentError(f"max_staleness must be >= 0, got {msg.max_staleness}")
