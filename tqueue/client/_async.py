@@ -20,9 +20,9 @@ from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
-from ._batch import Batch, JaggedAs
+from ._batch import Batch, JaggedAs, Options
 from ._connections import ClientStats, Connections
-from ._gets import Gets
+from ._gets import Gets, MetaAsk
 from ._lifecycle import FieldStats, Lifecycle
 from ._puts import Puts
 
@@ -268,22 +268,13 @@ class AsyncClient:
         them with pad rows (index -1; all-zero tensors, ``batch.is_pad``) instead of waiting,
         so that a batch still divides evenly across ranks and micro-batches.
         """
-        return await self._gets.get_meta(
-            partition,
-            fields,
-            batch_size,
-            task=task,
-            timeout=timeout,
-            lease_timeout=lease_timeout,
-            policy=policy,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            round=round,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-            balance_by=balance_by,
-            max_staleness=max_staleness,
-            pad=pad,
+        ask = MetaAsk(
+            partition=partition, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
+            lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
+            max_staleness=max_staleness, pad=pad,
         )
+        return await self._gets.get_meta(ask)
 
     async def renew(self, meta: BatchMeta, *, lease_timeout: float | None = None) -> None:
         """Extend the lease of a meta from ``get_meta`` by ``lease_timeout`` from now."""
@@ -320,25 +311,20 @@ class AsyncClient:
         ``padding_side``; lengths via ``batch.lengths(field)``), or ``nested`` (a torch
         jagged nested tensor); one mode, or a mapping per field.
         """
-        return await self._gets.get_data(
-            meta,
-            fields,
-            batch_size,
-            task=task,
-            timeout=timeout,
-            lease_timeout=lease_timeout,
-            policy=policy,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            round=round,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-            balance_by=balance_by,
-            max_staleness=max_staleness,
-            pad=pad,
-            jagged=jagged,
-            pad_value=pad_value,
-            padding_side=padding_side,
+        options = Options(jagged=jagged, pad_value=pad_value, padding_side=padding_side)  # type: ignore[arg-type]
+        if not isinstance(meta, str):
+            if batch_size is not None or task is not None or dp_size is not None:
+                raise InvalidArgumentError("get_data(meta) takes no batch_size, task or dp options: the meta has them")
+            return await self._gets.get_data(meta, fields, options)
+        if fields is None or batch_size is None or task is None:
+            raise InvalidArgumentError("get_data(partition, ...) needs fields, batch_size and task")
+        ask = MetaAsk(  # the one-call form: lease with every option of get_meta, then fetch
+            partition=meta, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
+            lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size,
+            round=round, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            balance_by=balance_by, max_staleness=max_staleness, pad=pad,
         )
+        return await self._gets.get_data(ask, None, options)
 
     async def ack(self, meta: BatchMeta) -> None:
         """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""

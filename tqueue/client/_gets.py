@@ -4,8 +4,9 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,28 @@ from ..wire._layout import int_dtype, itemsize, nbytes
 from ..wire._pack import PACKED, Widening
 from . import _connections
 from ._args import _by_unit, _wait
-from ._batch import Batch, JaggedAs, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
+from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._connections import ClientStats, Connections
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetaAsk:
+    """The arguments of one ``get_meta`` call, as :meth:`AsyncClient.get_meta` documents them."""
+
+    partition: str
+    fields: Sequence[str]
+    batch_size: int
+    task: str
+    timeout: float | None = None
+    lease_timeout: float | None = None
+    policy: str = "first_ready"
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    round: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    balance_by: Sequence[str] | None = None
+    max_staleness: int | None = None
+    pad: bool = False
 
 
 class Gets:
@@ -33,81 +54,43 @@ class Gets:
         self.stats = stats
         self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
 
-    async def get_meta(
-        self,
-        partition: str,
-        fields: Sequence[str],
-        batch_size: int,
-        *,
-        task: str,
-        timeout: float | None = None,
-        lease_timeout: float | None = None,
-        policy: str = "first_ready",
-        dp_rank: int | None = None,
-        dp_size: int | None = None,
-        round: int | None = None,
-        max_tokens_per_micro_batch: int | None = None,
-        balance_by: Sequence[str] | None = None,
-        max_staleness: int | None = None,
-        pad: bool = False,
-    ) -> BatchMeta:
+    async def get_meta(self, ask: MetaAsk) -> BatchMeta:
         """:meth:`AsyncClient.get_meta`."""
-        msg, limit = self.request(
-            partition, fields, batch_size, task=task, timeout=timeout, lease_timeout=lease_timeout,
-            policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
-            max_staleness=max_staleness, pad=pad,
-        )
+        msg, limit = self.request(ask)
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(msg, expect=Meta, timeout=limit)
         return self.got_meta(msg, reply)
 
-    def request(
-        self,
-        partition: str,
-        fields: Sequence[str],
-        batch_size: int,
-        *,
-        task: str,
-        timeout: float | None,
-        lease_timeout: float | None,
-        policy: str,
-        dp_rank: int | None,
-        dp_size: int | None,
-        round: int | None,
-        max_tokens_per_micro_batch: int | None,
-        balance_by: Sequence[str] | None,
-        max_staleness: int | None,
-        pad: bool,
-    ) -> tuple[GetMeta, float]:
+    def request(self, ask: MetaAsk) -> tuple[GetMeta, float]:
         """The ``GetMeta`` of a ``get_meta`` call and how long to wait for its answer (shared
-        with the blocking client, which sends it from the caller's thread)."""
-        wait = _wait(timeout, self.config.get_timeout)
-        lease = _wait(lease_timeout, self.config.lease_timeout, "lease_timeout")
-        if isinstance(fields, str):
-            fields = [fields]
-        seen_uid, next_round = self._round_of.get((partition, task, dp_rank, dp_size), (0, 0))
-        if dp_size is not None:
-            if dp_rank is None:
+        with the blocking client, which sends it from the caller's thread); ``math.inf``:
+        no limit."""
+        wait = _wait(ask.timeout, self.config.get_timeout)
+        lease = _wait(ask.lease_timeout, self.config.lease_timeout, "lease_timeout")
+        fields = [ask.fields] if isinstance(ask.fields, str) else list(ask.fields)
+        seen_uid, next_round = self._round_of.get((ask.partition, ask.task, ask.dp_rank, ask.dp_size), (0, 0))
+        round = ask.round
+        if ask.dp_size is not None:
+            if ask.dp_rank is None:
                 raise InvalidArgumentError("dp_size needs dp_rank")
             if round is None:
                 round = next_round
         msg = GetMeta(
-            partition=partition,
-            fields=list(fields),
-            batch_size=batch_size,
-            task=task,
+            partition=ask.partition,
+            fields=fields,
+            batch_size=ask.batch_size,
+            task=ask.task,
             timeout=None if math.isinf(wait) else wait,
             lease_timeout=None if math.isinf(lease) else lease,
-            policy=policy,
-            dp_rank=-1 if dp_rank is None else dp_rank,
-            dp_size=dp_size or 0,
+            policy=ask.policy,
+            dp_rank=-1 if ask.dp_rank is None else ask.dp_rank,
+            dp_size=ask.dp_size or 0,
             round=-1 if round is None else round,
             round_uid=seen_uid,
-            max_tokens_per_micro_batch=max_tokens_per_micro_batch or 0,
-            balance_by=list(balance_by) if balance_by is not None else None,
-            max_staleness=max_staleness,
-            pad=pad,
+            max_tokens_per_micro_batch=ask.max_tokens_per_micro_batch or 0,
+            balance_by=list(ask.balance_by) if ask.balance_by is not None else None,
+            max_staleness=ask.max_staleness,
+            pad=ask.pad,
         )
         return msg, wait + self.config.request_timeout  # math.inf: no limit
 
@@ -136,52 +119,13 @@ class Gets:
         )
 
     async def get_data(
-        self,
-        meta: BatchMeta | str,
-        fields: Sequence[str] | None = None,
-        batch_size: int | None = None,
-        *,
-        task: str | None = None,
-        timeout: float | None = None,
-        lease_timeout: float | None = None,
-        policy: str = "first_ready",
-        dp_rank: int | None = None,
-        dp_size: int | None = None,
-        round: int | None = None,
-        max_tokens_per_micro_batch: int | None = None,
-        balance_by: Sequence[str] | None = None,
-        max_staleness: int | None = None,
-        pad: bool = False,
-        jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
-        pad_value: float | int | bool = 0,
-        padding_side: str = "right",
+        self, meta: BatchMeta | MetaAsk, fields: Sequence[str] | None = None, options: Options | None = None
     ) -> Batch:
-        """:meth:`AsyncClient.get_data`."""
-        options = Options(jagged=jagged, pad_value=pad_value, padding_side=padding_side)  # type: ignore[arg-type]
+        """:meth:`AsyncClient.get_data`: of ``meta``, or of what ``get_meta(ask)`` leases."""
+        options = options or Options()
         options.check()
-        if isinstance(meta, str):
-            if fields is None or batch_size is None or task is None:
-                raise InvalidArgumentError(
-                    "get_data(partition, ...) needs fields, batch_size and task"
-                )
-            meta = await self.get_meta(
-                meta,
-                fields,
-                batch_size,
-                task=task,
-                timeout=timeout,
-                lease_timeout=lease_timeout,
-                policy=policy,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                round=round,
-                max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                balance_by=balance_by,
-                max_staleness=max_staleness,
-                pad=pad,
-            )
-        elif batch_size is not None or task is not None or dp_size is not None:
-            raise InvalidArgumentError("get_data(meta) takes no batch_size, task or dp options: the meta has them")
+        if isinstance(meta, MetaAsk):
+            meta = await self.get_meta(meta)
         want = list(meta.fields if fields is None else ([fields] if isinstance(fields, str) else fields))
         for f in want:
             if f not in meta.schema:

@@ -14,6 +14,7 @@ from ..transport import _zmq
 from ..wire import BatchMeta, GroupId, Meta, StatusReply
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch, JaggedAs
+from ._gets import MetaAsk
 from ._lifecycle import FieldStats
 
 T = TypeVar("T")
@@ -233,12 +234,12 @@ class Client:
         Sent from the calling thread on its own connection to the controller, not through
         the loop thread: the answer comes about twice as fast."""
         inner = self._inner
-        msg, limit = inner._gets.request(
-            partition, fields, batch_size, task=task, timeout=timeout, lease_timeout=lease_timeout,
-            policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
+        msg, limit = inner._gets.request(MetaAsk(
+            partition=partition, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
+            lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
             max_staleness=max_staleness, pad=pad,
-        )
+        ))
         reply = self._direct().request(msg, expect=Meta, timeout=limit)
         return inner._gets.got_meta(msg, reply)
 
