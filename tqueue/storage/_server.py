@@ -18,7 +18,7 @@ import numpy as np
 from .. import _env, _memory
 from .._memory import BufferPool
 from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError, UnavailableError
+from ..errors import ControllerUnavailableError, InvalidArgumentError, ProtocolError, ProtocolVersionError, UnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..wire import (
@@ -58,13 +58,17 @@ class StorageUnit:
         self.config = config
         self.host = config.host or _env.host()
         self._server = _zmq.Server(
-            config.bind, name="storage unit", max_header=config.max_header_bytes
+            config.bind,
+            name="storage unit",
+            max_header=config.max_header_bytes,
+            max_frames=config.max_frames,
+            max_frame_bytes=config.max_frame_bytes,
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
-        self.data = _Data(self.arena, self._release_soon)
+        self.data = _Data(self.arena, self._release_soon, max_index=config.max_index)
         self.bulk = _bulk_server(config.bulk, self.address)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
@@ -138,6 +142,11 @@ class StorageUnit:
         if self._trim is not None:
             self._schedule_trim()  # still busy: keep the freed pages for these writes
         if msg.indexes is None:
+            if msg.count < 0 or msg.start < 0 or msg.start + msg.count > self.data.max_index:
+                raise InvalidArgumentError(
+                    f"partition {msg.partition!r}: samples [{msg.start}, {msg.start + msg.count}) lie "
+                    f"outside [0, {self.data.max_index}) (StorageConfig.max_index)"
+                )
             indexes = np.arange(msg.start, msg.start + msg.count, dtype=np.int64)
         else:
             indexes = np.asarray(msg.indexes, dtype=np.int64)

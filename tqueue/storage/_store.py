@@ -25,6 +25,16 @@ from ..wire._messages import PackedType
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16
 JOIN_LIMIT = 4 << 20
+# Sample indexes a unit accepts by default (StorageConfig.max_index): a column's index arrays
+# cost 16 bytes per index up to the highest one written, so one message naming index 10**12
+# must be refused, not allocated for.
+MAX_INDEX = 1 << 26
+
+
+def _named(indexes: np.ndarray, limit: int = 8) -> str:
+    """Some of ``indexes`` for an error message (a message's cost, never its size)."""
+    shown = ", ".join(str(int(i)) for i in indexes[:limit])
+    return f"[{shown}{', ...' if len(indexes) > limit else ''}] ({len(indexes)} samples)"
 
 
 class Piece:
@@ -106,7 +116,14 @@ class Store:
     in ZeroMQ's own thread); the server makes it thread-safe.
     """
 
-    def __init__(self, arena: Arena | None = None, release_soon: Callable[[Region], None] | None = None) -> None:
+    def __init__(
+        self,
+        arena: Arena | None = None,
+        release_soon: Callable[[Region], None] | None = None,
+        *,
+        max_index: int = MAX_INDEX,
+    ) -> None:
+        self.max_index = max_index
         self.partitions: dict[int, PartitionData] = {}
         self.nbytes = 0
         self.copied = 0
@@ -130,8 +147,7 @@ class Store:
         """Install a write; pieces it overwrites stay until ``commit()``."""
         if uid <= 0:
             raise ProtocolError(f"bad partition uid {uid}")
-        if len(indexes) and indexes.min() < 0:
-            raise ProtocolError("negative sample index")
+        self.check_indexes(name, indexes)
         span: slice | np.ndarray = slice(int(indexes[0]), int(indexes[-1]) + 1) if len(indexes) else indexes
         if len(indexes) > 1 and not np.all(np.diff(indexes) == 1):  # not a plain range
             span = indexes
@@ -183,6 +199,15 @@ class Store:
                 del self.partitions[uid]
 
         return Pending(commit=commit, rollback=rollback)
+
+    def check_indexes(self, name: str, indexes: np.ndarray) -> None:
+        """Indexes a write or a move may target: none negative or beyond ``max_index``."""
+        bad = indexes[(indexes < 0) | (indexes >= self.max_index)]
+        if len(bad):
+            raise InvalidArgumentError(
+                f"partition {name!r}: sample indexes {_named(bad)} lie outside [0, {self.max_index}) "
+                "(StorageConfig.max_index)"
+            )
 
     def _install(
         self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int
@@ -242,11 +267,12 @@ class Store:
         part = self.partitions.get(src_uid)
         if part is None:
             return
+        self.check_indexes(dst_name, dst)
         target = self.partitions.get(dst_uid)
         if target is None:
             target = self.partitions[dst_uid] = PartitionData(dst_uid, dst_name)
         for field, col in part.columns.items():
-            inside = src < len(col.piece_of)
+            inside = (src >= 0) & (src < len(col.piece_of))
             s, d = src[inside], dst[inside]
             pids, rows = col.piece_of[s], col.row_of[s]
             have = pids >= 0
@@ -282,7 +308,7 @@ class Store:
             return 0
         before = part.nbytes
         for col in part.columns.values():
-            inside = indexes[indexes < len(col.piece_of)]
+            inside = indexes[(indexes >= 0) & (indexes < len(col.piece_of))]
             pids = col.piece_of[inside]
             held = inside[pids >= 0]
             ids, counts = np.unique(col.piece_of[held], return_counts=True)
@@ -335,12 +361,15 @@ class Store:
         if len(indexes) == 0:
             raise InvalidArgumentError("a read needs at least one sample")
         if col is not None:
-            col.ensure(int(indexes.max()) + 1)
-            pids = col.piece_of[indexes]
+            # checked against what the column holds before any lookup: never grown for a read
+            held = (indexes >= 0) & (indexes < len(col.piece_of))
+            pids = np.full(len(indexes), -1, dtype=np.int64)
+            pids[held] = col.piece_of[indexes[held]]
         if col is None or (pids < 0).any():
-            bad = indexes[0] if col is None else indexes[pids < 0][0]
+            bad = indexes if col is None else indexes[pids < 0]
             raise SchemaError(
-                f"sample {int(bad)} of partition {part.name!r} has no field {field!r} on this unit"
+                f"sample {int(bad[0])} of partition {part.name!r} has no field {field!r} on this unit "
+                f"(samples without it: {_named(bad)})"
             )
         rows = col.row_of[indexes]
         n = len(indexes)

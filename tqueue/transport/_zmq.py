@@ -53,6 +53,7 @@ PEER_DEFAULT: Final = _Default.PEER
 Timeout = float | Literal[_Default.PEER]
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
+MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -344,13 +345,24 @@ class Server:
     returns or raises is dropped) and is dropped otherwise.
     """
 
-    def __init__(self, endpoint: str, *, name: str, max_header: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str,
+        max_header: int,
+        max_frames: int = MAX_FRAMES,
+        max_frame_bytes: int = -1,
+    ) -> None:
         self.name = name
         self.max_header = max_header
+        self.max_frames = max_frames
         self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
         self._socket = _LoopSocket(
             zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
         )
+        # ZeroMQ drops the connection of a peer whose frame exceeds this before it is received
+        self._socket.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.address = bind(self._socket.sock, endpoint)
         self._handlers: dict[type, Handler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -383,6 +395,8 @@ class Server:
         ident = frames[0].bytes
         body = frames[1:]
         try:
+            if len(body) > self.max_frames:
+                raise ProtocolError(f"a message of {len(body)} frames; at most {self.max_frames} are accepted")
             with self._decoding:
                 msg, buffers = decode(body, max_header=self.max_header)
         except TQueueError as exc:
