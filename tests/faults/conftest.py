@@ -24,3 +24,13 @@ def unit_pid(unit_cluster: tqueue.LocalCluster) -> int:
 def uclient(unit_cluster: tqueue.LocalCluster) -> Iterator[tqueue.Client]:
     with tqueue.Client(unit_cluster.address) as c:
         yield c
+
+
+def bulk_address_of(cluster: tqueue.LocalCluster) -> str:
+    """The bulk listener of the cluster's first unit, as a client off its host learns it."""
+    config = tqueue.ClientConfig(shm=False, host="elsewhere")
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.connect()
+        (info,) = c._inner._units.values()
+        assert info.bulk.startswith("127.0.0.1:"), info.bulk
+        return str(info.bulk)

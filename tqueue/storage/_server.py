@@ -69,7 +69,7 @@ class StorageUnit:
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
         self.data = _Data(self.arena, self._release_soon, max_index=config.max_index)
-        self.bulk = _bulk_server(config.bulk, self.address)
+        self.bulk = _bulk_server(config, self.address)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
@@ -349,13 +349,15 @@ class StorageUnit:
             self.arena.punch()
 
 
-def _bulk_server(enabled: bool, address: str) -> _bulk.BulkServer | None:
+def _bulk_server(config: StorageConfig, address: str) -> _bulk.BulkServer | None:
     """The bulk listener, on the interface of the ZeroMQ bind (``tcp://`` binds only)."""
-    if not enabled or not address.startswith("tcp://"):
+    if not config.bulk or not address.startswith("tcp://"):
         return None
     host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     try:
-        return _bulk.BulkServer(host)
+        return _bulk.BulkServer(
+            host, max_streams=config.bulk_streams, max_per_peer=config.bulk_streams_per_peer
+        )
     except UnavailableError as exc:
         log.warning("%s; fetched payload goes over ZeroMQ", exc)
         return None
