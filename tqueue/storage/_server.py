@@ -63,6 +63,8 @@ class StorageUnit:
             max_header=config.max_header_bytes,
             max_frames=config.max_frames,
             max_frame_bytes=config.max_frame_bytes,
+            max_queued_bytes=config.max_queued_bytes,
+            max_queued_replies=config.max_queued_replies,
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()

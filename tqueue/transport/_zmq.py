@@ -27,7 +27,9 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, TypeVar
 
@@ -54,6 +56,8 @@ Timeout = float | Literal[_Default.PEER]
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
 MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
+MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
+MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -79,8 +83,9 @@ def context() -> zmq.Context:
 
 
 def _tune(sock: zmq.Socket) -> None:
-    # Unbounded queues: a ROUTER drops what exceeds its HWM, and dropping a reply would
-    # leave a caller waiting for its timeout. Requests are bounded by their callers.
+    # Unbounded queues: a plain ROUTER drops what exceeds its HWM silently, and dropping a
+    # reply would leave a caller waiting for its timeout. Requests are bounded by their
+    # callers; a Server bounds its replies per peer itself (ROUTER_MANDATORY, SendQueues).
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     # Closing must not wait for peers that are gone; what matters was acknowledged.
@@ -101,7 +106,8 @@ class _LoopSocket:
     ZeroMQ's descriptor is edge-triggered and only says "look at EVENTS": on each wake-up
     every queued message is received and handed to ``on_message``; after each send the
     events are checked again, since a send can consume the edge of a message that arrived.
-    Sends never block: high-water marks are unbounded. ``on_message`` handles its own
+    Sends never block: high-water marks are unbounded, or (a server's) sends are
+    ``NOBLOCK`` and a full queue fails the send. ``on_message`` handles its own
     failures; one that escapes it anyway is logged and costs that message only, since the
     messages queued behind it would otherwise wait for the next edge.
     """
@@ -116,11 +122,12 @@ class _LoopSocket:
         self._scheduled = False
         self.closed = False
 
-    def send(self, frames: Sequence[Any], *, copy: bool) -> None:
-        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call) is raised as
-        the ``sending`` boundary's error."""
+    def send(self, frames: Sequence[Any], *, copy: bool, flags: int = 0) -> None:
+        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call, or with
+        ``NOBLOCK`` a peer's full or vanished queue) is raised as the ``sending`` boundary's
+        error, ``from`` ZeroMQ's."""
         with self._sending:
-            self.sock.send_multipart(frames, copy=copy)
+            self.sock.send_multipart(frames, copy=copy, flags=flags)
             self._check()
 
     def _check(self) -> None:
@@ -334,6 +341,90 @@ class BlockingPeer:
 Handler = Callable[[bytes, Any, list[Any]], Any]
 
 
+class SendQueues:
+    """What a server has queued for each peer, and what it could not deliver.
+
+    ZeroMQ keeps a reply's zero-copy buffers until the peer's connection has taken them, so
+    a peer that stops reading would grow the server without bound. Bytes of buffers handed
+    to ZeroMQ are counted per peer until ZeroMQ lets go of them (from its own thread); a
+    reply with buffers that would take a peer past ``max_bytes`` is answered with an
+    :class:`UnavailableError` instead (the first one always goes: a single reply larger than
+    the bound is served). Replies that ZeroMQ refuses (the peer is gone: ``ROUTER_MANDATORY``;
+    its queue of ``max_queued_replies`` is full) are counted, and logged once per peer.
+    """
+
+    _LOGGED = 4096  # peers remembered as logged (then the set starts over)
+
+    def __init__(self, name: str, max_bytes: int) -> None:
+        self.name = name
+        self.max_bytes = max_bytes
+        self.refused = 0  # replies answered with an error: the peer had too much unread
+        self.unreachable = 0  # replies to peers that are gone
+        self.overflowed = 0  # replies dropped: the peer's queue of replies was full
+        self._queued: dict[bytes, int] = {}
+        self._lock = threading.Lock()  # releases come from ZeroMQ's thread
+        self._logged: set[bytes] = set()
+
+    def queued(self, ident: bytes) -> int:
+        with self._lock:
+            return self._queued.get(ident, 0)
+
+    def admit(self, ident: bytes, buffers: Sequence[Any]) -> UnavailableError | None:
+        """None if a reply of ``buffers`` may be queued for ``ident``; else the error sent."""
+        size = sum(memoryview(b).nbytes for b in buffers)
+        queued = self.queued(ident)
+        if not queued or queued + size <= self.max_bytes:
+            return None
+        self.refused += 1
+        self._log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
+        return UnavailableError(
+            f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
+            f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
+        )
+
+    def track(self, ident: bytes, buffers: Sequence[Any]) -> list[Any]:
+        """``buffers`` as views whose release by ZeroMQ takes their bytes off the count."""
+        out = []
+        total = 0
+        for b in buffers:
+            view = memoryview(b)
+            if view.nbytes >= zmq.COPY_THRESHOLD:  # smaller ones are copied at the send
+                total += view.nbytes
+                weakref.finalize(view, self._release, ident, view.nbytes)
+            out.append(view)
+        with self._lock:
+            self._queued[ident] = self._queued.get(ident, 0) + total
+        return out
+
+    def _release(self, ident: bytes, nbytes: int) -> None:
+        with self._lock:
+            left = self._queued.get(ident, 0) - nbytes
+            if left > 0:
+                self._queued[ident] = left
+            else:
+                self._queued.pop(ident, None)
+
+    def undelivered(self, ident: bytes, exc: UnavailableError) -> None:
+        """A reply ZeroMQ refused: say so (the requester learns at its timeout)."""
+        cause = exc.__cause__
+        if isinstance(cause, zmq.Again):
+            self.overflowed += 1
+            self._log_once(ident, "has a full queue of unread replies; dropping replies to it (%d so far)", self.overflowed)
+        elif isinstance(cause, zmq.ZMQError) and cause.errno == zmq.EHOSTUNREACH:
+            self.unreachable += 1
+            self._log_once(ident, "is gone; a reply to it was dropped (%d so far)", self.unreachable)
+        else:
+            log.warning("%s", exc)
+
+    def _log_once(self, ident: bytes, what: str, *args: Any) -> None:
+        if ident in self._logged:
+            return
+        if len(self._logged) >= self._LOGGED:
+            self._logged.clear()
+        self._logged.add(ident)
+        log.warning("%s: peer %s " + what, self.name, ident.hex(), *args)
+
+
 class Server:
     """A ROUTER socket and the dispatch of its requests to typed handlers.
 
@@ -353,16 +444,23 @@ class Server:
         max_header: int,
         max_frames: int = MAX_FRAMES,
         max_frame_bytes: int = -1,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_queued_replies: int = MAX_QUEUED_REPLIES,
     ) -> None:
         self.name = name
         self.max_header = max_header
         self.max_frames = max_frames
+        self.queues = SendQueues(name, max_queued_bytes)
         self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
         self._socket = _LoopSocket(
             zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
         )
         # ZeroMQ drops the connection of a peer whose frame exceeds this before it is received
         self._socket.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # a reply to a peer that is gone, or whose queue is full, fails the send (counted,
+        # logged) instead of vanishing; the queue of one peer that does not read is bounded
+        self._socket.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.sock.setsockopt(zmq.SNDHWM, max_queued_replies)
         self.address = bind(self._socket.sock, endpoint)
         self._handlers: dict[type, Handler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -377,10 +475,16 @@ class Server:
         if self._socket.closed:
             return
         msg.rid = rid
+        if buffers:
+            refusal = self.queues.admit(ident, buffers)
+            if refusal is not None:
+                msg, buffers = error_reply(rid, refusal), ()
+            else:
+                buffers = self.queues.track(ident, buffers)
         try:
-            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers)
+            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=zmq.NOBLOCK)
         except UnavailableError as exc:
-            log.warning("%s", exc)
+            self.queues.undelivered(ident, exc)
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
