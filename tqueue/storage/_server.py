@@ -173,7 +173,7 @@ class StorageUnit:
                         fields=[b.name for b in msg.blocks],
                         nbytes=nbytes,
                         partition_bytes=part.nbytes,
-                        unit_bytes=self.data.nbytes,
+                        unit_bytes=self.data.resident,
                     ),
                     expect=Ok,
                 )
@@ -333,7 +333,7 @@ class StorageUnit:
                 self._schedule_trim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         part = self.data.partitions.get(msg.partition_uid)
-        return Dropped(unit_bytes=self.data.nbytes, partition_bytes=part.nbytes if part else 0)
+        return Dropped(unit_bytes=self.data.resident, partition_bytes=part.nbytes if part else 0)
 
     def _schedule_trim(self) -> None:
         """(Re)arm the idle timer that returns retained memory to the OS."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,13 +38,46 @@ def _named(indexes: np.ndarray, limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(indexes) > limit else ''}] ({len(indexes)} samples)"
 
 
+# ZeroMQ receives small frames into shared batch buffers (8 KiB, ZMQ_IN_BATCH_SIZE) and a
+# frame kept pins its whole buffer: a 64-byte put held 10 KB. Frames this small are copied.
+COPY_BELOW = 8 << 10
+
+
+def _kept(frame: Any) -> memoryview:
+    """The view a piece keeps of a received frame (see COPY_BELOW)."""
+    if hasattr(frame, "buffer"):  # a ZeroMQ frame
+        return memoryview(frame.bytes) if len(frame) <= COPY_BELOW else frame.buffer
+    return memoryview(frame)
+
+
+_OBJECT = 16  # malloc's header on each Python object
+_ENTRY = 112  # a piece's share of its column's dict and its id (measured: 10,000 pieces)
+
+
+def _cost(piece: Piece, *, frames: bool) -> int:
+    """Bytes a piece holds resident: its bookkeeping objects and, with ``frames``, its views
+    and the buffers under them (a copied small frame: the bytes object; otherwise the
+    payload; the same bytes the budget counts, even where they lie in the arena)."""
+    spec = piece.spec  # decoded anew for every write
+    parts: list[Any] = [piece, piece.frame_of, piece.offsets, piece.sizes, piece.frames, piece.arena, spec, spec.shape]
+    if piece.shapes is not None:
+        parts.append(piece.shapes)
+    held = sum(sys.getsizeof(x) + _OBJECT for x in parts) + _ENTRY
+    if frames:
+        for view in piece.frames:
+            held += sys.getsizeof(view) + _OBJECT
+            under = view.obj
+            held += sys.getsizeof(under) + _OBJECT if isinstance(under, bytes) else view.nbytes
+    return held
+
+
 class Piece:
-    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed")
+    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed", "cost")
 
     def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
         self.frame_of, self.offsets, self.sizes = frame_layout(block, frames)
         self.spec = block.spec
-        self.frames = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        self.frames = [_kept(f) for f in frames]
         self.arena = list(arena)  # absolute arena offset of each frame, -1 if not in the arena
         self.region = region if any(a >= 0 for a in self.arena) else None
         self.shapes = None if block.spec.kind == "object" or block.spec.layout == "dense" else (
@@ -52,6 +86,7 @@ class Piece:
         self.live = len(self.sizes)
         self.nbytes = sum(nbytes(f) for f in frames)
         self.packed = block.packed  # per frame: "" or the narrower int type its values are in
+        self.cost = _cost(self, frames=True)
 
     def subset(self, rows: np.ndarray) -> Piece:
         """A piece over some of these rows, sharing the frames (for moving samples)."""
@@ -62,6 +97,7 @@ class Piece:
         sub.shapes = None if self.shapes is None else self.shapes[rows]
         sub.live = len(rows)
         sub.nbytes = int(sub.sizes.sum())
+        sub.cost = _cost(sub, frames=False) + sub.nbytes
         return sub
 
 
@@ -80,6 +116,11 @@ class Column:
         row_of = np.zeros(cap, dtype=np.int64)
         row_of[: len(self.row_of)] = self.row_of
         self.piece_of, self.row_of = piece_of, row_of
+
+    @property
+    def held(self) -> int:
+        """Bytes of the index arrays."""
+        return self.piece_of.nbytes + self.row_of.nbytes
 
 
 class PartitionData:
@@ -125,7 +166,8 @@ class Store:
     ) -> None:
         self.max_index = max_index
         self.partitions: dict[int, PartitionData] = {}
-        self.nbytes = 0
+        self.nbytes = 0  # payload held
+        self.resident = 0  # what holding it costs: payload, bookkeeping, index arrays
         self.copied = 0
         self.arena = arena
         self._release_soon = release_soon
@@ -196,6 +238,7 @@ class Store:
                 undo()
                 self._free(new)
             if not any(col.pieces for col in part.columns.values()):
+                self.resident -= sum(col.held for col in part.columns.values())
                 del self.partitions[uid]
 
         return Pending(commit=commit, rollback=rollback)
@@ -217,14 +260,14 @@ class Store:
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
-        col.ensure(top)
+        self._grow(col, top)
         pid = next(self._piece_ids)
         col.pieces[pid] = piece
         old_pieces = col.piece_of[indexes].copy()
         old_rows = col.row_of[indexes].copy()
         col.piece_of[indexes] = pid
         col.row_of[indexes] = rows
-        self._account(part, piece.nbytes)
+        self._account(part, piece, 1)
         released = []
         overwritten = old_pieces[old_pieces >= 0]
         if len(overwritten):  # new samples (the usual write) replace nothing
@@ -238,18 +281,18 @@ class Store:
             released.append((old_pid, old, count))
             if old.live == 0:
                 del col.pieces[old_pid]
-                self._account(part, -old.nbytes)
+                self._account(part, old, -1)
 
         def undo() -> None:
             col.piece_of[indexes] = old_pieces
             col.row_of[indexes] = old_rows
             for old_pid, old, count in released:
                 if old.live == 0:
-                    self._account(part, old.nbytes)
+                    self._account(part, old, 1)
                 col.pieces[old_pid] = old
                 old.live += count
             del col.pieces[pid]
-            self._account(part, -piece.nbytes)
+            self._account(part, piece, -1)
 
         return undo, piece, [old for _, old, _ in released if old.live == 0]
 
@@ -258,9 +301,15 @@ class Store:
             self.arena.decref(piece.region)
             piece.region = None
 
-    def _account(self, part: PartitionData, delta: int) -> None:
-        part.nbytes += delta
-        self.nbytes += delta
+    def _account(self, part: PartitionData, piece: Piece, sign: int) -> None:
+        part.nbytes += sign * piece.nbytes
+        self.nbytes += sign * piece.nbytes
+        self.resident += sign * piece.cost
+
+    def _grow(self, col: Column, size: int) -> None:
+        before = col.held
+        col.ensure(size)
+        self.resident += col.held - before
 
     def move(self, src_uid: int, dst_uid: int, dst_name: str, src: np.ndarray, dst: np.ndarray) -> None:
         """Re-key samples from one partition to another without copying their bytes."""
@@ -282,7 +331,7 @@ class Store:
             out = target.columns.get(field)
             if out is None:
                 out = target.columns[field] = Column()
-            out.ensure(int(d.max()) + 1)
+            self._grow(out, int(d.max()) + 1)
             for pid in np.unique(pids).tolist():
                 piece = col.pieces[pid]
                 sel = pids == pid
@@ -293,11 +342,11 @@ class Store:
                 out.pieces[new] = sub
                 out.piece_of[d[sel]] = new
                 out.row_of[d[sel]] = np.arange(int(sel.sum()))
-                self._account(target, sub.nbytes)
+                self._account(target, sub, 1)
                 piece.live -= int(sel.sum())
                 if piece.live == 0:
                     del col.pieces[pid]
-                    self._account(part, -piece.nbytes)
+                    self._account(part, piece, -1)
                     self._free(piece)
             col.piece_of[s] = -1
 
@@ -318,7 +367,7 @@ class Store:
                 piece.live -= count
                 if piece.live == 0:
                     del col.pieces[pid]
-                    self._account(part, -piece.nbytes)
+                    self._account(part, piece, -1)
                     self._free(piece)
         return before - part.nbytes
 
@@ -329,6 +378,8 @@ class Store:
         for col in part.columns.values():
             for piece in col.pieces.values():
                 self._free(piece)
+                self.resident -= piece.cost
+            self.resident -= col.held
         self.nbytes -= part.nbytes
         return part.nbytes
 
