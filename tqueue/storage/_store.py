@@ -284,15 +284,23 @@ class Store:
                 self._account(part, old, -1)
 
         def undo() -> None:
-            col.piece_of[indexes] = old_pieces
-            col.row_of[indexes] = old_rows
-            for old_pid, old, count in released:
+            # only the samples still pointing at this write go back: a later write of the
+            # same samples, not yet committed either, keeps what it installed
+            at = np.arange(indexes.start, indexes.stop) if isinstance(indexes, slice) else indexes
+            ours = col.piece_of[at] == pid
+            col.piece_of[at[ours]] = old_pieces[ours]
+            col.row_of[at[ours]] = old_rows[ours]
+            back = old_pieces[ours]
+            ids, counts = np.unique(back[back >= 0], return_counts=True)
+            olds = {old_pid: old for old_pid, old, _ in released}
+            for old_pid, count in zip(ids.tolist(), counts.tolist()):
+                old = olds[old_pid]
                 if old.live == 0:
                     self._account(part, old, 1)
-                col.pieces[old_pid] = old
+                    col.pieces[old_pid] = old
                 old.live += count
-            del col.pieces[pid]
-            self._account(part, piece, -1)
+            if col.pieces.pop(pid, None) is not None:  # else overwritten whole: accounted off
+                self._account(part, piece, -1)
 
         return undo, piece, [old for _, old, _ in released if old.live == 0]
 
