@@ -58,6 +58,8 @@ _CANCEL_KIND = bytes([Kind.CANCEL])
 MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
 MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
 MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
+MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
+MAX_QUEUED_REQUESTS = 1_000  # requests of one peer a server holds unread (its receive high-water mark)
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -127,8 +129,12 @@ class _LoopSocket:
         ``NOBLOCK`` a peer's full or vanished queue) is raised as the ``sending`` boundary's
         error, ``from`` ZeroMQ's."""
         with self._sending:
-            self.sock.send_multipart(frames, copy=copy, flags=flags)
-            self._check()
+            try:
+                self.sock.send_multipart(frames, copy=copy, flags=flags)
+            finally:
+                # a send, even one that fails (a vanished peer), may take the edge of a
+                # message that arrived: without this check it would wait for the next one
+                self._check()
 
     def _check(self) -> None:
         if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -361,9 +367,10 @@ class SendQueues:
         self.refused = 0  # replies answered with an error: the peer had too much unread
         self.unreachable = 0  # replies to peers that are gone
         self.overflowed = 0  # replies dropped: the peer's queue of replies was full
+        self.malformed = 0  # requests that could not be decoded
         self._queued: dict[bytes, int] = {}
         self._lock = threading.Lock()  # releases come from ZeroMQ's thread
-        self._logged: set[bytes] = set()
+        self._logged: set[tuple[bytes, str]] = set()
 
     def queued(self, ident: bytes) -> int:
         with self._lock:
@@ -376,7 +383,7 @@ class SendQueues:
         if not queued or queued + size <= self.max_bytes:
             return None
         self.refused += 1
-        self._log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
+        self.log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
         return UnavailableError(
             f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
             f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
@@ -409,19 +416,22 @@ class SendQueues:
         cause = exc.__cause__
         if isinstance(cause, zmq.Again):
             self.overflowed += 1
-            self._log_once(ident, "has a full queue of unread replies; dropping replies to it (%d so far)", self.overflowed)
+            self.log_once(ident, "has a full queue of unread replies; dropping replies to it (%d so far)", self.overflowed)
         elif isinstance(cause, zmq.ZMQError) and cause.errno == zmq.EHOSTUNREACH:
             self.unreachable += 1
-            self._log_once(ident, "is gone; a reply to it was dropped (%d so far)", self.unreachable)
+            self.log_once(ident, "is gone; a reply to it was dropped (%d so far)", self.unreachable)
         else:
             log.warning("%s", exc)
 
-    def _log_once(self, ident: bytes, what: str, *args: Any) -> None:
-        if ident in self._logged:
+    def log_once(self, ident: bytes, what: str, *args: Any) -> None:
+        """A warning about a peer, the first time only (a peer's trouble can repeat at the
+        rate it sends)."""
+        key = (ident, what)
+        if key in self._logged:
             return
         if len(self._logged) >= self._LOGGED:
             self._logged.clear()
-        self._logged.add(ident)
+        self._logged.add(key)
         log.warning("%s: peer %s " + what, self.name, ident.hex(), *args)
 
 
@@ -461,9 +471,13 @@ class Server:
         # logged) instead of vanishing; the queue of one peer that does not read is bounded
         self._socket.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.sock.setsockopt(zmq.SNDHWM, max_queued_replies)
+        # a peer that sends faster than it is served is read no further (TCP pushes back on
+        # it) once this many of its requests wait: what it sent is held at most this often
+        self._socket.sock.setsockopt(zmq.RCVHWM, MAX_QUEUED_REQUESTS)
         self.address = bind(self._socket.sock, endpoint)
         self._handlers: dict[type, Handler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[bytes, int] = {}  # requests of each peer whose handler waits
         self._stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def route(self, msg_type: type[Message], handler: Handler) -> None:
@@ -504,7 +518,9 @@ class Server:
             with self._decoding:
                 msg, buffers = decode(body, max_header=self.max_header)
         except TQueueError as exc:
-            log.warning("%s: malformed request: %s", self.name, exc)
+            # the sender gets its error; the log gets one line per peer, not one per frame
+            self.queues.malformed += 1
+            self.queues.log_once(ident, "sent a malformed request (%d so far): %s", self.queues.malformed, exc)
             if bytes(body[0].buffer if body else b"") != _CANCEL_KIND:
                 self.reply_error(ident, salvage_rid(body), exc)
             return
@@ -515,6 +531,11 @@ class Server:
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} does not handle {type(msg).__name__} messages")
+            if self._in_flight.get(ident, 0) >= MAX_IN_FLIGHT:
+                raise UnavailableError(
+                    f"{self.name}: {MAX_IN_FLIGHT} requests of this connection are still in progress; "
+                    "wait for their answers"
+                )
             result = handler(ident, msg, buffers)
         except Exception as exc:  # every failure becomes a typed reply; serving goes on
             self.reply_error(ident, msg.rid, exc)
@@ -523,6 +544,7 @@ class Server:
             task = asyncio.get_running_loop().create_task(self._finish(ident, msg.rid, result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            self._in_flight[ident] = self._in_flight.get(ident, 0) + 1
         else:
             self._send_result(ident, msg.rid, result)
 
@@ -541,6 +563,10 @@ class Server:
         except Exception as exc:  # as in _on_request: a typed reply, never a dead server
             self.reply_error(ident, rid, exc)
             return
+        finally:
+            left = self._in_flight.pop(ident, 1) - 1
+            if left:
+                self._in_flight[ident] = left
         self._send_result(ident, rid, result)
 
     def _send_result(self, ident: bytes, rid: int, result: Any) -> None:
