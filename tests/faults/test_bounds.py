@@ -9,7 +9,7 @@ import torch
 
 from tqueue.wire import _messages as _wire
 
-from ._proc import rss
+from ._proc import peak_rss, reset_peak, rss
 
 MiB = 1 << 20
 
@@ -68,3 +68,16 @@ def test_too_many_frames_refused_before_decoding(unit_cluster, raw, uclient, par
     reply = peer.ask(frames)
     assert isinstance(reply, _wire.Error) and re.search(r"a message of 65538 frames; at most 65536", reply.message)
     _uid(uclient, partition)
+
+
+def test_a_write_at_a_high_index_costs_its_pages_not_the_range_below(unit_cluster, unit_pid, raw, partition):
+    spec = _wire.FieldSpec(kind="tensor", dtype="int64", layout="dense", shape=[])
+    block = _wire.FieldBlock(name="x", spec=spec, counts=[1])
+    top = (1 << 26) - 1  # the highest index StorageConfig.max_index allows
+    store = _wire.Store(rid=4, grant_id=1, partition=partition, partition_uid=77, start=top, count=1, blocks=[block])
+    reset_peak(unit_pid)
+    before = rss(unit_pid)
+    reply = raw(unit_cluster.unit_addresses[0]).ask(_wire.encode(store, [b"\0" * 8]))
+    # installed, then refused by the controller (no such grant) and rolled back
+    assert isinstance(reply, _wire.Error) and re.search(r"grant 1 is unknown", reply.message), reply
+    assert peak_rss(unit_pid) - before < 8 * MiB  # it was 512 MiB: the index arrays filled up to it

@@ -20,8 +20,7 @@ import tqueue
 from tqueue.wire import _messages as _wire
 
 from . import _fuzz
-from ._proc import fds, rss, threads
-from .test_queues import peak_rss, reset_peak
+from ._proc import fds, peak_rss, reset_peak, rss, threads
 
 MESSAGES = int(os.environ.get("TQUEUE_FUZZ_MESSAGES", 100_000))
 STREAMS = int(os.environ.get("TQUEUE_FUZZ_STREAMS", 300))

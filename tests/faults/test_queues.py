@@ -16,7 +16,7 @@ import tqueue
 from tqueue.transport import _zmq
 from tqueue.wire import _messages as _wire
 
-from ._proc import rss
+from ._proc import peak_rss, reset_peak, rss
 
 MiB = 1 << 20
 BOUND = 32 * MiB
@@ -28,19 +28,6 @@ FETCHES = 100
 def small_queue() -> Iterator[tqueue.LocalCluster]:
     with tqueue.LocalCluster(num_storage_units=1, storage={"max_queued_bytes": BOUND}) as c:
         yield c
-
-
-def peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-def reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # the peak resident size starts again from the current one
 
 
 def test_a_peer_that_stops_reading_is_bounded_and_told(small_queue, partition):

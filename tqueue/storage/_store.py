@@ -102,16 +102,22 @@ class Piece:
 
 
 class Column:
+    """Per sample index: the id of the piece holding it (0: none; ids start at 1) and its row
+    there. Zero-filled arrays are mapped lazily, so a sample written at a high index costs
+    the pages around it, not the whole range below it."""
+
     def __init__(self) -> None:
-        self.piece_of = np.full(0, -1, dtype=np.int64)
+        self.piece_of = np.zeros(0, dtype=np.int64)
         self.row_of = np.zeros(0, dtype=np.int64)
         self.pieces: dict[int, Piece] = {}
+        self.top = 0  # highest index written + 1
 
     def ensure(self, size: int) -> None:
+        self.top = max(self.top, size)
         if size <= len(self.piece_of):
             return
         cap = max(size, 2 * len(self.piece_of), 1024)
-        piece_of = np.full(cap, -1, dtype=np.int64)
+        piece_of = np.zeros(cap, dtype=np.int64)
         piece_of[: len(self.piece_of)] = self.piece_of
         row_of = np.zeros(cap, dtype=np.int64)
         row_of[: len(self.row_of)] = self.row_of
@@ -119,8 +125,8 @@ class Column:
 
     @property
     def held(self) -> int:
-        """Bytes of the index arrays."""
-        return self.piece_of.nbytes + self.row_of.nbytes
+        """Bytes of the index arrays in use (those below the highest index written)."""
+        return 16 * self.top
 
 
 class PartitionData:
@@ -171,7 +177,7 @@ class Store:
         self.copied = 0
         self.arena = arena
         self._release_soon = release_soon
-        self._piece_ids = itertools.count()
+        self._piece_ids = itertools.count(1)  # 0: no piece
 
     # --- writes ---------------------------------------------------------------------
 
@@ -269,7 +275,7 @@ class Store:
         col.row_of[indexes] = rows
         self._account(part, piece, 1)
         released = []
-        overwritten = old_pieces[old_pieces >= 0]
+        overwritten = old_pieces[old_pieces > 0]
         if len(overwritten):  # new samples (the usual write) replace nothing
             ids, counts = np.unique(overwritten, return_counts=True)
             replaced = zip(ids.tolist(), counts.tolist())
@@ -291,7 +297,7 @@ class Store:
             col.piece_of[at[ours]] = old_pieces[ours]
             col.row_of[at[ours]] = old_rows[ours]
             back = old_pieces[ours]
-            ids, counts = np.unique(back[back >= 0], return_counts=True)
+            ids, counts = np.unique(back[back > 0], return_counts=True)
             olds = {old_pid: old for old_pid, old, _ in released}
             for old_pid, count in zip(ids.tolist(), counts.tolist()):
                 old = olds[old_pid]
@@ -332,7 +338,7 @@ class Store:
             inside = (src >= 0) & (src < len(col.piece_of))
             s, d = src[inside], dst[inside]
             pids, rows = col.piece_of[s], col.row_of[s]
-            have = pids >= 0
+            have = pids > 0
             s, d, pids, rows = s[have], d[have], pids[have], rows[have]
             if not len(s):
                 continue
@@ -356,7 +362,7 @@ class Store:
                     del col.pieces[pid]
                     self._account(part, piece, -1)
                     self._free(piece)
-            col.piece_of[s] = -1
+            col.piece_of[s] = 0
 
     def drop_samples(self, uid: int, indexes: np.ndarray) -> int:
         """Free some samples' bytes (pieces go once no sample uses them); return bytes freed."""
@@ -367,9 +373,9 @@ class Store:
         for col in part.columns.values():
             inside = indexes[(indexes >= 0) & (indexes < len(col.piece_of))]
             pids = col.piece_of[inside]
-            held = inside[pids >= 0]
+            held = inside[pids > 0]
             ids, counts = np.unique(col.piece_of[held], return_counts=True)
-            col.piece_of[held] = -1
+            col.piece_of[held] = 0
             for pid, count in zip(ids.tolist(), counts.tolist()):
                 piece = col.pieces[pid]
                 piece.live -= count
@@ -422,10 +428,10 @@ class Store:
         if col is not None:
             # checked against what the column holds before any lookup: never grown for a read
             held = (indexes >= 0) & (indexes < len(col.piece_of))
-            pids = np.full(len(indexes), -1, dtype=np.int64)
+            pids = np.zeros(len(indexes), dtype=np.int64)
             pids[held] = col.piece_of[indexes[held]]
-        if col is None or (pids < 0).any():
-            bad = indexes if col is None else indexes[pids < 0]
+        if col is None or not pids.all():
+            bad = indexes if col is None else indexes[pids == 0]
             raise SchemaError(
                 f"sample {int(bad[0])} of partition {part.name!r} has no field {field!r} on this unit "
                 f"(samples without it: {_named(bad)})"
