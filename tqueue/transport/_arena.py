@@ -198,7 +198,7 @@ class ArenaMap:
         hi = max(r[0] + r[1] for r in ranges)
         anchor = (ctypes.c_uint8 * (hi - lo)).from_buffer(self.mm, lo)
         weakref.finalize(anchor, on_release)
-        whole = np.frombuffer(anchor, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
+        whole = np.frombuffer(anchor, dtype=np.uint8)  # a ctypes array is a buffer
         return [whole[off - lo : off - lo + length] for off, length in ranges]
 
 

@@ -437,7 +437,7 @@ def send_frames(sock: socket.socket, frames: Sequence[Any]) -> None:
         out = _scratch_of(f.nbytes)
         if not produce(out):
             raise FrameRefused(f"a frame of {f.nbytes} bytes could not be produced for the stream")
-        send_all(sock, [memoryview(out)])  # type: ignore[arg-type]
+        send_all(sock, [memoryview(out)])
     if run:
         send_all(sock, run)
 
@@ -474,7 +474,7 @@ def read_into(sock: socket.socket, targets: Sequence[memoryview | Consumed], tim
             _recv_exactly(sock, t)  # type: ignore[arg-type]
         else:
             buf = _scratch_of(t.nbytes)
-            _recv_exactly(sock, memoryview(buf))  # type: ignore[arg-type]
+            _recv_exactly(sock, memoryview(buf))
             consume(buf)
 
 

@@ -457,10 +457,10 @@ class Server:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_queued_replies: int = MAX_QUEUED_REPLIES,
     ) -> None:
+        self.queues = SendQueues(name, max_queued_bytes)
         self.name = name
         self.max_header = max_header
         self.max_frames = max_frames
-        self.queues = SendQueues(name, max_queued_bytes)
         self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
         self._socket = _LoopSocket(
             zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
@@ -479,6 +479,14 @@ class Server:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[bytes, int] = {}  # requests of each peer whose handler waits
         self._stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def name(self) -> str:
+        return self.queues.name
+
+    @name.setter
+    def name(self, name: str) -> None:  # a unit is named once it has registered
+        self.queues.name = name
 
     def route(self, msg_type: type[Message], handler: Handler) -> None:
         self._handlers[msg_type] = handler
