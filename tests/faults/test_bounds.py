@@ -81,3 +81,23 @@ def test_a_write_at_a_high_index_costs_its_pages_not_the_range_below(unit_cluste
     # installed, then refused by the controller (no such grant) and rolled back
     assert isinstance(reply, _wire.Error) and re.search(r"grant 1 is unknown", reply.message), reply
     assert peak_rss(unit_pid) - before < 8 * MiB  # it was 512 MiB: the index arrays filled up to it
+
+
+def test_a_bulk_store_declaring_a_huge_frame_is_refused_before_allocating(unit_cluster, raw, partition):
+    from tqueue.transport import _bulk
+
+    from .conftest import bulk_address_of
+
+    stream = _bulk.BulkStream(bulk_address_of(unit_cluster), 10)
+    try:
+        spec = _wire.FieldSpec(kind="tensor", dtype="uint8", layout="dense", shape=[1 << 40])
+        block = _wire.FieldBlock(name="x", spec=spec, counts=[1])
+        store = _wire.Store(
+            rid=4, grant_id=1, partition=partition, partition_uid=78, start=0, count=1, blocks=[block],
+            bulk=[(stream.token, 1)],
+        )
+        reply = raw(unit_cluster.unit_addresses[0]).ask(_wire.encode(store))
+        assert isinstance(reply, _wire.Error) and reply.code == "protocol"
+        assert re.search(r"declares a frame of 1099511627776 bytes; at most \d+ \(StorageConfig.max_frame_bytes\)", reply.message)
+    finally:
+        stream.close()

@@ -198,6 +198,11 @@ class StorageUnit:
             if raw or msg.shm is not None:
                 raise ProtocolError("a Store over bulk streams lists [token, frames] lanes and nothing else")
             sizes = [n for block in msg.blocks for n in frame_sizes(block)]
+            if any(n > self.config.max_frame_bytes for n in sizes):
+                raise ProtocolError(
+                    f"a Store over bulk streams declares a frame of {max(sizes)} bytes; at most "
+                    f"{self.config.max_frame_bytes} (StorageConfig.max_frame_bytes)"
+                )
             if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
                 raise ProtocolError(f"the Store's lanes carry {sum(lane[1] for lane in msg.bulk)} frames, its blocks {len(sizes)}")
             frames = [self._buffers.take(n) for n in sizes]
