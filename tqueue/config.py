@@ -66,7 +66,7 @@ class StorageConfig:
     one peer address; a stream beyond either is refused at its hello (the client falls back
     to ZeroMQ). Streams are reclaimed as soon as their client closes or dies.
     ``max_queued_bytes``: reply bytes queued for one peer that does not read them; past it
-    the peer's fetches get a ``StorageUnitUnavailableError`` reply instead, until it reads.
+    the peer's fetches get an ``UnavailableError`` reply instead, until it reads.
     ``max_queued_replies``: replies queued for one peer (ZeroMQ's send high-water mark);
     past it replies to that peer are dropped, counted and logged.
     """
