@@ -54,6 +54,21 @@ class StorageConfig:
     ``bulk``: also listen on a plain TCP port next to the ZeroMQ one, over which clients
     that are not on this host receive fetched payload straight into their batch tensors
     (see :mod:`tqueue.transport._bulk`). Only for ``tcp://`` binds.
+
+    Limits on what one peer or one message can make the unit hold (each refusal is a typed
+    error or a closed connection, never an allocation):
+    ``max_index``: sample indexes at or above this are refused (a column's index arrays cost
+    16 bytes per index up to the highest one held: 1 GiB per field at the limit).
+    ``max_frames``: frames in one ZeroMQ message; more get a protocol error reply unread.
+    ``max_frame_bytes``: ZeroMQ disconnects a peer that sends a larger frame (clients cut
+    payload into ``ClientConfig.chunk_bytes`` frames; one object sample is one frame).
+    ``bulk_streams``, ``bulk_streams_per_peer``: bulk streams open at once, in all and from
+    one peer address; a stream beyond either is refused at its hello (the client falls back
+    to ZeroMQ). Streams are reclaimed as soon as their client closes or dies.
+    ``max_queued_bytes``: reply bytes queued for one peer that does not read them; past it
+    the peer's fetches get an ``UnavailableError`` reply instead, until it reads.
+    ``max_queued_replies``: replies queued for one peer (ZeroMQ's send high-water mark);
+    past it replies to that peer are dropped, counted and logged.
     """
 
     controller: str
@@ -66,6 +81,13 @@ class StorageConfig:
     shm_bytes: int = 8192 * MiB
     hold_timeout: float = 3600.0
     bulk: bool = True
+    max_index: int = 1 << 26
+    max_frames: int = 1 << 16
+    max_frame_bytes: int = 1024 * MiB
+    bulk_streams: int = 512
+    bulk_streams_per_peer: int = 128
+    max_queued_bytes: int = 1024 * MiB
+    max_queued_replies: int = 10_000
 
 
 @dataclasses.dataclass(frozen=True)

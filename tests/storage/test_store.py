@@ -149,3 +149,27 @@ def test_socket_reads_of_arena_bytes_hold_until_the_send_is_done():
         assert released == [region] and arena.used == 0
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("order", [pytest.param("first-fails", id="first-fails"), pytest.param("second-fails", id="second-fails")])
+def test_two_uncommitted_writes_of_the_same_samples_roll_back_in_any_order(order):
+    """Both writes are installed before either commits (each waits on the controller); the
+    one whose commit fails must not undo the other (it raised KeyError before)."""
+    s = Store()
+    s.write(1, "p", np.arange(2), [dense("x", [2])], [rows([1, 2])]).commit()
+    a = s.write(1, "p", np.arange(2), [dense("x", [2])], [rows([3, 4])])
+    b = s.write(1, "p", np.array([1]), [dense("x", [1])], [rows([5])])
+    if order == "first-fails":
+        a.rollback()
+        b.commit()
+        want, held = [1, 5], 3 * ROW  # a goes; sample 0 is the committed one again, whose
+        # frame (two rows) stays held beside b's
+    else:
+        b.rollback()
+        a.commit()
+        want, held = [3, 4], 2 * ROW
+    got = s.read(1, "p", np.arange(2), ["x"]).frames
+    assert bytes(b"".join(bytes(f) for f in got)) == bytes(rows(want))
+    assert s.nbytes == held
+    s.drop(1)
+    assert s.nbytes == 0 and s.resident == 0

@@ -18,7 +18,7 @@ import numpy as np
 from .. import _env, _memory
 from .._memory import BufferPool
 from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, ProtocolError, ProtocolVersionError, UnavailableError
+from ..errors import ControllerUnavailableError, InvalidArgumentError, ProtocolError, ProtocolVersionError, UnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..wire import (
@@ -58,14 +58,20 @@ class StorageUnit:
         self.config = config
         self.host = config.host or _env.host()
         self._server = _zmq.Server(
-            config.bind, name="storage unit", max_header=config.max_header_bytes
+            config.bind,
+            name="storage unit",
+            max_header=config.max_header_bytes,
+            max_frames=config.max_frames,
+            max_frame_bytes=config.max_frame_bytes,
+            max_queued_bytes=config.max_queued_bytes,
+            max_queued_replies=config.max_queued_replies,
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
-        self.data = _Data(self.arena, self._release_soon)
-        self.bulk = _bulk_server(config.bulk, self.address)
+        self.data = _Data(self.arena, self._release_soon, max_index=config.max_index)
+        self.bulk = _bulk_server(config, self.address)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
@@ -138,6 +144,11 @@ class StorageUnit:
         if self._trim is not None:
             self._schedule_trim()  # still busy: keep the freed pages for these writes
         if msg.indexes is None:
+            if msg.count < 0 or msg.start < 0 or msg.start + msg.count > self.data.max_index:
+                raise InvalidArgumentError(
+                    f"partition {msg.partition!r}: samples [{msg.start}, {msg.start + msg.count}) lie "
+                    f"outside [0, {self.data.max_index}) (StorageConfig.max_index)"
+                )
             indexes = np.arange(msg.start, msg.start + msg.count, dtype=np.int64)
         else:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
@@ -162,7 +173,7 @@ class StorageUnit:
                         fields=[b.name for b in msg.blocks],
                         nbytes=nbytes,
                         partition_bytes=part.nbytes,
-                        unit_bytes=self.data.nbytes,
+                        unit_bytes=self.data.resident,
                     ),
                     expect=Ok,
                 )
@@ -187,6 +198,11 @@ class StorageUnit:
             if raw or msg.shm is not None:
                 raise ProtocolError("a Store over bulk streams lists [token, frames] lanes and nothing else")
             sizes = [n for block in msg.blocks for n in frame_sizes(block)]
+            if any(n > self.config.max_frame_bytes for n in sizes):
+                raise ProtocolError(
+                    f"a Store over bulk streams declares a frame of {max(sizes)} bytes; at most "
+                    f"{self.config.max_frame_bytes} (StorageConfig.max_frame_bytes)"
+                )
             if sum(lane[1] for lane in msg.bulk) != len(sizes) or any(lane[1] < 0 for lane in msg.bulk):
                 raise ProtocolError(f"the Store's lanes carry {sum(lane[1] for lane in msg.bulk)} frames, its blocks {len(sizes)}")
             frames = [self._buffers.take(n) for n in sizes]
@@ -322,7 +338,7 @@ class StorageUnit:
                 self._schedule_trim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         part = self.data.partitions.get(msg.partition_uid)
-        return Dropped(unit_bytes=self.data.nbytes, partition_bytes=part.nbytes if part else 0)
+        return Dropped(unit_bytes=self.data.resident, partition_bytes=part.nbytes if part else 0)
 
     def _schedule_trim(self) -> None:
         """(Re)arm the idle timer that returns retained memory to the OS."""
@@ -340,13 +356,15 @@ class StorageUnit:
             self.arena.punch()
 
 
-def _bulk_server(enabled: bool, address: str) -> _bulk.BulkServer | None:
+def _bulk_server(config: StorageConfig, address: str) -> _bulk.BulkServer | None:
     """The bulk listener, on the interface of the ZeroMQ bind (``tcp://`` binds only)."""
-    if not enabled or not address.startswith("tcp://"):
+    if not config.bulk or not address.startswith("tcp://"):
         return None
     host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     try:
-        return _bulk.BulkServer(host)
+        return _bulk.BulkServer(
+            host, max_streams=config.bulk_streams, max_per_peer=config.bulk_streams_per_peer
+        )
     except UnavailableError as exc:
         log.warning("%s; fetched payload goes over ZeroMQ", exc)
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,15 +26,58 @@ from ..wire._messages import PackedType
 # Runs below this size are joined into one frame: ZeroMQ copies frames this small anyway.
 SMALL_RUN = 1 << 16
 JOIN_LIMIT = 4 << 20
+# Sample indexes a unit accepts by default (StorageConfig.max_index): a column's index arrays
+# cost 16 bytes per index up to the highest one written, so one message naming index 10**12
+# must be refused, not allocated for.
+MAX_INDEX = 1 << 26
+
+
+def _named(indexes: np.ndarray, limit: int = 8) -> str:
+    """Some of ``indexes`` for an error message (a message's cost, never its size)."""
+    shown = ", ".join(str(int(i)) for i in indexes[:limit])
+    return f"[{shown}{', ...' if len(indexes) > limit else ''}] ({len(indexes)} samples)"
+
+
+# ZeroMQ receives small frames into shared batch buffers (8 KiB, ZMQ_IN_BATCH_SIZE) and a
+# frame kept pins its whole buffer: a 64-byte put held 10 KB. Frames this small are copied.
+COPY_BELOW = 8 << 10
+
+
+def _kept(frame: Any) -> memoryview:
+    """The view a piece keeps of a received frame (see COPY_BELOW)."""
+    if hasattr(frame, "buffer"):  # a ZeroMQ frame
+        return memoryview(frame.bytes) if len(frame) <= COPY_BELOW else frame.buffer
+    return memoryview(frame)
+
+
+_OBJECT = 16  # malloc's header on each Python object
+_ENTRY = 112  # a piece's share of its column's dict and its id (measured: 10,000 pieces)
+
+
+def _cost(piece: Piece, *, frames: bool) -> int:
+    """Bytes a piece holds resident: its bookkeeping objects and, with ``frames``, its views
+    and the buffers under them (a copied small frame: the bytes object; otherwise the
+    payload; the same bytes the budget counts, even where they lie in the arena)."""
+    spec = piece.spec  # decoded anew for every write
+    parts: list[Any] = [piece, piece.frame_of, piece.offsets, piece.sizes, piece.frames, piece.arena, spec, spec.shape]
+    if piece.shapes is not None:
+        parts.append(piece.shapes)
+    held = sum(sys.getsizeof(x) + _OBJECT for x in parts) + _ENTRY
+    if frames:
+        for view in piece.frames:
+            held += sys.getsizeof(view) + _OBJECT
+            under = view.obj
+            held += sys.getsizeof(under) + _OBJECT if isinstance(under, bytes) else view.nbytes
+    return held
 
 
 class Piece:
-    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed")
+    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed", "cost")
 
     def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
         self.frame_of, self.offsets, self.sizes = frame_layout(block, frames)
         self.spec = block.spec
-        self.frames = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        self.frames = [_kept(f) for f in frames]
         self.arena = list(arena)  # absolute arena offset of each frame, -1 if not in the arena
         self.region = region if any(a >= 0 for a in self.arena) else None
         self.shapes = None if block.spec.kind == "object" or block.spec.layout == "dense" else (
@@ -42,6 +86,7 @@ class Piece:
         self.live = len(self.sizes)
         self.nbytes = sum(nbytes(f) for f in frames)
         self.packed = block.packed  # per frame: "" or the narrower int type its values are in
+        self.cost = _cost(self, frames=True)
 
     def subset(self, rows: np.ndarray) -> Piece:
         """A piece over some of these rows, sharing the frames (for moving samples)."""
@@ -52,24 +97,36 @@ class Piece:
         sub.shapes = None if self.shapes is None else self.shapes[rows]
         sub.live = len(rows)
         sub.nbytes = int(sub.sizes.sum())
+        sub.cost = _cost(sub, frames=False) + sub.nbytes
         return sub
 
 
 class Column:
+    """Per sample index: the id of the piece holding it (0: none; ids start at 1) and its row
+    there. Zero-filled arrays are mapped lazily, so a sample written at a high index costs
+    the pages around it, not the whole range below it."""
+
     def __init__(self) -> None:
-        self.piece_of = np.full(0, -1, dtype=np.int64)
+        self.piece_of = np.zeros(0, dtype=np.int64)
         self.row_of = np.zeros(0, dtype=np.int64)
         self.pieces: dict[int, Piece] = {}
+        self.top = 0  # highest index written + 1
 
     def ensure(self, size: int) -> None:
+        self.top = max(self.top, size)
         if size <= len(self.piece_of):
             return
         cap = max(size, 2 * len(self.piece_of), 1024)
-        piece_of = np.full(cap, -1, dtype=np.int64)
+        piece_of = np.zeros(cap, dtype=np.int64)
         piece_of[: len(self.piece_of)] = self.piece_of
         row_of = np.zeros(cap, dtype=np.int64)
         row_of[: len(self.row_of)] = self.row_of
         self.piece_of, self.row_of = piece_of, row_of
+
+    @property
+    def held(self) -> int:
+        """Bytes of the index arrays in use (those below the highest index written)."""
+        return 16 * self.top
 
 
 class PartitionData:
@@ -106,13 +163,21 @@ class Store:
     in ZeroMQ's own thread); the server makes it thread-safe.
     """
 
-    def __init__(self, arena: Arena | None = None, release_soon: Callable[[Region], None] | None = None) -> None:
+    def __init__(
+        self,
+        arena: Arena | None = None,
+        release_soon: Callable[[Region], None] | None = None,
+        *,
+        max_index: int = MAX_INDEX,
+    ) -> None:
+        self.max_index = max_index
         self.partitions: dict[int, PartitionData] = {}
-        self.nbytes = 0
+        self.nbytes = 0  # payload held
+        self.resident = 0  # what holding it costs: payload, bookkeeping, index arrays
         self.copied = 0
         self.arena = arena
         self._release_soon = release_soon
-        self._piece_ids = itertools.count()
+        self._piece_ids = itertools.count(1)  # 0: no piece
 
     # --- writes ---------------------------------------------------------------------
 
@@ -130,8 +195,7 @@ class Store:
         """Install a write; pieces it overwrites stay until ``commit()``."""
         if uid <= 0:
             raise ProtocolError(f"bad partition uid {uid}")
-        if len(indexes) and indexes.min() < 0:
-            raise ProtocolError("negative sample index")
+        self.check_indexes(name, indexes)
         span: slice | np.ndarray = slice(int(indexes[0]), int(indexes[-1]) + 1) if len(indexes) else indexes
         if len(indexes) > 1 and not np.all(np.diff(indexes) == 1):  # not a plain range
             span = indexes
@@ -180,9 +244,19 @@ class Store:
                 undo()
                 self._free(new)
             if not any(col.pieces for col in part.columns.values()):
+                self.resident -= sum(col.held for col in part.columns.values())
                 del self.partitions[uid]
 
         return Pending(commit=commit, rollback=rollback)
+
+    def check_indexes(self, name: str, indexes: np.ndarray) -> None:
+        """Indexes a write or a move may target: none negative or beyond ``max_index``."""
+        bad = indexes[(indexes < 0) | (indexes >= self.max_index)]
+        if len(bad):
+            raise InvalidArgumentError(
+                f"partition {name!r}: sample indexes {_named(bad)} lie outside [0, {self.max_index}) "
+                "(StorageConfig.max_index)"
+            )
 
     def _install(
         self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int
@@ -192,16 +266,16 @@ class Store:
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
-        col.ensure(top)
+        self._grow(col, top)
         pid = next(self._piece_ids)
         col.pieces[pid] = piece
         old_pieces = col.piece_of[indexes].copy()
         old_rows = col.row_of[indexes].copy()
         col.piece_of[indexes] = pid
         col.row_of[indexes] = rows
-        self._account(part, piece.nbytes)
+        self._account(part, piece, 1)
         released = []
-        overwritten = old_pieces[old_pieces >= 0]
+        overwritten = old_pieces[old_pieces > 0]
         if len(overwritten):  # new samples (the usual write) replace nothing
             ids, counts = np.unique(overwritten, return_counts=True)
             replaced = zip(ids.tolist(), counts.tolist())
@@ -213,18 +287,26 @@ class Store:
             released.append((old_pid, old, count))
             if old.live == 0:
                 del col.pieces[old_pid]
-                self._account(part, -old.nbytes)
+                self._account(part, old, -1)
 
         def undo() -> None:
-            col.piece_of[indexes] = old_pieces
-            col.row_of[indexes] = old_rows
-            for old_pid, old, count in released:
+            # only the samples still pointing at this write go back: a later write of the
+            # same samples, not yet committed either, keeps what it installed
+            at = np.arange(indexes.start, indexes.stop) if isinstance(indexes, slice) else indexes
+            ours = col.piece_of[at] == pid
+            col.piece_of[at[ours]] = old_pieces[ours]
+            col.row_of[at[ours]] = old_rows[ours]
+            back = old_pieces[ours]
+            ids, counts = np.unique(back[back > 0], return_counts=True)
+            olds = {old_pid: old for old_pid, old, _ in released}
+            for old_pid, count in zip(ids.tolist(), counts.tolist()):
+                old = olds[old_pid]
                 if old.live == 0:
-                    self._account(part, old.nbytes)
-                col.pieces[old_pid] = old
+                    self._account(part, old, 1)
+                    col.pieces[old_pid] = old
                 old.live += count
-            del col.pieces[pid]
-            self._account(part, -piece.nbytes)
+            if col.pieces.pop(pid, None) is not None:  # else overwritten whole: accounted off
+                self._account(part, piece, -1)
 
         return undo, piece, [old for _, old, _ in released if old.live == 0]
 
@@ -233,30 +315,37 @@ class Store:
             self.arena.decref(piece.region)
             piece.region = None
 
-    def _account(self, part: PartitionData, delta: int) -> None:
-        part.nbytes += delta
-        self.nbytes += delta
+    def _account(self, part: PartitionData, piece: Piece, sign: int) -> None:
+        part.nbytes += sign * piece.nbytes
+        self.nbytes += sign * piece.nbytes
+        self.resident += sign * piece.cost
+
+    def _grow(self, col: Column, size: int) -> None:
+        before = col.held
+        col.ensure(size)
+        self.resident += col.held - before
 
     def move(self, src_uid: int, dst_uid: int, dst_name: str, src: np.ndarray, dst: np.ndarray) -> None:
         """Re-key samples from one partition to another without copying their bytes."""
         part = self.partitions.get(src_uid)
         if part is None:
             return
+        self.check_indexes(dst_name, dst)
         target = self.partitions.get(dst_uid)
         if target is None:
             target = self.partitions[dst_uid] = PartitionData(dst_uid, dst_name)
         for field, col in part.columns.items():
-            inside = src < len(col.piece_of)
+            inside = (src >= 0) & (src < len(col.piece_of))
             s, d = src[inside], dst[inside]
             pids, rows = col.piece_of[s], col.row_of[s]
-            have = pids >= 0
+            have = pids > 0
             s, d, pids, rows = s[have], d[have], pids[have], rows[have]
             if not len(s):
                 continue
             out = target.columns.get(field)
             if out is None:
                 out = target.columns[field] = Column()
-            out.ensure(int(d.max()) + 1)
+            self._grow(out, int(d.max()) + 1)
             for pid in np.unique(pids).tolist():
                 piece = col.pieces[pid]
                 sel = pids == pid
@@ -267,13 +356,13 @@ class Store:
                 out.pieces[new] = sub
                 out.piece_of[d[sel]] = new
                 out.row_of[d[sel]] = np.arange(int(sel.sum()))
-                self._account(target, sub.nbytes)
+                self._account(target, sub, 1)
                 piece.live -= int(sel.sum())
                 if piece.live == 0:
                     del col.pieces[pid]
-                    self._account(part, -piece.nbytes)
+                    self._account(part, piece, -1)
                     self._free(piece)
-            col.piece_of[s] = -1
+            col.piece_of[s] = 0
 
     def drop_samples(self, uid: int, indexes: np.ndarray) -> int:
         """Free some samples' bytes (pieces go once no sample uses them); return bytes freed."""
@@ -282,17 +371,17 @@ class Store:
             return 0
         before = part.nbytes
         for col in part.columns.values():
-            inside = indexes[indexes < len(col.piece_of)]
+            inside = indexes[(indexes >= 0) & (indexes < len(col.piece_of))]
             pids = col.piece_of[inside]
-            held = inside[pids >= 0]
+            held = inside[pids > 0]
             ids, counts = np.unique(col.piece_of[held], return_counts=True)
-            col.piece_of[held] = -1
+            col.piece_of[held] = 0
             for pid, count in zip(ids.tolist(), counts.tolist()):
                 piece = col.pieces[pid]
                 piece.live -= count
                 if piece.live == 0:
                     del col.pieces[pid]
-                    self._account(part, -piece.nbytes)
+                    self._account(part, piece, -1)
                     self._free(piece)
         return before - part.nbytes
 
@@ -303,6 +392,8 @@ class Store:
         for col in part.columns.values():
             for piece in col.pieces.values():
                 self._free(piece)
+                self.resident -= piece.cost
+            self.resident -= col.held
         self.nbytes -= part.nbytes
         return part.nbytes
 
@@ -335,12 +426,15 @@ class Store:
         if len(indexes) == 0:
             raise InvalidArgumentError("a read needs at least one sample")
         if col is not None:
-            col.ensure(int(indexes.max()) + 1)
-            pids = col.piece_of[indexes]
-        if col is None or (pids < 0).any():
-            bad = indexes[0] if col is None else indexes[pids < 0][0]
+            # checked against what the column holds before any lookup: never grown for a read
+            held = (indexes >= 0) & (indexes < len(col.piece_of))
+            pids = np.zeros(len(indexes), dtype=np.int64)
+            pids[held] = col.piece_of[indexes[held]]
+        if col is None or not pids.all():
+            bad = indexes if col is None else indexes[pids == 0]
             raise SchemaError(
-                f"sample {int(bad)} of partition {part.name!r} has no field {field!r} on this unit"
+                f"sample {int(bad[0])} of partition {part.name!r} has no field {field!r} on this unit "
+                f"(samples without it: {_named(bad)})"
             )
         rows = col.row_of[indexes]
         n = len(indexes)

@@ -15,7 +15,10 @@ them while the unit reads. A stream carries one operation at a time; whoever giv
 mid-way closes the stream, so bytes are never read out of step.
 
 Each stream has a writer thread on the unit (sends release the GIL); reads, on both sides,
-run in worker threads with ``MSG_WAITALL``: one system call per destination.
+run in worker threads with ``MSG_WAITALL``: one system call per destination. One more thread
+watches every stream for its peer hanging up, so that a closed or killed client's streams
+(socket and thread) are reclaimed at once; the streams a unit holds are capped in all and
+per peer address, and one beyond a cap is refused at its hello with the reason.
 
 Some frames pass through a per-thread scratch buffer of about a MiB, so that their bytes stay
 in the core's cache: a :class:`Produced` frame is written into it as it is sent, a
@@ -36,6 +39,7 @@ import ipaddress
 import logging
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -60,6 +64,9 @@ WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stre
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 LOOPBACK_SNDBUF = 256 << 10
 IO_THREADS = 32
+MAX_STREAMS = 512  # streams a unit holds at once by default (StorageConfig.bulk_streams)
+MAX_STREAMS_PER_PEER = 128  # from one peer address (StorageConfig.bulk_streams_per_peer)
+_REASON = 200  # bytes of a refusal's reason
 _CLIENT_IO = io_errors(StorageUnitUnavailableError)
 _UNIT_IO: ErrorMap = {OSError: ProtocolError}  # a writer that breaks off its put: the put is refused
 
@@ -123,18 +130,41 @@ def _writer_opts(sock: socket.socket) -> None:
 
 class BulkServer:
     """A unit's listening stream socket, its accepted streams and their writer threads;
-    UnavailableError where it cannot listen on ``host``."""
+    UnavailableError where it cannot listen on ``host``.
 
-    def __init__(self, host: str, *, name: str = "storage unit") -> None:
+    Every stream is reclaimed as soon as its peer goes: one thread watches all of them for
+    a hang-up (epoll ``EPOLLRDHUP``: the peer closed or died, even with bytes unread), and
+    the stream's writer thread then closes it. At most ``max_streams`` streams (greeting
+    or open) exist at once, ``max_per_peer`` from one peer address; one beyond either is
+    refused at its hello with ``R`` and the reason (the client sends over ZeroMQ instead).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        name: str = "storage unit",
+        max_streams: int = MAX_STREAMS,
+        max_per_peer: int = MAX_STREAMS_PER_PEER,
+    ) -> None:
         self.name = name
+        self.max_streams = max_streams
+        self.max_per_peer = max_per_peer
         with Boundary(f"{name}: cannot listen for bulk streams on {host}", io_errors(UnavailableError)):
             self._listener = socket.create_server((host, 0), backlog=64)
         self.address = "%s:%d" % self._listener.getsockname()[:2]
         self._streams: dict[int, _Writer] = {}
+        self._peers: dict[str, int] = {}  # streams greeting or open, by peer address
         self._lock = threading.Lock()
         self._closed = False
+        self._watch = _HangupWatch()
         self._accepting = threading.Thread(target=self._accept, name="tqueue-bulk-accept", daemon=True)
         self._accepting.start()
+
+    @property
+    def open_streams(self) -> int:
+        with self._lock:
+            return sum(self._peers.values())
 
     def send(self, token: int, frames: Sequence[Any]) -> bool:
         """Queue ``frames`` for the stream of ``token``; False if there is no such stream."""
@@ -174,24 +204,51 @@ class BulkServer:
         for w in writers:
             w.stop()
         self._accepting.join(timeout=5)
+        self._watch.close()
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._handshake, args=(sock,), name="tqueue-bulk-hello", daemon=True).start()
+            refused = self._admit(addr[0])
+            if refused:
+                _refuse(sock, refused)
+                log.info("%s: refused a bulk stream from %s: %s", self.name, addr[0], refused)
+                continue
+            threading.Thread(
+                target=self._handshake, args=(sock, addr[0]), name="tqueue-bulk-hello", daemon=True
+            ).start()
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _admit(self, peer: str) -> str:
+        """Count a new stream from ``peer``; the reason it is refused, or ``""``."""
+        with self._lock:
+            if sum(self._peers.values()) >= self.max_streams:
+                return f"{self.max_streams} bulk streams are open (StorageConfig.bulk_streams)"
+            if self._peers.get(peer, 0) >= self.max_per_peer:
+                return f"{self.max_per_peer} bulk streams from {peer} are open (StorageConfig.bulk_streams_per_peer)"
+            self._peers[peer] = self._peers.get(peer, 0) + 1
+            return ""
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            left = self._peers.get(peer, 0) - 1
+            if left > 0:
+                self._peers[peer] = left
+            else:
+                self._peers.pop(peer, None)
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
         try:
             with Boundary(f"{self.name}: bulk stream hello", _UNIT_IO):
-                self._greet(sock)
+                self._greet(sock, peer)
         except ProtocolError as exc:  # an accept thread has no caller: the peer sees the close
             log.info("%s: refused a bulk stream: %s", self.name, exc)
             sock.close()
+            self._release(peer)
 
-    def _greet(self, sock: socket.socket) -> None:
+    def _greet(self, sock: socket.socket, peer: str) -> None:
         """Read the hello, register the stream under its token and answer ``K``."""
         sock.settimeout(HELLO_TIMEOUT)
         hello = sock.recv(_HELLO.size, socket.MSG_WAITALL)
@@ -200,26 +257,101 @@ class BulkServer:
         (_, token) = _HELLO.unpack(hello)
         stall_limit(sock, WRITE_STALL)  # a reader that stops reading frees the writer
         _writer_opts(sock)
-        writer = _Writer(sock, token, self._forget)
+        writer = _Writer(sock, token, peer, self._forget)
         with self._lock:
             if self._closed or token in self._streams:
                 raise ProtocolError(f"bulk stream token {token} is already in use")
             self._streams[token] = writer
-        sock.sendall(_OK)
+        try:
+            sock.sendall(_OK)
+        except OSError:
+            with self._lock:
+                del self._streams[token]
+            raise
+        self._watch.add(writer)
         writer.start()
 
     def _forget(self, writer: _Writer) -> None:
+        """A writer's last act, before it closes its socket."""
+        self._watch.remove(writer)
         with self._lock:
             if self._streams.get(writer.token) is writer:
                 del self._streams[writer.token]
+        self._release(writer.peer)
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    """Answer a hello that will not be served: ``R`` and the reason, then close (never
+    blocks: a peer that does not read loses the reason, not the unit its accept thread)."""
+    try:
+        sock.send(b"R" + reason.encode()[:_REASON], socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    sock.close()
+
+
+class _HangupWatch:
+    """One thread that notices, for every open stream, its peer hanging up (closed, reset
+    or killed) and stops that stream's writer, which then closes it: a stream never
+    outlives its peer, whether or not it is in use. ``EPOLLRDHUP`` only: bytes arriving
+    (a put) never wake it."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake, select.EPOLLIN)
+        self._writers: dict[int, _Writer] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="tqueue-bulk-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, writer: _Writer) -> None:
+        with self._lock:
+            self._writers[writer.fd] = writer
+            self._epoll.register(writer.fd, select.EPOLLRDHUP)
+
+    def remove(self, writer: _Writer) -> None:
+        with self._lock:
+            if self._writers.get(writer.fd) is writer:
+                del self._writers[writer.fd]
+                try:
+                    self._epoll.unregister(writer.fd)
+                except (OSError, ValueError):
+                    pass  # the epoll is closed
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events = self._epoll.poll()
+            except (OSError, ValueError):
+                return  # closed
+            for fd, _ in events:
+                if fd == self._wake:
+                    return
+                with self._lock:
+                    writer = self._writers.pop(fd, None)
+                    if writer is not None:
+                        self._epoll.unregister(fd)  # level-triggered: once is enough
+                if writer is not None:
+                    log.debug("bulk stream %d: its peer hung up", writer.token)
+                    writer.hangup()
+
+    def close(self) -> None:
+        os.eventfd_write(self._wake, 1)
+        self._thread.join(timeout=5)
+        with self._lock:
+            self._epoll.close()
+        os.close(self._wake)
 
 
 class _Writer:
-    """One stream's writer thread: sends queued frame lists in order."""
+    """One stream's writer thread: sends queued frame lists in order; closes the stream."""
 
-    def __init__(self, sock: socket.socket, token: int, forget: Any) -> None:
+    def __init__(self, sock: socket.socket, token: int, peer: str, forget: Callable[[_Writer], None]) -> None:
         self.sock = sock
+        self.fd = sock.fileno()
         self.token = token
+        self.peer = peer
         self.jobs: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
         self.dead = False
         self._forget = forget
@@ -229,9 +361,14 @@ class _Writer:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def hangup(self) -> None:
+        """The peer is gone: end the thread, which closes the stream (a blocked send or
+        read fails on its own, the peer having reset or closed)."""
         self.dead = True
         self.jobs.put(None)
+
+    def stop(self) -> None:
+        self.hangup()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -247,6 +384,10 @@ class _Writer:
         finally:
             self.dead = True
             self._forget(self)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # a read of a put under way ends now
+            except OSError:
+                pass
             self.sock.close()
             while True:  # drop what was queued behind a failed send
                 try:
@@ -359,7 +500,11 @@ class BulkStream:
             self.sock = sock = socket.create_connection((host, int(port)), timeout=timeout)
             _stream_opts(sock)
             sock.sendall(_HELLO.pack(_MAGIC, self.token))
-            if sock.recv(1, socket.MSG_WAITALL) != _OK:
+            answer = sock.recv(1, socket.MSG_WAITALL)
+            if answer == b"R":
+                reason = sock.recv(_REASON).decode(errors="replace")
+                raise ConnectionError(f"the unit refused the stream: {reason}")
+            if answer != _OK:
                 raise ConnectionError("the unit closed the stream during the hello")
 
     def read(self, targets: Sequence[memoryview | Consumed], timeout: float) -> None:

@@ -27,7 +27,9 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, TypeVar
 
@@ -53,6 +55,11 @@ PEER_DEFAULT: Final = _Default.PEER
 Timeout = float | Literal[_Default.PEER]
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
+MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
+MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
+MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
+MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
+MAX_QUEUED_REQUESTS = 1_000  # requests of one peer a server holds unread (its receive high-water mark)
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -78,8 +85,9 @@ def context() -> zmq.Context:
 
 
 def _tune(sock: zmq.Socket) -> None:
-    # Unbounded queues: a ROUTER drops what exceeds its HWM, and dropping a reply would
-    # leave a caller waiting for its timeout. Requests are bounded by their callers.
+    # Unbounded queues: a plain ROUTER drops what exceeds its HWM silently, and dropping a
+    # reply would leave a caller waiting for its timeout. Requests are bounded by their
+    # callers; a Server bounds its replies per peer itself (ROUTER_MANDATORY, SendQueues).
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     # Closing must not wait for peers that are gone; what matters was acknowledged.
@@ -100,7 +108,8 @@ class _LoopSocket:
     ZeroMQ's descriptor is edge-triggered and only says "look at EVENTS": on each wake-up
     every queued message is received and handed to ``on_message``; after each send the
     events are checked again, since a send can consume the edge of a message that arrived.
-    Sends never block: high-water marks are unbounded. ``on_message`` handles its own
+    Sends never block: high-water marks are unbounded, or (a server's) sends are
+    ``NOBLOCK`` and a full queue fails the send. ``on_message`` handles its own
     failures; one that escapes it anyway is logged and costs that message only, since the
     messages queued behind it would otherwise wait for the next edge.
     """
@@ -115,12 +124,17 @@ class _LoopSocket:
         self._scheduled = False
         self.closed = False
 
-    def send(self, frames: Sequence[Any], *, copy: bool) -> None:
-        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call) is raised as
-        the ``sending`` boundary's error."""
+    def send(self, frames: Sequence[Any], *, copy: bool, flags: int = 0) -> None:
+        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call, or with
+        ``NOBLOCK`` a peer's full or vanished queue) is raised as the ``sending`` boundary's
+        error, ``from`` ZeroMQ's."""
         with self._sending:
-            self.sock.send_multipart(frames, copy=copy)
-            self._check()
+            try:
+                self.sock.send_multipart(frames, copy=copy, flags=flags)
+            finally:
+                # a send, even one that fails (a vanished peer), may take the edge of a
+                # message that arrived: without this check it would wait for the next one
+                self._check()
 
     def _check(self) -> None:
         if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -333,6 +347,94 @@ class BlockingPeer:
 Handler = Callable[[bytes, Any, list[Any]], Any]
 
 
+class SendQueues:
+    """What a server has queued for each peer, and what it could not deliver.
+
+    ZeroMQ keeps a reply's zero-copy buffers until the peer's connection has taken them, so
+    a peer that stops reading would grow the server without bound. Bytes of buffers handed
+    to ZeroMQ are counted per peer until ZeroMQ lets go of them (from its own thread); a
+    reply with buffers that would take a peer past ``max_bytes`` is answered with an
+    :class:`UnavailableError` instead (the first one always goes: a single reply larger than
+    the bound is served). Replies that ZeroMQ refuses (the peer is gone: ``ROUTER_MANDATORY``;
+    its queue of ``max_queued_replies`` is full) are counted, and logged once per peer.
+    """
+
+    _LOGGED = 4096  # peers remembered as logged (then the set starts over)
+
+    def __init__(self, name: str, max_bytes: int) -> None:
+        self.name = name
+        self.max_bytes = max_bytes
+        self.refused = 0  # replies answered with an error: the peer had too much unread
+        self.unreachable = 0  # replies to peers that are gone
+        self.overflowed = 0  # replies dropped: the peer's queue of replies was full
+        self.malformed = 0  # requests that could not be decoded
+        self._queued: dict[bytes, int] = {}
+        self._lock = threading.Lock()  # releases come from ZeroMQ's thread
+        self._logged: set[tuple[bytes, str]] = set()
+
+    def queued(self, ident: bytes) -> int:
+        with self._lock:
+            return self._queued.get(ident, 0)
+
+    def admit(self, ident: bytes, buffers: Sequence[Any]) -> UnavailableError | None:
+        """None if a reply of ``buffers`` may be queued for ``ident``; else the error sent."""
+        size = sum(memoryview(b).nbytes for b in buffers)
+        queued = self.queued(ident)
+        if not queued or queued + size <= self.max_bytes:
+            return None
+        self.refused += 1
+        self.log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
+        return UnavailableError(
+            f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
+            f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
+        )
+
+    def track(self, ident: bytes, buffers: Sequence[Any]) -> list[Any]:
+        """``buffers`` as views whose release by ZeroMQ takes their bytes off the count."""
+        out = []
+        total = 0
+        for b in buffers:
+            view = memoryview(b)
+            if view.nbytes >= zmq.COPY_THRESHOLD:  # smaller ones are copied at the send
+                total += view.nbytes
+                weakref.finalize(view, self._release, ident, view.nbytes)
+            out.append(view)
+        with self._lock:
+            self._queued[ident] = self._queued.get(ident, 0) + total
+        return out
+
+    def _release(self, ident: bytes, nbytes: int) -> None:
+        with self._lock:
+            left = self._queued.get(ident, 0) - nbytes
+            if left > 0:
+                self._queued[ident] = left
+            else:
+                self._queued.pop(ident, None)
+
+    def undelivered(self, ident: bytes, exc: UnavailableError) -> None:
+        """A reply ZeroMQ refused: say so (the requester learns at its timeout)."""
+        cause = exc.__cause__
+        if isinstance(cause, zmq.Again):
+            self.overflowed += 1
+            self.log_once(ident, "has a full queue of unread replies; dropping replies to it (%d so far)", self.overflowed)
+        elif isinstance(cause, zmq.ZMQError) and cause.errno == zmq.EHOSTUNREACH:
+            self.unreachable += 1
+            self.log_once(ident, "is gone; a reply to it was dropped (%d so far)", self.unreachable)
+        else:
+            log.warning("%s", exc)
+
+    def log_once(self, ident: bytes, what: str, *args: Any) -> None:
+        """A warning about a peer, the first time only (a peer's trouble can repeat at the
+        rate it sends)."""
+        key = (ident, what)
+        if key in self._logged:
+            return
+        if len(self._logged) >= self._LOGGED:
+            self._logged.clear()
+        self._logged.add(key)
+        log.warning("%s: peer %s " + what, self.name, ident.hex(), *args)
+
+
 class Server:
     """A ROUTER socket and the dispatch of its requests to typed handlers.
 
@@ -344,17 +446,47 @@ class Server:
     returns or raises is dropped) and is dropped otherwise.
     """
 
-    def __init__(self, endpoint: str, *, name: str, max_header: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str,
+        max_header: int,
+        max_frames: int = MAX_FRAMES,
+        max_frame_bytes: int = -1,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_queued_replies: int = MAX_QUEUED_REPLIES,
+    ) -> None:
+        self.queues = SendQueues(name, max_queued_bytes)
         self.name = name
         self.max_header = max_header
+        self.max_frames = max_frames
         self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
         self._socket = _LoopSocket(
             zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
         )
+        # ZeroMQ drops the connection of a peer whose frame exceeds this before it is received
+        self._socket.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # a reply to a peer that is gone, or whose queue is full, fails the send (counted,
+        # logged) instead of vanishing; the queue of one peer that does not read is bounded
+        self._socket.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.sock.setsockopt(zmq.SNDHWM, max_queued_replies)
+        # a peer that sends faster than it is served is read no further (TCP pushes back on
+        # it) once this many of its requests wait: what it sent is held at most this often
+        self._socket.sock.setsockopt(zmq.RCVHWM, MAX_QUEUED_REQUESTS)
         self.address = bind(self._socket.sock, endpoint)
         self._handlers: dict[type, Handler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[bytes, int] = {}  # requests of each peer whose handler waits
         self._stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def name(self) -> str:
+        return self.queues.name
+
+    @name.setter
+    def name(self, name: str) -> None:  # a unit is named once it has registered
+        self.queues.name = name
 
     def route(self, msg_type: type[Message], handler: Handler) -> None:
         self._handlers[msg_type] = handler
@@ -365,10 +497,16 @@ class Server:
         if self._socket.closed:
             return
         msg.rid = rid
+        if buffers:
+            refusal = self.queues.admit(ident, buffers)
+            if refusal is not None:
+                msg, buffers = error_reply(rid, refusal), ()
+            else:
+                buffers = self.queues.track(ident, buffers)
         try:
-            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers)
+            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=zmq.NOBLOCK)
         except UnavailableError as exc:
-            log.warning("%s", exc)
+            self.queues.undelivered(ident, exc)
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
@@ -383,10 +521,14 @@ class Server:
         ident = frames[0].bytes
         body = frames[1:]
         try:
+            if len(body) > self.max_frames:
+                raise ProtocolError(f"a message of {len(body)} frames; at most {self.max_frames} are accepted")
             with self._decoding:
                 msg, buffers = decode(body, max_header=self.max_header)
         except TQueueError as exc:
-            log.warning("%s: malformed request: %s", self.name, exc)
+            # the sender gets its error; the log gets one line per peer, not one per frame
+            self.queues.malformed += 1
+            self.queues.log_once(ident, "sent a malformed request (%d so far): %s", self.queues.malformed, exc)
             if bytes(body[0].buffer if body else b"") != _CANCEL_KIND:
                 self.reply_error(ident, salvage_rid(body), exc)
             return
@@ -397,6 +539,11 @@ class Server:
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} does not handle {type(msg).__name__} messages")
+            if self._in_flight.get(ident, 0) >= MAX_IN_FLIGHT:
+                raise UnavailableError(
+                    f"{self.name}: {MAX_IN_FLIGHT} requests of this connection are still in progress; "
+                    "wait for their answers"
+                )
             result = handler(ident, msg, buffers)
         except Exception as exc:  # every failure becomes a typed reply; serving goes on
             self.reply_error(ident, msg.rid, exc)
@@ -405,6 +552,7 @@ class Server:
             task = asyncio.get_running_loop().create_task(self._finish(ident, msg.rid, result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            self._in_flight[ident] = self._in_flight.get(ident, 0) + 1
         else:
             self._send_result(ident, msg.rid, result)
 
@@ -423,6 +571,10 @@ class Server:
         except Exception as exc:  # as in _on_request: a typed reply, never a dead server
             self.reply_error(ident, rid, exc)
             return
+        finally:
+            left = self._in_flight.pop(ident, 1) - 1
+            if left:
+                self._in_flight[ident] = left
         self._send_result(ident, rid, result)
 
     def _send_result(self, ident: bytes, rid: int, result: Any) -> None:
