@@ -31,6 +31,6 @@ def bulk_address_of(cluster: tqueue.LocalCluster) -> str:
     config = tqueue.ClientConfig(shm=False, host="elsewhere")
     with tqueue.Client(cluster.address, config=config) as c:
         c.connect()
-        (info,) = c._inner._units.values()
+        (info,) = c._inner._conns.units.values()
         assert info.bulk.startswith("127.0.0.1:"), info.bulk
         return str(info.bulk)
