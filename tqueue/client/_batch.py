@@ -319,6 +319,7 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
         for frame, c in zip(frames, block.counts):
             buffers.append(np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8))
             counts.append((at, c))
+            packed.append("")  # wide by now: one entry per buffer, as _dense zips them
             at += c
         positions.append(part.positions)
         buffer_of.append(frame_of + base)
