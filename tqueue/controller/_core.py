@@ -104,13 +104,25 @@ class ControllerState:
         """The partition of this name, created (with ``options``) if there is none."""
         part = self.partitions.get(name)
         if part is None:
-            if not isinstance(name, str) or not name:
-                raise InvalidArgumentError("a partition name is a non-empty string")
-            part = Partition(name, next(self.uids), options)
+            self.check_new(name)
+            part = Partition(
+                name, next(self.uids), options,
+                max_samples=self.config.max_partition_samples, max_tasks=self.config.max_tasks_per_partition,
+            )
             self.partitions[name] = part
             self.by_uid[part.uid] = part
             log.info("partition %r created (uid %d)", name, part.uid)
         return part
+
+    def check_new(self, name: str) -> None:
+        """Refuse a partition of this name before anything is recorded for it."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("a partition name is a non-empty string")
+        if len(self.partitions) >= self.config.max_partitions:
+            raise InvalidArgumentError(
+                f"partition {name[:100]!r} would be partition {len(self.partitions) + 1}: "
+                f"max_partitions={self.config.max_partitions}"
+            )
 
     def live(self, name: str, uid: int) -> Partition:
         part = self.partitions.get(name)

@@ -92,10 +92,14 @@ class Writes:
         if part is None and self.s.buried(msg.partition):
             log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
             return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
-        if part is not None:
+        if part is None:  # validate against a scratch partition: nothing is created for a refused put
+            self.s.check_new(msg.partition)
+            scratch = Partition(msg.partition, 0, max_samples=self.s.config.max_partition_samples)
+            scratch.check_room(msg.count)
+            added = scratch.check_blocks(msg.blocks, msg.count)
+        else:
+            part.check_room(msg.count)
             added = part.check_blocks(msg.blocks, msg.count)
-        else:  # validate against a scratch partition: nothing is created for a refused put
-            added = Partition(msg.partition, 0).check_blocks(msg.blocks, msg.count)
         unit = self._place(msg)
         self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.s.partition(msg.partition)

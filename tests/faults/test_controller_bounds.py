@@ -1,0 +1,302 @@
+"""The controller bounded by construction: no single message makes it allocate, scan or wait
+past its configured limits; a refused message changes nothing; timers end with what they
+guard; hostile and malformed traffic leaves a correct client served.
+
+Most tests run a controller (and, where data moves, a storage unit) in this process on a
+loop thread of their own, so that the tests can look at its state between requests; the
+spin test runs it as a real process, so that SIGTERM goes where a launcher's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from tqueue.config import ControllerConfig, StorageConfig
+from tqueue.controller._server import Controller
+from tqueue.launch._serve import READY
+from tqueue.storage import StorageUnit
+from tqueue.wire import (
+    PROTOCOL_VERSION,
+    Ack,
+    Clear,
+    CreatePartition,
+    Error,
+    Fail,
+    FieldBlock,
+    FieldSpec,
+    GetMeta,
+    Grant,
+    Postpone,
+    RegisterUnit,
+    Renew,
+    Reserve,
+    Sealed,
+    StatusReply,
+    StatusRequest,
+)
+from tqueue.wire._messages import encode
+
+from ..conftest import RawPeer
+
+T = TypeVar("T")
+BIG = 2**62
+
+
+class LoopThread:
+    """A controller (and optionally a storage unit) served by an event loop on its own
+    thread; ``call`` runs a function on that loop and returns its result."""
+
+    def __init__(self, config: ControllerConfig, *, unit: bool = False) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.ctl: Controller = self.run(self._start_controller(config))
+        self.unit: StorageUnit | None = None
+        if unit:
+            self.unit = self.run(self._start_unit())
+
+    async def _start_controller(self, config: ControllerConfig) -> Controller:
+        ctl = Controller(config)
+        self._serving = [asyncio.ensure_future(ctl.serve())]
+        return ctl
+
+    async def _start_unit(self) -> StorageUnit:
+        unit = StorageUnit(StorageConfig(controller=self.ctl.address, shm_bytes=0, bulk=False))
+        await unit.start()
+        self._serving.append(asyncio.ensure_future(unit.serve()))
+        return unit
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def body() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # handed to the test thread
+                done.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(body)
+        return done.result(timeout)
+
+    def timers(self) -> int:
+        """The controller's timer handles scheduled on its loop and not cancelled (the storage
+        unit that shares the loop keeps timers of its own)."""
+
+        def count() -> int:
+            handles = self.loop._scheduled  # type: ignore[attr-defined]
+            return sum(
+                1 for h in handles
+                if not h.cancelled() and getattr(h._callback, "__module__", "").startswith("tqueue.controller")
+            )
+
+        return self.call(count)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self.unit is not None:
+                await self.unit.close()
+            await self.ctl.close()
+            for task in self._serving:
+                task.cancel()
+
+        self.run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture
+def inproc() -> Iterator[Callable[..., LoopThread]]:
+    made: list[LoopThread] = []
+
+    def make(config: ControllerConfig | None = None, *, unit: bool = False) -> LoopThread:
+        made.append(LoopThread(config or ControllerConfig(), unit=unit))
+        return made[-1]
+
+    yield make
+    for lt in made:
+        lt.close()
+
+
+def ask(peer: RawPeer, msg: Any, timeout: float = 30.0) -> Any:
+    return peer.ask(encode(msg), timeout)
+
+
+def x_block(count: int) -> FieldBlock:
+    return FieldBlock(name="x", spec=FieldSpec(kind="tensor", dtype="int64"), counts=[count])
+
+
+def register(peer: RawPeer) -> None:
+    """A storage unit as the controller sees it (nobody listens there: nothing is stored)."""
+    reply = ask(peer, RegisterUnit(protocol=PROTOCOL_VERSION, address="tcp://127.0.0.1:9", host="h"))
+    assert reply.unit_id == 0
+
+
+def put(peer: RawPeer, partition: str, count: int) -> None:
+    """Grant ``count`` samples (no commit: enough to give the partition a size)."""
+    reply = ask(peer, Grant(partition=partition, count=count, blocks=[x_block(count)], nbytes=8 * count))
+    assert reply.status == "ok", reply
+
+
+def snapshot(lt: LoopThread) -> Any:
+    """What a refused message must leave as it was."""
+
+    def take() -> Any:
+        s = lt.ctl.s
+        parts = {
+            name: (p.n, p.in_flight, p.sealed, p.committed, p.excluded, len(p.tasks), len(p.groups.ids), dict(p.specs))
+            for name, p in s.partitions.items()
+        }
+        return parts, len(s.grants), len(s.leases), len(s.waiters), len(s.parked), len(s.sealed_waiters), s.admitted
+
+    return lt.call(take)
+
+
+def refused(reply: Any, match: str) -> None:
+    assert isinstance(reply, Error), reply
+    assert reply.code == "invalid_argument", reply
+    assert re.search(match, reply.message), reply.message
+
+
+# --- 1. one message, bounded ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "match"),
+    [
+        pytest.param(BIG, rf"count={BIG} is out of bounds: at most 1000000", id="2**62"),
+        pytest.param(10**7, r"count=10000000 is out of bounds: at most 1000000", id="10**7"),
+    ],
+)
+def test_a_grant_past_the_limit_is_refused_and_changes_nothing(inproc, raw, count, match):
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 4)
+    before = snapshot(lt)
+    refused(ask(peer, Grant(partition="p", count=count, blocks=[x_block(count)])), match)
+    assert snapshot(lt) == before
+    assert lt.ctl.s.partitions["p"].n == 4
+
+
+def test_a_partition_past_its_size_limit_refuses_the_put_and_is_left_as_it_was(inproc, raw):
+    lt = inproc(ControllerConfig(max_partition_samples=6))
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 4)
+    before = snapshot(lt)
+    refused(
+        ask(peer, Grant(partition="p", count=3, blocks=[x_block(3)])),
+        r"partition 'p' holds 4 samples; count=3 more would pass max_partition_samples=6",
+    )
+    refused(ask(peer, Grant(partition="q", count=7, blocks=[x_block(7)])), r"max_partition_samples=6")
+    assert snapshot(lt) == before  # and no partition "q" either
+    put(peer, "p", 2)  # up to the limit is fine
+
+
+def test_tasks_and_partitions_are_bounded(inproc, raw):
+    lt = inproc(ControllerConfig(max_tasks_per_partition=2, max_partitions=2))
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 1)
+    put(peer, "q", 1)
+    before = snapshot(lt)
+    refused(ask(peer, Grant(partition="r", count=1, blocks=[x_block(1)])), r"partition 'r' would be partition 3: max_partitions=2")
+    refused(ask(peer, Fail(partition="r", reason="x", group="g", count=1)), r"max_partitions=2")
+    assert snapshot(lt) == before
+    for task in ("a", "b"):
+        assert ask(peer, GetMeta(partition="p", fields=["x"], batch_size=1, task=task, timeout=0.0)).code == "timeout"
+    reply = ask(peer, GetMeta(partition="p", fields=["x"], batch_size=1, task="c", timeout=0.0))
+    refused(reply, r"task 'c' would pass max_tasks_per_partition=2")
+
+
+HOSTILE = [
+    pytest.param(GetMeta(partition="p", fields=["x"], batch_size=BIG, task="t"), rf"batch_size={BIG} is out of bounds", id="get-batch"),
+    pytest.param(
+        GetMeta(partition="p", fields=["x"], batch_size=1000, task="t", dp_size=10**4, dp_rank=0, round=0),
+        r"dp_size \* batch_size = 10000 \* 1000 is out of bounds", id="get-dp",
+    ),
+    pytest.param(GetMeta(partition="p", fields=["x"] * 100, batch_size=1, task="t"), r"fields lists 100 entries; at most 61", id="get-fields"),
+    pytest.param(GetMeta(partition="p", fields=["x"], batch_size=1, task="t", timeout=math.nan), r"timeout must be >= 0 seconds or None, got nan", id="get-nan"),
+    pytest.param(GetMeta(partition="p", fields=["x"], batch_size=1, task="t" * 5000), r"task is 5000 characters long", id="get-task"),
+    pytest.param(Ack(partition="p", partition_uid=0, task="t", indexes=[BIG]), rf"indexes holds sample {BIG}", id="ack-huge"),
+    pytest.param(Ack(partition="p", partition_uid=0, task="t", indexes=list(range(10**6 + 1))), r"indexes lists 1000001 entries", id="ack-long"),
+    pytest.param(Fail(partition="p", reason="r", indexes=[2**63 - 1]), rf"indexes holds sample {2**63 - 1}", id="fail-huge"),
+    pytest.param(Fail(partition="p", reason="r", indexes=[-5]), r"indexes holds sample -5", id="fail-negative"),
+    pytest.param(Fail(partition="p", reason="r", group="g", count=BIG), rf"count={BIG} is out of bounds", id="fail-count"),
+    pytest.param(Clear(partition="p", indexes=[BIG]), rf"indexes holds sample {BIG}", id="clear-huge"),
+    pytest.param(Postpone(partition="p", partition_uid=1, indexes=[BIG], to="q"), rf"indexes holds sample {BIG}", id="postpone-huge"),
+    pytest.param(Renew(partition="p", partition_uid=1, task="t", lease=1, timeout=math.nan), r"timeout must be >= 0 seconds", id="renew-nan"),
+    pytest.param(Reserve(count=BIG), rf"count={BIG} is out of bounds", id="reserve-count"),
+    pytest.param(Reserve(count=1, timeout=math.nan), r"timeout must be >= 0 seconds", id="reserve-nan"),
+    pytest.param(Sealed(partition="p", timeout=math.nan), r"timeout must be >= 0 seconds", id="sealed-nan"),
+    pytest.param(Sealed(partition="p", timeout=-1.0), r"timeout must be >= 0 seconds", id="sealed-negative"),
+    pytest.param(Grant(partition="p", count=1, blocks=[x_block(1)], timeout=math.nan), r"timeout must be >= 0 seconds", id="grant-nan"),
+    pytest.param(Grant(partition="p", count=2, blocks=[x_block(2)], versions=[0]), r"versions lists 1 entries for count=2", id="grant-versions"),
+    pytest.param(Grant(partition="p", count=1, blocks=[x_block(1)], indexes=[BIG]), rf"indexes holds sample {BIG}", id="grant-index"),
+    pytest.param(
+        Grant(partition="p", count=1, blocks=[FieldBlock(name="x", spec=FieldSpec(kind="tensor", dtype="int64", shape=(1,) * 40), counts=[1])]),
+        r"spec.shape lists 40 entries; at most 32", id="grant-dims",
+    ),
+    pytest.param(CreatePartition(partition="c", tasks=[str(i) for i in range(2000)]), r"tasks lists 2000 entries; at most 1024", id="create-tasks"),
+    pytest.param(CreatePartition(partition="c", target=BIG), rf"target={BIG} is out of bounds", id="create-target"),
+    pytest.param(CreatePartition(partition="c", group_size=BIG), rf"group_size={BIG} is out of bounds", id="create-group"),
+]
+
+
+@pytest.mark.parametrize(("msg", "match"), HOSTILE)
+def test_a_hostile_field_is_refused_by_name_and_changes_nothing(inproc, raw, msg, match):
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 4)
+    before = snapshot(lt)
+    refused(ask(peer, msg), match)
+    assert snapshot(lt) == before
+    assert lt.timers() == 1  # the one grant's: no timer was scheduled for the refused message
+
+
+# --- 2. the loop never spins -----------------------------------------------------------------
+
+
+def test_a_huge_grant_then_a_parked_read_leaves_the_controller_answering_and_stoppable(raw):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqueue", "controller", "--bind", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert line.startswith(READY), line
+        address = json.loads(line[len(READY) :])["address"]
+        peer = raw(address)
+        register(peer)
+        refused(ask(peer, Grant(partition="p", count=BIG, blocks=[x_block(BIG)])), rf"count={BIG} is out of bounds")
+        peer.send(encode(GetMeta(rid=7, partition="p", fields=["x"], batch_size=1, task="t")))  # parks: no reply
+        status = ask(peer, StatusRequest(rid=8), timeout=30.0)
+        assert isinstance(status, StatusReply)
+        assert [p.name for p in status.partitions] == []  # the refused grant created nothing
+        assert [w.partition for w in status.waiting] == ["p"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30.0) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
