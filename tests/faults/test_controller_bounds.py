@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import torch
 
+import tqueue
 from tqueue.config import ControllerConfig, StorageConfig
 from tqueue.controller._server import Controller
 from tqueue.launch._serve import READY
@@ -300,3 +302,57 @@ def test_a_huge_grant_then_a_parked_read_leaves_the_controller_answering_and_sto
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+# --- 3. timers end with what they guard ---------------------------------------------------
+
+
+PUTS = 10_000
+
+
+def test_puts_leave_no_timers_and_freeing_leaves_no_records(inproc):
+    lt = inproc(unit=True)
+    before = lt.timers()
+    with tqueue.Client(lt.ctl.address, config=tqueue.ClientConfig(shm=False, bulk=False)) as c:
+        c.create_partition("p", tasks=["t"])
+        for i in range(PUTS):
+            c.put("p", {"x": torch.tensor([i])})
+        assert lt.timers() == before  # each grant's timer was cancelled at its commit
+        c.seal("p")
+        meta = c.get_meta("p", ["x"], batch_size=PUTS, task="t", timeout=30.0, lease_timeout=600.0)
+        assert lt.timers() == before + 1  # the lease's
+        c.ack(meta)
+        status = c.status()
+    assert lt.timers() == before
+    assert [p.name for p in status.partitions] == []  # freed once consumed
+
+    def records() -> dict[str, int]:
+        s = lt.ctl.s
+        return {
+            "partitions": len(s.partitions), "grants": len(s.grants), "leases": len(s.leases),
+            "waiters": len(s.waiters), "parked": len(s.parked), "sealed_waiters": len(s.sealed_waiters),
+            "rounds": len(s.rounds),
+        }
+
+    assert lt.call(records) == dict.fromkeys(records_keys(), 0)
+
+
+def records_keys() -> list[str]:
+    return ["partitions", "grants", "leases", "waiters", "parked", "sealed_waiters", "rounds"]
+
+
+def test_a_lapsed_or_cancelled_grant_cancels_its_timer(inproc, raw):
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    before = lt.timers()
+    put(peer, "p", 1)
+    assert lt.timers() == before + 1
+    [grant_id] = lt.ctl.s.grants
+    lt.call(lambda: lt.ctl.writes._lapse_grant(grant_id, "was dropped by the test"))
+    assert lt.timers() == before
+    put(peer, "p", 1)
+    assert lt.timers() == before + 1
+    part = lt.ctl.s.partitions["p"]
+    assert lt.call(lambda: lt.ctl.cleanup.forget(part, None))  # what a clear or a free does first
+    assert lt.timers() == before and lt.ctl.s.grants == {}

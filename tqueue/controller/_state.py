@@ -9,6 +9,7 @@ partial (an unfinished rollout: stored, not served until completed).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
@@ -115,6 +116,13 @@ class GrantRecord:
     complete: bool = False
     segment: tuple[int, int] | None = None
     kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
+    timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
+
+    def stop_timer(self) -> None:
+        """The grant ended (committed, lapsed, cancelled, its partition gone)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 @dataclasses.dataclass

@@ -113,8 +113,8 @@ class Writes:
         self.s.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept,
+            timer=self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id),
         )
-        self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
@@ -158,6 +158,7 @@ class Writes:
         grant = self.s.grants.pop(msg.grant_id, None)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
+        grant.stop_timer()
         unit = self.s.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
@@ -300,6 +301,7 @@ class Writes:
         grant = self.s.grants.pop(grant_id, None)
         if grant is None:
             return  # committed (or its partition is gone)
+        grant.stop_timer()
         log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
         unit = self.s.units.get(grant.unit_id)
         if unit is not None:
