@@ -32,6 +32,7 @@ from tqueue.storage import StorageUnit
 from tqueue.wire import (
     PROTOCOL_VERSION,
     Ack,
+    Cancel,
     Clear,
     CreatePartition,
     Error,
@@ -225,6 +226,21 @@ def test_tasks_and_partitions_are_bounded(inproc, raw):
         assert ask(peer, GetMeta(partition="p", fields=["x"], batch_size=1, task=task, timeout=0.0)).code == "timeout"
     reply = ask(peer, GetMeta(partition="p", fields=["x"], batch_size=1, task="c", timeout=0.0))
     refused(reply, r"task 'c' would pass max_tasks_per_partition=2")
+
+
+def test_parked_requests_are_bounded_and_a_withdrawn_one_frees_its_place(inproc, raw):
+    lt = inproc(ControllerConfig(max_parked=2))
+    peer = raw(lt.ctl.address)
+    peer.send(encode(GetMeta(rid=1, partition="p", fields=["x"], batch_size=1, task="t")))
+    peer.send(encode(Sealed(rid=2, partition="p")))
+    reply = ask(peer, GetMeta(rid=3, partition="p", fields=["x"], batch_size=1, task="t"))
+    assert (reply.code, reply.rid) == ("unavailable", 3)
+    assert "2 requests are parked at the controller (max_parked=2)" in reply.message
+    peer.send(encode(Cancel(of=2)))  # the sealed wait is withdrawn: its place is free again
+    assert ask(peer, Sealed(rid=4, partition="p", timeout=0.0)).code == "timeout"  # ordered after the cancel
+    assert lt.call(lambda: (sum(map(len, lt.ctl.s.waiters.values())), dict(lt.ctl.s.sealed_waiters))) == (1, {})
+    assert ask(peer, Sealed(rid=5, partition="p", timeout=0.001)).code == "timeout"  # parked, then expired
+    assert lt.call(lambda: dict(lt.ctl.s.sealed_waiters)) == {}  # no list left behind under the name
 
 
 HOSTILE = [

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ControllerConfig
-from ..errors import InvalidArgumentError, PartitionClearedError
+from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableError
 from ..transport import _zmq
 from ..wire import Message
 from ._policies import Policy
@@ -153,6 +153,26 @@ class ControllerState:
         else:
             self.server.reply(ident, rid, reply)
 
+    def check_park(self, what: str) -> None:
+        """Refuse to park one more request past ``max_parked`` (nothing is recorded)."""
+        parked = len(self.parked) + sum(map(len, self.waiters.values())) + sum(map(len, self.sealed_waiters.values()))
+        if parked >= self.config.max_parked:
+            raise UnavailableError(
+                f"{what} cannot wait: {parked} requests are parked at the controller "
+                f"(max_parked={self.config.max_parked}); retry later"
+            )
+
+    def unpark_sealed(self, waiter: Waiter) -> None:
+        """Unpark a ``sealed`` wait (answered, expired or withdrawn)."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        waiters = self.sealed_waiters.get(waiter.req.partition, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
+            self.sealed_waiters.pop(waiter.req.partition, None)
+
     def finish(self, waiter: Waiter) -> None:
         """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
         if waiter.timer is not None:
@@ -180,8 +200,6 @@ class ControllerState:
         for sealed in self.sealed_waiters.values():
             for waiter in sealed:
                 if waiter.ident == ident and waiter.req.rid == rid:
-                    sealed.remove(waiter)
-                    if waiter.timer is not None:
-                        waiter.timer.cancel()
+                    self.unpark_sealed(waiter)
                     return True
         return False

@@ -236,6 +236,7 @@ class Writes:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
         if wait.never or timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
+        self.s.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
         if not math.isinf(timeout):
             parked.timer = self.s.loop.call_later(timeout, self._expire_parked, parked)
