@@ -372,3 +372,124 @@ def test_a_lapsed_or_cancelled_grant_cancels_its_timer(inproc, raw):
     part = lt.ctl.s.partitions["p"]
     assert lt.call(lambda: lt.ctl.cleanup.forget(part, None))  # what a clear or a free does first
     assert lt.timers() == before and lt.ctl.s.grants == {}
+
+
+# --- 4. fuzz ------------------------------------------------------------------------------
+
+FUZZ_MESSAGES = 20_000
+# Not fuzzed: what only a storage unit or the trainer sends, which the controller trusts by
+# design (the port has no authentication): RegisterUnit (placement uses the unit), Commit
+# (a grant id is guessable: a forged commit records another producer's samples) and
+# Admission (the cluster-wide staleness switch).
+FUZZ_SKIP = {"RegisterUnit", "Commit", "Admission"}
+INTS = [0, 1, -1, 2, 3, 7, 64, 1000, 10_000, 10_001, 2**31, 2**62, 2**63 - 1, -(2**63)]
+FLOATS = [0.0, 0.001, 0.5, -1.0, math.nan, math.inf, -math.inf, 1e308]
+NAMES = ["f0", "f1", "f2", "x", "y", "", "z" * 5000]
+LENGTHS = [0, 1, 2, 3, 5, 64]
+
+
+def fuzz_value(rng: Any, t: Any) -> Any:
+    """A random value of msgspec type ``t``, drawn mostly from the edges."""
+    import msgspec.inspect as mi
+
+    if isinstance(t, mi.IntType):
+        return rng.choice(INTS) if rng.random() < 0.7 else rng.randrange(-5, 100)
+    if isinstance(t, mi.FloatType):
+        return rng.choice(FLOATS)
+    if isinstance(t, mi.StrType):
+        return rng.choice(NAMES)
+    if isinstance(t, mi.BoolType):
+        return rng.random() < 0.5
+    if isinstance(t, mi.NoneType):
+        return None
+    if isinstance(t, mi.UnionType):
+        return fuzz_value(rng, rng.choice(t.types))
+    if isinstance(t, mi.LiteralType):
+        return rng.choice(t.values)
+    if isinstance(t, mi.ListType):
+        return [fuzz_value(rng, t.item_type) for _ in range(rng.choice(LENGTHS))]
+    if isinstance(t, mi.TupleType):
+        return tuple(fuzz_value(rng, item) for item in t.item_types)
+    if isinstance(t, mi.VarTupleType):
+        return tuple(fuzz_value(rng, t.item_type) for _ in range(rng.choice(LENGTHS[:4])))
+    if isinstance(t, mi.StructType):
+        return t.cls(**{f.name: fuzz_value(rng, f.type) for f in t.fields if f.required or rng.random() < 0.5})
+    if isinstance(t, mi.DictType):
+        return {}
+    return None  # Any
+
+
+def fuzz_frames(rng: Any, types: list[type]) -> list[bytes]:
+    """One hostile message: well-formed with values at the edges, or malformed."""
+    import msgspec
+    import msgspec.inspect as mi
+
+    roll = rng.random()
+    cls = rng.choice(types)
+    if roll < 0.6:
+        msg = fuzz_value(rng, mi.type_info(cls))
+        frames = [bytes(f) for f in encode(msg)]
+        if rng.random() < 0.1:
+            frames += [rng.randbytes(rng.choice([0, 1, 100]))]  # stray payload frames
+        return frames
+    kind = bytes([cls.KIND])
+    if roll < 0.7:  # a valid header cut short
+        header = bytes(encode(fuzz_value(rng, mi.type_info(cls)))[1])
+        return [kind, header[: rng.randrange(len(header))]]
+    if roll < 0.8:  # garbage
+        return [rng.randbytes(rng.choice([0, 1, 2])), rng.randbytes(rng.choice([0, 1, 9, 200]))]
+    if roll < 0.85:  # nested far deeper than any message
+        return [kind, b"\x91" * rng.choice([100, 10_000, 100_000]) + b"\xc0"]
+    if roll < 0.9:  # the right keys, the wrong types
+        return [kind, msgspec.msgpack.encode({"rid": rng.choice(INTS), "partition": [1], "count": "x", "indexes": {"a": 1}})]
+    if roll < 0.95:  # missing frames
+        return [kind] if rng.random() < 0.5 else [b""]
+    return [kind, msgspec.msgpack.encode({"rid": 1, "partition": "f0", "count": 1, "blocks": [], "junk": [0] * 1000})]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_fuzzed_traffic_leaves_a_correct_client_served_and_memory_bounded(inproc, raw, capsys, caplog):
+    import logging
+    import random
+    import time
+
+    caplog.set_level(logging.ERROR)  # a malformed request is a warning each: not kept, not counted
+
+    from tqueue.wire import _messages
+
+    config = ControllerConfig(max_samples_per_request=10_000, max_partition_samples=20_000, max_partitions=64, max_parked=5_000)
+    lt = inproc(config, unit=True)
+    types = [t for t in _messages._TYPES.values() if t.__name__ not in FUZZ_SKIP]
+    rng = random.Random(20261123)
+    peer = raw(lt.ctl.address)
+    rss_start = 0
+    with tqueue.Client(lt.ctl.address, config=tqueue.ClientConfig(shm=False, bulk=False, request_timeout=60.0)) as good:
+        good.create_partition("good", tasks=["t"], auto_free=False)
+        started = time.perf_counter()
+        for i in range(FUZZ_MESSAGES):
+            peer.send(fuzz_frames(rng, types))
+            while peer.sock.poll(0):  # replies are read, not waited for
+                peer.sock.recv_multipart()
+            if i % 1000 == 999:
+                good.put("good", {"x": torch.tensor([i])})
+                meta = good.get_meta("good", ["x"], batch_size=1, task="t", timeout=60.0)
+                assert meta.size == 1
+                good.ack(meta)
+            if i == 1999:
+                rss_start = rss_bytes()  # after the first partitions and parked requests are made
+        elapsed = time.perf_counter() - started
+        assert [p.name for p in good.status().partitions if p.name == "good"] == ["good"]
+    grown = rss_bytes() - rss_start
+    with capsys.disabled():
+        print(f"\nfuzz: {FUZZ_MESSAGES} messages in {elapsed:.2f} s ({FUZZ_MESSAGES / elapsed:.0f}/s), RSS +{grown / 2**20:.1f} MiB")
+    assert grown < 128 * 2**20
+    parked = lt.call(lambda: len(lt.ctl.s.parked) + sum(map(len, lt.ctl.s.waiters.values())))
+    assert parked <= config.max_parked
+    assert [r.getMessage() for r in caplog.records] == []  # no untyped failure in any handler
