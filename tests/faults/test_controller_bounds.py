@@ -34,6 +34,7 @@ from tqueue.wire import (
     Ack,
     Cancel,
     Clear,
+    Commit,
     CreatePartition,
     Error,
     Fail,
@@ -241,6 +242,18 @@ def test_parked_requests_are_bounded_and_a_withdrawn_one_frees_its_place(inproc,
     assert lt.call(lambda: (sum(map(len, lt.ctl.s.waiters.values())), dict(lt.ctl.s.sealed_waiters))) == (1, {})
     assert ask(peer, Sealed(rid=5, partition="p", timeout=0.001)).code == "timeout"  # parked, then expired
     assert lt.call(lambda: dict(lt.ctl.s.sealed_waiters)) == {}  # no list left behind under the name
+
+
+def test_a_commit_from_another_unit_is_refused_and_the_grant_stays(inproc, raw):
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 2)
+    [grant_id] = lt.ctl.s.grants
+    before = snapshot(lt)
+    forged = Commit(grant_id=grant_id, unit_id=5, fields=["x"], nbytes=16, partition_bytes=16, unit_bytes=16)
+    refused(ask(peer, forged), rf"grant {grant_id} was placed on unit 0; unit 5 cannot commit it")
+    assert snapshot(lt) == before and lt.timers() == 1
 
 
 HOSTILE = [

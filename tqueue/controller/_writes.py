@@ -155,9 +155,14 @@ class Writes:
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
-        grant = self.s.grants.pop(msg.grant_id, None)
+        grant = self.s.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
+        if grant.indexes is None and msg.unit_id != grant.unit_id:  # the grant stays for its own unit
+            raise InvalidArgumentError(
+                f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
+            )
+        del self.s.grants[msg.grant_id]
         grant.stop_timer()
         unit = self.s.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
