@@ -25,12 +25,28 @@ class ControllerConfig:
     A put that would exceed it waits, up to its timeout, for memory to be freed.
     ``policies``: batch policies to load besides the built-in ones, as
     ``"name=module:attribute"`` (see ``tqueue.controller._policies``).
+
+    Limits on what one request may make the controller allocate or scan, checked before
+    anything is recorded (a request past one gets ``InvalidArgumentError`` naming the field,
+    its value and the limit, and changes nothing):
+    ``max_samples_per_request``: samples one put, read (``batch_size * dp_size``), reserve,
+    ack, fail, clear or postpone may name. ``max_partition_samples``: samples a partition
+    may ever hold (its per-sample arrays take about 50 bytes each, plus 9 per task).
+    ``max_tasks_per_partition``: distinct task names that read one partition.
+    ``max_partitions``: partitions that exist at once.
+    ``max_parked``: requests parked at once (reads, writes, seal waits); past it a request
+    that would wait is refused instead (``UnavailableError``).
     """
 
     bind: str = "tcp://127.0.0.1:0"
     max_header_bytes: int = 16 * MiB
     capacity_bytes: int = 0
     policies: tuple[str, ...] = ()
+    max_samples_per_request: int = 1_000_000
+    max_partition_samples: int = 100_000_000
+    max_tasks_per_partition: int = 1024
+    max_partitions: int = 100_000
+    max_parked: int = 100_000
 
 
 @dataclasses.dataclass(frozen=True)

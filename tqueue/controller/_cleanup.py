@@ -83,7 +83,12 @@ class Cleanup:
             for waiter in list(self.s.waiters.get(part.name, [])):
                 self.s.finish(waiter)
                 self.s.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
-        self.s.grants = {g: r for g, r in self.s.grants.items() if r.partition_uid != part.uid}
+        for grant_id in [g for g, r in self.s.grants.items() if r.partition_uid == part.uid]:
+            grant = self.s.grants.pop(grant_id)
+            grant.stop_timer()
+            unit = self.s.units.get(grant.unit_id)
+            if unit is not None and grant.indexes is None:
+                unit.reserved -= grant.nbytes  # its commit will find no grant to release it
         for lease_id in [i for i, r in self.s.leases.items() if r.partition_uid == part.uid]:
             record = self.s.leases.pop(lease_id)
             if record.timer is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ControllerConfig
-from ..errors import InvalidArgumentError, PartitionClearedError
+from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableError
 from ..transport import _zmq
 from ..wire import Message
 from ._policies import Policy
@@ -104,13 +104,25 @@ class ControllerState:
         """The partition of this name, created (with ``options``) if there is none."""
         part = self.partitions.get(name)
         if part is None:
-            if not isinstance(name, str) or not name:
-                raise InvalidArgumentError("a partition name is a non-empty string")
-            part = Partition(name, next(self.uids), options)
+            self.check_new(name)
+            part = Partition(
+                name, next(self.uids), options,
+                max_samples=self.config.max_partition_samples, max_tasks=self.config.max_tasks_per_partition,
+            )
             self.partitions[name] = part
             self.by_uid[part.uid] = part
             log.info("partition %r created (uid %d)", name, part.uid)
         return part
+
+    def check_new(self, name: str) -> None:
+        """Refuse a partition of this name before anything is recorded for it."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("a partition name is a non-empty string")
+        if len(self.partitions) >= self.config.max_partitions:
+            raise InvalidArgumentError(
+                f"partition {name[:100]!r} would be partition {len(self.partitions) + 1}: "
+                f"max_partitions={self.config.max_partitions}"
+            )
 
     def live(self, name: str, uid: int) -> Partition:
         part = self.partitions.get(name)
@@ -141,6 +153,26 @@ class ControllerState:
         else:
             self.server.reply(ident, rid, reply)
 
+    def check_park(self, what: str) -> None:
+        """Refuse to park one more request past ``max_parked`` (nothing is recorded)."""
+        parked = len(self.parked) + sum(map(len, self.waiters.values())) + sum(map(len, self.sealed_waiters.values()))
+        if parked >= self.config.max_parked:
+            raise UnavailableError(
+                f"{what} cannot wait: {parked} requests are parked at the controller "
+                f"(max_parked={self.config.max_parked}); retry later"
+            )
+
+    def unpark_sealed(self, waiter: Waiter) -> None:
+        """Unpark a ``sealed`` wait (answered, expired or withdrawn)."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        waiters = self.sealed_waiters.get(waiter.req.partition, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
+            self.sealed_waiters.pop(waiter.req.partition, None)
+
     def finish(self, waiter: Waiter) -> None:
         """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
         if waiter.timer is not None:
@@ -168,8 +200,6 @@ class ControllerState:
         for sealed in self.sealed_waiters.values():
             for waiter in sealed:
                 if waiter.ident == ident and waiter.req.rid == rid:
-                    sealed.remove(waiter)
-                    if waiter.timer is not None:
-                        waiter.timer.cancel()
+                    self.unpark_sealed(waiter)
                     return True
         return False

@@ -149,6 +149,7 @@ class Moves:
             return Ok()
         if msg.timeout is not None and msg.timeout <= 0:
             raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
+        self.s.check_park(f"sealed({msg.partition!r})")
         waiter = Waiter(ident, msg)
         if msg.timeout is not None:
             waiter.timer = self.s.loop.call_later(msg.timeout, self._expire_sealed, waiter)
@@ -156,9 +157,8 @@ class Moves:
         return None
 
     def _expire_sealed(self, waiter: Waiter) -> None:
-        waiters = self.s.sealed_waiters.get(waiter.req.partition, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
+        waiter.timer = None
+        self.s.unpark_sealed(waiter)
         part = self.s.partitions.get(waiter.req.partition)
         have = f"{part.complete} complete samples" if part else "it does not exist yet"
         self.s.server.reply_error(

@@ -44,6 +44,7 @@ class Reads:
             return served
         if msg.timeout is not None and msg.timeout <= 0:
             raise self.timeout_error(msg)
+        self.s.check_park(f"get_meta on partition {msg.partition!r}")
         waiter = Waiter(ident, msg)
         if msg.timeout is not None:
             waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)

@@ -15,6 +15,7 @@ The state is one object (:class:`._core.ControllerState`); what acts on it is co
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ from ..wire import (
 )
 from ._cleanup import Cleanup
 from ._core import ControllerState
+from ._limits import check as check_limits
 from ._moves import Moves
 from ._policies import load as load_policies
 from ._reads import Reads
@@ -100,7 +102,18 @@ class Controller:
             (StatusRequest, self._status),
             (Cancel, self._cancel),
         ):
-            self._server.route(msg_type, handler)
+            self._server.route(msg_type, self._bounded(handler))
+
+    def _bounded(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:
+        """``handler``, run only for a request within the limits of ``_limits`` (else its
+        InvalidArgumentError is the reply, and nothing changed)."""
+        config = self.config
+
+        def bounded(ident: bytes, msg: Any, bufs: list[Any]) -> Any:
+            check_limits(msg, config)
+            return handler(ident, msg, bufs)
+
+        return bounded
 
     async def serve(self) -> None:
         log.info("controller serving at %s", self.address)

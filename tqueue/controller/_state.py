@@ -9,6 +9,7 @@ partial (an unfinished rollout: stored, not served until completed).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
@@ -115,6 +116,13 @@ class GrantRecord:
     complete: bool = False
     segment: tuple[int, int] | None = None
     kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
+    timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
+
+    def stop_timer(self) -> None:
+        """The grant ended (committed, lapsed, cancelled, its partition gone)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 @dataclasses.dataclass
@@ -184,10 +192,17 @@ class Groups:
 
 
 class Partition:
-    def __init__(self, name: str, uid: int, options: Options | None = None) -> None:
+    """``max_samples`` and ``max_tasks`` bound what requests may make it allocate: a put
+    past them is refused before anything changes (see ``ControllerConfig``)."""
+
+    def __init__(
+        self, name: str, uid: int, options: Options | None = None, *, max_samples: int = 1 << 40, max_tasks: int = 1 << 20
+    ) -> None:
         self.name = name
         self.uid = uid
         self.options = options or Options()
+        self.max_samples = max_samples
+        self.max_tasks = max_tasks
         self.specs: dict[str, FieldSpec] = {}
         self.bits: dict[str, np.uint64] = {}
         self.n = 0
@@ -292,16 +307,26 @@ class Partition:
 
     # --- samples --------------------------------------------------------------------
 
+    def check_room(self, count: int) -> None:
+        """Refuse ``count`` more samples past ``max_samples`` (nothing is changed)."""
+        if count < 0 or self.n + count > self.max_samples:
+            raise InvalidArgumentError(
+                f"partition {self.name!r} holds {self.n} samples; count={count} more would pass "
+                f"max_partition_samples={self.max_samples}"
+            )
+
     def allocate(self, count: int, groups: Sequence[GroupId] | None, versions: Sequence[int] | None) -> int:
+        self.check_room(count)
         start = self.n
-        self.n += count
+        # every array grows before ``n`` moves: a failed allocation leaves the partition as it was
         for attr, fill in (
             ("mask", 0), ("unit", -1), ("version", NO_VERSION), ("version_max", NO_VERSION),
             ("revision", 0), ("group", -1),
         ):
-            setattr(self, attr, _grow(getattr(self, attr), self.n, fill))
+            setattr(self, attr, _grow(getattr(self, attr), start + count, fill))
         for task in self.tasks.values():
             task.ensure(len(self.mask))
+        self.n += count
         if versions is not None:
             self.version[start : self.n] = versions
             self.version_max[start : self.n] = versions
@@ -558,6 +583,11 @@ class Partition:
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
         if state is None:
+            if len(self.tasks) >= self.max_tasks:
+                raise InvalidArgumentError(
+                    f"partition {self.name!r} is read by {len(self.tasks)} tasks; task {name[:100]!r} "
+                    f"would pass max_tasks_per_partition={self.max_tasks}"
+                )
             state = self.tasks[name] = TaskState(len(self.mask))
         return state
 

@@ -92,10 +92,14 @@ class Writes:
         if part is None and self.s.buried(msg.partition):
             log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
             return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
-        if part is not None:
+        if part is None:  # validate against a scratch partition: nothing is created for a refused put
+            self.s.check_new(msg.partition)
+            scratch = Partition(msg.partition, 0, max_samples=self.s.config.max_partition_samples)
+            scratch.check_room(msg.count)
+            added = scratch.check_blocks(msg.blocks, msg.count)
+        else:
+            part.check_room(msg.count)
             added = part.check_blocks(msg.blocks, msg.count)
-        else:  # validate against a scratch partition: nothing is created for a refused put
-            added = Partition(msg.partition, 0).check_blocks(msg.blocks, msg.count)
         unit = self._place(msg)
         self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.s.partition(msg.partition)
@@ -109,8 +113,8 @@ class Writes:
         self.s.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept,
+            timer=self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id),
         )
-        self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id)
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
@@ -151,9 +155,15 @@ class Writes:
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
-        grant = self.s.grants.pop(msg.grant_id, None)
+        grant = self.s.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
+        if grant.indexes is None and msg.unit_id != grant.unit_id:  # the grant stays for its own unit
+            raise InvalidArgumentError(
+                f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
+            )
+        del self.s.grants[msg.grant_id]
+        grant.stop_timer()
         unit = self.s.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
@@ -231,6 +241,7 @@ class Writes:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
         if wait.never or timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
+        self.s.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
         if not math.isinf(timeout):
             parked.timer = self.s.loop.call_later(timeout, self._expire_parked, parked)
@@ -296,6 +307,7 @@ class Writes:
         grant = self.s.grants.pop(grant_id, None)
         if grant is None:
             return  # committed (or its partition is gone)
+        grant.stop_timer()
         log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
         unit = self.s.units.get(grant.unit_id)
         if unit is not None:

@@ -1,0 +1,209 @@
+"""Bounds on what a request may ask of the controller, checked before any handler runs.
+
+Every count, index, length and duration the controller takes from a message is checked here
+against :class:`~tqueue.config.ControllerConfig` (or a fixed structural limit), so that no
+single message makes it allocate, scan or wait beyond what its configuration allows. A
+request past a bound gets :class:`~tqueue.errors.InvalidArgumentError` naming the field, its
+value and the limit, and changes nothing. Checks that need the partition (an index below its
+size, its size after a put) are made by the handlers, also before they record anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import ControllerConfig
+from ..errors import InvalidArgumentError
+from ..wire import (
+    Ack,
+    Admission,
+    Clear,
+    CreatePartition,
+    Fail,
+    FieldBlock,
+    GetMeta,
+    Grant,
+    Postpone,
+    RegisterUnit,
+    Renew,
+    Reserve,
+    Sealed,
+    Select,
+)
+from ._state import MAX_FIELDS
+
+MAX_DIMS = 32  # dimensions of one sample of a field (torch allows 25)
+MAX_NAME = 4096  # characters of a partition, task or field name
+
+
+def check(msg: Any, config: ControllerConfig) -> None:
+    """Raise InvalidArgumentError if ``msg`` asks for more than the controller allows."""
+    checker = _CHECKS.get(type(msg))
+    if checker is not None:
+        checker(msg, config)
+
+
+def count(field: str, value: int, limit: int, low: int = 0) -> None:
+    if value < low:
+        least = ">= 0" if low == 0 else f"at least {low}"
+        raise InvalidArgumentError(f"{field} must be {least}, got {value}")
+    if value > limit:
+        raise InvalidArgumentError(f"{field}={value} is out of bounds: at most {limit}")
+
+
+def length(field: str, values: Sequence[Any] | None, limit: int) -> None:
+    if values is not None and len(values) > limit:
+        raise InvalidArgumentError(f"{field} lists {len(values)} entries; at most {limit} are allowed")
+
+
+def indexes(field: str, values: Sequence[int] | None, config: ControllerConfig) -> None:
+    """At most a request's worth of sample indexes, each one a partition could have."""
+    if not values:
+        return
+    length(field, values, config.max_samples_per_request)
+    low, high = min(values), max(values)
+    if low < 0 or high >= config.max_partition_samples:
+        bad = low if low < 0 else high
+        raise InvalidArgumentError(
+            f"{field} holds sample {bad}; samples are 0 to {config.max_partition_samples - 1} "
+            f"(max_partition_samples={config.max_partition_samples})"
+        )
+
+
+def seconds(field: str, value: float | None) -> None:
+    """None (no deadline), or a number of seconds >= 0 (inf: no deadline)."""
+    if value is not None and (math.isnan(value) or value < 0):
+        raise InvalidArgumentError(f"{field} must be >= 0 seconds or None, got {value}")
+
+
+def name(field: str, value: str) -> None:
+    if len(value) > MAX_NAME:
+        raise InvalidArgumentError(f"{field} is {len(value)} characters long; at most {MAX_NAME} are allowed")
+
+
+def names(field: str, values: Sequence[str] | None, limit: int) -> None:
+    length(field, values, limit)
+    for value in values or ():
+        name(field, value)
+
+
+def _blocks(blocks: Sequence[FieldBlock], config: ControllerConfig) -> None:
+    length("blocks", blocks, MAX_FIELDS)
+    most = config.max_samples_per_request
+    for block in blocks:
+        name("blocks.name", block.name)
+        spec = block.spec
+        count(f"field {block.name!r}: spec.ndim", spec.ndim, MAX_DIMS)
+        length(f"field {block.name!r}: spec.shape", spec.shape, MAX_DIMS)
+        length(f"field {block.name!r}: counts", block.counts, most)
+        length(f"field {block.name!r}: shapes", block.shapes, most * MAX_DIMS)
+
+
+def _grant(msg: Grant, config: ControllerConfig) -> None:
+    most = config.max_samples_per_request
+    name("partition", msg.partition)
+    count("count", msg.count, most, low=1)
+    count("nbytes", msg.nbytes, 1 << 62)
+    count("reserved", msg.reserved, most)
+    seconds("timeout", msg.timeout)
+    for field in ("groups", "versions", "indexes"):
+        values = getattr(msg, field)
+        if values is not None and len(values) != msg.count:
+            raise InvalidArgumentError(
+                f"partition {msg.partition!r}: {field} lists {len(values)} entries for count={msg.count}"
+            )
+    indexes("indexes", msg.indexes, config)
+    _blocks(msg.blocks, config)
+
+
+def _get_meta(msg: GetMeta, config: ControllerConfig) -> None:
+    most = config.max_samples_per_request
+    name("partition", msg.partition)
+    name("task", msg.task)
+    count("batch_size", msg.batch_size, most, low=1)
+    count("dp_size", msg.dp_size, most)
+    if msg.dp_size and msg.dp_size * msg.batch_size > most:
+        raise InvalidArgumentError(
+            f"dp_size * batch_size = {msg.dp_size} * {msg.batch_size} is out of bounds: "
+            f"at most max_samples_per_request={most} samples a round"
+        )
+    count("max_tokens_per_micro_batch", msg.max_tokens_per_micro_batch, 1 << 62)
+    names("fields", msg.fields, MAX_FIELDS)
+    names("balance_by", msg.balance_by, MAX_FIELDS)
+    seconds("timeout", msg.timeout)
+    seconds("lease_timeout", msg.lease_timeout)
+
+
+def _ack(msg: Ack, config: ControllerConfig) -> None:
+    indexes("indexes", msg.indexes, config)
+
+
+def _fail(msg: Fail, config: ControllerConfig) -> None:
+    name("partition", msg.partition)
+    indexes("indexes", msg.indexes, config)
+    count("count", msg.count, config.max_samples_per_request)
+
+
+def _clear(msg: Clear, config: ControllerConfig) -> None:
+    indexes("indexes", msg.indexes, config)
+
+
+def _postpone(msg: Postpone, config: ControllerConfig) -> None:
+    name("to", msg.to)
+    indexes("indexes", msg.indexes, config)
+
+
+def _renew(msg: Renew, config: ControllerConfig) -> None:
+    seconds("timeout", msg.timeout)
+
+
+def _reserve(msg: Reserve, config: ControllerConfig) -> None:
+    count("count", msg.count, config.max_samples_per_request, low=1)
+    seconds("timeout", msg.timeout)
+
+
+def _sealed(msg: Sealed, config: ControllerConfig) -> None:
+    seconds("timeout", msg.timeout)
+
+
+def _select(msg: Select, config: ControllerConfig) -> None:
+    names("fields", msg.fields, MAX_FIELDS)
+
+
+def _admission(msg: Admission, config: ControllerConfig) -> None:
+    count("batch_size", msg.batch_size, config.max_samples_per_request)
+    count("max_staleness", msg.max_staleness, 1 << 32, low=-1)
+
+
+def _create(msg: CreatePartition, config: ControllerConfig) -> None:
+    name("partition", msg.partition)
+    name("recycle_to", msg.recycle_to)
+    name("prefetch", msg.prefetch)
+    names("fields", msg.fields, MAX_FIELDS)
+    names("tasks", msg.tasks, config.max_tasks_per_partition)
+    count("group_size", msg.group_size, config.max_samples_per_request)
+    count("target", msg.target, config.max_partition_samples)
+    count("target_groups", msg.target_groups, config.max_partition_samples)
+
+
+def _register(msg: RegisterUnit, config: ControllerConfig) -> None:
+    count("capacity", msg.capacity, 1 << 62)
+
+
+_CHECKS: dict[type, Callable[[Any, ControllerConfig], None]] = {
+    Grant: _grant,
+    GetMeta: _get_meta,
+    Ack: _ack,
+    Fail: _fail,
+    Clear: _clear,
+    Postpone: _postpone,
+    Renew: _renew,
+    Reserve: _reserve,
+    Sealed: _sealed,
+    Select: _select,
+    Admission: _admission,
+    CreatePartition: _create,
+    RegisterUnit: _register,
+}
