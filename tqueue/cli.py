@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .config import StorageConfig
+from .config import ControllerConfig, StorageConfig
 
 
 def _flag(text: str) -> bool:
@@ -21,6 +21,19 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _config_flags(parser: argparse.ArgumentParser, config: type, skip: Sequence[str]) -> None:
+    """One ``--flag`` per scalar field of a config dataclass (``max_parked`` -> ``--max-parked``),
+    so that every setting, limits included, can be given to a server started from a shell."""
+    for field in dataclasses.fields(config):
+        if field.name not in skip:
+            parser.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=_flag if isinstance(field.default, bool) else type(field.default),
+                default=field.default,
+                help=f"{config.__name__}.{field.name} (default {field.default})",
+            )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tqueue", description=__doc__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -28,22 +41,15 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("controller", help="run a controller")
     c.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (port 0: OS picks)")
-    c.add_argument("--capacity-bytes", type=int, default=0, help="payload the whole cluster may hold (0: no limit)")
     c.add_argument("--policy", action="append", default=[], metavar="NAME=MODULE:ATTR", help="load a batch policy")
+    _config_flags(c, ControllerConfig, ("bind", "policies"))
     c.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes")
 
     s = sub.add_parser("storage-unit", help="run a storage unit")
     s.add_argument("--controller", required=True, help="the controller's address")
     s.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (port 0: OS picks)")
     s.add_argument("--host", default="", help="host name for placement (default: this machine)")
-    for field in dataclasses.fields(StorageConfig):
-        if field.name not in ("controller", "bind", "host"):
-            s.add_argument(
-                "--" + field.name.replace("_", "-"),
-                type=_flag if isinstance(field.default, bool) else type(field.default),
-                default=field.default,
-                help=f"StorageConfig.{field.name} (default {field.default})",
-            )
+    _config_flags(s, StorageConfig, ("controller", "bind", "host"))
     s.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes")
 
     b = sub.add_parser("bench", help="end-to-end benchmark against peers (source checkout)", add_help=False)
@@ -67,13 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s",
     )
     if args.command == "controller":
-        from .config import ControllerConfig
         from .launch._serve import run
 
-        run(
-            ControllerConfig(bind=args.bind, capacity_bytes=args.capacity_bytes, policies=tuple(args.policy)),
-            watch_stdin=args.watch_stdin,
-        )
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ControllerConfig) if f.name != "policies"}
+        run(ControllerConfig(**options, policies=tuple(args.policy)), watch_stdin=args.watch_stdin)
         return 0
     if args.command == "storage-unit":
         from .launch._serve import run
