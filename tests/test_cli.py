@@ -2,38 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import tqueue
 from tqueue.errors import InvalidArgumentError
-from tqueue.launch._serve import READY
 
-
-@contextlib.contextmanager
-def server(*args: str) -> Iterator[str]:
-    """``tqueue ARGS`` as a process; its address once it says it is ready; SIGTERM at the end."""
-    proc = subprocess.Popen([sys.executable, "-m", "tqueue", *args], stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith(READY), line
-        yield json.loads(line[len(READY) :])["address"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+from .servers import server
 
 
 def test_a_controller_started_with_a_limit_flag_enforces_it():

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import math
 import re
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -27,7 +23,6 @@ import torch
 import tqueue
 from tqueue.config import ControllerConfig, StorageConfig
 from tqueue.controller._server import Controller
-from tqueue.launch._serve import READY
 from tqueue.storage import StorageUnit
 from tqueue.wire import (
     PROTOCOL_VERSION,
@@ -53,6 +48,7 @@ from tqueue.wire import (
 from tqueue.wire._messages import encode
 
 from ..conftest import RawPeer
+from ..servers import server
 
 T = TypeVar("T")
 BIG = 2**62
@@ -306,15 +302,7 @@ def test_a_hostile_field_is_refused_by_name_and_changes_nothing(inproc, raw, msg
 
 
 def test_a_huge_grant_then_a_parked_read_leaves_the_controller_answering_and_stoppable(raw):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tqueue", "controller", "--bind", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith(READY), line
-        address = json.loads(line[len(READY) :])["address"]
+    with server("controller", "--bind", "tcp://127.0.0.1:0") as address:  # SIGTERM: rc 0 required
         peer = raw(address)
         register(peer)
         refused(ask(peer, Grant(partition="p", count=BIG, blocks=[x_block(BIG)])), rf"count={BIG} is out of bounds")
@@ -323,14 +311,6 @@ def test_a_huge_grant_then_a_parked_read_leaves_the_controller_answering_and_sto
         assert isinstance(status, StatusReply)
         assert [p.name for p in status.partitions] == []  # the refused grant created nothing
         assert [w.partition for w in status.waiting] == ["p"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30.0) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 # --- 3. timers end with what they guard ---------------------------------------------------
