@@ -13,6 +13,10 @@ from . import _env
 __all__ = ["ClientConfig", "ControllerConfig", "StorageConfig"]
 
 MiB = 1 << 20
+# Seconds of silence after which a peer pings its server (see tqueue/transport/_liveness.py).
+# The controller's setting is the cluster's: units learn it when they register, clients
+# in the controller's HelloReply.
+HEARTBEAT_INTERVAL = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,11 @@ class ControllerConfig:
     ``max_partitions``: partitions that exist at once.
     ``max_parked``: requests parked at once (reads, writes, seal waits); past it a request
     that would wait is refused instead (``UnavailableError``).
+
+    ``heartbeat_interval``: seconds between signs of life, for the whole cluster. A client
+    session silent for ``HEARTBEAT_LIVENESS`` intervals is gone (its parked calls and grants
+    are freed); a storage unit silent for ``UNIT_LIVENESS`` intervals is dead (its samples
+    are lost). See tqueue/transport/_liveness.py.
     """
 
     bind: str = "tcp://127.0.0.1:0"
@@ -47,6 +56,7 @@ class ControllerConfig:
     max_tasks_per_partition: int = 1024
     max_partitions: int = 100_000
     max_parked: int = 100_000
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +95,10 @@ class StorageConfig:
     the peer's fetches get an ``UnavailableError`` reply instead, until it reads.
     ``max_queued_replies``: replies queued for one peer (ZeroMQ's send high-water mark);
     past it replies to that peer are dropped, counted and logged.
+
+    ``name``: the unit's identity at the controller ("": its ZeroMQ address). A unit that
+    registers again under a known name (restarted, or back after the controller declared it
+    dead) gets its old unit id back and starts empty: what it held was declared lost.
     """
 
     controller: str
@@ -104,6 +118,7 @@ class StorageConfig:
     bulk_streams_per_peer: int = 128
     max_queued_bytes: int = 1024 * MiB
     max_queued_replies: int = 10_000
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,13 +95,14 @@ class LoopThread:
 
     def timers(self) -> int:
         """The controller's timer handles scheduled on its loop and not cancelled (the storage
-        unit that shares the loop keeps timers of its own)."""
+        unit that shares the loop keeps timers of its own), less its one liveness sweep."""
 
         def count() -> int:
             handles = self.loop._scheduled  # type: ignore[attr-defined]
             return sum(
                 1 for h in handles
                 if not h.cancelled() and getattr(h._callback, "__module__", "").startswith("tqueue.controller")
+                and getattr(h._callback, "__qualname__", "") != "Liveness._sweep"
             )
 
         return self.call(count)

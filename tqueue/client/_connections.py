@@ -19,6 +19,7 @@ from ..errors import (
 )
 from ..transport import _bulk, _zmq
 from ..transport._arena import ArenaMap, open_arena
+from ..transport._liveness import Session
 from ..wire import PROTOCOL_VERSION, Fetched, Hello, HelloReply, Ok, Release, UnitInfo
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class Connections:
         self.no_bulk: set[int] = set()  # units whose bulk listener could not be reached
         self._connecting: asyncio.Lock | None = None
         self._closed = False
+        # every connection of this client shares one session id: a server frees what the
+        # session held (parked calls, grants, arena holds) once it ends (tqueue/transport/_liveness.py)
+        self.session = Session()
+        self.heartbeat = 0.0  # the cluster's interval, from the controller's HelloReply
 
     async def connect(self) -> None:
         """Handshake with the controller (protocol version) and learn the storage units."""
@@ -84,6 +89,7 @@ class Connections:
                 name="controller",
                 unavailable=ControllerUnavailableError,
                 timeout=self.config.request_timeout,
+                routing_id=self.session.routing_id(),
             )
             try:
                 reply, _ = await peer.request(
@@ -95,6 +101,8 @@ class Connections:
                 raise
             _check_hello(reply, "controller")
             self.units = {u.unit_id: u for u in reply.units}
+            self.heartbeat = reply.heartbeat
+            peer.heartbeat(reply.heartbeat)
             self.controller = peer
 
     async def ctl(self) -> _zmq.Peer:
@@ -127,7 +135,9 @@ class Connections:
                 name=f"storage unit {info.unit_id}",
                 unavailable=StorageUnitUnavailableError,
                 timeout=self.config.request_timeout,
+                routing_id=self.session.routing_id(),
             )
+            peer.heartbeat(self.heartbeat)
         return peer
 
     async def close(self) -> None:
@@ -140,7 +150,7 @@ class Connections:
         self.unit_peers.clear()
         self.controller = None
         for peer in peers:
-            await peer.close()
+            await peer.close(bye=True)  # what the servers hold for this session is freed now
         streams = [st for idle in self.streams.values() for st in idle]
         self.streams.clear()
         for st in streams:

@@ -250,8 +250,13 @@ class Client:
             if not self._finalizer.alive:
                 raise RuntimeError("the client is closed")
             self.connect()
+            conns = self._inner._conns
             peer = _zmq.BlockingPeer(
-                self._inner.address, name="controller", unavailable=ControllerUnavailableError
+                self._inner.address,
+                name="controller",
+                unavailable=ControllerUnavailableError,
+                routing_id=conns.session.routing_id(),  # one session with the client's other connections
+                heartbeat=conns.heartbeat,
             )
             self._local.peer = peer
             with self._direct_lock:

@@ -95,7 +95,6 @@ class ControllerState:
         self.uids = itertools.count(1)
         self.grant_ids = itertools.count(1)
         self.lease_ids = itertools.count(1)
-        self.unit_ids = itertools.count(0)
         self.placements = itertools.count()
 
     # --- partitions -----------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ControllerConfig
-from ..errors import InvalidArgumentError, ProtocolVersionError, StorageUnitUnavailableError
+from ..errors import InvalidArgumentError, ProtocolVersionError
 from ..transport import _zmq
 from ..wire import (
     PROTOCOL_VERSION,
@@ -34,6 +34,8 @@ from ..wire import (
     Fail,
     GetMeta,
     Grant,
+    Heartbeat,
+    HeartbeatReply,
     Hello,
     HelloReply,
     Ok,
@@ -50,17 +52,17 @@ from ..wire import (
     StatusReply,
     StatusRequest,
     TaskStatus,
-    UnitInfo,
     UnitStatus,
     WaiterStatus,
 )
 from ._cleanup import Cleanup
 from ._core import ControllerState
 from ._limits import check as check_limits
+from ._liveness import Liveness
 from ._moves import Moves
 from ._policies import load as load_policies
 from ._reads import Reads
-from ._state import FAILURE_POLICIES, Options, Partition, Unit
+from ._state import FAILURE_POLICIES, Options, Partition
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,10 @@ class Controller:
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.config = config or ControllerConfig()
         self._server = _zmq.Server(
-            self.config.bind, name="controller", max_header=self.config.max_header_bytes
+            self.config.bind,
+            name="controller",
+            max_header=self.config.max_header_bytes,
+            heartbeat=self.config.heartbeat_interval,
         )
         self.address = self._server.address
         self.s = ControllerState(self.config, self._server, load_policies(self.config.policies))
@@ -81,9 +86,11 @@ class Controller:
         self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch)
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
         self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed)
+        self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
         for msg_type, handler in (
             (Hello, self._hello),
             (RegisterUnit, self._register_unit),
+            (Heartbeat, self._heartbeat),
             (CreatePartition, self._create_partition),
             (Grant, self.writes.grant),
             (Commit, self.writes.commit),
@@ -120,6 +127,7 @@ class Controller:
         await self._server.serve()
 
     async def close(self) -> None:
+        self.liveness.close()
         for peer in self.s.unit_peers.values():
             await peer.close()
         await self._server.close()
@@ -146,20 +154,18 @@ class Controller:
     def _hello(self, ident: bytes, msg: Hello, bufs: list[Any]) -> HelloReply:
         _check_protocol(msg.protocol, "controller")
         return HelloReply(
-            protocol=PROTOCOL_VERSION, server="controller", units=[u.info for u in self.s.units.values()]
+            protocol=PROTOCOL_VERSION,
+            server="controller",
+            units=[u.info for u in self.s.units.values()],
+            heartbeat=self.config.heartbeat_interval,
         )
 
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
         _check_protocol(msg.protocol, "controller")
-        unit_id = next(self.s.unit_ids)
-        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
-        self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity)
-        self.s.unit_peers[unit_id] = _zmq.Peer(
-            msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError
-        )
-        log.info("storage unit %d registered at %s (host %s)", unit_id, msg.address, msg.host)
-        self.s.loop.call_soon(self.writes.retry_parked)
-        return Registered(unit_id=unit_id)
+        return self.liveness.register(msg)
+
+    def _heartbeat(self, ident: bytes, msg: Heartbeat, bufs: list[Any]) -> HeartbeatReply:
+        return self.liveness.heartbeat(msg)
 
     # --- partitions -----------------------------------------------------------------
 
@@ -204,6 +210,7 @@ class Controller:
     # --- status ---------------------------------------------------------------------
 
     def _status(self, ident: bytes, msg: StatusRequest, bufs: list[Any]) -> StatusReply:
+        now = self.s.loop.time()
         parts = [
             PartitionStatus(
                 name=p.name,
@@ -211,7 +218,9 @@ class Controller:
                 samples=p.committed,
                 fields=dict(p.specs),
                 tasks={
-                    name: TaskStatus(leased=t.leased, consumed=t.consumed, refused=t.refused, expired=t.expired)
+                    name: TaskStatus(
+                        leased=t.leased, consumed=t.consumed, refused=t.refused, expired=t.expired, lost=t.lost
+                    )
                     for name, t in p.tasks.items()
                 },
                 nbytes=p.nbytes,
@@ -221,6 +230,7 @@ class Controller:
                 in_flight=p.in_flight,
                 groups_complete=len(p.groups.order),
                 sealed=p.sealed,
+                lost=p.lost,
             )
             for p in self.s.partitions.values()
         ]
@@ -228,6 +238,7 @@ class Controller:
             UnitStatus(
                 unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
                 capacity=u.capacity, undropped=self.cleanup.drops.count(u.info.unit_id),
+                name=u.name, alive=u.alive, silent=max(0.0, now - u.heard),
             )
             for u in self.s.units.values()
         ]

@@ -48,6 +48,9 @@ class Unit:
     capacity: int = 0  # bytes the unit may hold; 0: no limit
     nbytes: int = 0  # stored, as the unit last reported
     reserved: int = 0  # granted to writes not yet committed
+    name: str = ""  # its identity: registering again under it gives the same unit id
+    alive: bool = True  # false once it missed its heartbeats: its samples are lost
+    heard: float = 0.0  # loop time of its last heartbeat
 
     @property
     def load(self) -> int:
@@ -96,6 +99,7 @@ class TaskState:
         self.consumed = 0
         self.refused = 0
         self.expired = 0
+        self.lost = 0  # samples not consumed by this task when their unit died
 
     def ensure(self, cap: int) -> None:
         self.state = _grow(self.state, cap)
@@ -116,6 +120,8 @@ class GrantRecord:
     complete: bool = False
     segment: tuple[int, int] | None = None
     kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
+    admitted: int = 0  # staleness admission it took, given back if it never commits
+    owner: bytes = b""  # the client session that asked for it (freed when that session ends)
     timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
 
     def stop_timer(self) -> None:
@@ -220,6 +226,7 @@ class Partition:
         self.unit_bytes: dict[int, int] = {}
         self.committed = 0
         self.excluded = 0
+        self.lost = 0  # samples whose storage unit died (excluded, reason "lost")
         self.reasons: collections.Counter[str] = collections.Counter()
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
@@ -569,6 +576,25 @@ class Partition:
             for g in np.unique(self.group[indexes]).tolist():
                 if g >= 0:
                     self.abort_group(g, f"member failed: {reason}")
+
+    def lose(self, unit_id: int) -> int:
+        """The samples stored on a dead unit: excluded for good (reason ``lost``), counted
+        per task that had not consumed them, and their groups treated as with failed
+        members (``drop_group`` aborts them, ``mask_member`` serves them without). Leases
+        on them end: their holders' reads fail, their acks count nothing."""
+        n = self.n
+        idx = np.flatnonzero((self.unit[:n] == unit_id) & ((self.mask[:n] & (COMMITTED | EXCLUDED)) == COMMITTED))
+        if not len(idx):
+            return 0
+        for task in self.tasks.values():
+            state = task.state[idx]
+            task.lost += int(((state == AVAILABLE) | (state == LEASED)).sum())
+        self.lost += self.exclude(idx, "lost")
+        if self.options.on_member_failure == "drop_group":
+            for g in np.unique(self.group[idx]).tolist():
+                if g >= 0:
+                    self.abort_group(g, "member lost")
+        return len(idx)
 
     def abort_group(self, g: int, reason: str) -> None:
         if self.groups.aborted[g]:

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
+from ..transport._liveness import session_of
 from ..wire import Admission, Commit, Grant, Granted, Ok, Reserve, SetVersion
 from ._core import MAX_SERVED, ControllerState, ParkedWrite
 from ._state import GrantRecord, Partition, Unit
@@ -72,7 +73,11 @@ class Writes:
         return granted
 
     def _remember(self, ident: bytes, rid: int, granted: Granted) -> None:
-        """Which grant answered which request, for a cancel that crosses the reply."""
+        """Which grant answered which request, for a cancel that crosses the reply, and
+        which session owns it, to free it when that session ends."""
+        record = self.s.grants.get(granted.grant_id)
+        if record is not None:
+            record.owner = session_of(ident)
         if granted.grant_id:
             self.s.granted[(ident, rid)] = granted.grant_id
             while len(self.s.granted) > MAX_SERVED:
@@ -101,7 +106,7 @@ class Writes:
             part.check_room(msg.count)
             added = part.check_blocks(msg.blocks, msg.count)
         unit = self._place(msg)
-        self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
+        admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.s.partition(msg.partition)
         part.add_specs(added)
         start = part.allocate(msg.count, msg.groups, msg.versions)
@@ -112,7 +117,7 @@ class Writes:
         kept = msg.count if msg.partial else part.promise(msg.count)
         self.s.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
-            partial=msg.partial, kept=kept,
+            partial=msg.partial, kept=kept, admitted=admitted,
             timer=self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id),
         )
         return Granted(
@@ -190,11 +195,17 @@ class Writes:
 
     def _place(self, msg: Grant) -> Unit:
         """A unit on the producer's host with room, the least loaded among those."""
-        if not self.s.units:
-            raise _Wait("no storage unit is registered with the controller yet", full=True)
+        units = [u for u in self.s.units.values() if u.alive]  # a dead unit gets nothing new
+        if not units:
+            dead = len(self.s.units)
+            raise _Wait(
+                f"no live storage unit ({dead} registered, all dead)" if dead
+                else "no storage unit is registered with the controller yet",
+                full=True,
+            )
         need = msg.nbytes
         cap = self.s.config.capacity_bytes
-        used = sum(u.load for u in self.s.units.values())
+        used = sum(u.load for u in units)
         if cap and used + need > cap:
             raise _Wait(
                 f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
@@ -202,10 +213,10 @@ class Writes:
                 full=True,
                 never=need > cap,
             )
-        roomy = [u for u in self.s.units.values() if u.fits(need)]
+        roomy = [u for u in units if u.fits(need)]
         if not roomy:
-            largest = max((u.capacity or math.inf) for u in self.s.units.values())
-            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in self.s.units.values())
+            largest = max((u.capacity or math.inf) for u in units)
+            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
             raise _Wait(
                 f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
                 f"({per_unit} bytes used of allowed)",
@@ -217,7 +228,7 @@ class Writes:
         turn = next(self.s.placements)  # ties rotate so that equal units share the work
         return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
-    def _admit(self, count: int, partition: str) -> None:
+    def _admit(self, count: int, partition: str) -> int:
         """AReaL-style staleness admission: raise _Wait if ``count`` more samples would put
         producers more than ``max_staleness`` versions ahead of the trainer.
 
@@ -225,7 +236,7 @@ class Writes:
         (``(max_staleness + 1) * batch_size``) is not refused: it waits until the trainer's
         version makes room for all of it, as smaller puts do."""
         if self.s.admission is None or count <= 0:
-            return
+            return 0
         k, batch = self.s.admission
         limit = (self.s.version + k + 1) * batch
         if self.s.admitted + count > limit:
@@ -236,6 +247,7 @@ class Writes:
                 full=False,  # never "never": the limit grows with each version, so any put fits in time
             )
         self.s.admitted += count
+        return count
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
@@ -312,9 +324,24 @@ class Writes:
         unit = self.s.units.get(grant.unit_id)
         if unit is not None:
             unit.reserved -= grant.nbytes
+        self.s.admitted -= grant.admitted  # its samples never came: the window is theirs again
         part = self.s.by_uid.get(grant.partition_uid)
         if part is not None:
             part.forget(grant)
             self._free(part)
         self.retry_parked()
+
+    def lapse_owned(self, session: bytes, why: str) -> int:
+        """Lapse every uncommitted grant of a client session that ended."""
+        owned = [g.grant_id for g in self.s.grants.values() if g.owner == session and g.indexes is None]
+        for grant_id in owned:
+            self._lapse_grant(grant_id, why)
+        return len(owned)
+
+    def lapse_on(self, unit_id: int, why: str) -> int:
+        """Lapse every uncommitted grant placed on a unit that died."""
+        placed = [g.grant_id for g in self.s.grants.values() if g.unit_id == unit_id and g.indexes is None]
+        for grant_id in placed:
+            self._lapse_grant(grant_id, why)
+        return len(placed)
 

@@ -18,9 +18,17 @@ import numpy as np
 from .. import _env, _memory
 from .._memory import BufferPool
 from ..config import StorageConfig
-from ..errors import ControllerUnavailableError, InvalidArgumentError, ProtocolError, ProtocolVersionError, UnavailableError
+from ..errors import (
+    ControllerUnavailableError,
+    InvalidArgumentError,
+    ProtocolError,
+    ProtocolVersionError,
+    TQueueError,
+    UnavailableError,
+)
 from ..transport import _bulk, _zmq
 from ..transport._arena import Arena, Region
+from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
@@ -31,6 +39,8 @@ from ..wire import (
     Dropped,
     Fetch,
     Fetched,
+    Heartbeat,
+    HeartbeatReply,
     Hello,
     HelloReply,
     Move,
@@ -65,6 +75,7 @@ class StorageUnit:
             max_frame_bytes=config.max_frame_bytes,
             max_queued_bytes=config.max_queued_bytes,
             max_queued_replies=config.max_queued_replies,
+            heartbeat=0.0,  # the cluster's interval comes with the registration
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
@@ -76,11 +87,16 @@ class StorageUnit:
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
         self.unit_id = -1
+        self.interval = 0.0  # the cluster's heartbeat interval, learned at registration
         self._controller: _zmq.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
-        self._allocs: dict[int, tuple[Region, asyncio.TimerHandle]] = {}
-        self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle]] = {}
+        # arena ranges allocated to writers and held by readers, with their lapse timers and
+        # the client session that owns them (freed at once when it ends)
+        self._allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
+        self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
         self._hold_ids = itertools.count(1)
+        self._beats: asyncio.Task[None] | None = None
+        self._server.sessions.on_gone(self._session_gone)
         s = self._server
         s.route(Hello, self._hello)
         s.route(Store, self._store)
@@ -92,11 +108,16 @@ class StorageUnit:
         s.route(Cancel, self._cancel)
 
     async def start(self) -> None:
-        """Register with the controller; afterwards the unit receives placements."""
+        """Register with the controller; afterwards the unit receives placements and sends
+        its heartbeats."""
         self._controller = _zmq.Peer(
             self.config.controller, name="controller", unavailable=ControllerUnavailableError
         )
-        reply, _ = await self._controller.request(
+        await self._register()
+        self._beats = self._loop.create_task(self._heartbeats())
+
+    async def _register(self) -> None:
+        reply, _ = await self._ctl().request(
             RegisterUnit(
                 protocol=PROTOCOL_VERSION,
                 address=self.address,
@@ -104,19 +125,58 @@ class StorageUnit:
                 capacity=self.config.capacity_bytes,
                 shm=self.arena.path if self.arena is not None else "",
                 bulk=self.bulk.address if self.bulk is not None else "",
+                name=self.config.name,
             ),
             expect=Registered,
         )
         self.unit_id = reply.unit_id
+        self.interval = reply.heartbeat
+        self._server.sessions.set_interval(reply.heartbeat)
         self._server.name = f"storage unit {self.unit_id}"
         if self.bulk is not None:
             self.bulk.name = self._server.name
         log.info("storage unit %d serving at %s", self.unit_id, self.address)
 
+    def _ctl(self) -> _zmq.Peer:
+        assert self._controller is not None, "start() first"
+        return self._controller
+
+    async def _heartbeats(self) -> None:
+        """Tell the controller this unit lives, every interval. A controller that does not
+        know the unit as alive (it restarted, or declared this unit dead and its samples
+        lost) hears it register again; the unit starts empty then."""
+        if self.interval <= 0:
+            return
+        silent_since: float | None = None
+        while True:
+            await asyncio.sleep(self.interval)  # the heartbeat's period, not a wait for an event
+            beat = Heartbeat(unit_id=self.unit_id, name=self.config.name, nbytes=self.data.resident)
+            try:
+                reply, _ = await self._ctl().request(
+                    beat, expect=HeartbeatReply, timeout=window(self.interval, UNIT_LIVENESS)
+                )
+                if not reply.known:
+                    self._forget_everything("the controller no longer knows this unit")
+                    await self._register()
+                silent_since = None
+            except TQueueError as exc:  # the next beat tries again
+                if silent_since is None:
+                    silent_since = self._loop.time()
+                    log.warning("unit %d: the controller does not answer its heartbeat: %s", self.unit_id, exc)
+
+    def _forget_everything(self, why: str) -> None:
+        """Free every partition held: the controller declared them lost (or never knew them)."""
+        uids = list(self.data.partitions)
+        freed = sum(self.data.drop(uid) for uid in uids)
+        log.warning("unit %d: %s; freeing its %d partitions (%d bytes)", self.unit_id, why, len(uids), freed)
+        self._trim_now()
+
     async def serve(self) -> None:
         await self._server.serve()
 
     async def close(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
         if self._trim is not None:
             self._trim.cancel()
         if self._controller is not None:
@@ -260,7 +320,7 @@ class StorageUnit:
             return Allocated(offset=-1)
         # a writer that never stores gives the range back after the request timeout
         timer = self._loop.call_later(ALLOC_TIMEOUT, self._expire_alloc, region.offset)
-        self._allocs[region.offset] = (region, timer)
+        self._allocs[region.offset] = (region, timer, session_of(ident))
         return Allocated(offset=region.offset, length=region.length)
 
     def _take_alloc(self, offset: int) -> Region:
@@ -270,11 +330,13 @@ class StorageUnit:
         entry[1].cancel()
         return entry[0]
 
-    def _expire_alloc(self, offset: int) -> None:
+    def _expire_alloc(self, offset: int, why: str = "was allocated but never stored") -> None:
         entry = self._allocs.pop(offset, None)
-        if entry is not None and self.arena is not None:
-            log.warning("unit %d: arena region %d was allocated but never stored", self.unit_id, offset)
-            self.arena.decref(entry[0])
+        if entry is not None:
+            entry[1].cancel()
+            if self.arena is not None:
+                log.warning("unit %d: arena region %d %s", self.unit_id, offset, why)
+                self.arena.decref(entry[0])
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
@@ -284,7 +346,7 @@ class StorageUnit:
         if reply.held:
             hold = next(self._hold_ids)
             timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
-            self._holds[hold] = (reply.held, timer)
+            self._holds[hold] = (reply.held, timer, session_of(ident))
         elif msg.bulk and self.bulk is not None:
             total = sum(nbytes_of(f) for f in reply.frames)
             if total >= _bulk.MIN_BYTES and self.bulk.send(msg.bulk, reply.frames):
@@ -300,9 +362,26 @@ class StorageUnit:
         return Ok()
 
     def _release(self, ident: bytes, msg: Release, bufs: list[Any]) -> Ok:
+        """End holds; only the session that got a hold may end it (another reader's batch
+        must not change under it). Holds that are not the caller's are left alone."""
+        session = session_of(ident)
         for hold in msg.holds:
-            self._end_hold(hold)
+            entry = self._holds.get(hold)
+            if entry is not None and entry[2] == session:
+                self._end_hold(hold)
         return Ok()
+
+    def _session_gone(self, session: bytes) -> None:
+        """A client session ended: its arena ranges and holds go back now."""
+        allocs = [offset for offset, entry in self._allocs.items() if entry[2] == session]
+        for offset in allocs:
+            self._expire_alloc(offset, "was allocated by a client that is gone")
+        holds = [hold for hold, entry in self._holds.items() if entry[2] == session]
+        for hold in holds:
+            self._end_hold(hold)
+        if allocs or holds:
+            log.info("unit %d: a client session ended; %d arena allocations and %d holds freed",
+                     self.unit_id, len(allocs), len(holds))
 
     def _end_hold(self, hold: int) -> None:
         entry = self._holds.pop(hold, None)

@@ -25,7 +25,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: FieldBlock.packed
+PROTOCOL_VERSION = 3  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -75,6 +75,11 @@ class Kind(enum.IntEnum):
     SEALED = 34
     SELECT = 35
     CANCEL = 36
+    PING = 37
+    PONG = 38
+    BYE = 39
+    HEARTBEAT = 40
+    HEARTBEAT_REPLY = 41
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -222,13 +227,20 @@ class Hello(Message):
 
 
 class HelloReply(Message):
+    """``heartbeat``: the seconds between signs of life the server expects of this session
+    (see tqueue/transport/_liveness.py); 0: it expects none."""
+
     KIND = Kind.HELLO_REPLY
     protocol: int
     server: str
     units: list[UnitInfo] = []
+    heartbeat: float = 0.0
 
 
 class RegisterUnit(Message):
+    """``name``: the unit's identity; a unit that registers again under a known name (it
+    restarted, or the controller had declared it dead) gets its ``unit_id`` back."""
+
     KIND = Kind.REGISTER_UNIT
     protocol: int
     address: str
@@ -236,11 +248,17 @@ class RegisterUnit(Message):
     capacity: int = 0
     shm: str = ""
     bulk: str = ""
+    name: str = ""
 
 
 class Registered(Message):
+    """``reset``: the controller declared this unit's samples lost while it was away; the
+    unit frees everything it holds. ``heartbeat``: seconds between the unit's heartbeats."""
+
     KIND = Kind.REGISTERED
     unit_id: int
+    reset: bool = False
+    heartbeat: float = 0.0
 
 
 class CreatePartition(Message):
@@ -496,6 +514,39 @@ class Cancel(Message):
     of: int
 
 
+class Ping(Message):
+    """A sign of life after an interval of silence; answered with ``Pong``."""
+
+    KIND = Kind.PING
+
+
+class Pong(Message):
+    KIND = Kind.PONG
+
+
+class Bye(Message):
+    """The sender's session ends on purpose: what the server holds for it is freed now. No reply."""
+
+    KIND = Kind.BYE
+
+
+class Heartbeat(Message):
+    """A storage unit's periodic sign of life to the controller, with what it holds."""
+
+    KIND = Kind.HEARTBEAT
+    unit_id: int
+    name: str = ""
+    nbytes: int = 0
+
+
+class HeartbeatReply(Message):
+    """``known``: false if the controller does not know this unit as alive (it restarted, or
+    declared the unit dead): the unit registers again."""
+
+    KIND = Kind.HEARTBEAT_REPLY
+    known: bool = True
+
+
 class Renew(Message):
     KIND = Kind.RENEW
     partition: str
@@ -553,10 +604,13 @@ class StatusRequest(Message):
 
 
 class TaskStatus(msgspec.Struct, kw_only=True):
+    """``lost``: samples this task had not consumed when their storage unit died."""
+
     leased: int
     consumed: int
     refused: int = 0
     expired: int = 0
+    lost: int = 0
 
 
 class PartitionStatus(msgspec.Struct, kw_only=True):
@@ -575,6 +629,7 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     in_flight: int = 0
     groups_complete: int = 0
     sealed: bool = False
+    lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):
@@ -584,6 +639,9 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     nbytes: int
     capacity: int = 0
     undropped: int = 0  # partitions whose drop this unit has not confirmed (retried)
+    name: str = ""
+    alive: bool = True  # false: missed its heartbeats; its samples are lost
+    silent: float = 0.0  # seconds since the controller last heard from it
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):

@@ -1,0 +1,149 @@
+"""Who is alive: storage units (registration, heartbeats, death, rejoin) and client sessions.
+
+A unit sends ``Heartbeat`` every interval (the controller's ``heartbeat_interval``, which
+the unit learns when it registers). One timer checks every unit once an interval; a unit
+silent for ``UNIT_LIVENESS`` intervals is *dead*: it gets no new placements, the grants
+placed on it lapse, drops and moves owed to it are forgotten, and every sample it held is
+*lost*: excluded for good (reason ``lost``), counted per partition and per task in
+``status()``, and reported to its partition's member-failure policy. Lost is final: those
+samples were already reported, so a dead unit that comes back (its heartbeat is answered
+``known=False``) registers again, gets its unit id back by name, and starts empty.
+
+A client session that ends (it said ``Bye``, or the server heard nothing from any of its
+connections for the liveness window, see :mod:`tqueue.transport._liveness`) loses at once
+what waits for it here: its parked ``get_meta`` (so no samples are leased to a dead
+consumer), its parked puts, reserves and seal waits, and its uncommitted grants (their
+budget, reservation and staleness admission return). Its leases follow the lease rules:
+they expire at their lease timeout, or are acked by another process of the same trainer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+from ..errors import StorageUnitUnavailableError
+from ..transport import _zmq
+from ..transport._liveness import UNIT_LIVENESS, session_of, window
+from ..wire import Heartbeat, HeartbeatReply, Registered, RegisterUnit, UnitInfo
+from ._cleanup import Cleanup
+from ._core import ControllerState
+from ._state import Unit
+from ._writes import Writes
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """Units' registration and heartbeats, and the end of client sessions, over ``state``."""
+
+    def __init__(
+        self, state: ControllerState, *, writes: Writes, cleanup: Cleanup, wake: Callable[[str], None]
+    ) -> None:
+        self.s = state
+        self.writes = writes
+        self.cleanup = cleanup
+        self._wake = wake  # serve parked reads of a partition (lost samples end their wait)
+        self.interval = state.config.heartbeat_interval
+        self._names: dict[str, int] = {}  # unit name -> unit id
+        self._ids = itertools.count(0)
+        self._timer = state.loop.call_later(self.interval, self._sweep) if self.interval > 0 else None
+        state.server.sessions.on_gone(self.session_gone)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # --- units ----------------------------------------------------------------------
+
+    def register(self, msg: RegisterUnit) -> Registered:
+        name = msg.name or msg.address
+        unit_id = self._names.get(name)
+        if unit_id is None:
+            unit_id = self._names[name] = next(self._ids)
+        else:
+            old = self.s.units.get(unit_id)
+            if old is not None and old.alive:  # it restarted before its silence was noticed
+                self.unit_dead(old, "registered again (it restarted): what it held is gone")
+            peer = self.s.unit_peers.pop(unit_id, None)
+            if peer is not None:
+                self.s.loop.create_task(peer.close())
+        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
+        self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time())
+        self.s.unit_peers[unit_id] = _zmq.Peer(
+            msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError
+        )
+        log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
+        self.s.loop.call_soon(self.writes.retry_parked)
+        return Registered(unit_id=unit_id, heartbeat=self.interval)
+
+    def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
+        unit = self.s.units.get(msg.unit_id)
+        if unit is None or not unit.alive or (msg.name and msg.name != unit.name):
+            return HeartbeatReply(known=False)  # it registers again, and starts empty
+        unit.heard = self.s.loop.time()
+        return HeartbeatReply(known=True)
+
+    def _sweep(self) -> None:
+        limit = self.s.loop.time() - window(self.interval, UNIT_LIVENESS)
+        for unit in list(self.s.units.values()):
+            if unit.alive and unit.heard < limit:
+                silent = self.s.loop.time() - unit.heard
+                self.unit_dead(unit, f"no heartbeat for {silent:.1f} s (one is due every {self.interval:g} s)")
+        self._timer = self.s.loop.call_later(self.interval, self._sweep)
+
+    def unit_dead(self, unit: Unit, why: str) -> None:
+        """Declare ``unit`` dead: nothing new goes to it and what it held is lost."""
+        unit.alive = False
+        unit_id = unit.info.unit_id
+        unit.nbytes = unit.reserved = 0
+        lapsed = self.writes.lapse_on(unit_id, f"was placed on storage unit {unit_id}, which died")
+        self.cleanup.drops.forget_unit(unit_id)
+        lost = 0
+        for part in list(self.s.partitions.values()):
+            n = part.lose(unit_id)
+            part.unit_bytes.pop(unit_id, None)
+            if n:
+                lost += n
+                log.error("partition %r: %d samples lost with storage unit %d", part.name, n, unit_id)
+                self._wake(part.name)  # a wait for groups that will never complete ends
+                self.cleanup.maybe_free(part)
+        log.error(
+            "storage unit %d (%s) at %s is dead: %s; %d samples lost, %d grants lapsed",
+            unit_id, unit.name, unit.info.address, why, lost, lapsed,
+        )
+        peer = self.s.unit_peers.pop(unit_id, None)
+        if peer is not None:
+            self.s.loop.create_task(peer.close())
+        self.writes.retry_parked()  # puts parked for room may fit on the live units
+
+    # --- client sessions ------------------------------------------------------------
+
+    def session_gone(self, session: bytes) -> None:
+        """Free at once what a client session that ended held here."""
+        s = self.s
+        mine = [w for ws in s.waiters.values() for w in ws if session_of(w.ident) == session]
+        for waiter in mine:
+            s.finish(waiter)
+        sealed = [w for ws in s.sealed_waiters.values() for w in ws if session_of(w.ident) == session]
+        for waiter in sealed:
+            s.unpark_sealed(waiter)
+        parked = [p for p in s.parked if session_of(p.ident) == session]
+        for write in parked:
+            s.parked.remove(write)
+            if write.timer is not None:
+                write.timer.cancel()
+        for key in [k for k in s.served if session_of(k[0]) == session]:
+            del s.served[key]
+        for key in [k for k in s.granted if session_of(k[0]) == session]:
+            del s.granted[key]
+        lapsed = self.writes.lapse_owned(session, "belonged to a client that is gone")
+        if mine or sealed or parked or lapsed:
+            log.info(
+                "client session %s ended: %d parked reads, %d seal waits, %d parked writes withdrawn, "
+                "%d grants lapsed", session.hex(), len(mine), len(sealed), len(parked), lapsed,
+            )
+        if parked:
+            self.writes.retry_parked()
