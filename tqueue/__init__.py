@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
     ControllerUnavailableError,
+    DataLostError,
     FieldTypeError,
     InvalidArgumentError,
     PartitionClearedError,
@@ -47,6 +48,7 @@ __all__ = [
     "ClientStats",
     "ControllerConfig",
     "ControllerUnavailableError",
+    "DataLostError",
     "FieldSpec",
     "FieldStats",
     "FieldTypeError",

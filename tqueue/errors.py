@@ -17,6 +17,7 @@
     ├── UnavailableError                (also ConnectionError) a server did not answer
     │   ├── ControllerUnavailableError
     │   └── StorageUnitUnavailableError
+    │       └── DataLostError               samples whose storage unit is gone
     └── RemoteError                     a server failed on a well-formed request
 
 Servers never raise into their loop: a bad request becomes an error reply carrying a
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "CODES",
     "ControllerUnavailableError",
+    "DataLostError",
     "FieldTypeError",
     "InvalidArgumentError",
     "PartitionClearedError",
@@ -128,6 +130,14 @@ class StorageUnitUnavailableError(UnavailableError):
     code = "unit_unavailable"
 
 
+class DataLostError(StorageUnitUnavailableError):
+    """Samples cannot be read: the storage unit that held them is gone (the controller
+    declares the samples of a unit silent for its liveness window lost). The message names
+    the partition, the unit and the samples."""
+
+    code = "data_lost"
+
+
 class RemoteError(TQueueError):
     """A server failed while handling a well-formed request; its message is passed on."""
 
@@ -150,6 +160,7 @@ CODES: dict[str, type[TQueueError]] = {
         UnavailableError,
         ControllerUnavailableError,
         StorageUnitUnavailableError,
+        DataLostError,
         RemoteError,
     )
 }

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from .._memory import BufferPool
-from ..errors import InvalidArgumentError, ProtocolError, UnknownFieldError
-from ..transport import _bulk
+from ..errors import DataLostError, InvalidArgumentError, ProtocolError, StorageUnitUnavailableError, UnknownFieldError
+from ..transport import _bulk, _zmq
 from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok, Renew
 from ..wire._layout import int_dtype, itemsize, nbytes
 from ..wire._pack import PACKED, Widening
@@ -190,6 +190,27 @@ class Gets:
     ) -> Part:
         """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit."""
         peer = await self._conns.unit(unit_id)
+        try:
+            return await self._fetch_from(peer, meta, unit_id, pos, idx, fields, dests)
+        except StorageUnitUnavailableError as exc:
+            if not peer.gone:  # slow, not silent: the samples may well be there
+                raise
+            address = self._conns.units[unit_id].address
+            raise DataLostError(
+                f"partition {meta.partition!r}: samples {_listed(idx)} on storage unit {unit_id} at "
+                f"{address} cannot be read: {exc}"
+            ) from exc
+
+    async def _fetch_from(
+        self,
+        peer: _zmq.Peer,
+        meta: BatchMeta,
+        unit_id: int,
+        pos: np.ndarray,
+        idx: list[int],
+        fields: list[str],
+        dests: dict[str, np.ndarray],
+    ) -> Part:
         arena = self._conns.arena(self._conns.units[unit_id])
         stream = await self._conns.stream(unit_id) if self._conns.bulk_to(unit_id) else None
         wire, widened = -1, 0
@@ -259,6 +280,13 @@ class Gets:
             ),
             expect=Ok,
         )
+
+
+def _listed(indexes: list[int], most: int = 32) -> str:
+    """Sample indexes for a message: all of them, or the first ``most`` and how many more."""
+    if len(indexes) <= most:
+        return str(indexes)
+    return f"{indexes[:most]} and {len(indexes) - most} more"
 
 
 def _widened(block: FieldBlock, sizes: list[int]) -> int:

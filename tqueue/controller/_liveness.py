@@ -23,7 +23,7 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from ..errors import StorageUnitUnavailableError
+from ..errors import StorageUnitUnavailableError, UnavailableError
 from ..transport import _zmq
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import Heartbeat, HeartbeatReply, Registered, RegisterUnit, UnitInfo
@@ -124,17 +124,26 @@ class Liveness:
     def session_gone(self, session: bytes) -> None:
         """Free at once what a client session that ended held here."""
         s = self.s
+        # Each withdrawn call is answered too: a caller that is only silent (one that does
+        # not heartbeat) then fails loudly instead of waiting for an answer that never comes.
+        ended = UnavailableError(
+            f"the controller heard nothing from this client for {window(self.interval):.1f} s "
+            f"(heartbeat every {self.interval:g} s) and ended its session; its parked calls are withdrawn"
+        )
         mine = [w for ws in s.waiters.values() for w in ws if session_of(w.ident) == session]
         for waiter in mine:
             s.finish(waiter)
+            s.answer(waiter.ident, waiter.req.rid, ended)
         sealed = [w for ws in s.sealed_waiters.values() for w in ws if session_of(w.ident) == session]
         for waiter in sealed:
             s.unpark_sealed(waiter)
+            s.answer(waiter.ident, waiter.req.rid, ended)
         parked = [p for p in s.parked if session_of(p.ident) == session]
         for write in parked:
             s.parked.remove(write)
             if write.timer is not None:
                 write.timer.cancel()
+            s.answer(write.ident, write.req.rid, ended)
         for key in [k for k in s.served if session_of(k[0]) == session]:
             del s.served[key]
         for key in [k for k in s.granted if session_of(k[0]) == session]:

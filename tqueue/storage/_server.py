@@ -132,6 +132,9 @@ class StorageUnit:
         self.unit_id = reply.unit_id
         self.interval = reply.heartbeat
         self._server.sessions.set_interval(reply.heartbeat)
+        # a commit waits no longer than the liveness window on a silent controller, so a
+        # writer hears "controller unavailable" from this unit before its own timeout
+        self._ctl().heartbeat(reply.heartbeat)
         self._server.name = f"storage unit {self.unit_id}"
         if self.bulk is not None:
             self.bulk.name = self._server.name

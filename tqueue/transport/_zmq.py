@@ -226,6 +226,11 @@ class Peer:
             self._heard = self._loop.time()
             self._ticker = self._loop.call_later(interval, self._tick)
 
+    @property
+    def gone(self) -> bool:
+        """Heartbeats are on and the server has been silent for the liveness window."""
+        return bool(self._interval) and self._loop.time() - self._heard >= window(self._interval)
+
     def _tick(self) -> None:
         silent = self._loop.time() - self._heard
         if silent >= window(self._interval) and self._pending:
