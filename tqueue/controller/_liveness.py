@@ -110,9 +110,10 @@ class Liveness:
                 log.error("partition %r: %d samples lost with storage unit %d", part.name, n, unit_id)
                 self._wake(part.name)  # a wait for groups that will never complete ends
                 self.cleanup.maybe_free(part)
+        named = f" ({unit.name})" if unit.name != unit.info.address else ""
         log.error(
-            "storage unit %d (%s) at %s is dead: %s; %d samples lost, %d grants lapsed",
-            unit_id, unit.name, unit.info.address, why, lost, lapsed,
+            "storage unit %d%s at %s is dead: %s; %d samples lost, %d grants lapsed",
+            unit_id, named, unit.info.address, why, lost, lapsed,
         )
         peer = self.s.unit_peers.pop(unit_id, None)
         if peer is not None:

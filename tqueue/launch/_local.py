@@ -14,13 +14,14 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..config import StorageConfig
+from ..config import ControllerConfig, StorageConfig
 from ._serve import READY
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 10.0
 _UNIT_OPTIONS = {f.name for f in dataclasses.fields(StorageConfig)} - {"controller", "bind", "host"}
+_CONTROLLER_OPTIONS = {f.name for f in dataclasses.fields(ControllerConfig)} - {"bind"}
 
 
 class LocalCluster:
@@ -29,7 +30,8 @@ class LocalCluster:
     ``unit_hosts`` gives each unit the host name it reports for placement (default: this
     machine's), to simulate several hosts on one machine. ``storage`` sets
     :class:`~tqueue.config.StorageConfig` options of every unit, e.g. ``{"shm_bytes": 0}``;
-    ``controller`` the controller's ``capacity_bytes`` and ``policies``.
+    ``controller`` the controller's :class:`~tqueue.config.ControllerConfig` options, e.g.
+    ``{"capacity_bytes": 1 << 30, "heartbeat_interval": 0.5}``.
 
     Use as a context manager; everything is stopped on exit, also after an exception, and
     the children also stop by themselves if this process dies (their stdin closes)::
@@ -66,8 +68,10 @@ class LocalCluster:
             elif key == "policies":
                 for spec in value:
                     self.controller_args += ["--policy", spec]
+            elif key in _CONTROLLER_OPTIONS:
+                self.controller_args += ["--" + key.replace("_", "-"), str(value)]
             else:
-                raise ValueError(f"unknown controller option {key!r}; known: ['capacity_bytes', 'policies']")
+                raise ValueError(f"unknown controller option {key!r}; known: {sorted(_CONTROLLER_OPTIONS)}")
         self.num_storage_units = num_storage_units
         self.host = host
         self.start_timeout = start_timeout
