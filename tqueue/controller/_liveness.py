@@ -84,6 +84,7 @@ class Liveness:
         if unit is None or not unit.alive or (msg.name and msg.name != unit.name):
             return HeartbeatReply(known=False)  # it registers again, and starts empty
         unit.heard = self.s.loop.time()
+        unit.arena_used = msg.arena_used
         return HeartbeatReply(known=True)
 
     def _sweep(self) -> None:

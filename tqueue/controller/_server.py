@@ -238,7 +238,7 @@ class Controller:
             UnitStatus(
                 unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
                 capacity=u.capacity, undropped=self.cleanup.drops.count(u.info.unit_id),
-                name=u.name, alive=u.alive, silent=max(0.0, now - u.heard),
+                name=u.name, alive=u.alive, silent=max(0.0, now - u.heard), arena_used=u.arena_used,
             )
             for u in self.s.units.values()
         ]

@@ -51,6 +51,7 @@ class Unit:
     name: str = ""  # its identity: registering again under it gives the same unit id
     alive: bool = True  # false once it missed its heartbeats: its samples are lost
     heard: float = 0.0  # loop time of its last heartbeat
+    arena_used: int = 0  # as its last heartbeat said
 
     @property
     def load(self) -> int:

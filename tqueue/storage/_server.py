@@ -153,7 +153,10 @@ class StorageUnit:
         silent_since: float | None = None
         while True:
             await asyncio.sleep(self.interval)  # the heartbeat's period, not a wait for an event
-            beat = Heartbeat(unit_id=self.unit_id, name=self.config.name, nbytes=self.data.resident)
+            beat = Heartbeat(
+                unit_id=self.unit_id, name=self.config.name, nbytes=self.data.resident,
+                arena_used=self.arena.used if self.arena is not None else 0,
+            )
             try:
                 reply, _ = await self._ctl().request(
                     beat, expect=HeartbeatReply, timeout=window(self.interval, UNIT_LIVENESS)

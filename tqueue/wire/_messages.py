@@ -537,6 +537,7 @@ class Heartbeat(Message):
     unit_id: int
     name: str = ""
     nbytes: int = 0
+    arena_used: int = 0  # bytes of its shared-memory arena in use (stored, being written, held by readers)
 
 
 class HeartbeatReply(Message):
@@ -642,6 +643,7 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     name: str = ""
     alive: bool = True  # false: missed its heartbeats; its samples are lost
     silent: float = 0.0  # seconds since the controller last heard from it
+    arena_used: int = 0  # of its shared-memory arena, as of its last heartbeat
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):

@@ -1,0 +1,175 @@
+"""Clients and the controller disappearing (SIGKILL): a dead controller is reported to every
+waiting call within the liveness window, not at each call's own timeout; a client that dies
+loses at once its parked calls, its grants (budget back) and its arena allocations and holds.
+
+The producers and consumers killed here are real clients in child processes
+(tests/faults/_child.py); each says on stdout when it has reached the point it is killed at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import ControllerUnavailableError
+from tqueue.transport import _zmq
+from tqueue.transport._liveness import HEARTBEAT_LIVENESS
+from tqueue.wire import Store
+
+from ._child import HOLD_BYTES, PUT_BYTES
+from ._proc import until
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INTERVAL = 0.5
+# generous for two busy cores, and far below the timeouts calls used to wait out (30-90 s)
+BOUND = INTERVAL * (HEARTBEAT_LIVENESS + 2) + 5.0
+
+
+def cluster(**controller: Any) -> tqueue.LocalCluster:
+    return tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": INTERVAL, **controller})
+
+
+@pytest.fixture
+def child() -> Iterator[Any]:
+    """Start ``_child MODE ADDRESS``; returns (process, first line); killed by pid at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(mode: str, address: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.faults._child", mode, address], cwd=ROOT, stdout=subprocess.PIPE
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, f"child {mode} said nothing within 120 s"
+        line = proc.stdout.readline().decode().strip()
+        assert line, f"child {mode} exited with {proc.wait()}"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def kill(proc: subprocess.Popen[bytes]) -> float:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return time.monotonic()
+
+
+def waiting(client: tqueue.Client, kind: str) -> int:
+    return sum(1 for w in client.status().waiting if w.kind == kind)
+
+
+def test_a_killed_controller_fails_parked_calls_of_sync_and_async_clients_at_once():
+    with cluster() as c, c.client() as sync_client:
+        errors: dict[str, BaseException] = {}
+        done = {name: threading.Event() for name in ("sync", "async")}
+
+        def park_sync() -> None:
+            try:
+                sync_client.get_meta("p", ["x"], 4, task="t", timeout=600)
+            except BaseException as exc:
+                errors["sync"] = exc
+            done["sync"].set()
+
+        async def park_async() -> None:
+            async with tqueue.AsyncClient(c.address) as client:
+                try:
+                    await client.get_meta("p", ["x"], 4, task="t", timeout=600)
+                except BaseException as exc:
+                    errors["async"] = exc
+            done["async"].set()
+
+        threads = [threading.Thread(target=park_sync), threading.Thread(target=asyncio.run, args=(park_async(),))]
+        for t in threads:
+            t.start()
+        with c.client() as probe:
+            until(lambda: waiting(probe, "get_meta") == 2, 60, "both get_meta parked")
+        os.kill(c.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        for name, event in done.items():
+            assert event.wait(BOUND), f"{name} get_meta still waits {BOUND} s after the controller died"
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(10)
+        for name in done:
+            assert isinstance(errors[name], ControllerUnavailableError), errors[name]
+            assert "has not been heard from" in str(errors[name])
+        with pytest.raises(ControllerUnavailableError, match="has not been heard from|did not answer"):
+            sync_client.put("p", {"x": torch.ones(2, 2)})
+        print(f"controller SIGKILL: both parked get_meta failed after {took:.2f} s (heartbeat {INTERVAL} s)")
+
+
+def test_a_put_in_flight_when_the_controller_dies_blames_the_controller(monkeypatch):
+    """The kill comes between the grant and the store (a hook on this client's Store): the
+    unit's commit meets a dead controller, and the writer hears so from the unit."""
+    with cluster() as c, c.client(config=tqueue.ClientConfig(shm=False)) as client:
+        client.put("p", {"x": torch.ones(2, 2)})  # connected to the unit already
+        real = _zmq.Peer.request
+
+        async def request(self: _zmq.Peer, msg: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(msg, Store):
+                os.kill(c.pids[0], signal.SIGKILL)
+            return await real(self, msg, *args, **kwargs)
+
+        monkeypatch.setattr(_zmq.Peer, "request", request)
+        t0 = time.monotonic()
+        with pytest.raises(ControllerUnavailableError, match="controller at tcp://.* has not been heard from"):
+            client.put("p", {"x": torch.ones(2, 2)})
+        assert time.monotonic() - t0 < BOUND
+
+
+@pytest.mark.parametrize("path", ["put-arena", "put-tcp"])
+def test_a_producer_killed_mid_put_gives_its_budget_back_at_once(child, path):
+    capacity = PUT_BYTES + PUT_BYTES // 2  # room for one such put, not two
+    with cluster(capacity_bytes=capacity) as c, c.client() as client:
+        producer = child(path, c.address)  # granted PUT_BYTES, and stopped before storing
+        t0 = kill(producer)
+        meta = client.put("q", {"x": torch.full((4, PUT_BYTES // 16), 2.0)}, timeout=BOUND)
+        took = time.monotonic() - t0
+        assert torch.equal(client.get_data(meta)["x"], torch.full((4, PUT_BYTES // 16), 2.0))
+        assert all(p.in_flight == 0 for p in client.status().partitions)  # the dead one's grant lapsed
+        print(f"producer SIGKILL mid-put ({path}): its {PUT_BYTES >> 20} MiB of budget back, the next put through after {took:.2f} s")
+
+
+def test_a_consumer_killed_holding_arena_views_frees_them_at_once(child):
+    with cluster() as c, c.client() as client:
+        client.put("big", {"x": torch.full((4, HOLD_BYTES // 16), 3.0)})
+        consumer = child("hold", c.address)
+        arena = lambda: client.status().units[0].arena_used  # noqa: E731
+        until(lambda: arena() >= HOLD_BYTES, 30, "the unit reports the arena bytes")
+        client.clear("big")
+        t0 = kill(consumer)
+        until(lambda: arena() == 0, BOUND, "the dead reader's hold freed")
+        print(f"consumer SIGKILL holding {HOLD_BYTES >> 20} MiB of arena views: freed after {time.monotonic() - t0:.2f} s")
+
+
+def test_a_consumer_that_dies_parked_is_leased_nothing(child):
+    with cluster() as c, c.client() as client:
+        consumer = child("park", c.address)
+        until(lambda: waiting(client, "get_meta") == 1, 60, "the consumer's get_meta parked")
+        t0 = kill(consumer)
+        until(lambda: waiting(client, "get_meta") == 0, BOUND, "the dead consumer's get_meta withdrawn")
+        withdrawn = time.monotonic() - t0
+        put = client.put("empty", {"x": torch.arange(8.0).reshape(4, 2)})
+        meta = client.get_meta("empty", ["x"], 4, task="t", timeout=30)  # nothing leased to the dead one
+        assert sorted(meta.indexes) == sorted(put.indexes)
+        print(f"parked consumer SIGKILL: its get_meta withdrawn after {withdrawn:.2f} s")
