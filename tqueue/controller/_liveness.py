@@ -88,6 +88,7 @@ class Liveness:
         return HeartbeatReply(known=True)
 
     def _sweep(self) -> None:
+        self.s.server.drain()  # heartbeats that arrived while the loop was busy count
         limit = self.s.loop.time() - window(self.interval, UNIT_LIVENESS)
         for unit in list(self.s.units.values()):
             if unit.alive and unit.heard < limit:

@@ -82,9 +82,10 @@ class Sessions:
     the callbacks of :meth:`on_gone` run with its id (and may free what it held).
     """
 
-    def __init__(self, interval: float, *, name: str) -> None:
+    def __init__(self, interval: float, *, name: str, drain: Callable[[], None] = lambda: None) -> None:
         self.interval = interval
         self.name = name
+        self._drain = drain  # handle what has arrived before judging silence
         self._last: dict[bytes, float] = {}
         self._gone: list[Callable[[bytes], None]] = []
         self._loop = asyncio.get_running_loop()
@@ -113,6 +114,7 @@ class Sessions:
             self._end(session, "closed")
 
     def _sweep(self) -> None:
+        self._drain()
         now = self._loop.time()
         limit = now - window(self.interval)
         gone = [s for s, t in self._last.items() if t < limit]

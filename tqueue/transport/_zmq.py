@@ -63,6 +63,7 @@ MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
 MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
 MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
 MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
+DRAIN_BATCH = 256  # messages one socket handles before the loop's other work gets a turn
 MAX_QUEUED_REQUESTS = 1_000  # requests of one peer a server holds unread (its receive high-water mark)
 
 
@@ -147,7 +148,9 @@ class _LoopSocket:
 
     def _drain(self) -> None:
         self._scheduled = False
-        while not self.closed:
+        for _ in range(DRAIN_BATCH):
+            if self.closed:
+                return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -160,6 +163,15 @@ class _LoopSocket:
                 self._on_message(frames)
             except Exception:  # a bug in a handler: it costs this message, not the loop
                 log.exception("%s: a message could not be handled", self._sending.what)
+        # more may wait: take them after the loop's other work (timers, other sockets), so
+        # that a flood on one socket cannot starve heartbeats on another
+        if not self.closed and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def drain(self) -> None:
+        """Handle what has arrived now (before judging a peer silent, say)."""
+        self._drain()
 
     def close(self, linger: int = 0) -> None:
         """Close; ``linger`` ms: how long ZeroMQ's own thread may still deliver what was
@@ -232,6 +244,7 @@ class Peer:
         return bool(self._interval) and self._loop.time() - self._heard >= window(self._interval)
 
     def _tick(self) -> None:
+        self._socket.drain()  # replies that arrived while the loop was busy count
         silent = self._loop.time() - self._heard
         if silent >= window(self._interval) and self._pending:
             exc = self._unavailable(
@@ -552,7 +565,7 @@ class Server:
         heartbeat: float = HEARTBEAT_INTERVAL,
     ) -> None:
         self.queues = SendQueues(name, max_queued_bytes)
-        self.sessions = Sessions(heartbeat, name=name)
+        self.sessions = Sessions(heartbeat, name=name, drain=self.drain)
         self.name = name
         self.max_header = max_header
         self.max_frames = max_frames
@@ -585,6 +598,11 @@ class Server:
 
     def route(self, msg_type: type[Message], handler: Handler) -> None:
         self._handlers[msg_type] = handler
+
+    def drain(self) -> None:
+        """Handle every request that has arrived, now (before judging who is silent)."""
+        if not self._socket.closed:
+            self._socket.drain()
 
     def reply(self, ident: bytes, rid: int, msg: Message, buffers: Sequence[Any] = ()) -> None:
         """Send a reply; one that cannot be sent (the socket closed) is logged: the handler
