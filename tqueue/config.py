@@ -7,6 +7,7 @@ Defaults come from :mod:`tqueue._env` (environment overrides) when built with
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from . import _env
 
@@ -45,6 +46,12 @@ class ControllerConfig:
     session silent for ``HEARTBEAT_LIVENESS`` intervals is gone (its parked calls and grants
     are freed); a storage unit silent for ``UNIT_LIVENESS`` intervals is dead (its samples
     are lost). See tqueue/transport/_liveness.py.
+
+    ``auth_dir``: CurveZMQ keys (see tqueue/transport/_auth.py): with it, only clients whose
+    key is in ``auth_dir/clients`` can connect, and only the cluster's key registers units.
+    "": no authentication (trust the network; bind to loopback or a private network).
+    ``advertise``: the host peers reach this server at, when it binds to a wildcard
+    (``0.0.0.0``, ``*``); "": this machine's address.
     """
 
     bind: str = "tcp://127.0.0.1:0"
@@ -57,6 +64,8 @@ class ControllerConfig:
     max_partitions: int = 100_000
     max_parked: int = 100_000
     heartbeat_interval: float = HEARTBEAT_INTERVAL
+    auth_dir: str = ""
+    advertise: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +108,7 @@ class StorageConfig:
     ``name``: the unit's identity at the controller ("": its ZeroMQ address). A unit that
     registers again under a known name (restarted, or back after the controller declared it
     dead) gets its old unit id back and starts empty: what it held was declared lost.
+    ``auth_dir``, ``advertise``: as for :class:`ControllerConfig`.
     """
 
     controller: str
@@ -119,6 +129,8 @@ class StorageConfig:
     max_queued_bytes: int = 1024 * MiB
     max_queued_replies: int = 10_000
     name: str = ""
+    auth_dir: str = ""
+    advertise: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +168,8 @@ class ClientConfig:
     pageable memory on an H100 host (benchmarks/cuda.py). Needs CUDA. Batches read on a
     unit's host through its arena are views of the arena and stay pageable. Idle pinned
     buffers count towards ``buffer_pool_bytes``.
+    ``auth_dir``: this client's CurveZMQ keys (``client.key_secret``, ``cluster.key``; see
+    tqueue/transport/_auth.py), or ``TQUEUE_AUTH_DIR``; "": no authentication.
     """
 
     request_timeout: float = 30.0
@@ -172,6 +186,7 @@ class ClientConfig:
     bulk_lanes: int = 2
     pack_ints: bool = True
     pin_memory: bool = False
+    auth_dir: str = ""
 
     @classmethod
     def from_env(cls) -> ClientConfig:
@@ -189,4 +204,5 @@ class ClientConfig:
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),
             pack_ints=bool(_env.number("TQUEUE_PACK_INTS", 1)),
             pin_memory=bool(_env.number("TQUEUE_PIN_MEMORY", 0)),
+            auth_dir=os.environ.get("TQUEUE_AUTH_DIR", ""),
         )

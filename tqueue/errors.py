@@ -17,7 +17,9 @@
     ├── UnavailableError                (also ConnectionError) a server did not answer
     │   ├── ControllerUnavailableError
     │   └── StorageUnitUnavailableError
-    │       └── DataLostError               samples whose storage unit is gone
+    │       └── DataLostError           samples whose storage unit is gone
+    ├── PermissionDeniedError           (also PermissionError) another role's message, or
+    │                                   another client's lease or hold
     └── RemoteError                     a server failed on a well-formed request
 
 Servers never raise into their loop: a bad request becomes an error reply carrying a
@@ -34,6 +36,7 @@ __all__ = [
     "FieldTypeError",
     "InvalidArgumentError",
     "PartitionClearedError",
+    "PermissionDeniedError",
     "ProtocolError",
     "ProtocolVersionError",
     "RemoteError",
@@ -138,6 +141,13 @@ class DataLostError(StorageUnitUnavailableError):
     code = "data_lost"
 
 
+class PermissionDeniedError(TQueueError, PermissionError):
+    """The peer may not do this: the message is for another role (a unit's, with auth on),
+    or the lease or hold it names belongs to another client."""
+
+    code = "permission_denied"
+
+
 class RemoteError(TQueueError):
     """A server failed while handling a well-formed request; its message is passed on."""
 
@@ -161,6 +171,7 @@ CODES: dict[str, type[TQueueError]] = {
         ControllerUnavailableError,
         StorageUnitUnavailableError,
         DataLostError,
+        PermissionDeniedError,
         RemoteError,
     )
 }

@@ -17,7 +17,7 @@ from ..errors import (
     StorageUnitUnavailableError,
     UnavailableError,
 )
-from ..transport import _bulk, _zmq
+from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import ArenaMap, open_arena
 from ..transport._liveness import Session
 from ..wire import PROTOCOL_VERSION, Fetched, Hello, HelloReply, Ok, Release, UnitInfo
@@ -68,6 +68,7 @@ class Connections:
         # every connection of this client shares one session id: a server frees what the
         # session held (parked calls, grants, arena holds) once it ends (tqueue/transport/_liveness.py)
         self.session = Session()
+        self.curve = _auth.client_keys(config.auth_dir)
         self.heartbeat = 0.0  # the cluster's interval, from the controller's HelloReply
 
     async def connect(self) -> None:
@@ -90,6 +91,7 @@ class Connections:
                 unavailable=ControllerUnavailableError,
                 timeout=self.config.request_timeout,
                 routing_id=self.session.routing_id(),
+                curve=self.curve,
             )
             try:
                 reply, _ = await peer.request(
@@ -136,6 +138,7 @@ class Connections:
                 unavailable=StorageUnitUnavailableError,
                 timeout=self.config.request_timeout,
                 routing_id=self.session.routing_id(),
+                curve=self.curve,
             )
             peer.heartbeat(self.heartbeat)
         return peer

@@ -257,6 +257,7 @@ class Client:
                 unavailable=ControllerUnavailableError,
                 routing_id=conns.session.routing_id(),  # one session with the client's other connections
                 heartbeat=conns.heartbeat,
+                curve=conns.curve,
             )
             self._local.peer = peer
             with self._direct_lock:

@@ -15,6 +15,8 @@ import collections
 import dataclasses
 import itertools
 import logging
+import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,7 @@ class Waiter:
     ident: bytes
     req: Any
     timer: asyncio.TimerHandle | None = None
+    principal: str = ""  # of the caller, for the lease it will get
 
 
 @dataclasses.dataclass(eq=False)
@@ -54,6 +57,7 @@ class Lease:
     task: str
     indexes: np.ndarray
     timer: asyncio.TimerHandle | None = None
+    principal: str = ""  # with auth on: the client it was given to, the only one that acks or renews it
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,7 +98,7 @@ class ControllerState:
         self.admitted = 0
         self.uids = itertools.count(1)
         self.grant_ids = itertools.count(1)
-        self.lease_ids = itertools.count(1)
+        self.lease_ids = _random_ids()  # not guessable: a lease id is what an ack names
         self.placements = itertools.count()
 
     # --- partitions -----------------------------------------------------------------
@@ -202,3 +206,9 @@ class ControllerState:
                     self.unpark_sealed(waiter)
                     return True
         return False
+
+
+def _random_ids() -> Iterator[int]:
+    """Distinct random positive 63-bit ids."""
+    while True:
+        yield secrets.randbits(63) | 1

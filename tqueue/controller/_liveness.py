@@ -73,7 +73,8 @@ class Liveness:
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
         self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time())
         self.s.unit_peers[unit_id] = _zmq.Peer(
-            msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError
+            msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
+            curve=self.s.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
         )
         log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
         self.s.loop.call_soon(self.writes.retry_parked)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, WaitTimeoutError
+from ..errors import InvalidArgumentError, PermissionDeniedError, WaitTimeoutError
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._core import MAX_SERVED, ControllerState, Lease, Waiter
 from ._policies import BUILT_IN, Candidates, check
@@ -40,20 +40,24 @@ class Reads:
         _check_get(msg)
         served = self.try_serve(msg)
         if served is not None:
-            self._remember(ident, msg, served)
+            self._remember(ident, msg, served, self.s.server.principal)
             return served
         if msg.timeout is not None and msg.timeout <= 0:
             raise self.timeout_error(msg)
         self.s.check_park(f"get_meta on partition {msg.partition!r}")
-        waiter = Waiter(ident, msg)
+        waiter = Waiter(ident, msg, principal=self.s.server.principal)
         if msg.timeout is not None:
             waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)
         self.s.waiters.setdefault(msg.partition, []).append(waiter)
         return None
 
-    def _remember(self, ident: bytes, msg: GetMeta, served: Meta) -> None:
-        """Which lease answered which request, for a cancel that crosses the reply (a DP
-        round's share is not released: its peers on other ranks hold the same meta)."""
+    def _remember(self, ident: bytes, msg: GetMeta, served: Meta, principal: str) -> None:
+        """Who holds the lease (with auth on), and which lease answered which request, for a
+        cancel that crosses the reply (a DP round's share is not released: its peers on
+        other ranks hold the same meta)."""
+        record = self.s.leases.get(served.meta.lease)
+        if record is not None and not record.principal:
+            record.principal = principal
         if msg.dp_size or not served.meta.lease:
             return
         self.s.served[(ident, msg.rid)] = served.meta.lease
@@ -215,7 +219,22 @@ class Reads:
         """Wake the waiters of ``partition`` once the running handler has replied."""
         self.s.loop.call_soon(self.wake, partition)
 
+    def _check_owner(self, lease_id: int, task: str, what: str) -> None:
+        """With auth on, only the client a lease was given to may ack or renew it."""
+        if self.s.server.curve is None:
+            return
+        if not lease_id:
+            raise PermissionDeniedError(f"with authentication on, {what} of task {task!r} must name its lease")
+        record = self.s.leases.get(lease_id)
+        principal = self.s.server.principal
+        if record is not None and record.principal and record.principal != principal:
+            raise PermissionDeniedError(
+                f"lease {lease_id} of task {task!r} was given to {record.principal}; {principal} "
+                f"may not {what} it"
+            )
+
     def renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
+        self._check_owner(msg.lease, msg.task, "renew")
         record = self.s.leases.get(msg.lease)
         if record is None:
             raise InvalidArgumentError(
@@ -240,7 +259,7 @@ class Reads:
                 continue
             if reply is not None:
                 self.s.finish(waiter)
-                self._remember(waiter.ident, waiter.req, reply)
+                self._remember(waiter.ident, waiter.req, reply, waiter.principal)
                 self.s.answer(waiter.ident, waiter.req.rid, reply)
 
     def expire(self, waiter: Waiter) -> None:
@@ -278,6 +297,7 @@ class Reads:
         )
 
     def ack(self, ident: bytes, msg: Ack, bufs: list[Any]) -> Ok:
+        self._check_owner(msg.lease, msg.task, "ack")
         part = self.s.partitions.get(msg.partition)
         if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
             return Ok()  # freed or cleared: nothing is left to acknowledge

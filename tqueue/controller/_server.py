@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, ProtocolVersionError
-from ..transport import _zmq
+from ..transport import _auth, _zmq
 from ..wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -78,6 +78,8 @@ class Controller:
             name="controller",
             max_header=self.config.max_header_bytes,
             heartbeat=self.config.heartbeat_interval,
+            curve=_auth.server_keys(self.config.auth_dir),
+            advertise=self.config.advertise,
         )
         self.address = self._server.address
         self.s = ControllerState(self.config, self._server, load_policies(self.config.policies))
@@ -87,13 +89,18 @@ class Controller:
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
         self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed)
         self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
-        for msg_type, handler in (
-            (Hello, self._hello),
+        # what only the units may send (with auth on: the cluster's key)
+        units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
             (RegisterUnit, self._register_unit),
             (Heartbeat, self._heartbeat),
+            (Commit, self.writes.commit),
+        )
+        for msg_type, handler in units:
+            self._server.route(msg_type, self._bounded(handler), role=_auth.CLUSTER)
+        anyone: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
+            (Hello, self._hello),
             (CreatePartition, self._create_partition),
             (Grant, self.writes.grant),
-            (Commit, self.writes.commit),
             (Reserve, self.writes.reserve),
             (SetVersion, self.writes.set_version),
             (Admission, self.writes.set_admission),
@@ -108,7 +115,8 @@ class Controller:
             (Select, self.moves.select_all),
             (StatusRequest, self._status),
             (Cancel, self._cancel),
-        ):
+        )
+        for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))
 
     def _bounded(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:

@@ -7,14 +7,16 @@ import json
 import logging
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..config import ControllerConfig, StorageConfig
+from ..config import ClientConfig, ControllerConfig, StorageConfig
 from ._serve import READY
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,10 @@ class LocalCluster:
     ``{"capacity_bytes": 1 << 30, "heartbeat_interval": 0.5}``.
 
     Use as a context manager; everything is stopped on exit, also after an exception, and
-    the children also stop by themselves if this process dies (their stdin closes)::
+    the children also stop by themselves if this process dies (their stdin closes).
+    ``auth=True`` turns on CurveZMQ with keys made for this cluster (removed with it), and
+    ``auth="DIR"`` with the keys in DIR (see tqueue/transport/_auth.py); :meth:`client` and
+    :meth:`client_config` carry the client's keys::
 
         with tqueue.LocalCluster(num_storage_units=2) as cluster:
             client = tqueue.Client(cluster.address)
@@ -50,6 +55,7 @@ class LocalCluster:
         unit_hosts: Sequence[str] | None = None,
         storage: Mapping[str, Any] | None = None,
         controller: Mapping[str, Any] | None = None,
+        auth: bool | str = False,
     ) -> None:
         if num_storage_units < 1:
             raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
@@ -79,7 +85,17 @@ class LocalCluster:
         self.address = ""
         self.unit_addresses: list[str] = []
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._finalizer = weakref.finalize(self, _stop_all, self._procs)
+        # auth: fresh CurveZMQ keys in a private directory, removed with the cluster
+        self.auth_dir = auth if isinstance(auth, str) else ""
+        made = ""
+        if auth is True:
+            from ..transport import _auth
+
+            self.auth_dir = made = str(_auth.generate(tempfile.mkdtemp(prefix="tqueue-auth-")))
+        if self.auth_dir:
+            self.unit_args += ["--auth-dir", self.auth_dir]
+            self.controller_args += ["--auth-dir", self.auth_dir]
+        self._finalizer = weakref.finalize(self, _stop_all, self._procs, made)
 
     @property
     def pids(self) -> list[int]:
@@ -137,11 +153,20 @@ class LocalCluster:
             raise RuntimeError(f"unexpected start-up line from tqueue server: {text!r}")
         return json.loads(text[len(READY) :])
 
+    def client_config(self, **options: Any) -> ClientConfig:
+        """A :class:`~tqueue.config.ClientConfig` for this cluster (its client keys, with
+        ``auth``), with ``options``."""
+        return ClientConfig(auth_dir=self.auth_dir, **options)
+
     def client(self, **kwargs: Any) -> Any:
-        """A :class:`tqueue.Client` connected to this cluster."""
+        """A :class:`tqueue.Client` connected to this cluster (with its client keys, with
+        ``auth``: a ``config`` given is completed with them)."""
         from ..client import Client
 
-        return Client(self.address, **kwargs)
+        config = kwargs.pop("config", None) or ClientConfig()
+        if self.auth_dir and not config.auth_dir:
+            config = dataclasses.replace(config, auth_dir=self.auth_dir)
+        return Client(self.address, config=config, **kwargs)
 
     def close(self) -> None:
         """Stop every process (units first). Idempotent."""
@@ -154,7 +179,7 @@ class LocalCluster:
         self.close()
 
 
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop_all(procs: list[subprocess.Popen[bytes]], auth_dir: str = "") -> None:
     for proc in reversed(procs):
         if proc.stdin is not None and not proc.stdin.closed:
             try:
@@ -174,3 +199,5 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
                 proc.wait()
         if proc.stdout is not None and not proc.stdout.closed:
             proc.stdout.close()
+    if auth_dir:
+        shutil.rmtree(auth_dir, ignore_errors=True)

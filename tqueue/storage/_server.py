@@ -8,9 +8,9 @@ next ``get_meta``), and serves any subset of fields and samples without copying.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
+import secrets
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from ..errors import (
     TQueueError,
     UnavailableError,
 )
-from ..transport import _bulk, _zmq
+from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import (
@@ -76,6 +76,8 @@ class StorageUnit:
             max_queued_bytes=config.max_queued_bytes,
             max_queued_replies=config.max_queued_replies,
             heartbeat=0.0,  # the cluster's interval comes with the registration
+            curve=_auth.server_keys(config.auth_dir),
+            advertise=config.advertise,
         )
         self.address = self._server.address
         self._loop = asyncio.get_running_loop()
@@ -94,24 +96,24 @@ class StorageUnit:
         # the client session that owns them (freed at once when it ends)
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
         self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
-        self._hold_ids = itertools.count(1)
         self._beats: asyncio.Task[None] | None = None
         self._server.sessions.on_gone(self._session_gone)
         s = self._server
         s.route(Hello, self._hello)
         s.route(Store, self._store)
         s.route(Fetch, self._fetch)
-        s.route(Drop, self._drop)
+        s.route(Drop, self._drop, role=_auth.CLUSTER)  # the controller's alone
         s.route(Alloc, self._alloc)
         s.route(Release, self._release)
-        s.route(Move, self._move)
+        s.route(Move, self._move, role=_auth.CLUSTER)
         s.route(Cancel, self._cancel)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements and sends
         its heartbeats."""
         self._controller = _zmq.Peer(
-            self.config.controller, name="controller", unavailable=ControllerUnavailableError
+            self.config.controller, name="controller", unavailable=ControllerUnavailableError,
+            curve=self._server.curve,  # the cluster's key: only it registers a unit
         )
         await self._register()
         self._beats = self._loop.create_task(self._heartbeats())
@@ -350,7 +352,7 @@ class StorageUnit:
         reply = self.data.read(msg.partition_uid, msg.partition, indexes, msg.fields, shm=shm)
         hold = 0
         if reply.held:
-            hold = next(self._hold_ids)
+            hold = secrets.randbits(63) | 1  # not guessable (and released by its session only)
             timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
             self._holds[hold] = (reply.held, timer, session_of(ident))
         elif msg.bulk and self.bulk is not None:

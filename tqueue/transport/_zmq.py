@@ -27,6 +27,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import threading
 import time
 import weakref
@@ -35,8 +36,10 @@ from typing import Any, Final, Literal, TypeVar
 
 import zmq
 
-from ..errors import ProtocolError, TQueueError, UnavailableError, from_code
+from ..errors import PermissionDeniedError, ProtocolError, TQueueError, UnavailableError, from_code
 from ..wire import Bye, Cancel, Error, Kind, Message, Ping, Pong, decode, encode, error_reply, salvage_rid
+from . import _auth
+from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
 from ._liveness import HEARTBEAT_INTERVAL, Sessions, window
 
@@ -99,12 +102,32 @@ def _tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
 
 
-def bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind, letting the OS pick the port for ``:0``, and return the real endpoint."""
+def bind(sock: zmq.Socket, endpoint: str, advertise: str = "") -> str:
+    """Bind, letting the OS pick the port for ``:0``, and return the endpoint peers reach:
+    the real one, with a wildcard host replaced by ``advertise`` (or this machine's address)."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-1] + "*"
     sock.bind(endpoint)
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return reachable(sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise)
+
+
+WILDCARDS = ("0.0.0.0", "*", "::", "[::]", "")
+
+
+def reachable(endpoint: str, advertise: str = "") -> str:
+    """``endpoint`` (``tcp://host:port``) with a wildcard host replaced by one peers can
+    reach: ``advertise``, else this machine's address."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if host not in WILDCARDS:
+        return endpoint
+    if not advertise:
+        try:
+            advertise = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            advertise = "127.0.0.1"
+    return f"tcp://{advertise}:{port}"
 
 
 class _LoopSocket:
@@ -208,6 +231,7 @@ class Peer:
         unavailable: type[UnavailableError] = UnavailableError,
         timeout: float = 30.0,
         routing_id: bytes | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self.address = address
         self.name = name
@@ -220,6 +244,8 @@ class Peer:
         )
         if routing_id is not None:
             self._socket.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if curve is not None:
+            curve.connect(self._socket.sock)
         self._socket.sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[Message, list[Any]]]] = {}
@@ -256,7 +282,7 @@ class Peer:
                     fut.set_exception(exc)
         elif silent >= self._interval:
             try:
-                self._socket.send(_PING, copy=True)
+                self._socket.send(_PING, copy=True, flags=zmq.NOBLOCK)
             except UnavailableError as exc:
                 log.debug("%s", exc)
         if not self.closed:
@@ -290,12 +316,20 @@ class Peer:
         self._pending[rid] = fut
         limit = self.timeout if timeout is PEER_DEFAULT else timeout
         try:
-            # tiny messages are cheaper copied than wrapped as zero-copy frames
-            self._socket.send(encode(msg, buffers), copy=not buffers)
+            # tiny messages are cheaper copied than wrapped as zero-copy frames; a socket with
+            # no connection to queue on (one the server refused) fails at once, never blocks
+            self._socket.send(encode(msg, buffers), copy=not buffers, flags=zmq.NOBLOCK)
             if limit == math.inf:
                 reply, frames = await fut
             else:
                 reply, frames = await asyncio.wait_for(fut, limit)
+        except UnavailableError as exc:
+            if not isinstance(exc.__cause__, zmq.Again):
+                raise
+            raise self._unavailable(
+                f"{self.name} at {self.address} has no connection to take {type(msg).__name__}: it "
+                "refused this client's handshake (CurveZMQ keys?) or cannot be reached"
+            ) from None
         except asyncio.TimeoutError:
             self._withdraw(rid)
             raise self._unavailable(
@@ -317,7 +351,7 @@ class Peer:
         if self.closed:
             return
         try:
-            self._socket.send(encode(Cancel(of=rid)), copy=True)
+            self._socket.send(encode(Cancel(of=rid)), copy=True, flags=zmq.NOBLOCK)
         except UnavailableError as exc:  # fire and forget: the caller already has its error
             log.debug("%s", exc)
 
@@ -348,7 +382,7 @@ class Peer:
             self._ticker = None
         if bye:
             try:
-                self._socket.send(_BYE, copy=True)
+                self._socket.send(_BYE, copy=True, flags=zmq.NOBLOCK)
             except UnavailableError as exc:
                 log.debug("%s", exc)
         self._socket.close(linger=BYE_LINGER_MS if bye else 0)
@@ -373,6 +407,7 @@ class BlockingPeer:
         unavailable: type[UnavailableError] = UnavailableError,
         routing_id: bytes | None = None,
         heartbeat: float = 0.0,
+        curve: Curve | None = None,
     ) -> None:
         self.address = address
         self.name = name
@@ -385,6 +420,8 @@ class BlockingPeer:
         _tune(self.sock)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if curve is not None:
+            curve.connect(self.sock)
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self.closed = False
@@ -400,7 +437,7 @@ class BlockingPeer:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
         msg.rid = rid = next(self._ids)
         with self._io:
-            self.sock.send_multipart(encode(msg))
+            self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
             deadline = time.monotonic() + timeout
             heard = time.monotonic()
             while True:
@@ -409,17 +446,17 @@ class BlockingPeer:
                 if self.heartbeat:
                     silent = now - heard
                     if silent >= window(self.heartbeat):
-                        self.sock.send_multipart(encode(Cancel(of=rid)))
+                        self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
                         raise self._unavailable(
                             f"{self.name} at {self.address} has not been heard from for {silent:.1f} s "
                             f"(heartbeat every {self.heartbeat:g} s) while waiting for its answer to "
                             f"{type(msg).__name__}: it is gone or unreachable"
                         )
                     if silent >= self.heartbeat:
-                        self.sock.send_multipart(_PING)  # each poll below lasts an interval at most
+                        self.sock.send_multipart(_PING, flags=zmq.NOBLOCK)  # each poll lasts an interval at most
                     left = min(left, self.heartbeat)
                 if now >= deadline:
-                    self.sock.send_multipart(encode(Cancel(of=rid)))
+                    self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
                     raise self._unavailable(
                         f"{self.name} at {self.address} did not answer {type(msg).__name__} "
                         f"within {timeout:.1f} s"
@@ -563,6 +600,8 @@ class Server:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         max_queued_replies: int = MAX_QUEUED_REPLIES,
         heartbeat: float = HEARTBEAT_INTERVAL,
+        curve: Curve | None = None,
+        advertise: str = "",
     ) -> None:
         self.queues = SendQueues(name, max_queued_bytes)
         self.sessions = Sessions(heartbeat, name=name, drain=self.drain)
@@ -582,8 +621,14 @@ class Server:
         # a peer that sends faster than it is served is read no further (TCP pushes back on
         # it) once this many of its requests wait: what it sent is held at most this often
         self._socket.sock.setsockopt(zmq.RCVHWM, MAX_QUEUED_REQUESTS)
-        self.address = bind(self._socket.sock, endpoint)
+        self.curve = curve
+        if curve is not None:
+            curve.serve(self._socket.sock)
+        self.address = bind(self._socket.sock, endpoint, advertise)
         self._handlers: dict[type, Handler] = {}
+        self._roles: dict[type, str] = {}
+        # the principal (see _auth) of the message being handled; "" with auth off
+        self.principal = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[bytes, int] = {}  # requests of each peer whose handler waits
         self._stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -596,8 +641,12 @@ class Server:
     def name(self, name: str) -> None:  # a unit is named once it has registered
         self.queues.name = name
 
-    def route(self, msg_type: type[Message], handler: Handler) -> None:
+    def route(self, msg_type: type[Message], handler: Handler, *, role: str = "") -> None:
+        """Send messages of ``msg_type`` to ``handler``; with auth on and a ``role``, only
+        from peers of that principal (others get PermissionDeniedError)."""
         self._handlers[msg_type] = handler
+        if role:
+            self._roles[msg_type] = role
 
     def drain(self) -> None:
         """Handle every request that has arrived, now (before judging who is silent)."""
@@ -634,6 +683,8 @@ class Server:
         ident = frames[0].bytes
         self.sessions.seen(ident)
         body = frames[1:]
+        if self.curve is not None and body:
+            self.principal = str(body[0].get("User-Id") or "")
         try:
             if len(body) > self.max_frames:
                 raise ProtocolError(f"a message of {len(body)} frames; at most {self.max_frames} are accepted")
@@ -659,6 +710,12 @@ class Server:
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} does not handle {type(msg).__name__} messages")
+            role = self._roles.get(type(msg))
+            if role and self.curve is not None and self.principal != role:
+                raise PermissionDeniedError(
+                    f"{self.name}: {type(msg).__name__} is for the {role} key only; this peer is "
+                    f"{self.principal or 'unknown'}"
+                )
             if self._in_flight.get(ident, 0) >= MAX_IN_FLIGHT:
                 raise UnavailableError(
                     f"{self.name}: {MAX_IN_FLIGHT} requests of this connection are still in progress; "
@@ -710,5 +767,8 @@ class Server:
         for task in list(self._tasks):
             task.cancel()
         self._socket.close()
+        if self.curve is not None:
+            self.curve = None
+            _auth.release()
         if not self._stopped.done():
             self._stopped.set_result(None)
