@@ -140,3 +140,29 @@ def test_a_unit_stopped_past_the_window_rejoins_under_its_id_and_empty(cluster):
         gone = next(m for m in metas if m.units[0] == victim)
         with pytest.raises(tqueue.errors.PartitionClearedError, match=re.escape("has no data on this unit")):
             c.get_data(gone)
+
+
+def test_a_put_to_a_unit_that_dies_under_it_names_partition_and_samples(cluster, monkeypatch):
+    """The kill comes between the grant and the store (a hook on this client's Store)."""
+    from tqueue.transport import _zmq
+    from tqueue.wire import Store
+
+    with cluster.client(config=tqueue.ClientConfig(shm=False)) as c:
+        c.put("warm", {"x": torch.ones(1, 2)})
+        pids = {u.unit_id: unit_pid(cluster, c, u.unit_id) for u in c.status().units}
+        real = _zmq.Peer.request
+        killed: list[int] = []
+
+        async def request(self: _zmq.Peer, msg, *args, **kwargs):
+            if isinstance(msg, Store) and not killed:  # the unit this put was placed on
+                killed.append(msg.partition_uid)
+                os.kill(pids[int(self.name.rpartition(" ")[2])], signal.SIGKILL)
+            return await real(self, msg, *args, **kwargs)
+
+        monkeypatch.setattr(_zmq.Peer, "request", request)
+        t0 = time.monotonic()
+        with pytest.raises(tqueue.StorageUnitUnavailableError,
+                           match=r"partition 'doomed': samples \[\d+, \d+, \d+\] were not stored on storage unit \d "
+                                 r"at tcp://.*has not been heard from"):
+            c.put("doomed", {"x": torch.ones(3, 2)})
+        assert time.monotonic() - t0 < READ_BOUND

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .._memory import BufferPool
-from ..errors import SchemaError
+from ..errors import SchemaError, StorageUnitUnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import ArenaMap, aligned
 from ..wire import Alloc, Allocated, BatchMeta, FieldBlock, Grant, Granted, GroupId, Store, Stored, UnitInfo
@@ -104,6 +104,19 @@ class Puts:
         )
 
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
+        """Store one put's bytes on its unit; a unit that went silent is named with the
+        partition and the samples the put would have written."""
+        try:
+            await self._store_on(unit, partition, grant, enc, indexes)
+        except StorageUnitUnavailableError as exc:
+            samples = indexes if indexes is not None else list(range(grant.start, grant.start + enc.count))
+            shown = samples if len(samples) <= 32 else f"{samples[:32]} and {len(samples) - 32} more"
+            raise type(exc)(
+                f"partition {partition!r}: samples {shown} were not stored on storage unit "
+                f"{unit.unit_id} at {unit.address}: {exc}"
+            ) from exc
+
+    async def _store_on(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
         peer = self._conns.connect_unit(unit)
         store = Store(
             grant_id=grant.grant_id,
