@@ -1,4 +1,4 @@
-"""Checks of call arguments shared by the client's modules."""
+"""Checks of call arguments, and their wording in errors, shared by the client's modules."""
 
 from __future__ import annotations
 
@@ -63,3 +63,10 @@ def _by_unit(meta: BatchMeta) -> dict[int, np.ndarray]:
     if len(units) != len(meta.indexes):
         raise InvalidArgumentError("meta has a different number of units and indexes")
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units) if u >= 0}  # -1: pad rows
+
+
+def listed(indexes: list[int], most: int = 32) -> str:
+    """Sample indexes for an error message: all of them, or the first ``most`` and how many more."""
+    if len(indexes) <= most:
+        return str(indexes)
+    return f"{indexes[:most]} and {len(indexes) - most} more"

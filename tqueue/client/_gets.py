@@ -19,7 +19,7 @@ from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok
 from ..wire._layout import int_dtype, itemsize, nbytes
 from ..wire._pack import PACKED, Widening
 from . import _connections
-from ._args import _by_unit, _wait
+from ._args import _by_unit, _wait, listed
 from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._connections import ClientStats, Connections
 
@@ -197,7 +197,7 @@ class Gets:
                 raise
             address = self._conns.units[unit_id].address
             raise DataLostError(
-                f"partition {meta.partition!r}: samples {_listed(idx)} on storage unit {unit_id} at "
+                f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {unit_id} at "
                 f"{address} cannot be read: {exc}"
             ) from exc
 
@@ -280,13 +280,6 @@ class Gets:
             ),
             expect=Ok,
         )
-
-
-def _listed(indexes: list[int], most: int = 32) -> str:
-    """Sample indexes for a message: all of them, or the first ``most`` and how many more."""
-    if len(indexes) <= most:
-        return str(indexes)
-    return f"{indexes[:most]} and {len(indexes) - most} more"
 
 
 def _widened(block: FieldBlock, sizes: list[int]) -> int:

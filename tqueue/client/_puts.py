@@ -20,7 +20,7 @@ from ..wire._layout import nbytes, split_lanes
 from ..wire._messages import SampleFate
 from ..wire._pack import Narrowing
 from . import _connections
-from ._args import _by_unit, _groups, _versions, _wait
+from ._args import _by_unit, _groups, _versions, _wait, listed
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, pack, sample_count
 
@@ -110,9 +110,8 @@ class Puts:
             await self._store_on(unit, partition, grant, enc, indexes)
         except StorageUnitUnavailableError as exc:
             samples = indexes if indexes is not None else list(range(grant.start, grant.start + enc.count))
-            shown = samples if len(samples) <= 32 else f"{samples[:32]} and {len(samples) - 32} more"
             raise type(exc)(
-                f"partition {partition!r}: samples {shown} were not stored on storage unit "
+                f"partition {partition!r}: samples {listed(samples)} were not stored on storage unit "
                 f"{unit.unit_id} at {unit.address}: {exc}"
             ) from exc
 
