@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -72,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s",
     )
+    if getattr(args, "auth_dir", None) == "":  # servers take their keys from the environment too
+        args.auth_dir = os.environ.get("TQUEUE_AUTH_DIR", "")
     if args.command == "controller":
         from .launch._serve import run
 
