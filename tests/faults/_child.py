@@ -9,6 +9,8 @@ what MODE says up to the point the test wants it killed at, prints one line sayi
 * ``hold``: reads a 96 MiB batch of partition ``big`` through the unit's arena and keeps
   the views (the unit keeps the bytes for it).
 * ``park``: parks ``get_meta`` on partition ``empty`` for task ``t``.
+* ``stream``: fetches the 96 MiB batch of partition ``big`` as a client on another host (over
+  a bulk stream) and stops reading before the first byte: the unit is left mid-send.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def main(mode: str, address: str) -> None:
         assert batch["x"].numel() * 4 == HOLD_BYTES
         say("holding")
         forever.wait()
+    elif mode == "stream":
+        from tqueue.transport import _bulk
+
+        def stalled(self: Any, targets: Any, timeout: float) -> None:
+            say("mid-stream")
+            forever.wait()
+
+        _bulk.BulkStream.read = stalled  # type: ignore[method-assign]
+        client = tqueue.Client(address, config=tqueue.ClientConfig(shm=False, host="elsewhere", bulk_lanes=1))
+        client.get_data(client.get_meta("big", ["x"], 4, task="streamer", timeout=60))
     elif mode == "park":
         client = tqueue.Client(address)
         say("parking")

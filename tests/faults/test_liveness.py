@@ -30,7 +30,7 @@ from tqueue.transport._liveness import HEARTBEAT_LIVENESS
 from tqueue.wire import Store
 
 from ._child import HOLD_BYTES, PUT_BYTES
-from ._proc import until
+from ._proc import fds, threads, until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INTERVAL = 0.5
@@ -173,3 +173,21 @@ def test_a_consumer_that_dies_parked_is_leased_nothing(child):
         meta = client.get_meta("empty", ["x"], 4, task="t", timeout=30)  # nothing leased to the dead one
         assert sorted(meta.indexes) == sorted(put.indexes)
         print(f"parked consumer SIGKILL: its get_meta withdrawn after {withdrawn:.2f} s")
+
+
+def test_a_consumer_killed_mid_stream_leaves_the_unit_as_it_was(child):
+    """The unit is writing a 96 MiB batch on a bulk stream its reader stopped reading."""
+    with cluster() as c, c.client() as client:
+        unit = c.pids[1]
+        client.put("big", {"x": torch.full((4, HOLD_BYTES // 16), 5.0)})
+        fd0, th0 = fds(unit), threads(unit)
+        consumer = child("stream", c.address)
+        assert fds(unit) > fd0 and threads(unit) > th0  # its connection, its stream and the stream's writer
+        t0 = kill(consumer)
+        # back where it was, but for the streams' hang-up watcher, started with the first stream
+        until(lambda: fds(unit) <= fd0 + 1 and threads(unit) <= th0 + 1, BOUND, "the dead reader's stream reclaimed")
+        took = time.monotonic() - t0
+        with c.client(config=tqueue.ClientConfig(shm=False, host="elsewhere")) as other:
+            got = other.get_data(other.get_meta("big", ["x"], 4, task="after"))
+            assert torch.equal(got["x"], torch.full((4, HOLD_BYTES // 16), 5.0))
+        print(f"consumer SIGKILL mid-stream: the unit's stream and thread reclaimed after {took:.2f} s")
