@@ -1,0 +1,133 @@
+"""The standard rollout fields: what every producer bridge writes, and every consumer reads.
+
+One trajectory is one sample. Sequence-aligned fields count in one of two coordinates, said
+per field below: *response* coordinates (index 0 is the first generated token) or *sequence*
+coordinates (index 0 is the first prompt token; the response starts at ``len(prompt_ids)``).
+
+================== ========= ================================ ===========================
+field              dtype     shape per sample                 coordinates
+================== ========= ================================ ===========================
+``prompt_ids``     int64     ``[P]``                          sequence (the prompt)
+``response_ids``   int64     ``[R]``                          response
+``response_logprobs`` float32 ``[R]``                         response: the sampling
+                                                              log-prob of each token
+``loss_mask``      int8      ``[R]``                          response: 1 = trained on
+``finish``         str       one of :data:`FINISHES`          --
+``version_spans``  int64     ``[k, 3]``: (version, start,     response: ``[start, end)``
+                             end)                             generated under ``version``
+``routed_experts`` as given  ``[P + R - 1, layers, top_k]``   sequence: row i routed the
+                   (int32                                     token at position i (the
+                   SGLang,                                    last token routes nothing
+                   uint8/16                                   that is kept)
+                   vLLM)
+================== ========= ================================ ===========================
+
+The group id travels as the put's ``groups``; the oldest span's version as its ``version`` (what
+staleness admission counts). Other fields (``reward``, metadata) go alongside under their own
+names. A trajectory continued after an abort (a partial rollout resumed) appends its new tokens,
+log-probs, mask and spans, and *splices* its routed experts: the resumed call recomputes rows
+from the point it was asked to start at, so those rows replace the old ones from there on
+(concatenating them would misalign every later row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, SchemaError
+
+FINISHES = ("stop", "length", "abort", "error")
+FIELDS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "finish", "version_spans", "routed_experts")
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout, built from one engine call and extended by the calls that resume it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    response_logprobs: list[float] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    finish: str = "abort"
+    version_spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    routed_experts: np.ndarray | None = None  # [rows, layers, top_k], rows from sequence position 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """Prompt and response tokens."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def version(self) -> int:
+        """The oldest weight version that produced any of its tokens (-1: none known)."""
+        return min((v for v, _, _ in self.version_spans), default=-1)
+
+    def append(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        finish: str,
+        spans: Sequence[tuple[int, int, int]],
+        experts: np.ndarray | None = None,
+        experts_start: int = 0,
+    ) -> None:
+        """Add one engine call's output. ``spans`` count from this call's first token;
+        ``experts`` are its routed-expert rows from sequence position ``experts_start``."""
+        if len(logprobs) != len(ids):
+            raise SchemaError(f"{len(logprobs)} log-probs for {len(ids)} generated tokens")
+        if finish not in FINISHES:
+            raise InvalidArgumentError(f"finish is one of {list(FINISHES)}, got {finish!r}")
+        offset = len(self.response_ids)
+        for version, start, end in spans:
+            if not 0 <= start <= end <= len(ids):
+                raise SchemaError(f"weight-version span [{start}, {end}) lies outside the call's {len(ids)} tokens")
+            self.version_spans.append((int(version), offset + start, offset + end))
+        self.response_ids += [int(t) for t in ids]
+        self.response_logprobs += [float(x) for x in logprobs]
+        self.loss_mask += [1] * len(ids)
+        self.finish = finish
+        if experts is not None:
+            self.splice_experts(experts, experts_start)
+
+    def splice_experts(self, rows: np.ndarray, start: int) -> None:
+        """Routed-expert rows of one call, covering sequence positions ``[start, length - 1)``:
+        they replace what was held from ``start`` on."""
+        want = self.length - 1 - start
+        if rows.ndim != 3 or rows.shape[0] != want:
+            raise SchemaError(
+                f"routed experts of shape {tuple(rows.shape)}: expected {want} rows (positions {start} to "
+                f"{self.length - 2}) of [layers, top_k]"
+            )
+        held = self.routed_experts
+        if start == 0 or held is None:
+            if start != 0:
+                raise SchemaError(f"routed experts start at row {start} but none are held before it")
+            self.routed_experts = rows.copy()
+            return
+        if held.shape[0] < start or held.shape[1:] != rows.shape[1:] or held.dtype != rows.dtype:
+            raise SchemaError(
+                f"routed experts from row {start} of {tuple(rows.shape[1:])} {rows.dtype} cannot follow "
+                f"{held.shape[0]} held rows of {tuple(held.shape[1:])} {held.dtype}"
+            )
+        self.routed_experts = np.concatenate([held[:start], rows])
+
+    def fields(self) -> dict[str, Any]:
+        """The sample, as one ``put`` takes it (a mapping of field name to value)."""
+        out: dict[str, Any] = {
+            "prompt_ids": torch.tensor(self.prompt_ids, dtype=torch.int64),
+            "response_ids": torch.tensor(self.response_ids, dtype=torch.int64),
+            "response_logprobs": torch.tensor(self.response_logprobs, dtype=torch.float32),
+            "loss_mask": torch.tensor(self.loss_mask, dtype=torch.int8),
+            "finish": self.finish,
+            "version_spans": torch.tensor(self.version_spans, dtype=torch.int64).reshape(-1, 3),
+        }
+        if self.routed_experts is not None:
+            out["routed_experts"] = torch.from_numpy(np.ascontiguousarray(self.routed_experts))
+        out.update(self.extra)
+        return out
