@@ -7,5 +7,6 @@ fields (:mod:`._fields`) need no engine at all.
 
 from ._fields import FIELDS, FINISHES, Trajectory
 from .sglang import from_generate
+from .vllm import from_completion
 
-__all__ = ["FIELDS", "FINISHES", "Trajectory", "from_generate"]
+__all__ = ["FIELDS", "FINISHES", "Trajectory", "from_completion", "from_generate"]
