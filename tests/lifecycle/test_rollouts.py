@@ -273,3 +273,17 @@ def test_a_late_put_the_recycle_partition_refuses_too_is_aborted(client, partiti
     late = client.put(partition, {"x": torch.tensor([2])})
     assert (late.status, late.indexes) == ("aborted", [])
     assert status(client, partition).reasons == {"discarded after seal": 1}
+
+
+def test_partitions_that_recycle_into_each_other_abort_a_late_put_instead_of_looping(client, partition):
+    """Found by the controller's fuzzer: two sealed partitions whose recycle targets are each
+    other sent a late put round the loop until the controller's stack ran out."""
+    a, b = f"{partition}-a", f"{partition}-b"
+    client.create_partition(a, target=1, recycle_to=b)
+    client.create_partition(b, target=1, recycle_to=a)
+    client.put(a, {"x": torch.tensor([1])})
+    client.put(b, {"x": torch.tensor([2])})
+    late = client.put(a, {"x": torch.tensor([3])})
+    assert (late.status, late.indexes) == ("aborted", [])
+    assert status(client, a).reasons == {"discarded after seal": 1}
+    assert status(client, b).reasons == {"discarded after seal": 1}

@@ -90,10 +90,11 @@ class Writes:
         if grant_id is not None:
             self._lapse_grant(grant_id, "was cancelled by its caller")
 
-    def _grant_put(self, msg: Grant) -> Granted:
+    def _grant_put(self, msg: Grant, via: frozenset[str] = frozenset()) -> Granted:
+        """``via``: the partitions a late put was recycled through to get here."""
         part = self.s.partitions.get(msg.partition)
         if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
-            return self._late_put(part, msg)
+            return self._late_put(part, msg, via)
         if part is None and self.s.buried(msg.partition):
             log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
             return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
@@ -125,15 +126,16 @@ class Writes:
             partition=part.name, kept=-1 if kept == msg.count else kept,
         )
 
-    def _late_put(self, part: Partition, msg: Grant) -> Granted:
+    def _late_put(self, part: Partition, msg: Grant, via: frozenset[str]) -> Granted:
         """A put to a sealed partition, or one whose target earlier puts already hold:
         recycled as partial samples into the partition's ``recycle_to``, or refused
-        (``aborted``, nothing is sent); the producer learns which from the reply."""
+        (``aborted``, nothing is sent); the producer learns which from the reply. A chain of
+        recycle partitions that comes back to one it passed ends there (refused)."""
         when = "after seal" if part.sealed else "over target"
         recycle = part.options.recycle_to
-        if recycle and recycle != part.name:
+        if recycle and recycle != part.name and recycle not in via:
             redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
-            granted = self._grant_put(redirected)
+            granted = self._grant_put(redirected, via | {part.name})
             if granted.status != "aborted":  # the recycle partition may refuse them too
                 part.reasons[f"recycled {when}"] += msg.count
                 return msgspec.structs.replace(granted, status="recycled", sealed=part.sealed)
