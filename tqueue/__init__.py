@@ -17,6 +17,7 @@ from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
     ControllerUnavailableError,
     DataLostError,
+    EngineError,
     FieldTypeError,
     InvalidArgumentError,
     PartitionClearedError,
@@ -50,6 +51,7 @@ __all__ = [
     "ControllerConfig",
     "ControllerUnavailableError",
     "DataLostError",
+    "EngineError",
     "FieldSpec",
     "FieldStats",
     "FieldTypeError",

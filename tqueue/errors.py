@@ -148,6 +148,13 @@ class PermissionDeniedError(TQueueError, PermissionError):
     code = "permission_denied"
 
 
+class EngineError(TQueueError):
+    """An inference engine failed a request (an HTTP error, a broken stream, an output
+    that is not what the engine's bridge reads); the message names the request."""
+
+    code = "engine"
+
+
 class RemoteError(TQueueError):
     """A server failed while handling a well-formed request; its message is passed on."""
 
@@ -172,6 +179,7 @@ CODES: dict[str, type[TQueueError]] = {
         StorageUnitUnavailableError,
         DataLostError,
         PermissionDeniedError,
+        EngineError,
         RemoteError,
     )
 }

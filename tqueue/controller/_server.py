@@ -237,6 +237,7 @@ class Controller:
                 reasons=dict(p.reasons),
                 in_flight=p.in_flight,
                 groups_complete=len(p.groups.order),
+                recycle_to=p.options.recycle_to,
                 sealed=p.sealed,
                 lost=p.lost,
             )

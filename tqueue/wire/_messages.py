@@ -631,6 +631,7 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     groups_complete: int = 0
     sealed: bool = False
     lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
+    recycle_to: str = ""  # where puts after the seal go, as partial samples
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):

@@ -1,0 +1,143 @@
+"""An SGLang-shaped HTTP server for the driver's tests: real HTTP (aiohttp), responses shaped
+exactly as SGLang 0.5.23 streams them from ``/generate`` (see docs/bridges.md), a model that
+is a formula so tests know every token, log-prob and routed-expert row in advance.
+
+Not SGLang: SGLang needs CUDA kernels on PyPI (ENGINES.md); its formats are cited from its
+source. ``hold``: the first ``hold[0]`` requests wait until ``hold[1]`` have arrived, then run
+to the end; later ones stream ``PARK_AFTER`` tokens and wait until aborted (``/abort_request``
+or a closed connection). Without ``hold`` every request runs to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+LAYERS, TOP_K = 2, 2
+PARK_AFTER = 3
+
+
+def token(position: int) -> int:
+    """The token the model generates at sequence position ``position``."""
+    return (position * 7) % 997 + 3
+
+
+def logprob(position: int) -> float:
+    return -0.25 * (position % 8) - 0.5  # exact in float32
+
+
+def experts(position: int, version: int) -> list[list[int]]:
+    """Routed experts of the token at ``position`` under weights ``version``."""
+    return [[version * 10_000 + position * 10 + layer * 2 + k for k in range(TOP_K)] for layer in range(LAYERS)]
+
+
+class FakeSGLang:
+    def __init__(self, hold: tuple[int, int] | None = None) -> None:
+        self.hold = hold
+        self.version = "0"
+        self.arrived = 0
+        self.all_arrived = asyncio.Event()
+        self.aborted: set[str] = set()  # by /abort_request
+        self.disconnected: set[str] = set()  # client closed the stream
+        self.abort_events: dict[str, asyncio.Event] = {}
+        self.parked = 0
+        self.parked_event = asyncio.Event()
+        self.requests: list[dict[str, Any]] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_post("/update_weight_version", self.update_weight_version)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        self.version = (await request.json())["new_version"]
+        return web.json_response({"success": True, "new_version": self.version})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        rid = (await request.json())["rid"]
+        self.aborted.add(rid)
+        self.abort_events.setdefault(rid, asyncio.Event()).set()
+        return web.Response()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        rid, ids = body["rid"], body["input_ids"]
+        budget = body["sampling_params"]["max_new_tokens"]
+        self.arrived += 1
+        order = self.arrived
+        if self.hold is not None and self.arrived >= self.hold[1]:
+            self.all_arrived.set()
+        aborted = self.abort_events.setdefault(rid, asyncio.Event())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        out: list[int] = []
+        spans: list[dict[str, Any]] = []
+        finish: dict[str, Any] | None = None
+        version = int(self.version)
+        try:
+            while finish is None:
+                if len(out) == budget:
+                    finish = {"type": "length", "length": budget}
+                    break
+                if self.hold is not None and len(out) == PARK_AFTER:
+                    if order > self.hold[0]:
+                        self.parked += 1
+                        self.parked_event.set()
+                        await aborted.wait()
+                        finish = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
+                        break
+                    await self.all_arrived.wait()
+                out.append(token(len(ids) + len(out)))
+                if spans and spans[-1]["version"] == str(version):
+                    spans[-1]["end"] = len(out)
+                else:
+                    spans.append({"version": str(version), "start": len(out) - 1, "end": len(out)})
+                await self._send(resp, rid, ids, out, spans, None, body)
+            await self._send(resp, rid, ids, out, spans, finish, body)
+            await resp.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            self.disconnected.add(rid)
+            raise
+        return resp
+
+    async def _send(self, resp: web.StreamResponse, rid: str, ids: list[int], out: list[int],
+                    spans: list[dict[str, Any]], finish: dict[str, Any] | None, body: dict[str, Any]) -> None:
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "output_token_logprobs": [(logprob(len(ids) + i), t, None) for i, t in enumerate(out)],
+            "weight_version": self.version,
+        }
+        if finish is not None:
+            meta["weight_versions"] = [dict(s) for s in spans]
+            if body.get("return_routed_experts"):
+                start = body.get("routed_experts_start_len", 0)
+                seqlen = len(ids) + len(out)
+                version = int(self.version)
+                rows = np.array([experts(p, version) for p in range(start, seqlen - 1)], dtype=np.int32)
+                meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
+        event = {"text": "", "output_ids": list(out), "meta_info": meta}
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
