@@ -83,6 +83,7 @@ class _Partial:
     trajectory: Trajectory
     group: GroupId
     rid: str
+    budget: int  # max_new_tokens of the whole trajectory
 
 
 class Rollouts:
@@ -132,12 +133,16 @@ class Rollouts:
         *,
         n: int = 1,
         groups: Sequence[GroupId] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> StepReport:
         """Run one step: ``n`` samples of each prompt (group ``groups[i]``, by default
-        ``"{partition}/{i}"``), plus the partial rollouts recycled into ``partition``.
-        Returns when every call has ended and every trajectory has its fate."""
+        ``"{partition}/{i}"``; ``max_new_tokens[i]`` tokens at most, by default the
+        driver's), plus the partial rollouts recycled into ``partition``. Returns when every
+        call has ended and every trajectory has its fate."""
         if groups is not None and len(groups) != len(prompts):
             raise InvalidArgumentError(f"{len(groups)} groups for {len(prompts)} prompts")
+        if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+            raise InvalidArgumentError(f"{len(max_new_tokens)} token budgets for {len(prompts)} prompts")
         report = StepReport(partition=partition)
         step = _Step(self, partition, report)
         resumes = [p for p in self._partials if p.meta.partition == partition]
@@ -145,7 +150,8 @@ class Rollouts:
         calls = [step.resume(p) for p in resumes]
         for i, prompt in enumerate(prompts):
             group = groups[i] if groups is not None else f"{partition}/{i}"
-            calls += [step.fresh([int(t) for t in prompt], group) for _ in range(n)]
+            budget = max_new_tokens[i] if max_new_tokens is not None else self.max_new_tokens
+            calls += [step.fresh([int(t) for t in prompt], group, budget) for _ in range(n)]
         report.requests = len(calls)
         watch = asyncio.ensure_future(step.watch())
         try:
@@ -201,16 +207,16 @@ class _Step:
             took = time.monotonic() - self.sealed_at
             self.report.abort_seconds = max(self.report.abort_seconds or 0.0, took)
 
-    async def fresh(self, prompt: list[int], group: GroupId) -> None:
+    async def fresh(self, prompt: list[int], group: GroupId, budget: int) -> None:
         traj = Trajectory(prompt_ids=prompt)
-        rid = await self.call(traj, self.d.max_new_tokens)
+        rid = await self.call(traj, budget)
         self.ended(traj)
         fields = traj.fields()
         if self.d.extra is not None and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
         meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version)
-        self.fate(meta, traj, group, rid)
+        self.fate(meta, _Partial(meta, traj, group, rid, budget))
 
     async def resume(self, p: _Partial) -> None:
         traj = p.trajectory
@@ -219,7 +225,7 @@ class _Step:
         start = traj.experts_start  # the first routed-experts row the resumed call computes
         self.report.resumed += 1
         if traj.finish == "abort":
-            await self.call(traj, self.d.max_new_tokens)
+            await self.call(traj, p.budget)
             self.ended(traj)
         spans = traj.version_spans[spans_before:]
         version = min((v for v, _, _ in spans), default=self.d.version)
@@ -253,7 +259,7 @@ class _Step:
             self.report.discarded += 1
             return
         moved = await self.d.client.postpone(p.meta, nxt)
-        self.d._partials.append(_Partial(moved, traj, p.group, p.rid))
+        self.d._partials.append(dataclasses.replace(p, meta=moved))
         self.report.recycled += 1
 
     async def recycle_target(self) -> str:
@@ -262,13 +268,14 @@ class _Step:
                 return part.recycle_to
         return ""
 
-    def fate(self, meta: BatchMeta, traj: Trajectory, group: GroupId, rid: str) -> None:
+    def fate(self, meta: BatchMeta, p: _Partial) -> None:
+        traj = p.trajectory
         status = meta.fates[0] if meta.status == "trimmed" and meta.fates else meta.status
         if status == "ok":
             self.report.stored += 1
             self.report.versions[traj.version] = self.report.versions.get(traj.version, 0) + 1
         elif status == "recycled":
-            self.d._partials.append(_Partial(meta, traj, group, rid))
+            self.d._partials.append(p)
             self.report.recycled += 1
         else:
             self.report.discarded += 1
