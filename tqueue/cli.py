@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(StorageConfig(**options), watch_stdin=args.watch_stdin)
         return 0
     if args.command == "demo":
+        if args.engine:
+            from .bridges.demo import run_engine_demo
+
+            return run_engine_demo(args)
         from .demo import run_demo
 
         return run_demo(args)

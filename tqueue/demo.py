@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-response", type=int, default=2048, help="longest response in tokens")
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens per micro-batch (default 16384)")
     p.add_argument("--quick", action="store_true", help="a small run (CI)")
+    e = p.add_argument_group("with a real engine (tqueue/bridges/demo.py)")
+    e.add_argument("--engine", choices=["vllm"], help="generate with a real engine (needs the extra: pip install 'tqueue[vllm]')")
+    e.add_argument("--engine-groups", type=int, default=4, help="prompts the trainer needs per step (default 4)")
+    e.add_argument("--engine-group-size", type=int, default=4, help="samples per prompt (default 4)")
+    e.add_argument("--over", type=float, default=1.5, help="over-sampling: prompts asked per prompt needed (default 1.5)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from .tiny_model import make
+    from tqueue.bridges.tiny_model import make
 
     return str(make(tmp_path_factory.mktemp("tiny-llama")))
 

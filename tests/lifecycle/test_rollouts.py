@@ -287,3 +287,24 @@ def test_partitions_that_recycle_into_each_other_abort_a_late_put_instead_of_loo
     assert (late.status, late.indexes) == ("aborted", [])
     assert status(client, a).reasons == {"discarded after seal": 1}
     assert status(client, b).reasons == {"discarded after seal": 1}
+
+
+def test_completing_partials_takes_places_of_the_target_and_is_refused_once_it_is_full(client, partition):
+    """A resumed rollout that finishes after its step filled up stays partial (not dropped as
+    over target): the caller learns which and moves them on."""
+    nxt = f"{partition}-next"
+    client.create_partition(partition, target=2, recycle_to=nxt)
+    early = client.put(partition, {"resp": [torch.arange(2)]}, version=0, partial=True)
+    late = client.put(partition, {"resp": [torch.arange(3)]}, version=0, partial=True)
+    assert client.complete(early, {"resp": [torch.tensor([7])]}, version=1, first_token=2, append=["resp"]) == []
+    client.put(partition, {"resp": [torch.arange(4)]}, version=1)  # the second place: sealed
+    assert status(client, partition).sealed
+    refused = client.complete(late, {"resp": [torch.tensor([8])]}, version=1, first_token=3, append=["resp"])
+    assert refused == late.indexes
+    assert status(client, partition).reasons == {"completion refused: target reached": 1}
+    moved = client.postpone(late, nxt)
+    assert client.complete(moved, {"resp": [torch.tensor([8])]}, version=1, first_token=3, append=["resp"]) == []
+    batch = client.get_data(nxt, ["resp"], 1, task="train", timeout=5)
+    assert batch["resp"][0].tolist() == [0, 1, 2, 8]  # the refused tokens were not written
+    batch = client.get_data(partition, ["resp"], 2, task="train", timeout=5)
+    assert sorted(r.tolist() for r in batch["resp"]) == [[0, 1, 2, 3], [0, 1, 7]]

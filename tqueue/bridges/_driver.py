@@ -244,15 +244,22 @@ class _Step:
         finished = traj.finish != "abort"
         if finished and self.d.extra is not None:
             data.update(self.d.extra(p.group, traj.prompt_ids, traj))
-        await self.d.client.complete(
-            p.meta, {name: [value] for name, value in data.items()}, version=version, first_token=before, append=APPENDED, splice=splice,
-            lengths=lengths, finished=finished,
+        columns = {name: [value] for name, value in data.items()}
+        refused = await self.d.client.complete(
+            p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
+            finished=finished,
         )
+        if refused:  # the step's target filled first: keep the tokens, still partial, for the next step
+            finished = False
+            await self.d.client.complete(
+                p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
+                finished=False,
+            )
         if finished:
             self.report.stored += 1
             self.report.versions[traj.version] = self.report.versions.get(traj.version, 0) + 1
             return
-        # aborted again: on to the partition this one recycles into, still partial
+        # aborted again, or finished too late: on to the partition this one recycles into, still partial
         nxt = await self.recycle_target()
         if not nxt:
             await self.d.client.clear(p.meta)

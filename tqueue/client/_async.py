@@ -198,7 +198,7 @@ class AsyncClient:
         splice: Mapping[str, int | Sequence[int]] | None = None,
         lengths: Sequence[int] | None = None,
         finished: bool = True,
-    ) -> None:
+    ) -> list[int]:
         """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
         update: a new segment of tokens produced by ``version``, starting at response token
         ``first_token``. Token offsets count response tokens, prompt left out (0: the
@@ -216,8 +216,14 @@ class AsyncClient:
         ``(version, first_token)``; once ``finished`` they are visible to consumers.
         :meth:`Batch.token_versions` gives each row's version, given the prompt lengths
         for a whole-sequence field.
+
+        Finishing samples takes places of the partition's ``target``, as a put does: where
+        it has no room left (sealed), the samples stay partial and untouched, and their
+        indexes are returned (an empty list: all done), so that the caller may
+        :meth:`postpone` them to the next step. Each storage unit's share is written whole
+        or not at all.
         """
-        await self._lifecycle.complete(
+        return await self._lifecycle.complete(
             meta,
             data,
             version=version,

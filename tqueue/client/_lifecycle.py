@@ -99,7 +99,7 @@ class Lifecycle:
         splice: Mapping[str, int | Sequence[int]] | None = None,
         lengths: Sequence[int] | None = None,
         finished: bool = True,
-    ) -> None:
+    ) -> list[int]:
         """:meth:`AsyncClient.complete`."""
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
@@ -131,7 +131,7 @@ class Lifecycle:
                     )
                 out.append(row)
             new[name] = out
-        await self._puts.update(meta, new, complete=finished, segment=(version, first_token))
+        return await self._puts.update(meta, new, complete=finished, segment=(version, first_token))
 
     async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
         """:meth:`AsyncClient.postpone`."""

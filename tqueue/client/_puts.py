@@ -238,9 +238,10 @@ class Puts:
         *,
         complete: bool = False,
         segment: tuple[int, int] | None = None,
-    ) -> None:
+    ) -> list[int]:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
-        :meth:`AsyncClient.complete`."""
+        :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
+        would pass the partition's target (each unit's share is written whole or not at all)."""
         positions = _by_unit(meta)
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
@@ -253,6 +254,7 @@ class Puts:
             enc = encode(sub, partition=meta.partition, chunk_bytes=self.config.chunk_bytes)
             writes.append((unit_id, [meta.indexes[i] for i in pos.tolist()], enc))
         ctl = await self._conns.ctl()
+        refused: list[int] = []
 
         async def write(unit_id: int, indexes: list[int], enc: Encoded) -> None:
             reply, _ = await ctl.request(
@@ -267,10 +269,14 @@ class Puts:
                 ),
                 expect=Granted,
             )
+            if reply.status == "aborted":  # the target is full: these stay partial, untouched
+                refused.extend(indexes)
+                return
             await self._conns.unit(unit_id)
             await self._store(self._conns.units[unit_id], meta.partition, reply, enc, indexes)
 
         await asyncio.gather(*(write(*w) for w in writes))
+        return sorted(refused)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

@@ -184,9 +184,9 @@ class Client:
         splice: Mapping[str, int | Sequence[int]] | None = None,
         lengths: Sequence[int] | None = None,
         finished: bool = True,
-    ) -> None:
+    ) -> list[int]:
         """Sync twin of :meth:`AsyncClient.complete`."""
-        self._run(
+        return self._run(
             self._inner.complete(
                 meta,
                 data,

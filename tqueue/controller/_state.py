@@ -374,6 +374,7 @@ class Partition:
             if grant.complete:
                 finished = idx[(self.mask[idx] & PARTIAL) != 0]
                 self.mask[finished] &= ~PARTIAL
+                self.promised -= grant.kept
                 self._count_complete(finished)
             return
         sl = slice(grant.start, grant.start + grant.count)
@@ -463,13 +464,20 @@ class Partition:
             out.append([[v, t] for v, t in segs])
         return out
 
+    def finishing(self, indexes: np.ndarray) -> int:
+        """How many of these samples a completion would finish (partial, not excluded)."""
+        mask = self.mask[indexes]
+        return int(np.count_nonzero(((mask & PARTIAL) != 0) & ((mask & EXCLUDED) == 0)))
+
     def forget(self, grant: GrantRecord) -> None:
         """A grant that will never commit (its write failed)."""
-        if grant.indexes is None:
-            self.in_flight -= 1
-            if not grant.partial:
-                self.promised -= grant.kept
-            self.mask[grant.start : grant.start + grant.count] |= EXCLUDED
+        if grant.indexes is not None:
+            self.promised -= grant.kept
+            return
+        self.in_flight -= 1
+        if not grant.partial:
+            self.promised -= grant.kept
+        self.mask[grant.start : grant.start + grant.count] |= EXCLUDED
 
     def exclude(self, indexes: np.ndarray, reason: str) -> int:
         """Never serve these samples again; count them under ``reason``."""

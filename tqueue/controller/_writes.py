@@ -153,11 +153,22 @@ class Writes:
         part.check_indexes(indexes)
         part.add_specs(added)
         part.record_lengths(msg.blocks, indexes)
+        kept = 0
+        if msg.complete and part.options.target:
+            # completing partial rollouts takes places of the target, as a put does: all of
+            # them, or none (the samples stay partial; the caller may postpone them)
+            finishing = part.finishing(indexes)
+            kept = part.promise(finishing) if not part.sealed else 0
+            if kept < finishing:
+                part.promised -= kept
+                part.reasons["completion refused: target reached"] += finishing
+                return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
+                               partition=part.name)
         grant_id = next(self.s.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
         self.s.grants[grant_id] = GrantRecord(
-            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment
+            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 

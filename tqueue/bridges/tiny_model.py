@@ -3,7 +3,7 @@ nothing comes from a hub. 1,000-word vocabulary (the tokenizer's equals the mode
 sampled id detokenizes), 2 layers, hidden 64, head_dim 32 (vLLM's CPU attention needs 32; its
 bfloat16 AMX kernel crashes on these machines, so engines run it in float32).
 
-``python -m tests.bridges.tiny_model DIR`` writes it (about 1 MB, 4 s)."""
+``python -m tqueue.bridges.tiny_model DIR`` writes it (about 1 MB, 4 s)."""
 
 from __future__ import annotations
 
