@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
+
+import tqueue
+import tqueue.bridges
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,3 +40,13 @@ def test_demo_quick_runs_end_to_end():
     assert re.search(r"\| steps left unfreed at the end +\| 0 \|", out.stdout)  # sealed steps freed themselves
     assert re.search(r"\| DP token imbalance .*\| 1\.\d+ \|", out.stdout)
     assert "100.0%" in out.stderr  # the progress display reached the end
+
+
+def test_the_engine_demo_without_its_extra_names_the_install_command():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the integration tier runs the demo")
+    out = subprocess.run([sys.executable, "-m", "tqueue", "demo", "--engine", "vllm"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ImportError: tqueue demo --engine vllm needs vLLM: pip install 'tqueue[vllm]'" in out.stderr
+    with pytest.raises(ImportError, match=r"the vLLM bridge needs vLLM: pip install 'tqueue\[vllm\]'"):
+        tqueue.bridges.VLLMEngine(object())

@@ -108,3 +108,20 @@ def test_over_sampling_against_a_real_engine_aborts_the_surplus_and_resumes_it_u
         asyncio.run(main(llm))
     finally:
         llm.shutdown()
+
+
+def test_the_demo_runs_the_main_job_with_a_real_engine():
+    """``tqueue demo --engine vllm``: every step trains on exactly its target, the surplus is
+    aborted and resumed, and the versions advance."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tqueue", "demo", "--engine", "vllm", "--steps", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3, out.stdout
+    cells = [[c.strip() for c in row] for row in rows]
+    assert [c[6] for c in cells] == ["16"] * 3 and all(c[-1] == "OK" for c in cells)  # trained per step
+    assert int(cells[0][3]) > 0 and int(cells[1][5]) > 0  # aborted in step 0, resumed in step 1
+    assert int(cells[2][7].split("..")[1]) >= 1  # the engine's tokens carry the versions the trainer advanced

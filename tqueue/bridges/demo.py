@@ -85,7 +85,8 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float) -> li
 
             async def rollout() -> None:
                 for k in range(steps):
-                    prompts = [[rng.randrange(4, 1000) for _ in range(rng.randrange(4, 16))] for _ in range(asked)]
+                    fresh = max(1, asked - driver.partials // n)  # partials waiting count toward the ask
+                    prompts = [[rng.randrange(4, 1000) for _ in range(rng.randrange(4, 16))] for _ in range(fresh)]
                     budgets = [rng.choice((16, 32, 96)) for _ in prompts]  # short ones finish first
                     reports.append(await driver.step(f"rl/step-{k}", prompts, n=n, max_new_tokens=budgets))
 
