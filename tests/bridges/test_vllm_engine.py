@@ -125,3 +125,85 @@ def test_the_demo_runs_the_main_job_with_a_real_engine():
     assert [c[6] for c in cells] == ["16"] * 3 and all(c[-1] == "OK" for c in cells)  # trained per step
     assert int(cells[0][3]) > 0 and int(cells[1][5]) > 0  # aborted in step 0, resumed in step 1
     assert int(cells[2][7].split("..")[1]) >= 1  # the engine's tokens carry the versions the trainer advanced
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir, tmp_path_factory):
+    """``vllm serve`` on 127.0.0.1 with its token-in/token-out API (``--enable-scale-out``) and
+    ``/update_weight_version`` (dev mode); ready once it says so on its output."""
+    import queue
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out",
+         "--seed", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    tail: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            tail = (tail + [line])[-40:]
+            if not line:
+                raise AssertionError("vllm serve exited before it was ready:\n" + "".join(tail))
+            if "Application startup complete" in line:
+                break
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_over_sampling_through_the_vllm_token_api(vllm_server):
+    """The same scenario over vLLM's token-in/token-out HTTP API: the surplus aborted on the
+    server by ``/inference/v1/abort_requests``, resumed under the next version."""
+    from tqueue.bridges import VLLMHTTPEngine
+
+    async def main():
+        with tqueue.LocalCluster(num_storage_units=1) as cluster:
+            async with tqueue.AsyncClient(cluster.address) as c, VLLMHTTPEngine(
+                vllm_server, sampling={"temperature": 1.0, "ignore_eos": True}
+            ) as engine:
+                await c.create_partition("h-0", target=4, recycle_to="h-1")
+                driver = Rollouts(c, engine, max_new_tokens=LONG)
+                await driver.set_version(3)
+                report = await asyncio.wait_for(driver.step("h-0", [[5, 6, 7], [8, 9]], n=4, max_new_tokens=[SHORT, LONG]), 300)
+                assert (report.stored, report.aborted, report.recycled) == (4, 4, 4), report
+                lengths = sorted(len(p.trajectory.response_ids) for p in driver._partials)
+                assert all(0 < n < LONG for n in lengths), lengths
+                await driver.set_version(4)
+                report = await asyncio.wait_for(driver.step("h-1", [], n=1), 300)
+                assert (report.resumed, report.stored) == (4, 4), report
+                meta = await c.get_meta("h-1", ["response_ids", "version_spans"], 4, task="t", timeout=30)
+                batch = await c.get_data(meta)
+                for i in range(4):
+                    spans = batch["version_spans"][i].tolist()
+                    k = spans[0][2]
+                    assert spans == [[3, 0, k], [4, k, LONG]] and len(batch["response_ids"][i]) == LONG
+                    assert batch.token_versions("response_ids")[i].tolist() == [3] * k + [4] * (LONG - k)
+
+    asyncio.run(main())

@@ -123,7 +123,7 @@ class VLLMEngine:
 
 class VLLMHTTPEngine:
     """A driver's engine over vLLM's token-in/token-out HTTP API at ``url``
-    (``POST /inference/v1/generate``, vLLM 0.32), streamed.
+    (``POST /inference/v1/generate``, vLLM 0.32; ``vllm serve --enable-scale-out``), streamed.
 
     Each stream event's choice carries the new ``token_ids`` and ``logprobs.content`` (one
     ``{"token_id", "logprob"}`` per token); the last one ``finish_reason`` and
@@ -151,6 +151,7 @@ class VLLMHTTPEngine:
         self._session: Any = None
         self._streams: dict[str, Any] = {}
         self._closed: set[str] = set()
+        self._server_ids: dict[str, str] = {}  # the server prefixes ids ("generate-tokens-"); aborts name its id
 
     def _http(self) -> Any:
         if self._session is None:
@@ -193,12 +194,17 @@ class VLLMHTTPEngine:
                     raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
                 self._streams[rid] = resp
                 async for event in events(resp.content, what):
+                    if isinstance(event, dict) and isinstance(event.get("request_id"), str):
+                        self._server_ids.setdefault(rid, event["request_id"])
+                    if isinstance(event, dict) and "error" in event:
+                        raise EngineError(f"{what}: {event['error']}")
                     out.add(event, what)
         except (aiohttp.ClientError, ConnectionError) as exc:
             if rid not in self._closed:
                 raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:
             self._streams.pop(rid, None)
+            self._server_ids.pop(rid, None)
             closed = rid in self._closed
             self._closed.discard(rid)
         if out.finish_reason is None:
@@ -217,13 +223,21 @@ class VLLMHTTPEngine:
                     self._closed.add(rid)
                     resp.close()
             return
-        async with self._http().post(f"{self.url}/inference/v1/abort_requests", json={"request_ids": list(rids)}) as resp:
+        # a request not yet streaming has no server id: vLLM 0.32 names it "generate-tokens-" + ours
+        ids = [self._server_ids.get(rid, f"generate-tokens-{rid}") for rid in rids]
+        async with self._http().post(f"{self.url}/inference/v1/abort_requests", json={"request_ids": ids}) as resp:
             if resp.status != 200:
                 raise EngineError(f"aborting vLLM requests at {self.url}: HTTP {resp.status}")
 
     async def set_version(self, version: int) -> None:
-        """Nothing to send: the server's weight version is set where its weights are
-        updated (``/update_weight_version`` in vLLM's RL dev mode)."""
+        """Tell the server its weights are ``version`` (``POST /update_weight_version``,
+        served by ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``)."""
+        async with self._http().post(f"{self.url}/update_weight_version", json={"new_version": str(version)}) as resp:
+            if resp.status != 200:
+                raise EngineError(
+                    f"setting the weight version at {self.url}: HTTP {resp.status} (vllm serve offers "
+                    f"/update_weight_version with VLLM_SERVER_DEV_MODE=1): {(await resp.text())[:300]}"
+                )
 
 
 class _Logprob:
