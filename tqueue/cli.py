@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="end-to-end benchmark against peers (source checkout)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/e2e.py (--help there)")
 
+    i = sub.add_parser("ingest", help="HTTP ingestion for rollout fleets that push (docs/ingest.md)")
+    i.add_argument("controller", help="the controller's address")
+    i.add_argument("--host", default="127.0.0.1", help="HTTP host to bind (default 127.0.0.1)")
+    i.add_argument("--port", type=int, default=8470, help="HTTP port (default 8470; 0: the OS picks)")
+    i.add_argument("--token-file", default="", help="file holding the bearer token (default: $TQUEUE_INGEST_TOKEN)")
+    i.add_argument("--no-auth", action="store_true", help="accept posts without a token (trusted networks only)")
+    i.add_argument("--max-body", type=int, default=64 << 20, help="bytes of one request body (default 64 MiB)")
+    i.add_argument("--experts-shape", default="", metavar="LAYERS,TOP_K", help="shape of SGLang routed experts")
+
     d = sub.add_parser("demo", help="simulated GRPO data flow on a local cluster")
     from .demo import add_arguments
 
@@ -87,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(StorageConfig)}
         run(StorageConfig(**options), watch_stdin=args.watch_stdin)
         return 0
+    if args.command == "ingest":
+        return _ingest(args)
     if args.command == "demo":
         if args.engine:
             from .bridges.demo import run_engine_demo
@@ -114,3 +125,42 @@ def _bench(argv: list[str]) -> int:
     sys.modules["benchmarks.e2e"] = module
     spec.loader.exec_module(module)
     return int(module.main(argv))
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    token = None
+    if not args.no_auth:
+        if args.token_file:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        else:
+            token = os.environ.get("TQUEUE_INGEST_TOKEN", "").strip()
+        if not token:
+            print("tqueue ingest: give a bearer token (--token-file, or $TQUEUE_INGEST_TOKEN), or --no-auth", file=sys.stderr)
+            return 2
+    shape = None
+    if args.experts_shape:
+        layers, top_k = (int(x) for x in args.experts_shape.split(","))
+        shape = (layers, top_k)
+
+    async def serve() -> None:
+        from .bridges.ingest import Ingest
+        from .client import AsyncClient
+
+        async with AsyncClient(args.controller) as client:
+            server = Ingest(client, token=token, max_body=args.max_body, experts_shape=shape)
+            url = await server.start(args.host, args.port)
+            print(f"tqueue ingest: serving {url} for the controller at {args.controller}", flush=True)
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            try:
+                await stop.wait()
+            finally:
+                await server.stop()
+
+    asyncio.run(serve())
+    return 0

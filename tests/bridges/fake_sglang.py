@@ -4,8 +4,8 @@ is a formula so tests know every token, log-prob and routed-expert row in advanc
 
 Not SGLang: SGLang needs CUDA kernels on PyPI (ENGINES.md); its formats are cited from its
 source. ``hold``: the first ``hold[0]`` requests wait until ``hold[1]`` have arrived, then run
-to the end; later ones stream ``PARK_AFTER`` tokens and wait until aborted (``/abort_request``
-or a closed connection). Without ``hold`` every request runs to the end.
+to the end; the others of the first ``hold[1]`` stream ``PARK_AFTER`` tokens and wait until
+aborted (``/abort_request`` or a closed connection). Every other request runs to the end.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class FakeSGLang:
                 if len(out) == budget:
                     finish = {"type": "length", "length": budget}
                     break
-                if self.hold is not None and len(out) == PARK_AFTER:
+                if self.hold is not None and len(out) == PARK_AFTER and order <= self.hold[1]:
                     if order > self.hold[0]:
                         self.parked += 1
                         self.parked_event.set()

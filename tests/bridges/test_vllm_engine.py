@@ -207,3 +207,17 @@ def test_over_sampling_through_the_vllm_token_api(vllm_server):
                     assert batch.token_versions("response_ids")[i].tolist() == [3] * k + [4] * (LONG - k)
 
     asyncio.run(main())
+
+
+def test_the_vllm_example_runs():
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples" / "vllm_rollouts.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 0: stored 8, aborted 4, recycled 4, resumed 0" in out.stdout
+    assert "step 0: token versions per sample [(0,)]" in out.stdout
+    assert "step 1: stored 8, aborted 0, recycled 0, resumed 4" in out.stdout
+    assert "step 1: token versions per sample [(0, 1), (1,)]" in out.stdout
