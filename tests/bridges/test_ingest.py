@@ -292,3 +292,42 @@ async def sse(resp: aiohttp.ClientResponse):
             kind = text[7:]
         elif text.startswith("data: "):
             yield kind, json.loads(text[6:])
+
+
+def test_a_poster_that_leaves_mid_put_does_not_cut_the_put_short(cluster, partition):
+    """The put runs to its end: the key's fate is known (stored, so a retry is a 409, not a
+    second copy). The put is held at a gate so that the poster leaves while it is in flight."""
+
+    async def main(session, server, client):
+        entered, gate = asyncio.Event(), asyncio.Event()
+        real = client.put
+
+        async def held(*args, **kwargs):
+            entered.set()
+            await gate.wait()
+            return await real(*args, **kwargs)
+
+        client.put = held
+        poster = asyncio.ensure_future(post(session, partition, token_record("left/0", [1], 2, 0, 0.0)))
+        await asyncio.wait_for(entered.wait(), 10)
+        poster.cancel()  # the poster goes away: its connection closes
+        await asyncio.gather(poster, return_exceptions=True)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*server._puts), 10)
+        client.put = real
+        assert {p.name: p.samples for p in (await client.status()).partitions}[partition] == 1
+        status, answer, _ = await post(session, partition, token_record("left/0", [1], 2, 0, 0.0))
+        assert status == 409 and answer["key"] == "left/0"
+
+    run(main, cluster.address)
+
+
+def test_a_body_of_another_type_gets_415(cluster, partition):
+    async def main(session, server, client):
+        async with session.post(f"/v1/partitions/{partition}/trajectories", data=b"key=1",
+                                headers={"Content-Type": "text/plain"}) as resp:
+            assert resp.status == 415 and "application/json or application/msgpack" in (await resp.json())["error"]
+        status, answer, _ = await post(session, partition, b"\xc1".decode("latin-1"))  # JSON of a string: not a record
+        assert status == 422, answer
+
+    run(main, cluster.address)

@@ -117,7 +117,8 @@ class Ingest:
         self.where = ""
         self._changed = asyncio.Condition()
         self._keys: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
-        self._waits: set[asyncio.Task[Any]] = set()  # long polls and event streams, ended by stop()
+        self._waits: set[asyncio.Future[Any]] = set()  # long polls and event streams, ended by stop()
+        self._puts: set[asyncio.Future[Any]] = set()  # puts in flight, finished by stop()
         self._runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=max_body, middlewares=[self._auth])
         self.app.router.add_get("/healthz", self._healthz)
@@ -143,6 +144,8 @@ class Ingest:
         """End the long polls and event streams, then the server. Idempotent."""
         for task in list(self._waits):
             task.cancel()
+        if self._puts:
+            await asyncio.gather(*self._puts, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -191,7 +194,8 @@ class Ingest:
 
     async def _post(self, request: web.Request) -> web.Response:
         partition = request.match_info["partition"]
-        records = self._decode(await request.read(), request.content_type)
+        kind = request.content_type if request.headers.get("Content-Type") else ""
+        records = self._decode(await request.read(), kind)
         samples, groups, versions = [], [], []
         for i, record in enumerate(records):
             fields, version = self._sample(partition, i, record)
@@ -204,10 +208,15 @@ class Ingest:
             raise _Refused(422, f"record {i} (key {records[i].key!r}) has no version while others of the body do: "
                                 "give version or version_spans", record=i, key=records[i].key, field=f"records[{i}].version")
         keys = self._reserve(partition, records)
+        # the put runs to its end even if the poster leaves: its keys' fate is then known
+        put = asyncio.ensure_future(self.client.put(partition, samples, groups=groups, version=given or None, timeout=0))
+        self._puts.add(put)
+        put.add_done_callback(lambda task: self._put_done(task, partition, keys))
         try:
-            meta = await self.client.put(partition, samples, groups=groups, version=given or None, timeout=0)
-        except BaseException as exc:
-            self._release(partition, keys)
+            meta = await asyncio.shield(put)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
             raise self._refusal(exc, partition) from exc
         fates = meta.fates if meta.status == "trimmed" and meta.fates else [meta.status] * len(records)
         indexes = meta.indexes if meta.status in ("ok", "trimmed", "recycled") else [-1] * len(records)
@@ -218,6 +227,8 @@ class Ingest:
         return web.json_response({"accepted": accepted})
 
     def _decode(self, body: bytes, content_type: str) -> list[Record]:
+        if content_type not in (MSGPACK, "application/json"):
+            raise _Refused(415, f"the body is application/json or {MSGPACK}, not {content_type or 'untyped'}")
         try:
             raw = msgspec.msgpack.decode(body) if content_type == MSGPACK else msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
@@ -311,6 +322,11 @@ class Ingest:
             seen.add(r.key)
         held |= seen
         return list(seen)
+
+    def _put_done(self, task: asyncio.Future[Any], partition: str, keys: list[str]) -> None:
+        self._puts.discard(task)
+        if task.cancelled() or task.exception() is not None:  # nothing stored: the keys are free again
+            self._release(partition, keys)
 
     def _release(self, partition: str, keys: list[str]) -> None:
         held = self._keys.get(partition)
