@@ -148,6 +148,13 @@ class PermissionDeniedError(TQueueError, PermissionError):
     code = "permission_denied"
 
 
+class ForkedClientError(TQueueError, RuntimeError):
+    """A client was used in a process forked from the one that made it (a DataLoader worker,
+    say): its sockets and threads belong to the parent. Make a client in the child."""
+
+    code = "forked_client"
+
+
 class EngineError(TQueueError):
     """An inference engine failed a request (an HTTP error, a broken stream, an output
     that is not what the engine's bridge reads); the message names the request."""
@@ -179,6 +186,7 @@ CODES: dict[str, type[TQueueError]] = {
         StorageUnitUnavailableError,
         DataLostError,
         PermissionDeniedError,
+        ForkedClientError,
         EngineError,
         RemoteError,
     )

@@ -275,7 +275,7 @@ class Gets:
                 partition=meta.partition,
                 partition_uid=meta.partition_uid,
                 task=meta.task,
-                indexes=list(meta.indexes),
+                indexes=[i for i in meta.indexes if i >= 0],  # pad rows are nobody's
                 lease=meta.lease,
             ),
             expect=Ok,

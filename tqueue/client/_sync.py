@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..config import ClientConfig
-from ..errors import ControllerUnavailableError
+from ..errors import ControllerUnavailableError, ForkedClientError
 from ..transport import _zmq
 from ..wire import BatchMeta, GroupId, Meta, StatusReply
 from ._async import AsyncClient, ClientStats
@@ -21,8 +22,10 @@ T = TypeVar("T")
 
 
 def _shutdown(
-    loop: asyncio.AbstractEventLoop, thread: threading.Thread, inner: AsyncClient, direct: list[Any]
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, inner: AsyncClient, direct: list[Any], pid: int
 ) -> None:
+    if os.getpid() != pid:  # a forked child: the sockets and the thread are the parent's to close
+        return
     for peer in direct:
         peer.close()
     direct.clear()
@@ -47,6 +50,7 @@ class Client:
     """
 
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
+        self._pid = os.getpid()  # a forked child has none of this client's threads or sockets
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tqueue-client", daemon=True
@@ -57,7 +61,7 @@ class Client:
         self._direct_lock = threading.Lock()
         self._direct_peers: list[_zmq.BlockingPeer] = []  # one per calling thread
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._loop, self._thread, self._inner, self._direct_peers
+            self, _shutdown, self._loop, self._thread, self._inner, self._direct_peers, self._pid
         )
 
     @property
@@ -73,6 +77,9 @@ class Client:
         return self._inner.stats
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if os.getpid() != self._pid:
+            coro.close()
+            raise _forked(self._pid)
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a tqueue Client cannot be called from its own loop thread")
@@ -245,6 +252,8 @@ class Client:
 
     def _direct(self) -> _zmq.BlockingPeer:
         """This thread's own connection to the controller (after the client's handshake)."""
+        if os.getpid() != self._pid:
+            raise _forked(self._pid)
         peer = getattr(self._local, "peer", None)
         if peer is None or peer.closed:
             if not self._finalizer.alive:
@@ -315,3 +324,10 @@ class Client:
     def ack(self, meta: BatchMeta) -> None:
         """Sync twin of :meth:`AsyncClient.ack`."""
         self._run(self._inner.ack(meta))
+
+
+def _forked(parent: int) -> ForkedClientError:
+    return ForkedClientError(
+        f"this client was made in process {parent} and used in process {os.getpid()}, forked from it: "
+        "make a new client in the child (in a DataLoader, inside the worker: tqueue.bridges.loader does)"
+    )

@@ -50,6 +50,7 @@ class Cleanup:
         if part.finished() and self.forget(part, None):
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
             self.s.bury(part.name)
+            self._wake_soon(part.name)  # waiters asking with pad learn that it is done
             self.s.loop.create_task(self.drop_everywhere(part, None))
 
     async def clear(self, ident: bytes, msg: Clear, bufs: list[Any]) -> Ok:

@@ -86,17 +86,24 @@ class Reads:
             ready = candidates.ready()
             if len(ready):
                 return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
+            if not msg.dp_size and not task.leased:  # nothing left, nothing to come back: the end
+                return np.zeros(0, dtype=np.int64)
         return None
 
     def try_serve(self, msg: GetMeta) -> Meta | None:
         part = self.s.partitions.get(msg.partition)
         if part is None:
+            if msg.pad and not msg.dp_size and self.s.buried(msg.partition):  # consumed and freed: the end
+                return Meta(meta=BatchMeta(partition=msg.partition, partition_uid=0, indexes=[], units=[],
+                                           fields=list(msg.fields), schema={}, task=msg.task))
             return None
         if msg.dp_size:
             return self.serve_round(part, msg)
         indexes = self.select(part, msg, msg.batch_size)
         if indexes is None:
             return None
+        if not len(indexes):  # the end of a drained partition: nothing to lease
+            return Meta(meta=self.meta(part, msg, indexes, 0))
         lease = self.lease(part, msg.task, indexes, msg.lease_timeout)
         return Meta(meta=self.meta(part, msg, indexes, lease))
 
@@ -318,6 +325,8 @@ class Reads:
                 if record.timer is not None:
                     record.timer.cancel()
         self._free(part)
+        if part.drained() and not task.leased and msg.partition in self.s.waiters:
+            self.wake_soon(part.name)  # a waiter asking with pad may now learn the partition is done
         return Ok()
 
 

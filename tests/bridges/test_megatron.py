@@ -1,0 +1,108 @@
+"""Data-parallel ranks read their steps: 4 real processes on gloo, DP=2 x TP=2 given as plain
+``torch.distributed`` ranks (the integration tier runs the same with megatron-core's
+``parallel_state``: tests/bridges/test_megatron_core.py). Both ways of reaching a replica:
+each rank reads, or the first reads and broadcasts tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tqueue
+from tqueue.bridges.megatron import backend_for, pick_device
+
+from ._dist import run_job
+
+STEPS, BATCH = 3, 8  # per DP rank
+
+
+def producer(address: str, prefix: str, dp: int):
+    rng = np.random.default_rng(7)
+
+    def produce(k: int) -> None:
+        lengths = (rng.lognormal(3.0, 0.8, dp * BATCH).astype(int) + 1).clip(1, 60).tolist()
+        with tqueue.Client(address) as c:
+            c.create_partition(f"{prefix}-{k}", tasks=["train"])
+            c.put(f"{prefix}-{k}", {
+                "ids": [torch.arange(n, dtype=torch.int64) + 1000 * k + i for i, n in enumerate(lengths)],
+                "n": torch.tensor(lengths), "tag": [f"s{k}-{i}" for i in range(len(lengths))],
+                "flag": torch.tensor([i % 3 == 0 for i in range(len(lengths))]),
+            })
+            c.seal(f"{prefix}-{k}")
+
+    return produce
+
+
+def check(result: dict, world: int, tp: int, pp: int = 1) -> None:
+    reports = result["reports"]
+    dp = world // (tp * pp)
+    replicas = {}
+    for rank, (dp_rank, replica) in result["ready"].items():
+        replicas.setdefault(dp_rank, replica)
+        assert replicas[dp_rank] == replica and rank in replica
+    assert sorted(replicas) == list(range(dp))
+    for k in range(STEPS):
+        shares = {}
+        for dp_rank, replica in replicas.items():
+            got = [reports[(r, k)] for r in replica]
+            first = got[0]
+            for other in got[1:]:  # every TP/PP rank of a replica: identical bytes and schedule
+                assert other["digest"] == first["digest"] and other["mb_digest"] == first["mb_digest"]
+                assert (other["indexes"], other["micro"], other["num_micro"]) == (first["indexes"], first["micro"], first["num_micro"])
+            shares[dp_rank] = first
+        everyone = [i for s in shares.values() for i in s["indexes"]]
+        assert len(everyone) == len(set(everyone)) == dp * BATCH  # disjoint, whole round
+        tokens = [s["tokens"] for s in shares.values()]
+        assert max(tokens) <= 1.25 * min(tokens) + 60, tokens  # balanced (within one sample)
+        assert len({s["num_micro"] for s in shares.values()}) == 1  # equal micro-batch counts
+        for s in shares.values():
+            assert s["global"] == dp * BATCH and len(s["micro"]) == s["num_micro"]
+            assert sorted(i for mb in s["micro"] for i in mb) == list(range(BATCH))
+            assert s["mb_sizes"] == [len(mb) for mb in s["micro"]]
+            assert all(t.startswith(f"s{k}-") for t in s["tags"])
+    held = result["held"]
+    for rank in result["ready"]:
+        wall, cpu = reports[(rank, STEPS - 1)]["waited"]
+        assert wall >= held * 0.9, (rank, wall)
+        assert cpu < 0.25, f"rank {rank} burnt {cpu:.3f} s of CPU in {wall:.2f} s of waiting"
+
+
+@pytest.mark.parametrize("mode", ["each", "broadcast"])
+def test_dp2_tp2_ranks_get_disjoint_balanced_shares_and_replicas_identical_bytes(cluster, partition, mode):
+    result = run_job(cluster.address, partition, world=4, steps=STEPS, batch=BATCH, mode=mode, layout={"tp": 2},
+                     produce=producer(cluster.address, partition, 2))
+    check(result, 4, tp=2)
+    with tqueue.Client(cluster.address) as c:  # acked once per replica: each sealed step freed itself
+        assert not [p.name for p in c.status().partitions if p.name.startswith(partition)]
+
+
+STAND_IN = """
+import sys, types, torch
+# a stand-in for torch_npu: importing the real one renames torch's private backend to "npu"
+# and adds torch.npu; it needs Huawei's CANN libraries, which these machines lack
+fake = types.ModuleType("torch_npu")
+sys.modules["torch_npu"] = fake
+torch.utils.rename_privateuse1_backend("npu")
+torch.npu = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: 3)
+torch.cuda.is_available = lambda: False
+from tqueue.bridges.megatron import backend_for, pick_device
+device = pick_device()
+print(device, backend_for(device))
+"""
+
+
+def test_the_device_and_backend_follow_what_is_there():
+    """CPU here; CUDA and Ascend are chosen when present. The NPU path runs with the NPU
+    module replaced by a stand-in (it has not run on Ascend hardware)."""
+    import subprocess
+    import sys
+
+    assert pick_device() == torch.device("cpu") and backend_for(pick_device()) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    assert pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"no collective backend known for device type 'meta'"):
+        backend_for(torch.device("meta"))
+    out = subprocess.run([sys.executable, "-c", STAND_IN], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "npu:3 hccl"
