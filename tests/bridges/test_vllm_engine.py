@@ -14,7 +14,7 @@ import pytest
 import tqueue
 from tqueue.bridges import Rollouts, VLLMEngine
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones are the surplus
 
