@@ -52,6 +52,8 @@ class ControllerConfig:
     "": no authentication (trust the network; bind to loopback or a private network).
     ``advertise``: the host peers reach this server at, when it binds to a wildcard
     (``0.0.0.0``, ``*``); "": this machine's address.
+    ``metrics_port``: serve Prometheus metrics over HTTP on this port of the bind host
+    (0: the OS picks; -1: none); the URL is in ``status().metrics``.
     """
 
     bind: str = "tcp://127.0.0.1:0"
@@ -66,6 +68,7 @@ class ControllerConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     auth_dir: str = ""
     advertise: str = ""
+    metrics_port: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,7 @@ class StorageConfig:
     ``name``: the unit's identity at the controller ("": its ZeroMQ address). A unit that
     registers again under a known name (restarted, or back after the controller declared it
     dead) gets its old unit id back and starts empty: what it held was declared lost.
-    ``auth_dir``, ``advertise``: as for :class:`ControllerConfig`.
+    ``auth_dir``, ``advertise``, ``metrics_port``: as for :class:`ControllerConfig`.
     """
 
     controller: str
@@ -131,6 +134,7 @@ class StorageConfig:
     name: str = ""
     auth_dir: str = ""
     advertise: str = ""
+    metrics_port: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

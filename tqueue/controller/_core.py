@@ -84,6 +84,7 @@ class ControllerState:
         self.units: dict[int, Unit] = {}
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.grants: dict[int, GrantRecord] = {}
+        self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self.waiters: dict[str, list[Waiter]] = {}  # parked get_meta, by partition name
         self.sealed_waiters: dict[str, list[Waiter]] = {}
         self.parked: list[ParkedWrite] = []  # writes and reserves waiting for budget

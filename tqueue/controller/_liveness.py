@@ -71,7 +71,8 @@ class Liveness:
             if peer is not None:
                 self.s.loop.create_task(peer.close())
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
-        self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time())
+        self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time(),
+                                     metrics=msg.metrics)
         self.s.unit_peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
             curve=self.s.server.curve,  # the cluster's keys: the unit admits only those for drops and moves

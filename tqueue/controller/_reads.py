@@ -164,6 +164,11 @@ class Reads:
             return np.where(real, arr[safe], pad).tolist()
 
         versions = np.where(real, part.version[safe], -1)
+        if task is not None and lease:  # served to a consumer: how far behind the trainer it is
+            known = versions[versions >= 0]
+            if len(known):
+                behind = np.clip(self.s.version - known, 0, len(self.s.staleness) - 1)
+                self.s.staleness += np.bincount(behind, minlength=len(self.s.staleness))
         groups = part.groups_of(safe)
         if groups is not None and not real.all():
             groups = [g if r else None for g, r in zip(groups, real.tolist())]

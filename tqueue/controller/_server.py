@@ -14,6 +14,7 @@ The state is one object (:class:`._core.ControllerState`); what acts on it is co
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, ProtocolVersionError
 from ..transport import _auth, _zmq
+from ..transport._metrics import MetricsEndpoint, metrics_host
 from ..wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -82,6 +84,7 @@ class Controller:
             advertise=self.config.advertise,
         )
         self.address = self._server.address
+        self.metrics: MetricsEndpoint | None = None
         self.s = ControllerState(self.config, self._server, load_policies(self.config.policies))
         # the parts call each other only through these few bound methods
         self.cleanup = Cleanup(self.s, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
@@ -132,9 +135,18 @@ class Controller:
 
     async def serve(self) -> None:
         log.info("controller serving at %s", self.address)
+        if self.config.metrics_port >= 0:
+            from ._metrics import families
+
+            host = metrics_host(self.config.bind)
+            self.metrics = MetricsEndpoint(asyncio.get_running_loop(), lambda: families(self), host, self.config.metrics_port)
+            log.info("controller metrics at %s", self.metrics.url)
         await self._server.serve()
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         self.liveness.close()
         for peer in self.s.unit_peers.values():
             await peer.close()
@@ -248,6 +260,7 @@ class Controller:
                 unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
                 capacity=u.capacity, undropped=self.cleanup.drops.count(u.info.unit_id),
                 name=u.name, alive=u.alive, silent=max(0.0, now - u.heard), arena_used=u.arena_used,
+                metrics=u.metrics,
             )
             for u in self.s.units.values()
         ]
@@ -280,6 +293,7 @@ class Controller:
             version=self.s.version,
             admitted=self.s.admitted,
             admission_limit=limit,
+            metrics=self.metrics.url if self.metrics is not None else "",
         )
 
 

@@ -52,6 +52,7 @@ class Unit:
     alive: bool = True  # false once it missed its heartbeats: its samples are lost
     heard: float = 0.0  # loop time of its last heartbeat
     arena_used: int = 0  # as its last heartbeat said
+    metrics: str = ""  # its Prometheus endpoint
 
     @property
     def load(self) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..errors import (
 from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
+from ..transport._metrics import MetricsEndpoint, latency_family, metrics_host
 from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
@@ -97,6 +99,7 @@ class StorageUnit:
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
         self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
         self._beats: asyncio.Task[None] | None = None
+        self.metrics: MetricsEndpoint | None = None
         self._server.sessions.on_gone(self._session_gone)
         s = self._server
         s.route(Hello, self._hello)
@@ -115,6 +118,8 @@ class StorageUnit:
             self.config.controller, name="controller", unavailable=ControllerUnavailableError,
             curve=self._server.curve,  # the cluster's key: only it registers a unit
         )
+        if self.config.metrics_port >= 0 and self.metrics is None:
+            self.metrics = MetricsEndpoint(self._loop, self._families, metrics_host(self.config.bind), self.config.metrics_port)
         await self._register()
         self._beats = self._loop.create_task(self._heartbeats())
 
@@ -128,6 +133,7 @@ class StorageUnit:
                 shm=self.arena.path if self.arena is not None else "",
                 bulk=self.bulk.address if self.bulk is not None else "",
                 name=self.config.name,
+                metrics=self.metrics.url if self.metrics is not None else "",
             ),
             expect=Registered,
         )
@@ -182,7 +188,27 @@ class StorageUnit:
     async def serve(self) -> None:
         await self._server.serve()
 
+    def _families(self) -> Iterator[Any]:
+        """The unit's Prometheus metrics, read on its loop at scrape time: bytes held against
+        its budget, its arena, its partitions, and request latency per message kind."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        unit = [str(self.unit_id)]
+        for name, doc, value in (
+            ("tqueue_unit_stored_bytes", "Payload bytes the unit holds", self.data.resident),
+            ("tqueue_unit_budget_bytes", "The unit's budget (0: none)", self.config.capacity_bytes),
+            ("tqueue_unit_arena_used_bytes", "Bytes of its shared-memory arena in use", self.arena.used if self.arena else 0),
+            ("tqueue_unit_partitions", "Partitions with samples here", len(self.data.partitions)),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["unit"])
+            family.add_metric(unit, value)
+            yield family
+        yield latency_family("tqueue_unit_request_seconds", "Storage unit request latency by message kind", self._server.latency)
+
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._beats is not None:
             self._beats.cancel()
         if self._trim is not None:

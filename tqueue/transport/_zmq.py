@@ -576,6 +576,29 @@ class SendQueues:
         log.warning("%s: peer %s " + what, self.name, ident.hex(), *args)
 
 
+#: request latency buckets (seconds, upper bounds); a parked request counts until answered
+LATENCY_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+
+
+class Latency:
+    """Request latency per message kind: counts per bucket and the sum, as a Prometheus
+    histogram is read (cumulated when exported)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, tuple[list[int], list[float]]] = {}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        entry = self.kinds.get(kind)
+        if entry is None:
+            entry = self.kinds[kind] = ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
+        counts, total = entry
+        i = 0
+        while i < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[i]:
+            i += 1
+        counts[i] += 1
+        total[0] += seconds
+
+
 class Server:
     """A ROUTER socket and the dispatch of its requests to typed handlers.
 
@@ -605,6 +628,7 @@ class Server:
     ) -> None:
         self.queues = SendQueues(name, max_queued_bytes)
         self.sessions = Sessions(heartbeat, name=name, drain=self.drain)
+        self.latency = Latency()  # per message kind, for the metrics endpoint
         self.name = name
         self.max_header = max_header
         self.max_frames = max_frames
@@ -721,16 +745,19 @@ class Server:
                     f"{self.name}: {MAX_IN_FLIGHT} requests of this connection are still in progress; "
                     "wait for their answers"
                 )
+            started = time.perf_counter()
             result = handler(ident, msg, buffers)
         except Exception as exc:  # every failure becomes a typed reply; serving goes on
             self.reply_error(ident, msg.rid, exc)
             return
+        kind = type(msg).__name__
         if inspect.isawaitable(result):
-            task = asyncio.get_running_loop().create_task(self._finish(ident, msg.rid, result))
+            task = asyncio.get_running_loop().create_task(self._finish(ident, msg.rid, result, kind, started))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             self._in_flight[ident] = self._in_flight.get(ident, 0) + 1
         else:
+            self.latency.observe(kind, time.perf_counter() - started)
             self._send_result(ident, msg.rid, result)
 
     def _cancel(self, handler: Handler | None, ident: bytes, msg: Cancel) -> None:
@@ -742,7 +769,7 @@ class Server:
         except Exception:  # nobody to answer: a failed withdrawal is the server's to report
             log.exception("%s: withdrawing request %d failed", self.name, msg.of)
 
-    async def _finish(self, ident: bytes, rid: int, pending: Awaitable[Any]) -> None:
+    async def _finish(self, ident: bytes, rid: int, pending: Awaitable[Any], kind: str, started: float) -> None:
         try:
             result = await pending
         except Exception as exc:  # as in _on_request: a typed reply, never a dead server
@@ -752,6 +779,7 @@ class Server:
             left = self._in_flight.pop(ident, 1) - 1
             if left:
                 self._in_flight[ident] = left
+        self.latency.observe(kind, time.perf_counter() - started)
         self._send_result(ident, rid, result)
 
     def _send_result(self, ident: bytes, rid: int, result: Any) -> None:

@@ -249,6 +249,7 @@ class RegisterUnit(Message):
     shm: str = ""
     bulk: str = ""
     name: str = ""
+    metrics: str = ""  # its Prometheus endpoint, if it serves one
 
 
 class Registered(Message):
@@ -645,6 +646,7 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     alive: bool = True  # false: missed its heartbeats; its samples are lost
     silent: float = 0.0  # seconds since the controller last heard from it
     arena_used: int = 0  # of its shared-memory arena, as of its last heartbeat
+    metrics: str = ""  # its Prometheus endpoint ("": none)
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):
@@ -664,6 +666,7 @@ class StatusReply(Message):
     version: int = 0
     admitted: int = 0
     admission_limit: int = -1
+    metrics: str = ""  # the controller's Prometheus endpoint ("": none)
 
 
 _TYPES: dict[int, type[Message]] = {}

@@ -1,0 +1,76 @@
+"""A Prometheus endpoint for a server (``prometheus_client``'s HTTP server, in its thread).
+
+Metrics are read when scraped, not counted on the hot paths: the scrape asks the server's
+event loop for a snapshot (so it sees one consistent state, never a structure being changed)
+and turns it into metric families. A scrape that the loop does not answer within
+``SCRAPE_TIMEOUT`` fails that scrape, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from ._zmq import LATENCY_BUCKETS, Latency
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT = 10.0
+
+
+class MetricsEndpoint:
+    """Serve ``families()`` (run on ``loop``) at ``http://host:port/metrics``; port 0: the OS
+    picks. ``close()`` stops the HTTP server."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, families: Callable[[], Iterable[Any]], host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._loop = loop
+        self._families = families
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        self._http, self._thread = start_http_server(port, addr=host, registry=registry)
+        bound = self._http.server_address
+        self.url = f"http://{host}:{bound[1]}/metrics"
+
+    def collect(self) -> Iterator[Any]:
+        """Called by prometheus_client in its HTTP thread, once per scrape."""
+
+        async def snapshot() -> list[Any]:
+            return list(self._families())
+
+        future = asyncio.run_coroutine_threadsafe(snapshot(), self._loop)
+        yield from future.result(SCRAPE_TIMEOUT)
+
+    def describe(self) -> list[Any]:
+        return []  # read at scrape time only
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        self._thread.join(timeout=5)
+
+
+def metrics_host(endpoint: str) -> str:
+    """The host a server's metrics bind to: its ZeroMQ endpoint's (``tcp://HOST:PORT``), or
+    loopback for other transports."""
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+        return "0.0.0.0" if host in ("*", "") else host.strip("[]")
+    return "127.0.0.1"
+
+
+def latency_family(name: str, doc: str, latency: Latency) -> Any:
+    """``latency`` as one histogram family, labelled by message kind."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(name, doc, labels=["kind"])
+    for kind, (counts, total) in sorted(latency.kinds.items()):
+        buckets, running = [], 0
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts):
+            running += count
+            buckets.append((bound, running))
+        family.add_metric([kind], buckets, total[0])
+    return family
