@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="end-to-end benchmark against peers (source checkout)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/e2e.py (--help there)")
 
+    st = sub.add_parser("status", help="partitions, tasks, units and waiting calls of a running cluster")
+    st.add_argument("controller", help="the controller's address")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    tp = sub.add_parser("top", help="a live view of the status")
+    tp.add_argument("controller", help="the controller's address")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
+    tp.add_argument("--iterations", type=int, default=0, help="frames to draw (default: until Ctrl-C)")
+
     i = sub.add_parser("ingest", help="HTTP ingestion for rollout fleets that push (docs/ingest.md)")
     i.add_argument("controller", help="the controller's address")
     i.add_argument("--host", default="127.0.0.1", help="HTTP host to bind (default 127.0.0.1)")
@@ -96,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(StorageConfig)}
         run(StorageConfig(**options), watch_stdin=args.watch_stdin)
         return 0
+    if args.command == "status":
+        from .launch._status import status
+
+        return status(args.controller, as_json=args.json)
+    if args.command == "top":
+        from .launch._status import top
+
+        return top(args.controller, interval=args.interval, iterations=args.iterations)
     if args.command == "ingest":
         return _ingest(args)
     if args.command == "demo":
