@@ -32,6 +32,7 @@ LAYERS: dict[str, set[str]] = {
     "demo": BASE | {"wire", "client", "launch", "bridges"},
     "cli": BASE | {"wire", "client", "launch", "demo", "bridges", "controller", "storage"},
     "__main__": {"cli"},
+    "ray": {"launch"},
 }
 
 
