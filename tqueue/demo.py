@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-groups", type=int, default=4, help="prompts the trainer needs per step (default 4)")
     e.add_argument("--engine-group-size", type=int, default=4, help="samples per prompt (default 4)")
     e.add_argument("--over", type=float, default=1.5, help="over-sampling: prompts asked per prompt needed (default 1.5)")
+    e.add_argument("--trainer", choices=["megatron"], help="train with megatron-core DP ranks on gloo (pip install 'tqueue[megatron]')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -221,3 +221,21 @@ def test_the_vllm_example_runs():
     assert "step 0: token versions per sample [(0,)]" in out.stdout
     assert "step 1: stored 8, aborted 0, recycled 0, resumed 4" in out.stdout
     assert "step 1: token versions per sample [(0, 1), (1,)]" in out.stdout
+
+
+def test_the_whole_loop_with_megatron_ranks():
+    """``tqueue demo --engine vllm --trainer megatron``: a real vLLM engine generating through
+    the driver, megatron-core DP ranks on gloo consuming through StepReader and taking a
+    stand-in step, the trainer's version advancing, over-sampling aborting, partials resuming."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tqueue", "demo", "--engine", "vllm", "--trainer", "megatron", "--steps", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trainer: 2 megatron-core data-parallel ranks on gloo, reading through StepReader" in out.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3, out.stdout
+    assert all(r[6] == "16" and r[11] == "OK" for r in rows)  # each step trained on its target, checks passed
+    assert int(rows[0][3]) > 0 and sum(int(r[5]) for r in rows) > 0  # aborted surplus, resumed partials
+    assert int(rows[2][7].split("..")[1]) >= 1  # tokens of advanced versions reach the trainer

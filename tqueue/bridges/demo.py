@@ -35,12 +35,103 @@ def _require_vllm() -> None:
         ) from exc
 
 
+def _require_megatron() -> None:
+    try:
+        from megatron.core import parallel_state  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"tqueue demo --trainer megatron needs megatron-core: pip install 'tqueue[megatron]' ({exc})"
+        ) from exc
+
+
+DP_RANKS = 2
+
+
+async def _megatron_trainer(address: str, driver: Any, steps: int, per_step: int) -> list[dict[str, Any]]:
+    """The trainer as megatron-core data-parallel ranks (processes on gloo), each reading its
+    share of every step through StepReader and taking a stand-in training step; rank 0
+    advances the trainer's version, and the engine is told (the weights are 'published')."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    pipes, procs = [], []
+    for rank in range(DP_RANKS):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_megatron_rank, args=(rank, DP_RANKS, port, address, steps, per_step // DP_RANKS, theirs))
+        proc.start()
+        theirs.close()
+        pipes.append(mine)
+        procs.append(proc)
+    loop = asyncio.get_running_loop()
+    seen = []
+    try:
+        for k in range(steps):
+            started = time.monotonic()
+            got = [await loop.run_in_executor(None, p.recv) for p in pipes]  # each rank's report of step k
+            await driver.set_version(k + 1)  # rank 0 set the trainer's version; the engine now runs it
+            lo = min(g["lo"] for g in got)
+            seen.append({"step": k, "samples": sum(g["samples"] for g in got), "versions": (lo, max(g["hi"] for g in got)),
+                         "mixed": sum(g["mixed"] for g in got), "staleness": k - lo, "wait": time.monotonic() - started,
+                         "ok": all(g["ok"] for g in got) and len({g["micro"] for g in got}) == 1,
+                         "micro": got[0]["micro"], "loss": got[0]["loss"]})
+    finally:
+        for proc in procs:
+            proc.join(timeout=120)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return seen
+
+
+def _megatron_rank(rank: int, world: int, port: int, address: str, steps: int, batch: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ..client import Client
+    from .megatron import StepReader
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        with Client(address) as client:
+            reader = StepReader(client, mode="each")
+            for k in range(steps):
+                step = reader.read(f"rl/step-{k}", ["response_ids", "response_logprobs", "loss_mask"], batch,
+                                   max_tokens_per_micro_batch=512, timeout=600)
+                loss = torch.zeros(1)
+                for mb in step.micro_batches:  # a stand-in training step: the policy-gradient loss's shape
+                    mask = mb["loss_mask"].float()
+                    loss += -(mb["response_logprobs"] * mask).sum() / mask.sum().clamp(min=1)
+                dist.all_reduce(loss, group=ps.get_data_parallel_group())  # as gradients are reduced
+                meta = step.meta
+                versions_lo = [v for v in (meta.versions or []) if v >= 0]
+                versions_hi = [v for v in (meta.versions_max or []) if v >= 0]
+                ok = all(len(a) == len(b) for a, b in zip(step.fields["response_ids"], step.fields["response_logprobs"]))
+                reader.done(step)
+                if rank == 0:
+                    client.set_version(k + 1)
+                out.send({"samples": len(meta), "lo": min(versions_lo, default=0), "hi": max(versions_hi, default=0),
+                          "mixed": sum(1 for a, b in zip(meta.versions or [], meta.versions_max or []) if a != b),
+                          "micro": meta.num_microbatches, "loss": float(loss), "ok": ok})
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def run_engine_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
     if args.engine not in ENGINES:
         print(f"tqueue demo: --engine is one of {list(ENGINES)}, got {args.engine!r}", file=sys.stderr)
         return 2
     _require_vllm()
+    if args.trainer == "megatron":
+        _require_megatron()
     steps = 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="tqueue-demo-") as scratch:
         for key, value in {
@@ -58,14 +149,15 @@ def run_engine_demo(args: argparse.Namespace) -> int:
             AsyncEngineArgs(model=str(model), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
         )
         try:
-            rows = asyncio.run(_main(llm, steps=steps, groups=args.engine_groups, n=args.engine_group_size, over=args.over))
+            rows = asyncio.run(_main(llm, steps=steps, groups=args.engine_groups, n=args.engine_group_size, over=args.over,
+                                     trainer_kind=args.trainer or ""))
         finally:
             llm.shutdown()
     _print(rows)
     return 0 if all(r["ok"] for r in rows) else 1
 
 
-async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float) -> list[dict[str, Any]]:
+async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, trainer_kind: str = "") -> list[dict[str, Any]]:
     from ..client import AsyncClient
     from ..launch import LocalCluster
     from . import Rollouts, VLLMEngine
@@ -110,8 +202,10 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float) -> li
                                  "staleness": k - lo, "ok": ok, "wait": time.monotonic() - started})
                 return seen
 
-            produced, seen = await asyncio.gather(rollout(), train())
-            del produced
+            if trainer_kind == "megatron":
+                seen = (await asyncio.gather(rollout(), _megatron_trainer(cluster.address, driver, steps, groups * n)))[1]
+            else:
+                seen = (await asyncio.gather(rollout(), train()))[1]
     rows = []
     for report, got in zip(reports, seen):
         rows.append({**got, "requests": report.requests, "stored": report.stored, "aborted": report.aborted,
@@ -120,13 +214,19 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float) -> li
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    head = ("step", "requests", "stored", "aborted", "recycled", "resumed", "trained", "token versions",
-            "mixed-version samples", "staleness", "abort took", "result")
+    head: tuple[str, ...] = ("step", "requests", "stored", "aborted", "recycled", "resumed", "trained", "token versions",
+                             "mixed-version samples", "staleness", "abort took", "result")
+    ranks = rows and "micro" in rows[0]
+    if ranks:
+        print(f"trainer: {DP_RANKS} megatron-core data-parallel ranks on gloo, reading through StepReader")
+        head += ("micro-batches per rank", "loss (stand-in)")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for r in rows:
         took = "-" if r["abort_s"] is None else f"{r['abort_s']:.2f} s"
-        cells = (r["step"], r["requests"], r["stored"], r["aborted"], r["recycled"], r["resumed"], r["samples"],
+        cells: tuple[Any, ...] = (r["step"], r["requests"], r["stored"], r["aborted"], r["recycled"], r["resumed"], r["samples"],
                  f"{r['versions'][0]}..{r['versions'][1]}", r["mixed"], r["staleness"], took, "OK" if r["ok"] else "FAILED")
+        if ranks:
+            cells += (r["micro"], f"{r['loss']:.3f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
     sys.stdout.flush()
