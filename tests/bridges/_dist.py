@@ -71,6 +71,8 @@ def rank_main(rank: int, world: int, port: int, address: str, prefix: str, steps
                     "mb_sizes": [len(mb["tag"]) for mb in mbs], "device": str(step.fields["ids"].device),
                     "waited": waited,
                 }
+                # write-back: the replica's first rank updates a computed field (read back by the test)
+                reader.update(step, {"value": torch.arange(len(step.meta), dtype=torch.float32) + 100 * k + step.meta.dp_rank})
                 reader.done(step)
                 out.put(("step", rank, report))
         if layout.get("megatron"):

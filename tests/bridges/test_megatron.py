@@ -23,7 +23,7 @@ def producer(address: str, prefix: str, dp: int):
     def produce(k: int) -> None:
         lengths = (rng.lognormal(3.0, 0.8, dp * BATCH).astype(int) + 1).clip(1, 60).tolist()
         with tqueue.Client(address) as c:
-            c.create_partition(f"{prefix}-{k}", tasks=["train"])
+            c.create_partition(f"{prefix}-{k}", tasks=["train", "check"])  # "check" reads the written-back values
             c.put(f"{prefix}-{k}", {
                 "ids": [torch.arange(n, dtype=torch.int64) + 1000 * k + i for i, n in enumerate(lengths)],
                 "n": torch.tensor(lengths), "tag": [f"s{k}-{i}" for i in range(len(lengths))],
@@ -61,6 +61,7 @@ def check(result: dict, world: int, tp: int, pp: int = 1) -> None:
             assert sorted(i for mb in s["micro"] for i in mb) == list(range(BATCH))
             assert s["mb_sizes"] == [len(mb) for mb in s["micro"]]
             assert all(t.startswith(f"s{k}-") for t in s["tags"])
+
     held = result["held"]
     for rank in result["ready"]:
         wall, cpu = reports[(rank, STEPS - 1)]["waited"]
@@ -68,13 +69,32 @@ def check(result: dict, world: int, tp: int, pp: int = 1) -> None:
         assert cpu < 0.25, f"rank {rank} burnt {cpu:.3f} s of CPU in {wall:.2f} s of waiting"
 
 
+def check_written_back(address: str, prefix: str, result: dict) -> None:
+    """Each replica's first rank wrote ``value`` (its position + 100 step + dp rank) once; a
+    second task reads it. Then every task is done and each sealed step frees itself."""
+    with tqueue.Client(address) as c:
+        for k in range(STEPS):
+            shares = {}
+            for (_rank, step), rep in result["reports"].items():
+                if step == k:
+                    shares[tuple(rep["indexes"])] = rep
+            expected = {}
+            for indexes, rep in shares.items():
+                dp_rank = result["ready"][rep["rank"]][0]
+                expected.update({i: float(pos + 100 * k + dp_rank) for pos, i in enumerate(indexes)})
+            meta = c.get_meta(f"{prefix}-{k}", ["value"], len(expected), task="check", timeout=10)
+            values = c.get_data(meta)["value"].tolist()
+            assert {i: v for i, v in zip(meta.indexes, values)} == expected
+            c.ack(meta)
+        assert not [p.name for p in c.status().partitions if p.name.startswith(prefix)]
+
+
 @pytest.mark.parametrize("mode", ["each", "broadcast"])
 def test_dp2_tp2_ranks_get_disjoint_balanced_shares_and_replicas_identical_bytes(cluster, partition, mode):
     result = run_job(cluster.address, partition, world=4, steps=STEPS, batch=BATCH, mode=mode, layout={"tp": 2},
                      produce=producer(cluster.address, partition, 2))
     check(result, 4, tp=2)
-    with tqueue.Client(cluster.address) as c:  # acked once per replica: each sealed step freed itself
-        assert not [p.name for p in c.status().partitions if p.name.startswith(partition)]
+    check_written_back(cluster.address, partition, result)
 
 
 STAND_IN = """

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import tqueue
-
 from ._dist import run_job
-from .test_megatron import BATCH, STEPS, check, producer
+from .test_megatron import BATCH, STEPS, check, check_written_back, producer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -24,5 +22,4 @@ def test_megatron_parallel_state_layouts(cluster, partition, mode, tp, pp):
     # megatron's own groups: a replica is the ranks of one DP rank (TP x PP), contiguous TP first
     replicas = sorted({tuple(r) for _, r in result["ready"].values()})
     assert replicas == ([(0, 1), (2, 3)] if pp == 1 else [(0, 1, 2, 3)])
-    with tqueue.Client(cluster.address) as c:
-        assert not [p.name for p in c.status().partitions if p.name.startswith(partition)]
+    check_written_back(cluster.address, partition, result)
