@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..errors import EngineError, InvalidArgumentError, SchemaError
 from ._fields import Trajectory
+from ._http import HTTPEngine
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -114,7 +116,7 @@ def _experts(encoded: str, shape: tuple[int, int]) -> np.ndarray:
     return flat.reshape(-1, shape[0], shape[1])
 
 
-class SGLangEngine:
+class SGLangEngine(HTTPEngine):
     """A driver's engine (:class:`~tqueue.bridges.Engine`) over SGLang's HTTP API at ``url``:
     one server, a router, or an opaque fleet behind one endpoint.
 
@@ -138,45 +140,12 @@ class SGLangEngine:
         headers: Mapping[str, str] | None = None,
         timeout: float = 3600.0,
     ) -> None:
-        if abort not in ("request", "close"):
-            raise InvalidArgumentError(f"abort is 'request' or 'close', got {abort!r}")
-        self.url = url.rstrip("/")
+        super().__init__(url, abort=abort, headers=headers, timeout=timeout)
         self.sampling_params = dict(sampling_params or {})
-        self.abort_by = abort
         self.experts_shape = experts_shape
-        self.headers = dict(headers or {})
-        self.timeout = timeout
-        self._session: Any = None
-        self._streams: dict[str, Any] = {}
-        self._closed: set[str] = set()
-
-    def _http(self) -> Any:
-        if self._session is None:
-            import aiohttp
-
-            self._session = aiohttp.ClientSession(
-                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=30)
-            )
-        return self._session
-
-    async def close(self) -> None:
-        """Close the HTTP session (idempotent)."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> SGLangEngine:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
     async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
         """:meth:`tqueue.bridges.Engine.generate`."""
-        import aiohttp
-
-        from ._sse import events
-
         start = trajectory.experts_start
         body: dict[str, Any] = {
             "rid": rid,
@@ -190,32 +159,20 @@ class SGLangEngine:
             body["routed_experts_start_len"] = start
         what = f"SGLang request {rid} at {self.url}"
         last: dict[str, Any] | None = None
-        try:
-            async with self._http().post(f"{self.url}/generate", json=body) as resp:
-                if resp.status != 200:
-                    raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                self._streams[rid] = resp
-                async for event in events(resp.content, what):
-                    if isinstance(event, list):  # n > 1 answers a list; the driver sends n = 1
-                        event = event[0]
-                    if not isinstance(event, dict):
-                        raise EngineError(f"{what}: a streamed event is {type(event).__name__}, not an object")
-                    if "error" in event and "output_ids" not in event:
-                        raise EngineError(f"{what}: {event['error']}")
-                    last = event
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            if rid not in self._closed:
-                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
-        finally:
-            self._streams.pop(rid, None)
-            closed = rid in self._closed
-            self._closed.discard(rid)
-        unfinished = last is None or (last.get("meta_info") or {}).get("finish_reason") is None
-        if unfinished:
+        async with contextlib.aclosing(self.stream(rid, "/generate", body, what)) as stream:
+            async for event in stream:
+                if isinstance(event, list):  # n > 1 answers a list; the driver sends n = 1
+                    event = event[0]
+                if not isinstance(event, dict):
+                    raise EngineError(f"{what}: a streamed event is {type(event).__name__}, not an object")
+                if "error" in event and "output_ids" not in event:
+                    raise EngineError(f"{what}: {event['error']}")
+                last = event
+        closed = self.closed(rid)
+        if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
             if not closed:
                 raise EngineError(f"{what}: the stream ended before the request finished")
             last = _aborted(last)
-        assert last is not None
         from_generate(
             last, trajectory.prompt_ids, trajectory=trajectory, experts_shape=self.experts_shape,
             routed_experts_start_len=start,
@@ -224,11 +181,7 @@ class SGLangEngine:
     async def abort(self, rids: Sequence[str]) -> None:
         """:meth:`tqueue.bridges.Engine.abort`."""
         if self.abort_by == "close":
-            for rid in rids:
-                resp = self._streams.get(rid)
-                if resp is not None:
-                    self._closed.add(rid)
-                    resp.close()
+            self.abort_streams(rids)
             return
         session = self._http()
 

@@ -16,13 +16,15 @@ The objects are read by attribute, so nothing here imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import EngineError, InvalidArgumentError, SchemaError
+from ..errors import EngineError, SchemaError
 from ._fields import Trajectory
+from ._http import HTTPEngine
 
 # "repetition": vLLM stopped a sequence that repeated itself; it ended on the engine's terms
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop"}
@@ -121,7 +123,7 @@ class VLLMEngine:
         await self.llm.update_weight_version(str(version))
 
 
-class VLLMHTTPEngine:
+class VLLMHTTPEngine(HTTPEngine):
     """A driver's engine over vLLM's token-in/token-out HTTP API at ``url``
     (``POST /inference/v1/generate``, vLLM 0.32; ``vllm serve --enable-scale-out``), streamed.
 
@@ -141,45 +143,12 @@ class VLLMHTTPEngine:
         headers: Mapping[str, str] | None = None,
         timeout: float = 3600.0,
     ) -> None:
-        if abort not in ("request", "close"):
-            raise InvalidArgumentError(f"abort is 'request' or 'close', got {abort!r}")
-        self.url = url.rstrip("/")
+        super().__init__(url, abort=abort, headers=headers, timeout=timeout)
         self.sampling = dict(sampling or {})
-        self.abort_by = abort
-        self.headers = dict(headers or {})
-        self.timeout = timeout
-        self._session: Any = None
-        self._streams: dict[str, Any] = {}
-        self._closed: set[str] = set()
         self._server_ids: dict[str, str] = {}  # the server prefixes ids ("generate-tokens-"); aborts name its id
-
-    def _http(self) -> Any:
-        if self._session is None:
-            import aiohttp
-
-            self._session = aiohttp.ClientSession(
-                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=30)
-            )
-        return self._session
-
-    async def close(self) -> None:
-        """Close the HTTP session (idempotent)."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> VLLMHTTPEngine:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
     async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
         """:meth:`tqueue.bridges.Engine.generate`."""
-        import aiohttp
-
-        from ._sse import events
-
         body = {
             "request_id": rid,
             "token_ids": trajectory.prompt_ids + trajectory.response_ids,
@@ -189,39 +158,28 @@ class VLLMHTTPEngine:
         what = f"vLLM request {rid} at {self.url}"
         out = _Streamed()
         try:
-            async with self._http().post(f"{self.url}/inference/v1/generate", json=body) as resp:
-                if resp.status != 200:
-                    raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                self._streams[rid] = resp
-                async for event in events(resp.content, what):
+            async with contextlib.aclosing(self.stream(rid, "/inference/v1/generate", body, what)) as stream:
+                async for event in stream:
                     if isinstance(event, dict) and isinstance(event.get("request_id"), str):
                         self._server_ids.setdefault(rid, event["request_id"])
                     if isinstance(event, dict) and "error" in event:
                         raise EngineError(f"{what}: {event['error']}")
                     out.add(event, what)
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            if rid not in self._closed:
-                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:
-            self._streams.pop(rid, None)
             self._server_ids.pop(rid, None)
-            closed = rid in self._closed
-            self._closed.discard(rid)
         if out.finish_reason is None:
-            if not closed:
+            if not self.closed(rid):
                 raise EngineError(f"{what}: the stream ended before the request finished")
             out.finish_reason = "abort"
+        else:
+            self.closed(rid)
         start = trajectory.experts_start
         from_completion(out, trajectory.prompt_ids, trajectory=trajectory, routed_experts_prompt_start=start)
 
     async def abort(self, rids: Sequence[str]) -> None:
         """:meth:`tqueue.bridges.Engine.abort`."""
         if self.abort_by == "close":
-            for rid in rids:
-                resp = self._streams.get(rid)
-                if resp is not None:
-                    self._closed.add(rid)
-                    resp.close()
+            self.abort_streams(rids)
             return
         # a request not yet streaming has no server id: vLLM 0.32 names it "generate-tokens-" + ours
         ids = [self._server_ids.get(rid, f"generate-tokens-{rid}") for rid in rids]
