@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, port: int, address: str, prefix: str, steps
         else:
             kwargs = {"dp_rank": rank // layout["tp"], "dp_size": world // layout["tp"]}
         with tqueue.Client(address) as client:
-            reader = StepReader(client, mode=mode, **kwargs)
+            reader = StepReader(client, mode=mode, lease_timeout=300.0, **kwargs)
             out.put(("ready", rank, reader.layout.dp_rank, reader.layout.replica))
             for k in range(steps):
                 wall, cpu = time.monotonic(), time.process_time()
@@ -71,6 +71,7 @@ def rank_main(rank: int, world: int, port: int, address: str, prefix: str, steps
                     "mb_sizes": [len(mb["tag"]) for mb in mbs], "device": str(step.fields["ids"].device),
                     "waited": waited,
                 }
+                reader.renew(step)  # a long step keeps its lease
                 # write-back: the replica's first rank updates a computed field (read back by the test)
                 reader.update(step, {"value": torch.arange(len(step.meta), dtype=torch.float32) + 100 * k + step.meta.dp_rank})
                 reader.done(step)

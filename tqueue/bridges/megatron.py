@@ -160,6 +160,8 @@ class StepReader:
     ``client``: a :class:`tqueue.Client` of this process. ``mode``: ``"each"`` or
     ``"broadcast"``. ``device``: where tensors go (default: :func:`pick_device`). ``dp_rank``
     and ``dp_size``: without Megatron's ``parallel_state``. ``task``: the consumer task name.
+    ``lease_timeout``: a step not acked (or renewed) in time goes back to the task, for
+    another rank to take if this one died (default: never).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class StepReader:
         device: str | torch.device | None = None,
         dp_rank: int | None = None,
         dp_size: int | None = None,
+        lease_timeout: float = math.inf,
     ) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode is one of {list(MODES)}, got {mode!r}")
@@ -180,6 +183,7 @@ class StepReader:
         self.device = pick_device(device)
         self.backend = backend_for(self.device)
         self.layout = layout(dp_rank, dp_size, backend=self.backend)
+        self.lease_timeout = lease_timeout
         self.steps = 0
 
     @property
@@ -206,7 +210,7 @@ class StepReader:
         the same partitions in the same order."""
         ask = dict(task=self.task, timeout=timeout, policy=policy, dp_rank=self.layout.dp_rank,
                    dp_size=self.layout.dp_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                   balance_by=balance_by, lease_timeout=math.inf)
+                   balance_by=balance_by, lease_timeout=self.lease_timeout)
         if self.mode == "each" or self.layout.group is None:
             meta = self.client.get_meta(partition, fields, batch_size, **ask)
             values = dict(self.client.get_data(meta, jagged=jagged))
@@ -229,6 +233,12 @@ class StepReader:
             dist.barrier(group=self.layout.group)
         if self.is_src:
             self.client.ack(step.meta)
+
+    def renew(self, step: Step, lease_timeout: float | None = None) -> None:
+        """Keep the step's lease for ``lease_timeout`` (default: the reader's) from now, for a
+        step that trains longer than the lease; the replica's first rank renews."""
+        if self.is_src:
+            self.client.renew(step.meta, lease_timeout=self.lease_timeout if lease_timeout is None else lease_timeout)
 
     def update(self, step: Step, data: Mapping[str, Any]) -> None:
         """Write computed fields back (values, reference log-probs): one value per sample of
