@@ -331,3 +331,41 @@ def test_a_body_of_another_type_gets_415(cluster, partition):
         assert status == 422, answer
 
     run(main, cluster.address)
+
+
+def test_tqueue_ingest_from_a_shell(cluster, partition, tmp_path):
+    """``tqueue ingest ADDR --token-file F``: serves until SIGTERM, then exits cleanly; a token
+    is required unless --no-auth."""
+    import signal
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "tqueue", "ingest", cluster.address], capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in __import__("os").environ.items() if k != "TQUEUE_INGEST_TOKEN"})
+    assert refused.returncode == 2 and "give a bearer token (--token-file, or $TQUEUE_INGEST_TOKEN), or --no-auth" in refused.stderr
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tqueue", "ingest", cluster.address, "--port", "0", "--token-file", str(token)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("tqueue ingest: serving http://127.0.0.1:"), line
+        url = line.split()[3]
+
+        async def main():
+            async with aiohttp.ClientSession(url, headers=AUTH) as session:
+                status, answer, _ = await post(session, partition, token_record("cli/0", [1, 2], 3, 0, 1.0))
+                assert status == 200 and answer["accepted"][0]["status"] == "ok"
+
+        asyncio.run(main())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    with tqueue.Client(cluster.address) as c:
+        assert c.get_data(partition, ["key"], 1, task="t", timeout=10)["key"] == ["cli/0"]
