@@ -7,22 +7,25 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tqueue.launch._serve import READY
 
 
+def _ready_address(line: str) -> str:
+    assert line.startswith(READY), line
+    return json.loads(line[len(READY) :])["address"]
+
+
 @contextlib.contextmanager
-def server(*args: str) -> Iterator[str]:
-    """``tqueue ARGS`` as a process; its address once it says it is ready. Leaving the block
-    normally sends SIGTERM and requires a clean exit (rc 0); the process is killed by pid if
-    it is still there."""
+def server(*args: str, ready: Callable[[str], str] = _ready_address) -> Iterator[str]:
+    """``tqueue ARGS`` as a process; what ``ready`` reads from its first line (by default the
+    address of a server saying it is ready). Leaving the block normally sends SIGTERM and
+    requires a clean exit (rc 0); the process is killed by pid if it is still there."""
     proc = subprocess.Popen([sys.executable, "-m", "tqueue", *args], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith(READY), line
-        yield json.loads(line[len(READY) :])["address"]
+        yield ready(proc.stdout.readline().decode())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -104,8 +104,16 @@ def run_job(address: str, prefix: str, *, world: int, steps: int, batch: int, mo
                 ready[rank] = rest
             else:
                 reports[(rank, rest[0]["step"])] = rest[0]
-        # every rank has acked step steps - 2 and is now waiting for the last one: hold it back
-        # a measured second, then produce it
+        # handshake: the controller reports every reader parked on the last step (in broadcast
+        # mode the replicas' first ranks; the others wait in the broadcast)
+        import tqueue
+        from tests.faults._proc import until
+
+        readers = world if mode == "each" else len({tuple(r[1]) for r in ready.values()})
+        last = f"{prefix}-{steps - 1}"
+        with tqueue.Client(address) as c:
+            until(lambda: sum(w.partition == last for w in c.status().waiting) >= readers, 60, "the readers parked")
+        # then hold the step back for the interval whose CPU the ranks measure (not a wait for anything)
         held = 1.0
         time.sleep(held)
         produce(steps - 1)

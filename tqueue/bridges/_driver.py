@@ -82,7 +82,6 @@ class _Partial:
     meta: BatchMeta
     trajectory: Trajectory
     group: GroupId
-    rid: str
     budget: int  # max_new_tokens of the whole trajectory
 
 
@@ -186,20 +185,20 @@ class _Step:
         if self.running:
             await self.d.engine.abort(sorted(self.running))
 
-    async def call(self, traj: Trajectory, budget: int) -> str:
-        """One engine call on ``traj``; continues calls the engine aborted by itself."""
-        for attempt in range(self.d.retries + 1):
+    async def call(self, traj: Trajectory, budget: int) -> None:
+        """Engine calls on ``traj`` until it ends: continues the calls the engine aborted by
+        itself (not at a seal), ``retries`` times at most."""
+        for _ in range(self.d.retries + 1):
+            if self.sealed_at is not None:  # sealed before it started: nothing to run
+                return
             rid = self.d.rid()
             self.running.add(rid)
             try:
-                if self.sealed_at is not None:  # sealed before it started: nothing to run
-                    return rid
                 await self.d.engine.generate(rid, traj, budget - len(traj.response_ids))
             finally:
                 self.running.discard(rid)
-            if traj.finish != "abort" or self.sealed_at is not None or attempt == self.d.retries:
-                return rid
-        return rid
+            if traj.finish != "abort":
+                return
 
     def ended(self, traj: Trajectory) -> None:
         if traj.finish == "abort" and self.sealed_at is not None:
@@ -209,14 +208,14 @@ class _Step:
 
     async def fresh(self, prompt: list[int], group: GroupId, budget: int) -> None:
         traj = Trajectory(prompt_ids=prompt)
-        rid = await self.call(traj, budget)
+        await self.call(traj, budget)
         self.ended(traj)
         fields = traj.fields()
         if self.d.extra is not None and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
         meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version)
-        self.fate(meta, _Partial(meta, traj, group, rid, budget))
+        self.fate(meta, _Partial(meta, traj, group, budget))
 
     async def resume(self, p: _Partial) -> None:
         traj = p.trajectory

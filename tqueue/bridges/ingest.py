@@ -48,6 +48,7 @@ from .sglang import from_generate
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
+OFF_LOOP_BYTES = 1 << 20
 Extra = float | str | list[float]
 _DTYPES = {"int32": np.int32, "uint8": np.uint8, "uint16": np.uint16}
 
@@ -195,18 +196,11 @@ class Ingest:
     async def _post(self, request: web.Request) -> web.Response:
         partition = request.match_info["partition"]
         kind = request.content_type if request.headers.get("Content-Type") else ""
-        records = self._decode(await request.read(), kind)
-        samples, groups, versions = [], [], []
-        for i, record in enumerate(records):
-            fields, version = self._sample(partition, i, record)
-            samples.append(fields)
-            groups.append(record.group)
-            versions.append(version)
-        given = [v for v in versions if v is not None]
-        if given and len(given) != len(versions):
-            i = versions.index(None)
-            raise _Refused(422, f"record {i} (key {records[i].key!r}) has no version while others of the body do: "
-                                "give version or version_spans", record=i, key=records[i].key, field=f"records[{i}].version")
+        body = await request.read()
+        if len(body) > OFF_LOOP_BYTES:  # a large body is decoded beside the loop, which serves others meanwhile
+            records, samples, groups, given = await asyncio.to_thread(self._validate, partition, body, kind)
+        else:
+            records, samples, groups, given = self._validate(partition, body, kind)
         keys = self._reserve(partition, records)
         # the put runs to its end even if the poster leaves: its keys' fate is then known
         put = asyncio.ensure_future(self.client.put(partition, samples, groups=groups, version=given or None, timeout=0))
@@ -225,6 +219,23 @@ class Ingest:
             for r, ix, fate in zip(records, indexes, fates)
         ]
         return web.json_response({"accepted": accepted})
+
+    def _validate(self, partition: str, body: bytes, kind: str) -> tuple[list[Record], list[dict[str, Any]], list[Any], list[int]]:
+        """The body's records, each as the fields of one sample, with groups and versions
+        (all or none given); a bad one refuses the whole body."""
+        records = self._decode(body, kind)
+        samples, groups, versions = [], [], []
+        for i, record in enumerate(records):
+            fields, version = self._sample(partition, i, record)
+            samples.append(fields)
+            groups.append(record.group)
+            versions.append(version)
+        given = [v for v in versions if v is not None]
+        if given and len(given) != len(versions):
+            i = versions.index(None)
+            raise _Refused(422, f"record {i} (key {records[i].key!r}) has no version while others of the body do: "
+                                "give version or version_spans", record=i, key=records[i].key, field=f"records[{i}].version")
+        return records, samples, groups, given
 
     def _decode(self, body: bytes, content_type: str) -> list[Record]:
         if content_type not in (MSGPACK, "application/json"):

@@ -26,8 +26,9 @@ from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableErr
 from ..transport import _zmq
 from ..wire import Message
 from ._policies import Policy
+from ._records import GrantRecord, Unit
 from ._rounds import RoundBook
-from ._state import GrantRecord, Options, Partition, Unit
+from ._state import Options, Partition
 
 log = logging.getLogger(__name__)
 

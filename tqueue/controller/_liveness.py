@@ -29,7 +29,7 @@ from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import Heartbeat, HeartbeatReply, Registered, RegisterUnit, UnitInfo
 from ._cleanup import Cleanup
 from ._core import ControllerState
-from ._state import Unit
+from ._records import Unit
 from ._writes import Writes
 
 log = logging.getLogger(__name__)

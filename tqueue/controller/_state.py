@@ -1,4 +1,5 @@
-"""Controller metadata, free of IO: partitions, their fields, samples, groups and tasks.
+"""Controller metadata, free of IO: partitions, their fields, samples, groups and tasks
+(the records of units and grants in flight are in :mod:`._records`).
 
 Per-sample state is kept in numpy arrays so a scan for ready samples is vectorised and a
 partition of a million samples costs tens of megabytes, not a dict entry per sample.
@@ -9,7 +10,6 @@ partial (an unfinished rollout: stored, not served until completed).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
@@ -17,7 +17,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError, SchemaError, UnknownFieldError
-from ..wire import FieldBlock, FieldSpec, GroupId, UnitInfo
+from ..wire import FieldBlock, FieldSpec, GroupId
+from ._records import GrantRecord
 
 COMMITTED = np.uint64(1 << 63)
 EXCLUDED = np.uint64(1 << 62)
@@ -40,26 +41,6 @@ def _grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
     out = np.full(cap, fill, dtype=arr.dtype)
     out[: len(arr)] = arr
     return out
-
-
-@dataclasses.dataclass
-class Unit:
-    info: UnitInfo
-    capacity: int = 0  # bytes the unit may hold; 0: no limit
-    nbytes: int = 0  # stored, as the unit last reported
-    reserved: int = 0  # granted to writes not yet committed
-    name: str = ""  # its identity: registering again under it gives the same unit id
-    alive: bool = True  # false once it missed its heartbeats: its samples are lost
-    heard: float = 0.0  # loop time of its last heartbeat
-    arena_used: int = 0  # as its last heartbeat said
-    metrics: str = ""  # its Prometheus endpoint
-
-    @property
-    def load(self) -> int:
-        return self.nbytes + self.reserved
-
-    def fits(self, nbytes: int) -> bool:
-        return not self.capacity or self.load + nbytes <= self.capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,31 +87,6 @@ class TaskState:
     def ensure(self, cap: int) -> None:
         self.state = _grow(self.state, cap)
         self.lease = _grow(self.lease, cap)
-
-
-@dataclasses.dataclass
-class GrantRecord:
-    grant_id: int
-    partition_uid: int
-    unit_id: int
-    start: int
-    count: int
-    indexes: np.ndarray | None
-    fields: frozenset[str]
-    nbytes: int = 0
-    partial: bool = False
-    complete: bool = False
-    segment: tuple[int, int] | None = None
-    kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
-    admitted: int = 0  # staleness admission it took, given back if it never commits
-    owner: bytes = b""  # the client session that asked for it (freed when that session ends)
-    timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
-
-    def stop_timer(self) -> None:
-        """The grant ended (committed, lapsed, cancelled, its partition gone)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
 
 
 @dataclasses.dataclass

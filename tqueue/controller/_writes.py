@@ -19,7 +19,8 @@ from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullErr
 from ..transport._liveness import session_of
 from ..wire import Admission, Commit, Grant, Granted, Ok, Reserve, SetVersion
 from ._core import MAX_SERVED, ControllerState, ParkedWrite
-from ._state import GrantRecord, Partition, Unit
+from ._records import GrantRecord, Unit
+from ._state import Partition
 
 # A put's bytes must be committed within this long after its grant, else the grant lapses
 # (a producer that died between grant and store) and the partition can be freed.

@@ -26,6 +26,30 @@ _UNIT_OPTIONS = {f.name for f in dataclasses.fields(StorageConfig)} - {"controll
 _CONTROLLER_OPTIONS = {f.name for f in dataclasses.fields(ControllerConfig)} - {"bind"}
 
 
+def unit_flags(storage: Mapping[str, Any] | None) -> list[str]:
+    """``tqueue storage-unit`` flags for :class:`~tqueue.config.StorageConfig` options."""
+    out: list[str] = []
+    for key, value in (storage or {}).items():
+        if key not in _UNIT_OPTIONS:
+            raise ValueError(f"unknown storage option {key!r}; known: {sorted(_UNIT_OPTIONS)}")
+        out += ["--" + key.replace("_", "-"), str(value)]
+    return out
+
+
+def controller_flags(controller: Mapping[str, Any] | None) -> list[str]:
+    """``tqueue controller`` flags for :class:`~tqueue.config.ControllerConfig` options."""
+    out: list[str] = []
+    for key, value in (controller or {}).items():
+        if key == "policies":
+            for spec in value:
+                out += ["--policy", spec]
+        elif key in _CONTROLLER_OPTIONS:
+            out += ["--" + key.replace("_", "-"), str(value)]
+        else:
+            raise ValueError(f"unknown controller option {key!r}; known: {sorted(_CONTROLLER_OPTIONS)}")
+    return out
+
+
 class LocalCluster:
     """Start a controller and ``num_storage_units`` units on ``host`` with OS-chosen ports.
 
@@ -62,22 +86,8 @@ class LocalCluster:
         if unit_hosts is not None and len(unit_hosts) != num_storage_units:
             raise ValueError(f"unit_hosts names {len(unit_hosts)} hosts for {num_storage_units} units")
         self.unit_hosts = list(unit_hosts) if unit_hosts is not None else None
-        self.unit_args: list[str] = []
-        for key, value in (storage or {}).items():
-            if key not in _UNIT_OPTIONS:
-                raise ValueError(f"unknown storage option {key!r}; known: {sorted(_UNIT_OPTIONS)}")
-            self.unit_args += ["--" + key.replace("_", "-"), str(value)]
-        self.controller_args: list[str] = []
-        for key, value in (controller or {}).items():
-            if key == "capacity_bytes":
-                self.controller_args += ["--capacity-bytes", str(value)]
-            elif key == "policies":
-                for spec in value:
-                    self.controller_args += ["--policy", spec]
-            elif key in _CONTROLLER_OPTIONS:
-                self.controller_args += ["--" + key.replace("_", "-"), str(value)]
-            else:
-                raise ValueError(f"unknown controller option {key!r}; known: {sorted(_CONTROLLER_OPTIONS)}")
+        self.unit_args = unit_flags(storage)
+        self.controller_args = controller_flags(controller)
         self.num_storage_units = num_storage_units
         self.host = host
         self.start_timeout = start_timeout

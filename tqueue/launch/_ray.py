@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._local import controller_flags, unit_flags
 from ._serve import READY
 
 INSTALL = "pip install 'tqueue[ray]'"
@@ -90,13 +91,6 @@ class RayCluster:
         self.stop()
 
 
-def _flags(options: Mapping[str, Any] | None) -> list[str]:
-    out: list[str] = []
-    for key, value in (options or {}).items():
-        out += ["--" + key.replace("_", "-"), str(value)]
-    return out
-
-
 def start(
     num_storage_units: int = 2,
     *,
@@ -128,7 +122,7 @@ def start(
         ctl_opts: dict[str, Any] = {"name": f"{name}-controller"}
         if controller_resources:
             ctl_opts["resources"] = dict(controller_resources)
-        ctl = remote.options(**ctl_opts).remote(["controller", *_flags(controller)], bind_host)
+        ctl = remote.options(**ctl_opts).remote(["controller", *controller_flags(controller)], bind_host)
         actors.append(ctl)
         ctl_facts = ray.get(ctl.info.remote(), timeout=120)
         address = ctl_facts["address"]
@@ -146,7 +140,7 @@ def start(
                           for i in range(num_storage_units)]
         units = []
         for i, strategy in enumerate(strategies):
-            args = ["storage-unit", "--controller", address, "--name", f"{name}-unit-{i}", *_flags(storage)]
+            args = ["storage-unit", "--controller", address, "--name", f"{name}-unit-{i}", *unit_flags(storage)]
             actor = remote.options(name=f"{name}-unit-{i}", scheduling_strategy=strategy).remote(args, bind_host)
             actors.append(actor)
             units.append(actor)

@@ -9,15 +9,34 @@ and turns it into metric families. A scrape that the loop does not answer within
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._zmq import LATENCY_BUCKETS, Latency
-
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT = 10.0
+
+
+#: request latency buckets (seconds, upper bounds); a parked request counts until answered
+LATENCY_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+
+
+class Latency:
+    """Request latency per message kind, kept by a server: counts per bucket and the sum, as
+    a Prometheus histogram is read (cumulated when exported)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, tuple[list[int], list[float]]] = {}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        entry = self.kinds.get(kind)
+        if entry is None:
+            entry = self.kinds[kind] = ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
+        counts, total = entry
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        total[0] += seconds
 
 
 class MetricsEndpoint:

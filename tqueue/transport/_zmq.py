@@ -42,6 +42,7 @@ from . import _auth
 from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
 from ._liveness import HEARTBEAT_INTERVAL, Sessions, window
+from ._metrics import Latency
 
 log = logging.getLogger(__name__)
 
@@ -574,29 +575,6 @@ class SendQueues:
             self._logged.clear()
         self._logged.add(key)
         log.warning("%s: peer %s " + what, self.name, ident.hex(), *args)
-
-
-#: request latency buckets (seconds, upper bounds); a parked request counts until answered
-LATENCY_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
-
-
-class Latency:
-    """Request latency per message kind: counts per bucket and the sum, as a Prometheus
-    histogram is read (cumulated when exported)."""
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, tuple[list[int], list[float]]] = {}
-
-    def observe(self, kind: str, seconds: float) -> None:
-        entry = self.kinds.get(kind)
-        if entry is None:
-            entry = self.kinds[kind] = ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
-        counts, total = entry
-        i = 0
-        while i < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[i]:
-            i += 1
-        counts[i] += 1
-        total[0] += seconds
 
 
 class Server:

@@ -1,0 +1,56 @@
+"""Controller records of the cluster, free of IO: the storage units it knows and the grants
+it gave that are not committed yet (partition state is in :mod:`._state`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+
+from ..wire import UnitInfo
+
+
+@dataclasses.dataclass
+class Unit:
+    info: UnitInfo
+    capacity: int = 0  # bytes the unit may hold; 0: no limit
+    nbytes: int = 0  # stored, as the unit last reported
+    reserved: int = 0  # granted to writes not yet committed
+    name: str = ""  # its identity: registering again under it gives the same unit id
+    alive: bool = True  # false once it missed its heartbeats: its samples are lost
+    heard: float = 0.0  # loop time of its last heartbeat
+    arena_used: int = 0  # as its last heartbeat said
+    metrics: str = ""  # its Prometheus endpoint
+
+    @property
+    def load(self) -> int:
+        return self.nbytes + self.reserved
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.capacity or self.load + nbytes <= self.capacity
+
+
+@dataclasses.dataclass
+class GrantRecord:
+    grant_id: int
+    partition_uid: int
+    unit_id: int
+    start: int
+    count: int
+    indexes: np.ndarray | None
+    fields: frozenset[str]
+    nbytes: int = 0
+    partial: bool = False
+    complete: bool = False
+    segment: tuple[int, int] | None = None
+    kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
+    admitted: int = 0  # staleness admission it took, given back if it never commits
+    owner: bytes = b""  # the client session that asked for it (freed when that session ends)
+    timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
+
+    def stop_timer(self) -> None:
+        """The grant ended (committed, lapsed, cancelled, its partition gone)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
