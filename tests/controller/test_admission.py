@@ -149,3 +149,66 @@ def test_a_put_larger_than_the_staleness_window_waits_for_the_trainer(cluster, p
                 await trainer.set_staleness(None)
 
     asyncio.run(main())
+
+
+def test_puts_of_later_steps_never_hold_back_the_step_the_trainer_reads(cluster, client, partition):
+    """The four-put repro of the demo's deadlock: with the bound counted across steps, puts
+    to steps 1 and 2 spent the window and the trainer's own step 0 could not fill. Per step,
+    step v + k + 1 waits for the trainer and step v is never held back."""
+    before = client.status()
+    v = before.version
+    step = [f"{partition}/step-{v + i}" for i in range(3)]
+    client.set_staleness(max_staleness=1, batch_size=4)
+    try:
+        for name in (step[0], step[1], step[1]):
+            client.put(name, {"x": torch.arange(2)}, version=v, timeout=0)
+        with pytest.raises(WaitTimeoutError, match=rf"partition '{step[2]}' \(step {v + 2}\) wait for the trainer.*admitted at version {v + 1}"):
+            client.put(step[2], {"x": torch.arange(2)}, version=v, timeout=0)
+        client.put(step[0], {"x": torch.arange(2)}, version=v, timeout=0)  # the trainer's step: at once
+        meta = client.get_meta(step[0], ["x"], 4, task="actor", timeout=5)
+        assert sorted(meta.indexes) == [0, 1, 2, 3]
+        client.ack(meta)
+        client.set_version(v + 1)
+        client.put(step[2], {"x": torch.arange(2)}, version=v + 1, timeout=0)  # admitted now
+        assert client.status().admitted == before.admitted  # steps take no share of the running total
+    finally:
+        client.set_staleness(None)
+
+
+def test_a_partition_named_freely_takes_its_step_from_create_partition(cluster, client, partition):
+    v = client.status().version
+    client.create_partition(partition, step=v + 2)
+    client.set_staleness(max_staleness=0, batch_size=1)
+    try:
+        with pytest.raises(WaitTimeoutError, match=rf"'{partition}' \(step {v + 2}\).*admitted at version {v + 2}"):
+            client.put(partition, {"x": torch.arange(3)}, timeout=0)
+        client.set_version(v + 2)
+        client.put(partition, {"x": torch.arange(3)}, timeout=0)
+    finally:
+        client.set_staleness(None)
+    with pytest.raises(tqueue.errors.InvalidArgumentError, match="step must be >= 0"):
+        client.create_partition(partition + "-bad", step=-3)
+
+
+def test_a_put_a_parked_consumer_needs_is_admitted_past_the_running_total(cluster, partition):
+    """Partitions without a step share AReaL's running total; a consumer parked on one of
+    them still gets the puts it waits for, whatever other partitions spent."""
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as producer, tqueue.AsyncClient(cluster.address) as trainer:
+            await trainer.set_staleness(max_staleness=0, batch_size=2)
+            try:
+                status = await trainer.status()
+                room = status.admission_limit - status.admitted
+                if room > 0:
+                    await producer.put(partition + "-other", {"x": torch.arange(room)}, timeout=0)
+                blocked = await parked(producer.put(partition, {"x": torch.arange(2)}, timeout=60))
+                status = await producer.status()  # same connection as the put: ordered after it
+                assert [w.kind for w in status.waiting] == ["put"]
+                meta = await trainer.get_meta(partition, ["x"], 2, task="actor", timeout=10)
+                assert sorted(meta.indexes) == [0, 1]
+                assert len(await asyncio.wait_for(blocked, 10)) == 2
+            finally:
+                await trainer.set_staleness(None)
+
+    asyncio.run(main())

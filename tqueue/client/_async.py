@@ -84,6 +84,7 @@ class AsyncClient:
         target_groups: int = 0,
         recycle_to: str = "",
         prefetch: str = "",
+        step: int | None = None,
     ) -> None:
         """Create ``partition`` now, with options; otherwise its first put creates it.
 
@@ -98,7 +99,12 @@ class AsyncClient:
         are discarded, or with ``recycle_to`` stored there as partial samples.
         ``prefetch``: a consumer short of samples here, once this partition is sealed and
         drained, takes ready samples from that (later) partition; they count as taken there.
+        ``step``: the trainer version that reads this partition, for the staleness bound
+        (:meth:`set_staleness`); None takes it from a name ending in ``step-N`` (``step_N``,
+        ``stepN``), else the partition has no step.
         """
+        if step is not None and step < 0:
+            raise InvalidArgumentError(f"partition {partition!r}: step must be >= 0 or None, got {step}")
         if on_member_failure not in MEMBER_FAILURES:  # the wire would refuse it less kindly
             raise InvalidArgumentError(f"on_member_failure is one of {list(MEMBER_FAILURES)}, got {on_member_failure!r}")
         ctl = await self._conns.ctl()
@@ -114,6 +120,7 @@ class AsyncClient:
                 target_groups=target_groups,
                 recycle_to=recycle_to,
                 prefetch=prefetch,
+                step=-1 if step is None else step,
             ),
             expect=Ok,
         )
@@ -361,9 +368,15 @@ class AsyncClient:
         await self._lifecycle.set_version(version)
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
-        """Bound how far producers run ahead of the trainer, AReaL-style: at most
-        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight; puts
-        and ``reserve`` beyond that wait for ``set_version``. None lifts the bound."""
+        """Bound how far producers run ahead of the trainer, AReaL-style; None lifts the bound.
+
+        A partition of step ``s`` (``create_partition(step=s)``, or a name ending in
+        ``step-s``) is read by the trainer at version ``s``: puts to it are admitted while
+        ``s <= version + max_staleness`` and wait for ``set_version`` beyond that; samples of
+        other steps never hold them back. Partitions without a step share a running total of
+        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight, which
+        ``reserve`` draws on too. A put to a partition that a consumer is parked on is admitted
+        at once: the bound never holds back what the trainer is waiting for."""
         await self._lifecycle.set_staleness(max_staleness, batch_size)
 
     async def reserve(self, count: int, *, timeout: float | None = None) -> None:

@@ -116,6 +116,7 @@ class Client:
         target_groups: int = 0,
         recycle_to: str = "",
         prefetch: str = "",
+        step: int | None = None,
     ) -> None:
         """Sync twin of :meth:`AsyncClient.create_partition`."""
         self._run(
@@ -130,6 +131,7 @@ class Client:
                 target_groups=target_groups,
                 recycle_to=recycle_to,
                 prefetch=prefetch,
+                step=step,
             )
         )
 

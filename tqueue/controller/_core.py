@@ -28,7 +28,7 @@ from ..wire import Message
 from ._policies import Policy
 from ._records import GrantRecord, Unit
 from ._rounds import RoundBook
-from ._state import Options, Partition
+from ._state import Options, Partition, step_in
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,11 @@ class ControllerState:
             self.by_uid[part.uid] = part
             log.info("partition %r created (uid %d)", name, part.uid)
         return part
+
+    def step_of(self, name: str) -> int:
+        """The step of partition ``name`` (NO_STEP: none), whether or not it exists yet."""
+        part = self.partitions.get(name)
+        return part.step if part is not None else step_in(name)
 
     def check_new(self, name: str) -> None:
         """Refuse a partition of this name before anything is recorded for it."""

@@ -31,10 +31,18 @@ Prefetch = Callable[[Partition, GetMeta, int, np.uint64, "int | None"], bool]
 class Reads:
     """Serves, parks and wakes ``get_meta``; owns nothing but what ``state`` holds."""
 
-    def __init__(self, state: ControllerState, *, free: Callable[[Partition], None], prefetch: Prefetch) -> None:
+    def __init__(
+        self,
+        state: ControllerState,
+        *,
+        free: Callable[[Partition], None],
+        prefetch: Prefetch,
+        needed: Callable[[str], None],
+    ) -> None:
         self.s = state
         self._free = free  # free a partition if every task consumed it
         self._prefetch = prefetch
+        self._needed = needed  # a consumer parked on this partition: its puts are admitted
 
     def get_meta(self, ident: bytes, msg: GetMeta, bufs: list[Any]) -> Meta | None:
         _check_get(msg)
@@ -49,6 +57,7 @@ class Reads:
         if msg.timeout is not None:
             waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)
         self.s.waiters.setdefault(msg.partition, []).append(waiter)
+        self._needed(msg.partition)
         return None
 
     def _remember(self, ident: bytes, msg: GetMeta, served: Meta, principal: str) -> None:

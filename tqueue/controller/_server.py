@@ -88,7 +88,7 @@ class Controller:
         self.s = ControllerState(self.config, self._server, load_policies(self.config.policies))
         # the parts call each other only through these few bound methods
         self.cleanup = Cleanup(self.s, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
-        self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch)
+        self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
         self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed)
         self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
@@ -160,6 +160,9 @@ class Controller:
     def _retry_parked(self) -> None:
         self.writes.retry_parked()
 
+    def _needed(self, partition: str) -> None:
+        self.writes.needed(partition)
+
     def _prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
         return self.moves.prefetch(part, msg, count, mask, min_version)
 
@@ -216,6 +219,7 @@ class Controller:
                 target_groups=msg.target_groups,
                 recycle_to=msg.recycle_to,
                 prefetch=msg.prefetch,
+                step=msg.step,
             ),
         )
         return Ok()

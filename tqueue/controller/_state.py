@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -32,6 +33,15 @@ NO_VERSION = -1
 AVAILABLE, LEASED, CONSUMED, REFUSED = 0, 1, 2, 3
 
 FAILURE_POLICIES = ("drop_group", "mask_member")
+NO_STEP = -1
+_STEP_NAME = re.compile(r"(?:^|[/._:-])step[-_]?(\d{1,18})$")
+
+
+def step_in(name: str) -> int:
+    """The training step a partition's name carries (``train/step-17``, ``step_3``), else
+    NO_STEP: the step whose batch the trainer reads at that version (see ``Options.step``)."""
+    found = _STEP_NAME.search(name)
+    return int(found.group(1)) if found else NO_STEP
 
 
 def _grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
@@ -57,6 +67,8 @@ class Options:
     samples (or whole groups) are complete, and aborts the surplus. ``recycle_to``: puts that
     arrive after the seal go to that partition as partial samples instead of being discarded.
     ``prefetch``: a consumer short of samples here may take ready ones from that partition.
+    ``step``: the trainer's version at which it reads this partition, for the staleness
+    bound (NO_STEP: taken from a name ending in ``step-N``, else none).
     """
 
     fields: frozenset[str] | None = None
@@ -68,6 +80,7 @@ class Options:
     target_groups: int = 0
     recycle_to: str = ""
     prefetch: str = ""
+    step: int = NO_STEP
 
 
 class TaskState:
@@ -165,6 +178,7 @@ class Partition:
         self.name = name
         self.uid = uid
         self.options = options or Options()
+        self.step = self.options.step if self.options.step != NO_STEP else step_in(name)
         self.max_samples = max_samples
         self.max_tasks = max_tasks
         self.specs: dict[str, FieldSpec] = {}

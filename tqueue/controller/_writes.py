@@ -20,7 +20,7 @@ from ..transport._liveness import session_of
 from ..wire import Admission, Commit, Grant, Granted, Ok, Reserve, SetVersion
 from ._core import MAX_SERVED, ControllerState, ParkedWrite
 from ._records import GrantRecord, Unit
-from ._state import Partition
+from ._state import NO_STEP, Partition
 
 # A put's bytes must be committed within this long after its grant, else the grant lapses
 # (a producer that died between grant and store) and the partition can be freed.
@@ -243,25 +243,49 @@ class Writes:
         return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
     def _admit(self, count: int, partition: str) -> int:
-        """AReaL-style staleness admission: raise _Wait if ``count`` more samples would put
-        producers more than ``max_staleness`` versions ahead of the trainer.
+        """AReaL-style staleness admission: raise _Wait if ``count`` more samples to
+        ``partition`` would put producers more than ``max_staleness`` versions ahead of the
+        trainer; return how many samples it counts in the running total.
 
-        The bound is on the running total, so a put larger than the window
-        (``(max_staleness + 1) * batch_size``) is not refused: it waits until the trainer's
-        version makes room for all of it, as smaller puts do."""
+        A partition with a step (``Options.step``, or a name ending in ``step-N``) is read by
+        the trainer at version ``step``: puts to it are admitted while ``step <= version +
+        max_staleness``, and samples of later steps never hold them back. A put to a partition
+        without a step counts in a running total of ``(version + max_staleness + 1) *
+        batch_size`` samples; one larger than that window is not refused: it waits until the
+        trainer's version makes room for all of it. Either way a put to a partition that a
+        consumer is parked on is admitted at once: the trainer needs it now, and holding it
+        back could only deadlock the trainer."""
         if self.s.admission is None or count <= 0:
             return 0
         k, batch = self.s.admission
-        limit = (self.s.version + k + 1) * batch
-        if self.s.admitted + count > limit:
+        version = self.s.version
+        step = self.s.step_of(partition)
+        awaited = partition in self.s.waiters
+        if step != NO_STEP:
+            if step <= version + k or awaited:
+                return 0
+            raise _Wait(
+                f"{count} samples for partition {partition!r} (step {step}) wait for the trainer: "
+                f"producers may run {k} steps ahead of trainer version {version} (max_staleness {k}), "
+                f"so step {step} is admitted at version {step - k}",
+                full=False,
+            )
+        limit = (version + k + 1) * batch
+        if self.s.admitted + count > limit and not awaited:
             raise _Wait(
                 f"{count} samples for partition {partition!r} wait for the trainer: "
                 f"{self.s.admitted} samples admitted of {limit} allowed (trainer version "
-                f"{self.s.version}, max_staleness {k}, batch_size {batch})",
+                f"{version}, max_staleness {k}, batch_size {batch})",
                 full=False,  # never "never": the limit grows with each version, so any put fits in time
             )
         self.s.admitted += count
         return count
+
+    def needed(self, partition: str) -> None:
+        """A consumer parked on ``partition``: puts to it that wait for the trainer's
+        version are admitted now (see ``_admit``)."""
+        if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.s.parked):
+            self.s.loop.call_soon(self.retry_parked)  # after the parking request's handler
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever

@@ -277,6 +277,7 @@ class CreatePartition(Message):
     target_groups: int = 0  # ... or this many whole groups
     recycle_to: str = ""  # late puts go there as partial samples instead of being discarded
     prefetch: str = ""  # a consumer short of samples may take ready ones from this partition
+    step: int = -1  # the trainer version that reads it, for the staleness bound (-1: from a name ending in step-N)
 
 
 class Grant(Message):
