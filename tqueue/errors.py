@@ -20,6 +20,9 @@
     │       └── DataLostError           samples whose storage unit is gone
     ├── PermissionDeniedError           (also PermissionError) another role's message, or
     │                                   another client's lease or hold
+    ├── AuthenticationError             (also PermissionError) a server refused this peer's
+    │                                   CurveZMQ handshake: keys missing, not admitted, or
+    │                                   another cluster's
     └── RemoteError                     a server failed on a well-formed request
 
 Servers never raise into their loop: a bad request becomes an error reply carrying a
@@ -29,8 +32,12 @@ place, :func:`from_code`.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "CODES",
+    "AuthenticationError",
     "ControllerUnavailableError",
     "DataLostError",
     "FieldTypeError",
@@ -148,6 +155,15 @@ class PermissionDeniedError(TQueueError, PermissionError):
     code = "permission_denied"
 
 
+class AuthenticationError(TQueueError, PermissionError):
+    """A server refused this peer's CurveZMQ handshake, so nothing it sends arrives: its key
+    is not on the cluster's allow-list, it has no keys where the cluster requires them (or
+    keys where the cluster has none), or its ``cluster.key`` is another cluster's. The
+    message names the address and what to check. Retrying with the same keys cannot help."""
+
+    code = "authentication"
+
+
 class ForkedClientError(TQueueError, RuntimeError):
     """A client was used in a process forked from the one that made it (a DataLoader worker,
     say): its sockets and threads belong to the parent. Make a client in the child."""
@@ -186,6 +202,7 @@ CODES: dict[str, type[TQueueError]] = {
         StorageUnitUnavailableError,
         DataLostError,
         PermissionDeniedError,
+        AuthenticationError,
         ForkedClientError,
         EngineError,
         RemoteError,
@@ -197,3 +214,9 @@ def from_code(code: str, message: str) -> TQueueError:
     """The exception for an error reply's ``code``; unknown codes become :class:`RemoteError`."""
     cls = CODES.get(code, RemoteError)
     return cls(message)
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``known`` to ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

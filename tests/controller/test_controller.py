@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -91,6 +92,44 @@ def test_declared_partition_refuses_unknown_fields_at_once(client, partition):
         client.get_meta(partition, ["prompt", "rewrds"], 1, task="t", timeout=30)
     with pytest.raises(UnknownFieldError, match=r"field 'other' is not declared .* \['prompt', 'response'\]"):
         client.put(partition, {"prompt": ["p"], "other": [1]})
+
+
+def test_a_field_no_sample_of_a_sealed_partition_has_fails_at_once_with_the_near_miss(client, partition):
+    client.put(partition, {"reward": torch.zeros(3), "x": torch.zeros(3)})
+    client.seal(partition)
+    started = time.monotonic()
+    with pytest.raises(UnknownFieldError, match=rf"no sample of partition '{partition}' has field 'rewards'.*did you mean 'reward'\?"):
+        client.get_meta(partition, ["x", "rewards"], 1, task="t", timeout=60)
+    assert time.monotonic() - started < 5
+    meta = client.get_meta(partition, ["x", "reward"], 3, task="t", timeout=5)
+    with pytest.raises(UnknownFieldError, match=r"field 'rewrd' is not in the schema .*did you mean 'reward'\?"):
+        client.get_data(meta, ["rewrd"])
+
+
+def test_a_reader_parked_on_a_field_learns_at_the_seal_that_it_cannot_come(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as consumer, tqueue.AsyncClient(cluster.address) as producer:
+            await producer.put(partition, {"x": torch.zeros(2)})
+            reader = await started(consumer.get_meta(partition, ["x", "y"], 2, task="t", timeout=60))
+            assert [w.partition for w in (await consumer.status()).waiting] == [partition]
+            await producer.seal(partition)
+            with pytest.raises(UnknownFieldError, match=rf"partition '{partition}' has field 'y'"):
+                await asyncio.wait_for(reader, 10)
+
+    asyncio.run(main())
+
+
+def test_a_field_an_update_may_still_write_is_waited_for(client, partition):
+    """A sealed partition that declares its fields waits for one no sample has yet (a later
+    task's update writes it); one being written by an update in flight waits too."""
+    client.create_partition(partition, fields=["x", "adv"])
+    client.put(partition, {"x": torch.zeros(2)})
+    client.seal(partition)
+    with pytest.raises(WaitTimeoutError, match=r"fields never written to it: \['adv'\]"):
+        client.get_meta(partition, ["x", "adv"], 2, task="t", timeout=0.2)
+    meta = client.get_meta(partition, ["x"], 2, task="reward", timeout=5)
+    client.update(meta, {"adv": torch.ones(2)})
+    assert client.get_meta(partition, ["x", "adv"], 2, task="t", timeout=5).indexes == [0, 1]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,14 @@ import numpy as np
 import torch
 
 from .._memory import BufferPool
-from ..errors import DataLostError, InvalidArgumentError, ProtocolError, StorageUnitUnavailableError, UnknownFieldError
+from ..errors import (
+    DataLostError,
+    InvalidArgumentError,
+    ProtocolError,
+    StorageUnitUnavailableError,
+    UnknownFieldError,
+    did_you_mean,
+)
 from ..transport import _bulk, _zmq
 from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok, Renew
 from ..wire._layout import int_dtype, itemsize, nbytes
@@ -131,7 +138,7 @@ class Gets:
             if f not in meta.schema:
                 raise UnknownFieldError(
                     f"field {f!r} is not in the schema of this meta of partition "
-                    f"{meta.partition!r}; known: {sorted(meta.schema)}"
+                    f"{meta.partition!r}{did_you_mean(f, meta.schema)} (known: {sorted(meta.schema)})"
                 )
         return await self._fetch(meta, want, options)
 

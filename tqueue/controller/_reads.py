@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, PermissionDeniedError, WaitTimeoutError
+from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._core import MAX_SERVED, ControllerState, Lease, Waiter
 from ._policies import BUILT_IN, Candidates, check
@@ -80,6 +80,7 @@ class Reads:
             raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.s.policies)}")
         mask, missing = part.field_mask(msg.fields)
         if missing:
+            self._check_can_come(part, missing)
             return None
         task = part.task(msg.task)
         min_version = None if msg.max_staleness is None else self.s.version - msg.max_staleness
@@ -98,6 +99,26 @@ class Reads:
             if not msg.dp_size and not task.leased:  # nothing left, nothing to come back: the end
                 return np.zeros(0, dtype=np.int64)
         return None
+
+    def _check_can_come(self, part: Partition, missing: list[str]) -> None:
+        """Raise UnknownFieldError for a field that no sample of ``part`` has and none can
+        get: the partition is sealed, does not declare its fields, and no put or update in
+        flight writes it. (A partition that declares its fields waits for them: a later
+        update may write them.)"""
+        if not part.sealed or part.declared is not None:
+            return
+        writing: set[str] = set()
+        for grant in self.s.grants.values():
+            if grant.partition_uid == part.uid:
+                writing |= grant.fields
+        for name in missing:
+            if name not in writing:
+                raise UnknownFieldError(
+                    f"no sample of partition {part.name!r} has field {name!r} and none can: the partition "
+                    f"is sealed and no update writes it{did_you_mean(name, part.specs)} (fields: "
+                    f"{sorted(part.specs)}; a partition that declares its fields, create_partition(fields=...), "
+                    f"waits for a field that a later update writes)"
+                )
 
     def try_serve(self, msg: GetMeta) -> Meta | None:
         part = self.s.partitions.get(msg.partition)
@@ -302,7 +323,7 @@ class Reads:
         mask, missing = part.field_mask(msg.fields)
         if missing:
             ready = 0
-            note = f"; fields never written to it: {missing} (known: {sorted(part.specs)})"
+            note = f"; fields never written to it: {missing}{did_you_mean(missing[0], part.specs)} (known: {sorted(part.specs)})"
         else:
             ready = part.count_ready(part.tasks.get(msg.task), mask)
             note = ""

@@ -367,6 +367,7 @@ class Writes:
         if part is not None:
             part.forget(grant)
             self._free(part)
+            self.s.loop.call_soon(self._committed, part, False)  # its readers may learn a field will not come
         self.retry_parked()
 
     def lapse_owned(self, session: bytes, why: str) -> int:
