@@ -4,7 +4,9 @@ polling) and then either proceed or fail with a typed error that says why."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -212,3 +214,58 @@ def test_a_put_a_parked_consumer_needs_is_admitted_past_the_running_total(cluste
                 await trainer.set_staleness(None)
 
     asyncio.run(main())
+
+
+class _Warnings(logging.Handler):
+    """Collects the client's warnings of a wait that may never end; ``event`` is set once
+    ``want`` of them arrived."""
+
+    def __init__(self, want: int) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+        self.want = want
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "may never end" not in record.getMessage():
+            return
+        self.texts.append(record.getMessage())
+        if len(self.texts) >= self.want:
+            self.event.set()
+
+
+def test_a_put_waiting_for_memory_and_a_read_waiting_for_it_are_both_warned(partition):
+    """The put waits for memory, the read waits for the put: each caller is told (a Notice
+    on its parked request, logged as a warning by the async and the blocking client alike),
+    and both go on when memory is freed."""
+    warnings = _Warnings(want=2)
+    logger = logging.getLogger("tqueue")
+    logger.addHandler(warnings)
+    storage = {"capacity_bytes": 4 << 20}
+    try:
+        with tqueue.LocalCluster(num_storage_units=1, storage=storage, controller={"cycle_notice": 0.3}) as cluster:
+            with tqueue.Client(cluster.address) as trainer:
+                got: list = []
+                reader = threading.Thread(
+                    target=lambda: got.append(trainer.get_meta(partition, ["x"], 8, task="actor", timeout=60))
+                )
+
+                async def main():
+                    async with tqueue.AsyncClient(cluster.address) as producer:
+                        await producer.put(f"{partition}-held", mib(3))
+                        blocked = await parked(producer.put(partition, mib(2), timeout=60))
+                        assert [w.kind for w in (await producer.status()).waiting] == ["put"]
+                        reader.start()
+                        assert await asyncio.to_thread(warnings.event.wait, 20)
+                        await producer.clear(f"{partition}-held")
+                        return await asyncio.wait_for(blocked, 10)
+
+                meta = asyncio.run(main())
+                reader.join(10)
+                assert len(meta) == 8 and len(got) == 1 and sorted(got[0].indexes) == list(range(8))
+    finally:
+        logger.removeHandler(warnings)
+    assert len(warnings.texts) == 2
+    for text in warnings.texts:
+        assert f"a wait that may never end: get_meta of task(s) ['actor'] on partition '{partition}'" in text
+        assert "fits on no storage unit" in text

@@ -70,6 +70,7 @@ class ParkedWrite:
     reason: str = ""
     full: bool = False  # waiting for memory (else for admission)
     timer: asyncio.TimerHandle | None = None
+    cycle: asyncio.TimerHandle | None = None  # a reader waits for it: warn both if it lasts
 
 
 class ControllerState:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Admission, Commit, Grant, Granted, Ok, Reserve, SetVersion
+from ..wire import Admission, Commit, Grant, Granted, Notice, Ok, Reserve, SetVersion
 from ._core import MAX_SERVED, ControllerState, ParkedWrite
 from ._records import GrantRecord, Unit
 from ._state import NO_STEP, Partition
@@ -283,9 +283,39 @@ class Writes:
 
     def needed(self, partition: str) -> None:
         """A consumer parked on ``partition``: puts to it that wait for the trainer's
-        version are admitted now (see ``_admit``)."""
+        version are admitted now (see ``_admit``); those that wait for memory are watched."""
         if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.s.parked):
             self.s.loop.call_soon(self.retry_parked)  # after the parking request's handler
+        self.watch(partition)
+
+    def watch(self, partition: str) -> None:
+        """A put parked for memory and a read parked for that put's partition wait on each
+        other: unless the memory is freed elsewhere (another task's acks, a clear) neither
+        ends before its timeout. If both still wait after ``cycle_notice`` seconds, each
+        caller is warned with a ``Notice`` (and the controller logs it once)."""
+        delay = self.s.config.cycle_notice
+        if delay <= 0 or partition not in self.s.waiters:
+            return
+        for parked in self.s.parked:
+            if parked.full and parked.cycle is None and isinstance(parked.req, Grant) and parked.req.partition == partition:
+                parked.cycle = self.s.loop.call_later(delay, self._notice_cycle, parked)
+
+    def _notice_cycle(self, parked: ParkedWrite) -> None:
+        partition = parked.req.partition
+        readers = self.s.waiters.get(partition, [])
+        if parked not in self.s.parked or not parked.full or not readers:
+            parked.cycle = None  # the cycle broke; a new reader watches again
+            return
+        tasks = sorted({w.req.task for w in readers})
+        text = (
+            f"a wait that may never end: get_meta of task(s) {tasks} on partition {partition!r} waits for "
+            f"samples that a put of {parked.req.count} parked at the controller would bring, and that put waits "
+            f"for memory ({parked.reason}); only acks of other partitions, or a clear, free memory for it"
+        )
+        log.warning("%s", text)
+        self.s.server.reply(parked.ident, parked.req.rid, Notice(text=text))
+        for reader in readers:
+            self.s.server.reply(reader.ident, reader.req.rid, Notice(text=text))
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
@@ -296,6 +326,8 @@ class Writes:
         if not math.isinf(timeout):
             parked.timer = self.s.loop.call_later(timeout, self._expire_parked, parked)
         self.s.parked.append(parked)
+        if isinstance(msg, Grant):
+            self.watch(msg.partition)
 
     def _expire_parked(self, parked: ParkedWrite) -> None:
         if parked in self.s.parked:

@@ -25,7 +25,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples
+PROTOCOL_VERSION = 4  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -80,6 +80,7 @@ class Kind(enum.IntEnum):
     BYE = 39
     HEARTBEAT = 40
     HEARTBEAT_REPLY = 41
+    NOTICE = 42
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -524,6 +525,14 @@ class Ping(Message):
 
 class Pong(Message):
     KIND = Kind.PONG
+
+
+class Notice(Message):
+    """Word on request ``rid`` while it stays parked (a wait that may never end, and why); not
+    its reply: the request goes on waiting. The client logs it as a warning."""
+
+    KIND = Kind.NOTICE
+    text: str
 
 
 class Bye(Message):
