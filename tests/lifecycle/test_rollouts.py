@@ -243,6 +243,7 @@ def test_a_put_crossing_the_target_is_told_which_samples_are_kept(client, partit
     second = client.put(partition, {"x": torch.arange(5, 10)})
     assert (first.status, first.fates) == ("ok", None)
     assert (second.status, second.fates) == ("trimmed", ["ok"] * 3 + ["aborted"] * 2)
+    assert (first.sealed, second.sealed) == (False, True)  # the put that sealed it says so
     st = status(client, partition)
     assert (st.ready, st.sealed, st.reasons) == (8, True, {"over target": 2})
     meta = client.get_meta(partition, ["x"], 8, task="t", timeout=5)
@@ -257,6 +258,7 @@ def test_concurrent_producers_are_told_ok_exactly_for_the_samples_served(cluster
             metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}) for i in range(16)))
             ok = sorted(i for m in metas if m.status == "ok" for i in m.indexes)
             assert [m.status for m in metas].count("aborted") == 8
+            assert any(m.sealed for m in metas if m.status == "ok")  # the last commit sealed it
             served = await c.get_meta(partition, ["x"], 8, task="t", timeout=5)
             assert sorted(served.indexes) == ok and len(ok) == 8
 
@@ -308,3 +310,17 @@ def test_completing_partials_takes_places_of_the_target_and_is_refused_once_it_i
     assert batch["resp"][0].tolist() == [0, 1, 2, 8]  # the refused tokens were not written
     batch = client.get_data(partition, ["resp"], 2, task="train", timeout=5)
     assert sorted(r.tolist() for r in batch["resp"]) == [[0, 1, 2, 3], [0, 1, 7]]
+
+
+@pytest.mark.parametrize(
+    "shm, rows",
+    [(False, 1), (True, 1), (False, 1 << 19)],  # inline frames; the arena; a bulk stream (16 MiB)
+    ids=["socket", "arena", "bulk"],
+)
+def test_a_put_that_reaches_the_target_exactly_returns_sealed(cluster, partition, shm, rows):
+    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0)
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.create_partition(partition, target=4)
+        meta = c.put(partition, {"x": torch.ones(4, rows, dtype=torch.float64)})
+        assert (meta.status, meta.sealed) == ("ok", True)
+        assert c.put(partition, {"x": torch.arange(1)}).sealed

@@ -83,7 +83,7 @@ class Puts:
             )
         assert reply.unit is not None
         where = reply.partition or partition
-        await self._store(reply.unit, where, reply, enc, None)
+        stored = await self._store(reply.unit, where, reply, enc, None)
         trimmed = 0 <= reply.kept < enc.count
         fates: list[SampleFate] | None = None
         if trimmed:  # the target was reached inside this put: the first ``kept`` samples count
@@ -98,16 +98,16 @@ class Puts:
             groups=group_ids,
             versions=versions,
             status="trimmed" if trimmed else reply.status,
-            sealed=reply.sealed,
+            sealed=reply.sealed or stored.sealed,
             recycled_to=where if reply.status == "recycled" else "",
             fates=fates,
         )
 
-    async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
+    async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> Stored:
         """Store one put's bytes on its unit; a unit that went silent is named with the
         partition and the samples the put would have written."""
         try:
-            await self._store_on(unit, partition, grant, enc, indexes)
+            return await self._store_on(unit, partition, grant, enc, indexes)
         except StorageUnitUnavailableError as exc:
             samples = indexes if indexes is not None else list(range(grant.start, grant.start + enc.count))
             raise type(exc)(
@@ -115,7 +115,9 @@ class Puts:
                 f"{unit.unit_id} at {unit.address}: {exc}"
             ) from exc
 
-    async def _store_on(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> None:
+    async def _store_on(
+        self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None
+    ) -> Stored:
         peer = self._conns.connect_unit(unit)
         store = Store(
             grant_id=grant.grant_id,
@@ -136,32 +138,36 @@ class Puts:
             store.blocks = enc.blocks
         buffers: Sequence[Any] | None = enc.buffers
         copied = enc.copied
+        stored: Stored | None = None
         if placed is not None:
             store.blocks, store.shm, store.region = placed
             buffers = ()
             copied += enc.nbytes
         elif bulk and enc.nbytes >= PUT_BULK_MIN_BYTES:
             try:
-                sent = await self._store_bulk(unit.unit_id, peer, store, enc)
+                stored = await self._store_bulk(unit.unit_id, peer, store, enc)
             except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
                 enc = pack(wide, self.config.chunk_bytes, self._pool.take)
                 store.blocks, store.bulk = enc.blocks, None
-                sent = await self._store_bulk(unit.unit_id, peer, store, enc)
-            if sent:
+                stored = await self._store_bulk(unit.unit_id, peer, store, enc)
+            if stored is not None:
                 buffers = None
         if buffers is not None and enc.deferred:
             enc = pack(wide, self.config.chunk_bytes, self._pool.take)  # inline after all
             store.blocks, buffers, copied = enc.blocks, enc.buffers, enc.copied
         if buffers is not None:
-            await peer.request(store, buffers, expect=Stored)
+            stored, _ = await peer.request(store, buffers, expect=Stored)
+        assert stored is not None  # by the bulk stream or the request just made
         self.stats.puts += 1
         self.stats.put_bytes += logical
         self.stats.wire_bytes += enc.nbytes
         self.stats.copied_bytes += copied
+        return stored
 
-    async def _store_bulk(self, unit_id: int, peer: _zmq.Peer, store: Store, enc: Encoded) -> bool:
+    async def _store_bulk(self, unit_id: int, peer: _zmq.Peer, store: Store, enc: Encoded) -> Stored | None:
         """Send a put's frames over bulk streams (two lanes at once when big) while the
-        ``Store`` goes on ZeroMQ; False if no stream could be opened (send inline instead)."""
+        ``Store`` goes on ZeroMQ: the unit's reply, or None if no stream could be opened
+        (send inline instead)."""
         lane_min = _connections.LANE_MIN_BYTES
         want = self.config.bulk_lanes if enc.nbytes >= lane_min * self.config.bulk_lanes else 1
         counts = split_lanes([b.cost if isinstance(b, Narrowing) else nbytes(b) for b in enc.buffers], max(1, want))
@@ -173,7 +179,7 @@ class Puts:
             streams.append(st)
         if len(streams) < len(counts):
             self._conns.streams.setdefault(unit_id, []).extend(streams)
-            return False
+            return None
         store.bulk = [(st.token, n) for st, n in zip(streams, counts)]
         limit = self.config.request_timeout
         reply: asyncio.Future[Any] = asyncio.ensure_future(peer.request(store, expect=Stored))
@@ -204,7 +210,7 @@ class Puts:
                 task.add_done_callback(_consume)
             raise
         self._conns.streams.setdefault(unit_id, []).extend(streams)
-        return True
+        return reply.result()[0]
 
     async def _into_arena(
         self, peer: _zmq.Peer, arena: ArenaMap, enc: Encoded

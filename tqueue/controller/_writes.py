@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Admission, Commit, Grant, Granted, Notice, Ok, Reserve, SetVersion
+from ..wire import Admission, Commit, Committed, Grant, Granted, Notice, Ok, Reserve, SetVersion
 from ._core import MAX_SERVED, ControllerState, ParkedWrite
 from ._records import GrantRecord, Unit
 from ._state import NO_STEP, Partition
@@ -173,7 +173,7 @@ class Writes:
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
-    def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Ok:
+    def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Committed:
         grant = self.s.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
@@ -205,7 +205,7 @@ class Writes:
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
         self.s.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
-        return Ok()
+        return Committed(sealed=part.sealed)
 
     def _place(self, msg: Grant) -> Unit:
         """A unit on the producer's host with room, the least loaded among those."""

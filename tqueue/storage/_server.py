@@ -37,6 +37,7 @@ from ..wire import (
     Allocated,
     Cancel,
     Commit,
+    Committed,
     Drop,
     Dropped,
     Fetch,
@@ -260,7 +261,7 @@ class StorageUnit:
             part = self.data.partitions[msg.partition_uid]
             assert self._controller is not None
             try:
-                await self._controller.request(
+                committed, _ = await self._controller.request(
                     Commit(
                         grant_id=msg.grant_id,
                         unit_id=self.unit_id,
@@ -269,7 +270,7 @@ class StorageUnit:
                         partition_bytes=part.nbytes,
                         unit_bytes=self.data.resident,
                     ),
-                    expect=Ok,
+                    expect=Committed,
                 )
             except BaseException:
                 pending.rollback()
@@ -279,7 +280,7 @@ class StorageUnit:
             if region is not None:
                 assert self.arena is not None
                 self.arena.decref(region)  # the allocation's own reference
-        return Stored(nbytes=nbytes)
+        return Stored(nbytes=nbytes, sealed=committed.sealed)
 
     async def _read_bulk(self, msg: Store, raw: list[Any]) -> list[Any]:
         """Receive a put's frames from the writer's bulk streams, the lanes at once, into

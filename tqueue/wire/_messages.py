@@ -81,6 +81,7 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 40
     HEARTBEAT_REPLY = 41
     NOTICE = 42
+    COMMITTED = 43
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -361,6 +362,15 @@ class Store(Message):
 class Stored(Message):
     KIND = Kind.STORED
     nbytes: int
+    sealed: bool = False  # the controller sealed the partition when this write committed
+
+
+class Committed(Message):
+    """The controller recorded a ``Commit``; ``sealed``: the partition is sealed now (this
+    write may be the one that reached its target)."""
+
+    KIND = Kind.COMMITTED
+    sealed: bool = False
 
 
 class Commit(Message):
