@@ -175,6 +175,25 @@ def test_a_consumer_that_dies_parked_is_leased_nothing(child):
         print(f"parked consumer SIGKILL: its get_meta withdrawn after {withdrawn:.2f} s")
 
 
+def test_samples_put_inside_a_dead_consumers_liveness_window_are_not_leased_to_it(child):
+    """The race just inside the liveness window: the consumer is SIGKILLed while parked, and
+    samples come before the controller has missed its heartbeats. They are served to the
+    dead consumer's parked request, whose reply cannot be delivered: its lease is released
+    at once, not at its expiry (lease_timeout, 600 s by default)."""
+    with cluster(heartbeat_interval=5.0) as c, c.client() as client:  # a window of 15 s
+        consumer = child("park", c.address)
+        until(lambda: waiting(client, "get_meta") == 1, 60, "the consumer's get_meta parked")
+        t0 = kill(consumer)
+        put = client.put("empty", {"x": torch.arange(8.0).reshape(4, 2)})
+        meta = client.get_meta("empty", ["x"], 4, task="t", timeout=10)
+        served = time.monotonic() - t0
+        assert sorted(meta.indexes) == sorted(put.indexes)
+        assert served < HEARTBEAT_LIVENESS * 5.0  # inside the dead consumer's liveness window
+        status = {p.name: p for p in client.status().partitions}["empty"]
+        assert status.tasks["t"].expired == 4  # once, taken back from the dead consumer
+        print(f"parked consumer SIGKILL, put at once: a live consumer served after {served:.2f} s")
+
+
 def test_a_consumer_killed_mid_stream_leaves_the_unit_as_it_was(child):
     """The unit is writing a 96 MiB batch on a bulk stream its reader stopped reading."""
     with cluster() as c, c.client() as client:

@@ -36,10 +36,13 @@ from ..wire import (
     Fail,
     GetMeta,
     Grant,
+    Granted,
     Heartbeat,
     HeartbeatReply,
     Hello,
     HelloReply,
+    Message,
+    Meta,
     Ok,
     PartitionStatus,
     Postpone,
@@ -92,6 +95,7 @@ class Controller:
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
         self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed)
         self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
+        self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
             (RegisterUnit, self._register_unit),
@@ -162,6 +166,16 @@ class Controller:
 
     def _needed(self, partition: str) -> None:
         self.writes.needed(partition)
+
+    def _undelivered(self, ident: bytes, reply: Message) -> None:
+        """A reply that never reached its caller (gone, or too far behind in reading) gives
+        back what it handed out: a get_meta's lease (its samples go to a live caller now,
+        not at the lease's expiry) and a put's grant. A DP round's share stays: the rank's
+        tensor-parallel peers hold the same meta, and a restarted rank asks for it again."""
+        if isinstance(reply, Meta) and reply.meta.lease and not reply.meta.dp_size:
+            self.reads.expire_lease(reply.meta.lease, "was never delivered (its caller is gone)")
+        elif isinstance(reply, Granted) and reply.grant_id:
+            self.writes.lapse(reply.grant_id, "was never delivered (its caller is gone)")
 
     def _prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
         return self.moves.prefetch(part, msg, count, mask, min_version)

@@ -402,6 +402,10 @@ class Writes:
             self.s.loop.call_soon(self._committed, part, False)  # its readers may learn a field will not come
         self.retry_parked()
 
+    def lapse(self, grant_id: int, why: str) -> None:
+        """Drop an uncommitted grant now (its memory, admission and target places return)."""
+        self._lapse_grant(grant_id, why)
+
     def lapse_owned(self, session: bytes, why: str) -> int:
         """Lapse every uncommitted grant of a client session that ended."""
         owned = [g.grant_id for g in self.s.grants.values() if g.owner == session and g.indexes is None]
