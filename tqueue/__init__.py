@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
+    AuthenticationError,
     ControllerUnavailableError,
     DataLostError,
     EngineError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationError",
     "Batch",
     "BatchMeta",
     "Client",

@@ -18,6 +18,7 @@ import torch
 from .._memory import BufferPool
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
+from ..transport._connect import endpoint
 from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
 from ._batch import Batch, JaggedAs, Options
@@ -32,15 +33,21 @@ __all__ = ["AsyncClient", "ClientStats"]
 class AsyncClient:
     """Talks to a tqueue cluster from inside an asyncio program.
 
-    Connects lazily on first use. Flow control and the rollout lifecycle (``seal``,
-    ``fail``, ``reserve``, ``set_version``, ``complete``, ``postpone``...) come from
-    :class:`~tqueue.client._lifecycle.Lifecycle`. Every call has a timeout: ``request_timeout`` from the
+    ``address``: the controller's, ``tcp://host:port`` (or ``host:port``); anything else
+    raises :class:`~tqueue.errors.InvalidArgumentError`. Connects lazily on first use: where
+    nothing answers at the address the connect fails within seconds
+    (:class:`~tqueue.errors.ControllerUnavailableError`), and a refused CurveZMQ handshake
+    raises :class:`~tqueue.errors.AuthenticationError`.
+
+    Flow control and the rollout lifecycle (``seal``, ``fail``, ``reserve``, ``set_version``,
+    ``complete``, ``postpone``...) come from :class:`~tqueue.client._lifecycle.Lifecycle`.
+    Every call has a timeout: ``request_timeout`` from the
     config bounds how long a server may take to answer; ``get_meta`` additionally waits
     up to its own ``timeout`` for samples to become ready.
     """
 
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
-        self.address = address
+        self.address = address = endpoint(address)
         self.config = config or ClientConfig.from_env()
         self.stats = ClientStats()
         if self.config.pin_memory and not torch.cuda.is_available():
@@ -63,7 +70,11 @@ class AsyncClient:
         await self._conns.close()
 
     async def __aenter__(self) -> AsyncClient:
-        await self.connect()
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()  # the with block never runs, so its exit never would
+            raise
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -92,6 +92,7 @@ class Connections:
                 timeout=self.config.request_timeout,
                 routing_id=self.session.routing_id(),
                 curve=self.curve,
+                watch=True,  # nothing listening, or a refused handshake, fails the Hello at once
             )
             try:
                 reply, _ = await peer.request(

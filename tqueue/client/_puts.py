@@ -4,7 +4,9 @@ unit's arena) and updates of stored samples."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from ._encode import Encoded, encode, pack, sample_count
 # stream saves no copy there, and its two thread hand-offs cost 1.5-2.5 ms a put (a 1 MB put:
 # 8.4 against 5.9 ms here); from about 8 MiB up the parallel lanes win (34 MB: 26 against 34 ms).
 PUT_BULK_MIN_BYTES = 8 << 20
+log = logging.getLogger(__name__)
 LANE_GRACE = 2.0  # seconds to wait for a unit's reason after it closed a put's stream
 
 
@@ -57,33 +60,42 @@ class Puts:
         versions = _versions(version, enc.count, partition)
         wait = _wait(timeout, self.config.put_timeout)
         reserved = min(self.reserved, enc.count)
-        ctl = await self._conns.ctl()
-        reply, _ = await ctl.request(
-            Grant(
-                partition=partition,
-                count=enc.count,
-                blocks=enc.grant_blocks(),
-                host=self._conns.host,
-                groups=group_ids,
-                nbytes=enc.nbytes,
-                versions=versions,
-                timeout=None if math.isinf(wait) else wait,
-                reserved=reserved,
-                partial=partial,
-            ),
-            timeout=wait + self.config.request_timeout,  # math.inf: no limit
-            expect=Granted,
+        grant = Grant(
+            partition=partition, count=enc.count, blocks=enc.grant_blocks(), host=self._conns.host,
+            groups=group_ids, nbytes=enc.nbytes, versions=versions, reserved=reserved, partial=partial,
         )
-        self.reserved -= reserved
-        fields = [b.name for b in enc.blocks]
-        if reply.status == "aborted":
-            return BatchMeta(
-                partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],
-                fields=fields, schema={}, status="aborted", sealed=reply.sealed,
-            )
+        deadline = time.monotonic() + wait  # math.inf: none
+        first: Granted | None = None  # a grant replaced after its unit failed was already stored
+        left = wait
+        while True:
+            grant.timeout = None if math.isinf(left) else left
+            ctl = await self._conns.ctl()
+            reply, _ = await ctl.request(grant, timeout=left + self.config.request_timeout, expect=Granted)
+            self.reserved -= reserved
+            reserved = 0  # the reservation stays with the write when it is placed again
+            if reply.stored and first is not None:
+                reply, stored = first, Stored(nbytes=enc.nbytes)
+                break
+            if reply.status == "aborted":
+                return BatchMeta(
+                    partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],
+                    fields=[b.name for b in enc.blocks], schema={}, status="aborted", sealed=reply.sealed,
+                )
+            assert reply.unit is not None
+            try:
+                stored = await self._store(reply.unit, reply.partition or partition, reply, enc, None)
+                break
+            except StorageUnitUnavailableError as exc:
+                if first is not None and time.monotonic() >= deadline:
+                    raise  # placed again once at least, whatever the timeout
+                # another unit may have room: the controller places the write again and
+                # probes this one (a failed store is evidence that it died)
+                log.warning("%s; placing the put again", exc)
+                grant.replaces, grant.failed_unit, first = reply.grant_id, reply.unit.unit_id, reply
+                left = max(0.0, deadline - time.monotonic())
         assert reply.unit is not None
+        fields = [b.name for b in enc.blocks]
         where = reply.partition or partition
-        stored = await self._store(reply.unit, where, reply, enc, None)
         trimmed = 0 <= reply.kept < enc.count
         fates: list[SampleFate] | None = None
         if trimmed:  # the target was reached inside this put: the first ``kept`` samples count

@@ -51,12 +51,12 @@ class Client:
 
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
         self._pid = os.getpid()  # a forked child has none of this client's threads or sockets
+        self._inner = AsyncClient(address, config=config)  # first: a bad argument starts no thread
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tqueue-client", daemon=True
         )
         self._thread.start()
-        self._inner = AsyncClient(address, config=config)
         self._local = threading.local()
         self._direct_lock = threading.Lock()
         self._direct_peers: list[_zmq.BlockingPeer] = []  # one per calling thread
@@ -97,7 +97,11 @@ class Client:
         self._finalizer()
 
     def __enter__(self) -> Client:
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()  # the with block never runs, so its exit never would
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

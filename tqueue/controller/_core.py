@@ -43,7 +43,7 @@ MAX_TOMBSTONES = 10_000
 
 @dataclasses.dataclass(eq=False)
 class Waiter:
-    """A parked request (``get_meta`` or ``sealed``) with its deadline timer."""
+    """A parked request (``get_meta``, ``sealed`` or a version wait) with its deadline timer."""
 
     ident: bytes
     req: Any
@@ -89,14 +89,17 @@ class ControllerState:
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self.waiters: dict[str, list[Waiter]] = {}  # parked get_meta, by partition name
         self.sealed_waiters: dict[str, list[Waiter]] = {}
+        self.version_waiters: list[Waiter] = []  # waiting for the trainer's version to pass theirs
         self.parked: list[ParkedWrite] = []  # writes and reserves waiting for budget
         self.leases: dict[int, Lease] = {}
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
         self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
+        self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
         self.rounds: dict[tuple[int, str], RoundBook] = {}
         self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
         self.version = 0
+        self.weights = ""  # where the weights of ``version`` are, as the trainer said
         self.admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
         self.admitted = 0
         self.uids = itertools.count(1)
@@ -166,7 +169,8 @@ class ControllerState:
 
     def check_park(self, what: str) -> None:
         """Refuse to park one more request past ``max_parked`` (nothing is recorded)."""
-        parked = len(self.parked) + sum(map(len, self.waiters.values())) + sum(map(len, self.sealed_waiters.values()))
+        parked = (len(self.parked) + sum(map(len, self.waiters.values())) + sum(map(len, self.sealed_waiters.values()))
+                  + len(self.version_waiters))
         if parked >= self.config.max_parked:
             raise UnavailableError(
                 f"{what} cannot wait: {parked} requests are parked at the controller "
@@ -183,6 +187,14 @@ class ControllerState:
             waiters.remove(waiter)
         if not waiters:
             self.sealed_waiters.pop(waiter.req.partition, None)
+
+    def unpark_version(self, waiter: Waiter) -> None:
+        """Unpark a version wait (answered, expired or withdrawn)."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        if waiter in self.version_waiters:
+            self.version_waiters.remove(waiter)
 
     def finish(self, waiter: Waiter) -> None:
         """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
@@ -213,6 +225,10 @@ class ControllerState:
                 if waiter.ident == ident and waiter.req.rid == rid:
                     self.unpark_sealed(waiter)
                     return True
+        for waiter in self.version_waiters:
+            if waiter.ident == ident and waiter.req.rid == rid:
+                self.unpark_version(waiter)
+                return True
         return False
 
 

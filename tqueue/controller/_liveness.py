@@ -19,6 +19,7 @@ they expire at their lease timeout, or are acked by another process of the same 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from ..errors import StorageUnitUnavailableError, UnavailableError
 from ..transport import _zmq
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
-from ..wire import Heartbeat, HeartbeatReply, Registered, RegisterUnit, UnitInfo
+from ..wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
 from ._cleanup import Cleanup
 from ._core import ControllerState
 from ._records import Unit
@@ -49,9 +50,12 @@ class Liveness:
         self._names: dict[str, int] = {}  # unit name -> unit id
         self._ids = itertools.count(0)
         self._timer = state.loop.call_later(self.interval, self._sweep) if self.interval > 0 else None
+        self._probes: set[asyncio.Task[None]] = set()  # held here, cancelled at close
         state.server.sessions.on_gone(self.session_gone)
 
     def close(self) -> None:
+        for task in self._probes:
+            task.cancel()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -80,6 +84,33 @@ class Liveness:
         log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
         self.s.loop.call_soon(self.writes.retry_parked)
         return Registered(unit_id=unit_id, heartbeat=self.interval)
+
+    def suspect(self, unit_id: int, why: str) -> None:
+        """A client could not store on this unit: evidence that it died, ahead of its
+        heartbeats. No placements go to it while the controller probes it (a ``Ping``); no
+        answer within two intervals declares it dead now, an answer clears it."""
+        unit = self.s.units.get(unit_id)
+        peer = self.s.unit_peers.get(unit_id)
+        if unit is None or not unit.alive or unit.suspect or peer is None:
+            return
+        unit.suspect = True
+        log.warning("storage unit %d suspected: %s; probing it", unit_id, why)
+        task = self.s.loop.create_task(self._probe(unit, peer, why))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, unit: Unit, peer: _zmq.Peer, why: str) -> None:
+        limit = max(2 * self.interval, 0.5)
+        try:
+            await peer.request(Ping(), expect=Pong, timeout=limit)
+        except UnavailableError as exc:
+            if unit.alive and self.s.units.get(unit.info.unit_id) is unit:
+                self.unit_dead(unit, f"{why}, and it did not answer a probe within {limit:g} s ({exc})")
+        else:
+            log.info("storage unit %d answered the probe: placements resume", unit.info.unit_id)
+        finally:
+            unit.suspect = False
+            self.writes.retry_parked()
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         unit = self.s.units.get(msg.unit_id)
@@ -143,6 +174,10 @@ class Liveness:
         for waiter in sealed:
             s.unpark_sealed(waiter)
             s.answer(waiter.ident, waiter.req.rid, ended)
+        versions = [w for w in s.version_waiters if session_of(w.ident) == session]
+        for waiter in versions:
+            s.unpark_version(waiter)
+            s.answer(waiter.ident, waiter.req.rid, ended)
         parked = [p for p in s.parked if session_of(p.ident) == session]
         for write in parked:
             s.parked.remove(write)
@@ -154,10 +189,10 @@ class Liveness:
         for key in [k for k in s.granted if session_of(k[0]) == session]:
             del s.granted[key]
         lapsed = self.writes.lapse_owned(session, "belonged to a client that is gone")
-        if mine or sealed or parked or lapsed:
+        if mine or sealed or versions or parked or lapsed:
             log.info(
-                "client session %s ended: %d parked reads, %d seal waits, %d parked writes withdrawn, "
-                "%d grants lapsed", session.hex(), len(mine), len(sealed), len(parked), lapsed,
+                "client session %s ended: %d parked reads, %d seal waits, %d version waits, %d parked writes "
+                "withdrawn, %d grants lapsed", session.hex(), len(mine), len(sealed), len(versions), len(parked), lapsed,
             )
         if parked:
             self.writes.retry_parked()

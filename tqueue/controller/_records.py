@@ -19,6 +19,7 @@ class Unit:
     reserved: int = 0  # granted to writes not yet committed
     name: str = ""  # its identity: registering again under it gives the same unit id
     alive: bool = True  # false once it missed its heartbeats: its samples are lost
+    suspect: bool = False  # a client failed to store on it: no placements until a probe answers
     heard: float = 0.0  # loop time of its last heartbeat
     arena_used: int = 0  # as its last heartbeat said
     metrics: str = ""  # its Prometheus endpoint

@@ -58,6 +58,7 @@ from ..wire import (
     StatusRequest,
     TaskStatus,
     UnitStatus,
+    VersionWait,
     WaiterStatus,
 )
 from ._cleanup import Cleanup
@@ -93,7 +94,7 @@ class Controller:
         self.cleanup = Cleanup(self.s, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
         self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
-        self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed)
+        self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect)
         self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
@@ -110,6 +111,7 @@ class Controller:
             (Grant, self.writes.grant),
             (Reserve, self.writes.reserve),
             (SetVersion, self.writes.set_version),
+            (VersionWait, self.writes.wait_version),
             (Admission, self.writes.set_admission),
             (GetMeta, self.reads.get_meta),
             (Ack, self.reads.ack),
@@ -163,6 +165,9 @@ class Controller:
 
     def _retry_parked(self) -> None:
         self.writes.retry_parked()
+
+    def _suspect(self, unit_id: int, why: str) -> None:
+        self.liveness.suspect(unit_id, why)
 
     def _needed(self, partition: str) -> None:
         self.writes.needed(partition)
@@ -312,6 +317,7 @@ class Controller:
             admitted=self.s.admitted,
             admission_limit=limit,
             metrics=self.metrics.url if self.metrics is not None else "",
+            weights=self.s.weights,
         )
 
 

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,8 @@ PARTIAL = np.uint64(1 << 61)
 HIDDEN = EXCLUDED | PARTIAL
 MAX_FIELDS = 61
 SCAN_CHUNK = 1 << 16
+# per-sample arrays start empty (shared) and double as samples come: an empty partition costs little
+_EMPTY: dict[type, Any] = {dtype: np.zeros(0, dtype=dtype) for dtype in (np.uint64, np.int16, np.int64)}
 NO_VERSION = -1
 
 # per task, per sample
@@ -81,6 +84,9 @@ class Options:
     recycle_to: str = ""
     prefetch: str = ""
     step: int = NO_STEP
+
+
+DEFAULT_OPTIONS = Options()
 
 
 class TaskState:
@@ -140,6 +146,8 @@ class Moved:
 class Groups:
     """Members of each group, by explicit id; completion order; failures."""
 
+    __slots__ = ("ordinal", "ids", "members", "committed", "failed", "aborted", "complete", "order")
+
     def __init__(self) -> None:
         self.ordinal: dict[GroupId, int] = {}
         self.ids: list[GroupId] = []
@@ -170,27 +178,62 @@ class Groups:
 
 class Partition:
     """``max_samples`` and ``max_tasks`` bound what requests may make it allocate: a put
-    past them is refused before anything changes (see ``ControllerConfig``)."""
+    past them is refused before anything changes (see ``ControllerConfig``). Slotted, and its
+    per-sample arrays start empty: 100,000 empty partitions cost the controller under 200 MB."""
+
+    __slots__ = (
+        "name",
+        "uid",
+        "options",
+        "step",
+        "max_samples",
+        "max_tasks",
+        "specs",
+        "bits",
+        "n",
+        "mask",
+        "unit",
+        "version",
+        "version_max",
+        "revision",
+        "segments",
+        "group",
+        "lengths",
+        "groups",
+        "has_groups",
+        "tasks",
+        "unit_bytes",
+        "committed",
+        "excluded",
+        "lost",
+        "reasons",
+        "in_flight",
+        "sealed",
+        "complete",
+        "promised",
+        "groups_done",
+    )
+
 
     def __init__(
         self, name: str, uid: int, options: Options | None = None, *, max_samples: int = 1 << 40, max_tasks: int = 1 << 20
     ) -> None:
         self.name = name
         self.uid = uid
-        self.options = options or Options()
+        self.options = options or DEFAULT_OPTIONS
         self.step = self.options.step if self.options.step != NO_STEP else step_in(name)
         self.max_samples = max_samples
         self.max_tasks = max_tasks
         self.specs: dict[str, FieldSpec] = {}
         self.bits: dict[str, np.uint64] = {}
         self.n = 0
-        self.mask = np.zeros(1024, dtype=np.uint64)
-        self.unit = np.full(1024, -1, dtype=np.int16)
-        self.version = np.full(1024, NO_VERSION, dtype=np.int64)  # oldest segment's
-        self.version_max = np.full(1024, NO_VERSION, dtype=np.int64)
-        self.revision = np.zeros(1024, dtype=np.int64)  # committed updates
+        self.mask = _EMPTY[np.uint64]  # shared until the first sample: each grows into its own
+        self.unit = _EMPTY[np.int16]
+        self.version = _EMPTY[np.int64]  # oldest segment's
+        self.version_max = _EMPTY[np.int64]
+        self.revision = _EMPTY[np.int64]  # committed updates
         self.segments: dict[int, list[tuple[int, int]]] = {}  # samples of several segments
-        self.group = np.full(1024, -1, dtype=np.int64)
+        self.group = _EMPTY[np.int64]
         self.lengths: dict[str, np.ndarray] = {}  # jagged tensor fields: size of dim 0
         self.groups = Groups()
         self.has_groups = False

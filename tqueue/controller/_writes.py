@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Admission, Commit, Committed, Grant, Granted, Notice, Ok, Reserve, SetVersion
-from ._core import MAX_SERVED, ControllerState, ParkedWrite
+from ..wire import Admission, Commit, Committed, Grant, Granted, Notice, Ok, Reserve, SetVersion, VersionReply, VersionWait
+from ._core import MAX_SERVED, ControllerState, ParkedWrite, Waiter
 from ._records import GrantRecord, Unit
 from ._state import NO_STEP, Partition
 
@@ -47,10 +47,12 @@ class Writes:
         *,
         free: Callable[[Partition], None],
         committed: Callable[[Partition, bool], None],
+        suspect: Callable[[int, str], None],
     ) -> None:
         self.s = state
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
+        self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
 
     def grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted | None:
         if msg.count < 1:
@@ -65,6 +67,10 @@ class Writes:
             )
         if msg.indexes is not None:
             return self._grant_update(msg)
+        if msg.replaces:
+            stored = self._replace(ident, msg)
+            if stored is not None:
+                return stored
         try:
             granted = self._grant_put(msg)
         except _Wait as wait:
@@ -83,6 +89,22 @@ class Writes:
             self.s.granted[(ident, rid)] = granted.grant_id
             while len(self.s.granted) > MAX_SERVED:
                 self.s.granted.popitem(last=False)
+
+    def _replace(self, ident: bytes, msg: Grant) -> Granted | None:
+        """A put whose store failed on its unit asks again: its old grant lapses, the unit is
+        suspected (no placements until it answers a probe) and the put is placed anew. A
+        grant committed before the failure reached its writer answers ``stored``."""
+        record = self.s.grants.get(msg.replaces)
+        if record is None:
+            if msg.replaces in self.s.committed:
+                return Granted(grant_id=msg.replaces, partition_uid=0, start=0, stored=True)
+        elif record.owner != session_of(ident) or record.indexes is not None:
+            raise InvalidArgumentError(f"grant {msg.replaces} is not a put of this client's to place again")
+        else:
+            self._lapse_grant(msg.replaces, f"could not be stored on storage unit {record.unit_id}")
+        if msg.failed_unit >= 0:
+            self._suspect(msg.failed_unit, f"a client could not store a put of partition {msg.partition!r} on it")
+        return None
 
     def cancelled(self, ident: bytes, rid: int) -> None:
         """The caller of an answered put gave up on it before seeing its grant: it will
@@ -183,6 +205,9 @@ class Writes:
             )
         del self.s.grants[msg.grant_id]
         grant.stop_timer()
+        self.s.committed[msg.grant_id] = None
+        while len(self.s.committed) > MAX_SERVED:
+            self.s.committed.popitem(last=False)
         unit = self.s.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
@@ -209,11 +234,13 @@ class Writes:
 
     def _place(self, msg: Grant) -> Unit:
         """A unit on the producer's host with room, the least loaded among those."""
-        units = [u for u in self.s.units.values() if u.alive]  # a dead unit gets nothing new
+        units = [u for u in self.s.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
         if not units:
-            dead = len(self.s.units)
+            known = len(self.s.units)
+            suspect = sum(u.alive and u.suspect for u in self.s.units.values())
             raise _Wait(
-                f"no live storage unit ({dead} registered, all dead)" if dead
+                f"no live storage unit ({known} registered: {suspect} being probed after a failed store, "
+                f"{known - suspect} dead)" if known
                 else "no storage unit is registered with the controller yet",
                 full=True,
             )
@@ -369,11 +396,42 @@ class Writes:
         return Ok()
 
     def set_version(self, ident: bytes, msg: SetVersion, bufs: list[Any]) -> Ok:
+        """A newer version replaces the version and its weights' pointer together (so that a
+        version and a pointer seen together always belong together); any other changes nothing."""
         if msg.version > self.s.version:
-            self.s.version = msg.version
-            log.info("trainer version %d", msg.version)
+            self.s.version, self.s.weights = msg.version, msg.weights
+            log.info("trainer version %d (weights %s)", msg.version, msg.weights or "not said")
             self.s.loop.call_soon(self.retry_parked)  # after this reply
+            self.s.loop.call_soon(self._answer_versions)
         return Ok()
+
+    def wait_version(self, ident: bytes, msg: VersionWait, bufs: list[Any]) -> VersionReply | None:
+        """The version and its pointer once the version is past ``msg.after``: at once, or
+        parked (bounded by ``max_parked``) until ``set_version`` passes it or its timeout."""
+        if self.s.version > msg.after:
+            return VersionReply(version=self.s.version, weights=self.s.weights)
+        if msg.timeout is not None and msg.timeout <= 0:
+            raise WaitTimeoutError(f"the trainer's version is {self.s.version}, not past {msg.after}")
+        self.s.check_park(f"a wait for a version past {msg.after}")
+        waiter = Waiter(ident, msg)
+        if msg.timeout is not None:
+            waiter.timer = self.s.loop.call_later(msg.timeout, self._expire_version, waiter)
+        self.s.version_waiters.append(waiter)
+        return None  # answered by set_version, at its deadline, or withdrawn by Cancel
+
+    def _answer_versions(self) -> None:
+        reply = VersionReply(version=self.s.version, weights=self.s.weights)
+        for waiter in [w for w in self.s.version_waiters if self.s.version > w.req.after]:
+            self.s.unpark_version(waiter)
+            self.s.answer(waiter.ident, waiter.req.rid, reply)
+
+    def _expire_version(self, waiter: Waiter) -> None:
+        waiter.timer = None
+        self.s.unpark_version(waiter)
+        self.s.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
+            f"the trainer's version stayed at {self.s.version} for {waiter.req.timeout} s "
+            f"(waited for a version past {waiter.req.after})"
+        ))
 
     def set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
         if msg.max_staleness < 0:

@@ -41,6 +41,7 @@ from ..wire import Bye, Cancel, Error, Kind, Message, Ping, Pong, decode, encode
 from . import _auth
 from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
+from ._connect import ConnectWatch, endpoint
 from ._liveness import HEARTBEAT_INTERVAL, Sessions, window
 from ._metrics import Latency
 
@@ -221,7 +222,9 @@ class Peer:
     connection to the server (see ``_liveness.Session``). After :meth:`heartbeat` the peer
     pings the server when it has been silent for an interval, and fails every pending
     request with its ``unavailable`` error once it has been silent for the liveness window
-    (see :mod:`._liveness`), whatever each request's own timeout.
+    (see :mod:`._liveness`), whatever each request's own timeout. With ``watch``, a first
+    connection that fails (nothing listens, the handshake is refused) fails what is pending
+    at once, as the error :class:`._connect.ConnectWatch` makes of it.
     """
 
     def __init__(
@@ -233,8 +236,9 @@ class Peer:
         timeout: float = 30.0,
         routing_id: bytes | None = None,
         curve: Curve | None = None,
+        watch: bool = False,
     ) -> None:
-        self.address = address
+        self.address = address = endpoint(address)
         self.name = name
         self.timeout = timeout
         self._unavailable = unavailable
@@ -247,9 +251,14 @@ class Peer:
             self._socket.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if curve is not None:
             curve.connect(self._socket.sock)
-        self._socket.sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[Message, list[Any]]]] = {}
+        self._refused: TQueueError | None = None  # the watch's verdict on the first connection
+        self._watch = None if not watch else ConnectWatch(  # before the connect: every event counts
+            self._socket.sock, name=name, address=address, keys=curve is not None,
+            unavailable=unavailable, on_failure=self._refuse,
+        )
+        self._socket.sock.connect(address)
         self._loop = asyncio.get_running_loop()
         self._heard = self._loop.time()
         self._interval = 0.0
@@ -274,13 +283,10 @@ class Peer:
         self._socket.drain()  # replies that arrived while the loop was busy count
         silent = self._loop.time() - self._heard
         if silent >= window(self._interval) and self._pending:
-            exc = self._unavailable(
+            self._fail_pending(self._unavailable(
                 f"{self.name} at {self.address} has not been heard from for {silent:.1f} s "
                 f"(heartbeat every {self._interval:g} s): it is gone or unreachable"
-            )
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(exc)
+            ))
         elif silent >= self._interval:
             try:
                 self._socket.send(_PING, copy=True, flags=zmq.NOBLOCK)
@@ -288,6 +294,15 @@ class Peer:
                 log.debug("%s", exc)
         if not self.closed:
             self._ticker = self._loop.call_later(self._interval, self._tick)
+
+    def _fail_pending(self, exc: TQueueError) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _refuse(self, exc: TQueueError) -> None:
+        self._refused = exc
+        self._fail_pending(exc)
 
     @property
     def closed(self) -> bool:
@@ -311,6 +326,8 @@ class Peer:
         """
         if self.closed:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
+        if self._refused is not None:
+            raise self._refused
         rid = next(self._ids)
         msg.rid = rid
         fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()
@@ -381,15 +398,15 @@ class Peer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
+        if self._watch is not None:
+            self._watch.close()
         if bye:
             try:
                 self._socket.send(_BYE, copy=True, flags=zmq.NOBLOCK)
             except UnavailableError as exc:
                 log.debug("%s", exc)
         self._socket.close(linger=BYE_LINGER_MS if bye else 0)
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(self._unavailable(f"connection to {self.name} closed"))
+        self._fail_pending(self._unavailable(f"connection to {self.name} closed"))
 
 
 class BlockingPeer:
@@ -410,7 +427,7 @@ class BlockingPeer:
         heartbeat: float = 0.0,
         curve: Curve | None = None,
     ) -> None:
-        self.address = address
+        self.address = address = endpoint(address)
         self.name = name
         self.heartbeat = heartbeat  # > 0: ping while waiting, give up after the window
         self._unavailable = unavailable

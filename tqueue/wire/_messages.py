@@ -82,6 +82,8 @@ class Kind(enum.IntEnum):
     HEARTBEAT_REPLY = 41
     NOTICE = 42
     COMMITTED = 43
+    VERSION_WAIT = 44
+    VERSION_REPLY = 45
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -300,6 +302,8 @@ class Grant(Message):
     partial: bool = False  # unfinished samples: stored, never served until completed
     complete: bool = False  # (update) the samples are finished now
     segment: tuple[int, int] | None = None  # (update) (version, first_token) of a resumed rollout
+    replaces: int = 0  # a grant of this client whose store failed on its unit: placed again, elsewhere
+    failed_unit: int = -1  # the unit that failed it (suspected dead from now on)
 
 
 class Granted(Message):
@@ -318,6 +322,7 @@ class Granted(Message):
     partition: str = ""
     sealed: bool = False
     kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
+    stored: bool = False  # the grant named by ``replaces`` was committed after all: nothing to send
 
 
 class Alloc(Message):
@@ -598,10 +603,29 @@ class Seal(Message):
 
 
 class SetVersion(Message):
-    """The trainer's current policy weight version."""
+    """The trainer's current policy weight version, and ``weights``: where those weights are
+    published (an opaque pointer for engines that pull them; "": not said)."""
 
     KIND = Kind.SET_VERSION
     version: int
+    weights: str = ""
+
+
+class VersionWait(Message):
+    """Wait until the trainer's version is past ``after``: answered with ``VersionReply`` then
+    (at once if it already is), or with a timeout error at ``timeout`` seconds (None: none)."""
+
+    KIND = Kind.VERSION_WAIT
+    after: int
+    timeout: float | None = None
+
+
+class VersionReply(Message):
+    """The trainer's version and the pointer to its weights (``SetVersion.weights``)."""
+
+    KIND = Kind.VERSION_REPLY
+    version: int
+    weights: str = ""
 
 
 class Admission(Message):
@@ -687,6 +711,7 @@ class StatusReply(Message):
     admitted: int = 0
     admission_limit: int = -1
     metrics: str = ""  # the controller's Prometheus endpoint ("": none)
+    weights: str = ""  # where the weights of ``version`` are (SetVersion.weights)
 
 
 _TYPES: dict[int, type[Message]] = {}
