@@ -137,6 +137,28 @@ def test_a_put_in_flight_when_the_controller_dies_blames_the_controller(monkeypa
         assert time.monotonic() - t0 < BOUND
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "arena"])
+def test_a_controller_dead_mid_put_is_blamed_whatever_the_clients_timeout(monkeypatch, shm):
+    """A client timeout (1.5 s) far shorter than the liveness window (8 s): the unit gives
+    up on its commit before the writer gives up on the unit, and says the controller is gone,
+    instead of the writer blaming the healthy unit."""
+    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=1.5)
+    with cluster(heartbeat_interval=2.0) as c, c.client(config=config) as client:
+        client.put("p", {"x": torch.ones(2, 2)})  # connected to the unit already
+        real = _zmq.Peer.request
+
+        async def request(self: _zmq.Peer, msg: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(msg, Store):
+                os.kill(c.pids[0], signal.SIGKILL)
+            return await real(self, msg, *args, **kwargs)
+
+        monkeypatch.setattr(_zmq.Peer, "request", request)
+        t0 = time.monotonic()
+        with pytest.raises(ControllerUnavailableError, match=r"controller at tcp://\S+ did not answer Commit"):
+            client.put("p", {"x": torch.ones(2, 2)})
+        assert time.monotonic() - t0 < 1.5
+
+
 @pytest.mark.parametrize("path", ["put-arena", "put-tcp"])
 def test_a_producer_killed_mid_put_gives_its_budget_back_at_once(child, path):
     capacity = PUT_BYTES + PUT_BYTES // 2  # room for one such put, not two

@@ -139,6 +139,7 @@ class Puts:
             count=enc.count,
             blocks=enc.blocks,
             indexes=indexes,
+            timeout=self.config.request_timeout,
         )
         arena = self._conns.arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
         placed = await self._into_arena(peer, arena, enc) if arena is not None else None

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 ALLOC_TIMEOUT = 120.0  # an arena range not stored within this long goes back to the pool
 BULK_READ_TIMEOUT = 60.0  # a writer whose bulk stream stalls this long has its put refused
+COMMIT_SHARE = 0.75  # of the writer's request timeout, what a commit may wait for the controller
 
 
 class StorageUnit:
@@ -236,6 +237,7 @@ class StorageUnit:
         return HelloReply(protocol=PROTOCOL_VERSION, server="storage")
 
     async def _store(self, ident: bytes, msg: Store, raw: list[Any]) -> Stored:
+        received = self._loop.time()
         if self._trim is not None:
             self._schedule_trim()  # still busy: keep the freed pages for these writes
         if msg.indexes is None:
@@ -271,6 +273,7 @@ class StorageUnit:
                         unit_bytes=self.data.resident,
                     ),
                     expect=Committed,
+                    timeout=_commit_limit(msg.timeout, self._loop.time() - received),
                 )
             except BaseException:
                 pending.rollback()
@@ -482,3 +485,13 @@ def _bulk_server(config: StorageConfig, address: str) -> _bulk.BulkServer | None
     except UnavailableError as exc:
         log.warning("%s; fetched payload goes over ZeroMQ", exc)
         return None
+
+
+def _commit_limit(writer_timeout: float, elapsed: float) -> _zmq.Timeout:
+    """How long a commit may wait for the controller: within the writer's own timeout, so
+    that a dead controller is reported by this unit as ControllerUnavailableError before
+    the writer gives up on the unit (and blames it); unknown (0): the peer's own limit."""
+    if writer_timeout <= 0:
+        return _zmq.PEER_DEFAULT
+    return max(0.05, COMMIT_SHARE * writer_timeout - elapsed)
+

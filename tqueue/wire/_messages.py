@@ -362,6 +362,7 @@ class Store(Message):
     region: int = -1
     shm: list[list[int]] | None = None
     bulk: list[tuple[int, int]] | None = None
+    timeout: float = 0.0  # seconds the writer waits for Stored: the unit answers within it (0: unknown)
 
 
 class Stored(Message):
