@@ -138,7 +138,7 @@ class Gets:
             if f not in meta.schema:
                 raise UnknownFieldError(
                     f"field {f!r} is not in the schema of this meta of partition "
-                    f"{meta.partition!r}{did_you_mean(f, meta.schema)} (known: {sorted(meta.schema)})"
+                    f"{meta.partition!r}{did_you_mean(f, meta.schema)}; known: {sorted(meta.schema)}"
                 )
         return await self._fetch(meta, want, options)
 
