@@ -5,6 +5,7 @@ read of it raises DataLostError naming the samples. A unit that comes back rejoi
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -142,27 +143,55 @@ def test_a_unit_stopped_past_the_window_rejoins_under_its_id_and_empty(cluster):
             c.get_data(gone)
 
 
-def test_a_put_to_a_unit_that_dies_under_it_names_partition_and_samples(cluster, monkeypatch):
-    """The kill comes between the grant and the store (a hook on this client's Store)."""
+def test_a_put_whose_only_unit_dies_under_it_waits_for_a_live_one_then_says_so(monkeypatch):
+    """The kill comes between the grant and the store (a hook on this client's Store), and
+    no other unit has room: the put is placed again, waits for a live unit up to its
+    timeout, and then says none is alive; the unit is declared dead by the failed store's
+    probe, not at the end of its heartbeat window."""
     from tqueue.transport import _zmq
     from tqueue.wire import Store
 
-    with cluster.client(config=tqueue.ClientConfig(shm=False)) as c:
-        c.put("warm", {"x": torch.ones(1, 2)})
-        pids = {u.unit_id: unit_pid(cluster, c, u.unit_id) for u in c.status().units}
-        real = _zmq.Peer.request
-        killed: list[int] = []
+    controller = {"heartbeat_interval": 2.0}  # a window of 10 s
+    with tqueue.LocalCluster(num_storage_units=1, controller=controller) as cluster:
+        with cluster.client(config=tqueue.ClientConfig(shm=False)) as c:
+            c.put("warm", {"x": torch.ones(1, 2)})
+            pid = unit_pid(cluster, c, 0)
+            real = _zmq.Peer.request
 
-        async def request(self: _zmq.Peer, msg, *args, **kwargs):
-            if isinstance(msg, Store) and not killed:  # the unit this put was placed on
-                killed.append(msg.partition_uid)
-                os.kill(pids[int(self.name.rpartition(" ")[2])], signal.SIGKILL)
-            return await real(self, msg, *args, **kwargs)
+            async def request(self: _zmq.Peer, msg, *args, **kwargs):
+                if isinstance(msg, Store):
+                    os.kill(pid, signal.SIGKILL)
+                return await real(self, msg, *args, **kwargs)
 
-        monkeypatch.setattr(_zmq.Peer, "request", request)
-        t0 = time.monotonic()
-        with pytest.raises(tqueue.StorageUnitUnavailableError,
-                           match=r"partition 'doomed': samples \[\d+, \d+, \d+\] were not stored on storage unit \d "
-                                 r"at tcp://.*has not been heard from"):
-            c.put("doomed", {"x": torch.ones(3, 2)})
-        assert time.monotonic() - t0 < READ_BOUND
+            monkeypatch.setattr(_zmq.Peer, "request", request)
+            t0 = time.monotonic()
+            with pytest.raises(tqueue.StorageFullError, match=r"put timed out after .* no live storage unit \(1 registered"):
+                c.put("doomed", {"x": torch.ones(3, 2)}, timeout=3)
+            assert time.monotonic() - t0 < 3 + READ_BOUND
+            monkeypatch.undo()
+            assert dead(c, 0)  # by the probe: 3 s, inside the 10 s window
+
+
+def test_puts_made_as_a_unit_dies_are_placed_again_on_the_live_one(caplog):
+    """Right after one of two units is SIGKILLed, long before its heartbeats run out (10 s
+    here), puts placed on it fail to store and are placed again on the survivor: every put
+    succeeds and reads back exact. The failed store makes the controller probe the unit,
+    which is declared dead at the probe's end (4 s), not at the end of the heartbeat window."""
+    interval = 2.0
+    with tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": interval}) as cluster:
+        with cluster.client() as c:
+            c.put("warm", {"x": torch.zeros(2, 3)})
+            c.put("warm", {"x": torch.zeros(2, 3)})  # both units placed on: the client knows both
+            victim = 0
+            os.kill(unit_pid(cluster, c, victim), signal.SIGKILL)
+            t0 = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="tqueue.client"):
+                metas = [c.put("p", {"x": torch.full((2, 3), float(i))}, timeout=30) for i in range(8)]
+            assert all(m.units == [1 - victim] * 2 for m in metas)
+            assert any("placing the put again" in r.getMessage() for r in caplog.records)
+            batch = c.get_data(c.get_meta("p", ["x"], 16, task="t", timeout=10))
+            got = {i: float(row[0]) for i, row in zip(batch.meta.indexes, batch["x"])}
+            assert got == {i: float(m) for m, meta in enumerate(metas) for i in meta.indexes}
+            until(lambda: dead(c, victim), 30, f"unit {victim} declared dead")
+            declared = time.monotonic() - t0
+            assert declared < interval * UNIT_LIVENESS, declared  # the probe, not the heartbeat window

@@ -140,6 +140,7 @@ class Connections:
                 timeout=self.config.request_timeout,
                 routing_id=self.session.routing_id(),
                 curve=self.curve,
+                lasting=True,  # a unit that died fails what is in flight to it at once (a put goes elsewhere)
             )
             peer.heartbeat(self.heartbeat)
         return peer

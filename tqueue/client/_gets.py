@@ -30,6 +30,10 @@ from ._args import _by_unit, _wait, listed
 from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._connections import ClientStats, Connections
 
+# seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
+# unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
+RECONNECT_VERDICT = 2.0
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MetaAsk:
@@ -200,7 +204,7 @@ class Gets:
         try:
             return await self._fetch_from(peer, meta, unit_id, pos, idx, fields, dests)
         except StorageUnitUnavailableError as exc:
-            if not peer.gone:  # slow, not silent: the samples may well be there
+            if not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there
                 raise
             address = self._conns.units[unit_id].address
             raise DataLostError(

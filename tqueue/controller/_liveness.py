@@ -80,6 +80,7 @@ class Liveness:
         self.s.unit_peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
             curve=self.s.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
+            lasting=True,  # a probe of a unit that died fails at once
         )
         log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
         self.s.loop.call_soon(self.writes.retry_parked)
@@ -105,7 +106,7 @@ class Liveness:
             await peer.request(Ping(), expect=Pong, timeout=limit)
         except UnavailableError as exc:
             if unit.alive and self.s.units.get(unit.info.unit_id) is unit:
-                self.unit_dead(unit, f"{why}, and it did not answer a probe within {limit:g} s ({exc})")
+                self.unit_dead(unit, f"{why}, and the probe that followed failed ({exc})")
         else:
             log.info("storage unit %d answered the probe: placements resume", unit.info.unit_id)
         finally:
@@ -118,6 +119,7 @@ class Liveness:
             return HeartbeatReply(known=False)  # it registers again, and starts empty
         unit.heard = self.s.loop.time()
         unit.arena_used = msg.arena_used
+        unit.held_bytes = msg.held_bytes
         return HeartbeatReply(known=True)
 
     def _sweep(self) -> None:

@@ -90,7 +90,12 @@ class ConnectWatch:
     the first handshake that succeeds, or at :meth:`close`. Runs on the running loop.
 
     ``keys``: whether ``sock`` is a CurveZMQ client (what a dropped handshake means).
-    Later reconnects are not watched: by then the peer's heartbeats judge the server.
+    Without ``on_lost``, later reconnects are not watched: by then the peer's heartbeats judge
+    the server. With it, the watch lasts: once connected, a closed connection (the server
+    died or restarted: what was in flight on it is lost; ``gone`` False) and each failed
+    reconnect after it (nothing listens there any more; ``gone`` True) go to
+    ``on_lost(error, gone)``, and ``on_connected`` hears each new handshake, so that a request to a server that died fails in milliseconds, not at the
+    end of its heartbeat window.
     """
 
     def __init__(
@@ -102,8 +107,13 @@ class ConnectWatch:
         keys: bool,
         unavailable: type[UnavailableError],
         on_failure: Callable[[TQueueError], None],
+        on_lost: Callable[[TQueueError, bool], None] | None = None,
+        on_connected: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_lost = on_lost
+        self._on_connected = on_connected
+        self._connected_once = False
         self.address = address
         self._keys = keys
         self._unavailable = unavailable
@@ -112,7 +122,8 @@ class ConnectWatch:
         sock.setsockopt(zmq.CONNECT_TIMEOUT, int(CONNECT_TIMEOUT * 1000))
         # an address of our own: pyzmq's default is named after the socket's descriptor,
         # which a socket closed a moment ago may still hold bound
-        self._mon = sock.get_monitor_socket(_EVENTS, f"inproc://tqueue-connect-{os.getpid()}-{next(_ids)}")
+        events = _EVENTS | (zmq.EVENT_DISCONNECTED if on_lost is not None else 0)
+        self._mon = sock.get_monitor_socket(events, f"inproc://tqueue-connect-{os.getpid()}-{next(_ids)}")
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._mon.FD, self._drain)
         self._delayed = 0.0  # when the pending TCP connect began (0: none is pending)
@@ -136,10 +147,33 @@ class ConnectWatch:
             if event == zmq.EVENT_CONNECT_DELAYED:
                 self._delayed = time.monotonic()
                 continue
+            if self._on_lost is not None and self._lasting(event):
+                continue
             failure = None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else self._failure(event, value)
             self.close()
             if failure is not None:
                 self._on_failure(failure)
+
+    def _lasting(self, event: int) -> bool:
+        """A lasting watch's events once connected (True: handled here)."""
+        assert self._on_lost is not None
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected_once = True
+            if self._on_connected is not None:
+                self._on_connected()
+            return True
+        if not self._connected_once:
+            return False  # the first connection: judged as a short watch judges it
+        if event == zmq.EVENT_DISCONNECTED:
+            self._on_lost(self._unavailable(
+                f"{self.name} at {self.address} closed the connection (it died or restarted): "
+                "requests in flight on it are lost"
+            ), False)
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._on_lost(self._unavailable(
+                f"{self.name} at {self.address} no longer answers (connection refused): it is gone"
+            ), True)
+        return True
 
     def _failure(self, event: int, value: int) -> TQueueError:
         where = f"{self.name} at {self.address}"

@@ -37,7 +37,7 @@ from typing import Any, Final, Literal, TypeVar
 import zmq
 
 from ..errors import PermissionDeniedError, ProtocolError, TQueueError, UnavailableError, from_code
-from ..wire import Bye, Cancel, Error, Kind, Message, Ping, Pong, decode, encode, error_reply, salvage_rid
+from ..wire import Bye, Cancel, Error, Kind, Message, Notice, Ping, Pong, decode, encode, error_reply, salvage_rid
 from . import _auth
 from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
@@ -66,6 +66,7 @@ BYE_LINGER_MS = 500  # a closing peer's Bye may still leave this long after the 
 _BYE = encode(Bye())
 MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
 MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
+MAX_QUEUED_BYTES_TOTAL = 4 << 30  # ... and for all its peers together
 MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
 MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
 DRAIN_BATCH = 256  # messages one socket handles before the loop's other work gets a turn
@@ -237,6 +238,7 @@ class Peer:
         routing_id: bytes | None = None,
         curve: Curve | None = None,
         watch: bool = False,
+        lasting: bool = False,
     ) -> None:
         self.address = address = endpoint(address)
         self.name = name
@@ -254,9 +256,13 @@ class Peer:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[Message, list[Any]]]] = {}
         self._refused: TQueueError | None = None  # the watch's verdict on the first connection
-        self._watch = None if not watch else ConnectWatch(  # before the connect: every event counts
+        self._down: TQueueError | None = None  # (lasting) the server stopped answering; None once it does
+        self._verdict = asyncio.Event()  # (lasting) cleared while a closed connection awaits its reconnect
+        self._verdict.set()
+        self._watch = None if not (watch or lasting) else ConnectWatch(  # before the connect: every event counts
             self._socket.sock, name=name, address=address, keys=curve is not None,
             unavailable=unavailable, on_failure=self._refuse,
+            on_lost=self._lost if lasting else None, on_connected=self._connected if lasting else None,
         )
         self._socket.sock.connect(address)
         self._loop = asyncio.get_running_loop()
@@ -276,8 +282,10 @@ class Peer:
 
     @property
     def gone(self) -> bool:
-        """Heartbeats are on and the server has been silent for the liveness window."""
-        return bool(self._interval) and self._loop.time() - self._heard >= window(self._interval)
+        """Heartbeats are on and the server has been silent for the liveness window, or
+        (lasting) its address refuses connections."""
+        silent = bool(self._interval) and self._loop.time() - self._heard >= window(self._interval)
+        return silent or self._down is not None
 
     def _tick(self) -> None:
         self._socket.drain()  # replies that arrived while the loop was busy count
@@ -304,6 +312,29 @@ class Peer:
         self._refused = exc
         self._fail_pending(exc)
 
+    def _lost(self, exc: TQueueError, gone: bool) -> None:
+        if gone:
+            self._down = exc
+            self._verdict.set()
+        else:  # closed: ZeroMQ reconnects at once, and the attempt says whether it lives
+            self._verdict.clear()
+        self._fail_pending(exc)
+
+    def _connected(self) -> None:
+        self._down = None
+        self._verdict.set()
+
+    async def settled(self, timeout: float) -> bool:
+        """Whether the server is gone, once ZeroMQ has tried to reconnect after a closed
+        connection (waiting up to ``timeout`` for that attempt): a request lost with its
+        connection may be a server that restarted, or one that died."""
+        if not self._verdict.is_set():
+            try:
+                await asyncio.wait_for(self._verdict.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.gone
+
     @property
     def closed(self) -> bool:
         return self._socket.closed
@@ -328,6 +359,8 @@ class Peer:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
         if self._refused is not None:
             raise self._refused
+        if self._down is not None:
+            raise self._down
         rid = next(self._ids)
         msg.rid = rid
         fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()
@@ -387,6 +420,10 @@ class Peer:
                 log.warning("dropping malformed reply from %s: %s", self.address, exc)
             return
         fut = self._pending.get(msg.rid)
+        if isinstance(msg, Notice):  # word on a parked request, not its answer
+            if fut is not None and not fut.done():
+                log.warning("%s at %s: %s", self.name, self.address, msg.text)
+            return
         if fut is not None and not fut.done():
             fut.set_result((msg, buffers))
 
@@ -493,6 +530,9 @@ class BlockingPeer:
                     continue
                 if reply.rid != rid:
                     continue  # a Pong, or a late answer to a request that timed out
+                if isinstance(reply, Notice):
+                    log.warning("%s at %s, on %s: %s", self.name, self.address, type(msg).__name__, reply.text)
+                    continue  # word on the wait, not its answer
                 if isinstance(reply, Error):
                     raise from_code(reply.code, reply.message)
                 return expected(reply, expect, peer=self.name, request=msg)
@@ -512,22 +552,27 @@ class SendQueues:
     ZeroMQ keeps a reply's zero-copy buffers until the peer's connection has taken them, so
     a peer that stops reading would grow the server without bound. Bytes of buffers handed
     to ZeroMQ are counted per peer until ZeroMQ lets go of them (from its own thread); a
-    reply with buffers that would take a peer past ``max_bytes`` is answered with an
-    :class:`UnavailableError` instead (the first one always goes: a single reply larger than
-    the bound is served). Replies that ZeroMQ refuses (the peer is gone: ``ROUTER_MANDATORY``;
-    its queue of ``max_queued_replies`` is full) are counted, and logged once per peer.
+    reply with buffers that would take a peer past ``max_bytes``, or all peers together
+    (with what ``elsewhere`` says is queued on other channels: a unit's bulk streams) past
+    ``max_total``, is answered with an :class:`UnavailableError` instead (the first one
+    always goes: a single reply larger than a bound is served). Replies that ZeroMQ refuses
+    (the peer is gone: ``ROUTER_MANDATORY``; its queue of ``max_queued_replies`` is full)
+    are counted, and logged once per peer.
     """
 
     _LOGGED = 4096  # peers remembered as logged (then the set starts over)
 
-    def __init__(self, name: str, max_bytes: int) -> None:
+    def __init__(self, name: str, max_bytes: int, max_total: int = MAX_QUEUED_BYTES_TOTAL) -> None:
         self.name = name
         self.max_bytes = max_bytes
-        self.refused = 0  # replies answered with an error: the peer had too much unread
+        self.max_total = max_total
+        self.elsewhere: Callable[[], int] = lambda: 0
+        self.refused = 0  # replies answered with an error: the peer, or all, had too much unread
         self.unreachable = 0  # replies to peers that are gone
         self.overflowed = 0  # replies dropped: the peer's queue of replies was full
         self.malformed = 0  # requests that could not be decoded
         self._queued: dict[bytes, int] = {}
+        self._total = 0
         self._lock = threading.Lock()  # releases come from ZeroMQ's thread
         self._logged: set[tuple[bytes, str]] = set()
 
@@ -535,17 +580,36 @@ class SendQueues:
         with self._lock:
             return self._queued.get(ident, 0)
 
+    @property
+    def total(self) -> int:
+        """Bytes queued for all peers on this socket."""
+        with self._lock:
+            return self._total
+
     def admit(self, ident: bytes, buffers: Sequence[Any]) -> UnavailableError | None:
         """None if a reply of ``buffers`` may be queued for ``ident``; else the error sent."""
         size = sum(memoryview(b).nbytes for b in buffers)
         queued = self.queued(ident)
         if not queued or queued + size <= self.max_bytes:
-            return None
+            return self.admit_total(ident, size)
         self.refused += 1
         self.log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
         return UnavailableError(
             f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
             f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
+        )
+
+    def admit_total(self, ident: bytes, size: int) -> UnavailableError | None:
+        """None if ``size`` more bytes of replies fit the bound on all peers together (also
+        for replies that go another way); else the error to send."""
+        total = self.total + self.elsewhere()
+        if not total or total + size <= self.max_total:
+            return None
+        self.refused += 1
+        self.log_once(ident, "asked for a reply while replies to all peers hold %d bytes, refusing it", total)
+        return UnavailableError(
+            f"{self.name}: {total} bytes of replies to all connections are unread; a reply of {size} more "
+            f"would pass the limit of {self.max_total} (StorageConfig.max_queued_bytes_total)"
         )
 
     def track(self, ident: bytes, buffers: Sequence[Any]) -> list[Any]:
@@ -560,10 +624,12 @@ class SendQueues:
             out.append(view)
         with self._lock:
             self._queued[ident] = self._queued.get(ident, 0) + total
+            self._total += total
         return out
 
     def _release(self, ident: bytes, nbytes: int) -> None:
         with self._lock:
+            self._total -= nbytes
             left = self._queued.get(ident, 0) - nbytes
             if left > 0:
                 self._queued[ident] = left
@@ -616,12 +682,13 @@ class Server:
         max_frames: int = MAX_FRAMES,
         max_frame_bytes: int = -1,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_queued_bytes_total: int = MAX_QUEUED_BYTES_TOTAL,
         max_queued_replies: int = MAX_QUEUED_REPLIES,
         heartbeat: float = HEARTBEAT_INTERVAL,
         curve: Curve | None = None,
         advertise: str = "",
     ) -> None:
-        self.queues = SendQueues(name, max_queued_bytes)
+        self.queues = SendQueues(name, max_queued_bytes, max_queued_bytes_total)
         self.sessions = Sessions(heartbeat, name=name, drain=self.drain)
         self.latency = Latency()  # per message kind, for the metrics endpoint
         self.name = name
@@ -650,6 +717,8 @@ class Server:
         self.principal = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._in_flight: dict[bytes, int] = {}  # requests of each peer whose handler waits
+        # told of each reply that could not be sent, to take back what it gave (a lease, a grant)
+        self.on_undelivered: Callable[[bytes, Message], None] | None = None
         self._stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -688,6 +757,11 @@ class Server:
             self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=zmq.NOBLOCK)
         except UnavailableError as exc:
             self.queues.undelivered(ident, exc)
+            if self.on_undelivered is not None:
+                try:
+                    self.on_undelivered(ident, msg)
+                except Exception:  # the reply is lost either way; the server goes on
+                    log.exception("%s: taking back an undelivered %s failed", self.name, type(msg).__name__)
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
