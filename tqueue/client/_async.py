@@ -19,7 +19,7 @@ from .._memory import BufferPool
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Ok, StatusReply, StatusRequest
+from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Ok, StatusReply, StatusRequest, VersionReply
 from ..wire._messages import MEMBER_FAILURES
 from ._batch import Batch, JaggedAs, Options
 from ._connections import ClientStats, Connections
@@ -149,7 +149,8 @@ class AsyncClient:
         await ctl.request(msg, expect=Ok)
 
     async def status(self) -> StatusReply:
-        """Partitions, per-task progress, units and waiting callers, from the controller."""
+        """Partitions, per-task progress, units and waiting callers, and the trainer's
+        ``version`` with its ``weights`` pointer, from the controller."""
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(StatusRequest(), expect=StatusReply)
         return reply
@@ -374,9 +375,22 @@ class AsyncClient:
         group is aborted or released without them; either way they are never served."""
         await self._lifecycle.fail(target, reason=reason, group=group, count=count)
 
-    async def set_version(self, version: int) -> None:
-        """The trainer's current policy weight version (admission and staleness use it)."""
-        await self._lifecycle.set_version(version)
+    async def set_version(self, version: int, *, weights: str = "") -> None:
+        """The trainer's current policy weight version (admission and staleness use it), and
+        ``weights``: where those weights are published, an opaque pointer (a path, a URL) for
+        engines that pull them, kept with that version. A version not above the current one
+        changes nothing, its pointer included: publish the pointer with the version it
+        belongs to. :meth:`wait_version` and ``status()`` (``version``, ``weights``) tell
+        both."""
+        await self._lifecycle.set_version(version, weights)
+
+    async def wait_version(self, after: int = -1, *, timeout: float | None = None) -> VersionReply:
+        """Wait until the trainer's version is past ``after`` (at once if it is) and return
+        it with its weights' pointer (``.version``, ``.weights``), e.g. for an engine to pull
+        new weights without polling. The wait is parked at the controller, up to ``timeout``
+        seconds (None: the config's ``get_timeout``; ``math.inf``: no limit), then raises
+        :class:`~tqueue.errors.WaitTimeoutError`; cancelled, it is withdrawn there."""
+        return await self._lifecycle.wait_version(after, timeout=timeout)
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
         """Bound how far producers run ahead of the trainer, AReaL-style; None lifts the bound.

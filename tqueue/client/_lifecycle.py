@@ -12,7 +12,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import InvalidArgumentError, SchemaError
-from ..wire import Admission, BatchMeta, Fail, GroupId, Meta, Ok, Postpone, Reserve, Seal, Sealed, Select, SetVersion
+from ..wire import (
+    Admission,
+    BatchMeta,
+    Fail,
+    GroupId,
+    Meta,
+    Ok,
+    Postpone,
+    Reserve,
+    Seal,
+    Sealed,
+    Select,
+    SetVersion,
+    VersionReply,
+    VersionWait,
+)
 from ._args import _rows, _wait
 from ._encode import sample_count
 
@@ -67,10 +82,21 @@ class Lifecycle:
             msg = Fail(partition=target, group=group, count=count, reason=reason)
         await ctl.request(msg, expect=Ok)
 
-    async def set_version(self, version: int) -> None:
+    async def set_version(self, version: int, weights: str = "") -> None:
         """:meth:`AsyncClient.set_version`."""
         ctl = await self._conns.ctl()
-        await ctl.request(SetVersion(version=version), expect=Ok)
+        await ctl.request(SetVersion(version=version, weights=weights), expect=Ok)
+
+    async def wait_version(self, after: int, *, timeout: float | None = None) -> VersionReply:
+        """:meth:`AsyncClient.wait_version`."""
+        wait = _wait(timeout, self.config.get_timeout)
+        ctl = await self._conns.ctl()
+        reply, _ = await ctl.request(
+            VersionWait(after=after, timeout=None if math.isinf(wait) else wait),
+            timeout=wait + self.config.request_timeout,  # math.inf: no limit
+            expect=VersionReply,
+        )
+        return reply
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
         """:meth:`AsyncClient.set_staleness`."""

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from ..config import ClientConfig
 from ..errors import ControllerUnavailableError, ForkedClientError
 from ..transport import _zmq
-from ..wire import BatchMeta, GroupId, Meta, StatusReply
+from ..wire import BatchMeta, GroupId, Meta, StatusReply, VersionReply
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch, JaggedAs
 from ._gets import MetaAsk
@@ -151,9 +151,13 @@ class Client:
         """Sync twin of :meth:`AsyncClient.fail`."""
         self._run(self._inner.fail(target, reason=reason, group=group, count=count))
 
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: int, *, weights: str = "") -> None:
         """Sync twin of :meth:`AsyncClient.set_version`."""
-        self._run(self._inner.set_version(version))
+        self._run(self._inner.set_version(version, weights=weights))
+
+    def wait_version(self, after: int = -1, *, timeout: float | None = None) -> VersionReply:
+        """Sync twin of :meth:`AsyncClient.wait_version`."""
+        return self._run(self._inner.wait_version(after, timeout=timeout))
 
     def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
         """Sync twin of :meth:`AsyncClient.set_staleness`."""

@@ -31,6 +31,7 @@ from ..wire import (
     Reserve,
     Sealed,
     Select,
+    VersionWait,
 )
 from ._state import MAX_FIELDS
 
@@ -168,6 +169,10 @@ def _sealed(msg: Sealed, config: ControllerConfig) -> None:
     seconds("timeout", msg.timeout)
 
 
+def _version_wait(msg: VersionWait, config: ControllerConfig) -> None:
+    seconds("timeout", msg.timeout)
+
+
 def _select(msg: Select, config: ControllerConfig) -> None:
     names("fields", msg.fields, MAX_FIELDS)
 
@@ -202,6 +207,7 @@ _CHECKS: dict[type, Callable[[Any, ControllerConfig], None]] = {
     Renew: _renew,
     Reserve: _reserve,
     Sealed: _sealed,
+    VersionWait: _version_wait,
     Select: _select,
     Admission: _admission,
     CreatePartition: _create,

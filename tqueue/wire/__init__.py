@@ -62,6 +62,8 @@ from ._messages import (
     TaskStatus,
     UnitInfo,
     UnitStatus,
+    VersionReply,
+    VersionWait,
     WaiterStatus,
     decode,
     encode,
@@ -128,5 +130,7 @@ __all__ = [
     "TaskStatus",
     "UnitInfo",
     "UnitStatus",
+    "VersionReply",
+    "VersionWait",
     "WaiterStatus",
 ]
