@@ -23,6 +23,8 @@
     ├── AuthenticationError             (also PermissionError) a server refused this peer's
     │                                   CurveZMQ handshake: keys missing, not admitted, or
     │                                   another cluster's
+    ├── EngineError                     an inference engine failed a request (the rollout
+    │                                   bridges); says whether a retry is worth it
     └── RemoteError                     a server failed on a well-formed request
 
 Servers never raise into their loop: a bad request becomes an error reply carrying a
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "CODES",
@@ -173,9 +176,19 @@ class ForkedClientError(TQueueError, RuntimeError):
 
 class EngineError(TQueueError):
     """An inference engine failed a request (an HTTP error, a broken stream, an output
-    that is not what the engine's bridge reads); the message names the request."""
+    that is not what the engine's bridge reads); the message names the request.
+
+    ``retryable``: the failure is worth another try (the connection was refused, reset or
+    dropped, an HTTP 5xx, a timeout before any token). ``report``: on the error that
+    ``tqueue.bridges.Rollouts.step`` raises, the step's ``StepReport`` (what it stored,
+    aborted and failed); None elsewhere."""
 
     code = "engine"
+
+    def __init__(self, message: str = "", *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.report: Any = None
 
 
 class RemoteError(TQueueError):

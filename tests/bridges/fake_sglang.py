@@ -6,6 +6,13 @@ Not SGLang: SGLang needs CUDA kernels on PyPI (ENGINES.md); its formats are cite
 source. ``hold``: the first ``hold[0]`` requests wait until ``hold[1]`` have arrived, then run
 to the end; the others of the first ``hold[1]`` stream ``PARK_AFTER`` tokens and wait until
 aborted (``/abort_request`` or a closed connection). Every other request runs to the end.
+
+``fail`` maps a request's arrival number (1 for the first) to how it fails, once the held
+requests have all arrived and the first ``hold[0]`` have finished: ``"500"`` or ``"503"``
+(an HTTP error), ``"drop"`` (one token streamed, then the connection closed) or ``"error"``
+(an error event in the stream, as SGLang sends one). ``running`` counts the requests on the
+engine; a request stops counting before its last event is sent, so that a client that has
+read every answer sees the count it left behind.
 """
 
 from __future__ import annotations
@@ -37,11 +44,19 @@ def experts(position: int, version: int) -> list[list[int]]:
 
 
 class FakeSGLang:
-    def __init__(self, hold: tuple[int, int] | None = None) -> None:
+    def __init__(self, hold: tuple[int, int] | None = None, fail: dict[int, str] | None = None) -> None:
         self.hold = hold
+        self.fail = dict(fail or {})
+        self.failed: list[list[int]] = []  # the input ids of the requests failed on purpose
         self.version = "0"
         self.arrived = 0
         self.all_arrived = asyncio.Event()
+        self.finished = 0  # requests run to their end
+        self.held_finished = asyncio.Event()  # the first hold[0] have run to their end
+        self.running = 0
+        self.idle = asyncio.Event()  # no request is running
+        self.ignore_aborts = False  # /abort_request answers 200 and aborts nothing
+        self.parked_rids: set[str] = set()
         self.aborted: set[str] = set()  # by /abort_request
         self.disconnected: set[str] = set()  # client closed the stream
         self.abort_events: dict[str, asyncio.Event] = {}
@@ -68,12 +83,19 @@ class FakeSGLang:
         if self.runner is not None:
             await self.runner.cleanup()
 
+    def release(self) -> None:
+        """Let every parked request end (as aborted), as if someone had aborted it."""
+        for event in self.abort_events.values():
+            event.set()
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         self.version = (await request.json())["new_version"]
         return web.json_response({"success": True, "new_version": self.version})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         rid = (await request.json())["rid"]
+        if self.ignore_aborts:
+            return web.Response()
         self.aborted.add(rid)
         self.abort_events.setdefault(rid, asyncio.Event()).set()
         return web.Response()
@@ -81,12 +103,53 @@ class FakeSGLang:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
-        rid, ids = body["rid"], body["input_ids"]
-        budget = body["sampling_params"]["max_new_tokens"]
         self.arrived += 1
         order = self.arrived
         if self.hold is not None and self.arrived >= self.hold[1]:
             self.all_arrived.set()
+        self.running += 1
+        self.idle.clear()
+        counted = [True]
+
+        def ended() -> None:  # the request leaves the engine (once)
+            if counted[0]:
+                counted[0] = False
+                self.running -= 1
+                if not self.running:
+                    self.idle.set()
+
+        try:
+            if order in self.fail:
+                return await self._fail(request, body, self.fail[order], ended)
+            return await self._generate(request, body, order, ended)
+        finally:
+            ended()
+
+    async def _fail(self, request: web.Request, body: dict[str, Any], how: str, ended: Any) -> web.StreamResponse:
+        if self.hold is not None:
+            await self.all_arrived.wait()
+            await self.held_finished.wait()
+        self.failed.append(body["input_ids"])
+        if how in ("500", "503"):
+            ended()
+            return web.Response(status=int(how), text="Service Unavailable" if how == "503" else "Internal Server Error")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ids = body["input_ids"]
+        spans = [{"version": self.version, "start": 0, "end": 1}]
+        await self._send(resp, body["rid"], ids, [token(len(ids))], spans, None, body)
+        ended()
+        if how == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await resp.write(b'data: {"error": {"message": "the scheduler failed this request"}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _generate(self, request: web.Request, body: dict[str, Any], order: int, ended: Any) -> web.StreamResponse:
+        rid, ids = body["rid"], body["input_ids"]
+        budget = body["sampling_params"]["max_new_tokens"]
         aborted = self.abort_events.setdefault(rid, asyncio.Event())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -102,6 +165,7 @@ class FakeSGLang:
                 if self.hold is not None and len(out) == PARK_AFTER and order <= self.hold[1]:
                     if order > self.hold[0]:
                         self.parked += 1
+                        self.parked_rids.add(rid)
                         self.parked_event.set()
                         await aborted.wait()
                         finish = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
@@ -113,8 +177,13 @@ class FakeSGLang:
                 else:
                     spans.append({"version": str(version), "start": len(out) - 1, "end": len(out)})
                 await self._send(resp, rid, ids, out, spans, None, body)
+            ended()
             await self._send(resp, rid, ids, out, spans, finish, body)
             await resp.write(b"data: [DONE]\n\n")
+            if finish["type"] == "length":
+                self.finished += 1
+                if self.hold is not None and self.finished >= self.hold[0]:
+                    self.held_finished.set()
         except asyncio.CancelledError:
             self.disconnected.add(rid)
             raise

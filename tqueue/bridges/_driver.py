@@ -10,32 +10,51 @@ partial sample, tagged with the versions that produced it. A later step on that 
 resumes it: the engine continues from prompt + response so far, and ``complete`` appends the
 new tokens, log-probs, mask and version spans and splices the routed experts.
 
+A step ends whole. An engine error worth another try (:attr:`EngineError.retryable`) is
+retried after a backoff; a call that fails for good stops the step: its other calls are
+aborted on the engine and given ``abort_timeout`` seconds to end (then cancelled), the failed
+member is reported to its group's policy (``client.fail``), and ``step`` raises an
+:class:`EngineError` that carries the step's report. Each request has a key, its group and
+sample number; the driver remembers the keys each step partition is done with (stored, or
+failed and reported), so running a step again sends only what is not.
+
 Engines implement :class:`Engine`; the SGLang and vLLM bridges provide them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
+import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, PartitionClearedError
+from ..errors import EngineError, InvalidArgumentError, PartitionClearedError
 from ..wire import BatchMeta, GroupId
-from ._fields import Trajectory
+from ._fields import SPLICES, Trajectory
 
 if TYPE_CHECKING:
     from ..client import AsyncClient
 
+log = logging.getLogger(__name__)
+
 #: the fields ``complete`` appends when a partial rollout is resumed
 APPENDED = ("response_ids", "response_logprobs", "loss_mask", "version_spans")
+#: how many step partitions' done keys a driver remembers (the most recent ones)
+REMEMBERED_STEPS = 64
+#: the reason a failed member is reported with (``client.fail``)
+FAILED = "engine call failed"
+
+#: a request of a step: its group and its sample number in the group
+Key = tuple[GroupId, int]
 
 
 class Engine(Protocol):
@@ -45,7 +64,8 @@ class Engine(Protocol):
         """Continue ``trajectory`` (its prompt and response so far are the input) by at most
         ``max_new_tokens``, and append the call's output to it when the call ends, finished
         or aborted. Routed experts, if any, are asked for from row
-        ``trajectory.experts_start`` and spliced there."""
+        ``trajectory.experts_start`` and spliced there. A failure is an :class:`EngineError`
+        (``retryable`` where another try may succeed) and leaves ``trajectory`` as it was."""
         ...
 
     async def abort(self, rids: Sequence[str]) -> None:
@@ -59,11 +79,17 @@ class Engine(Protocol):
 
 @dataclasses.dataclass
 class StepReport:
-    """What one step did. ``stored``: trajectories put and kept (finished, or resumed and
-    finished); ``aborted``: calls cut short on the engine because the step sealed;
-    ``recycled``: of those, kept as partial rollouts in the next partition; ``discarded``:
-    put after the seal with nowhere to go; ``resumed``: partial rollouts of earlier steps
-    continued here; ``abort_seconds``: from the seal until the last aborted call ended."""
+    """What one step did. ``requests``: engine requests this run sent (resumes included);
+    ``stored``: trajectories put and kept (finished, or resumed and finished); ``aborted``:
+    calls the driver cut short on the engine, at the seal or because another call failed;
+    ``recycled``: of those, kept as partial rollouts in the next partition; ``discarded``: put
+    after the seal with nowhere to go; ``resumed``: partial rollouts of earlier steps continued
+    here; ``failed``: calls that failed for good, each reported to its group's policy;
+    ``retried``: engine calls tried again after an error worth retrying; ``skipped``: requests
+    an earlier run of this step is done with, not sent again; ``abort_seconds``: from the seal
+    (or the failure) until the last aborted call ended; ``errors``: the engine errors met (the
+    failures, failed aborts, errors of calls after the step stopped); ``keys``: the requests
+    this step partition is done with, this run and earlier ones."""
 
     partition: str
     requests: int = 0
@@ -72,9 +98,14 @@ class StepReport:
     recycled: int = 0
     discarded: int = 0
     resumed: int = 0
+    failed: int = 0
+    retried: int = 0
+    skipped: int = 0
     sealed: bool = False
     abort_seconds: float | None = None
     versions: dict[int, int] = dataclasses.field(default_factory=dict)  # oldest version -> stored samples
+    errors: list[str] = dataclasses.field(default_factory=list)
+    keys: set[Key] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -83,6 +114,7 @@ class _Partial:
     trajectory: Trajectory
     group: GroupId
     budget: int  # max_new_tokens of the whole trajectory
+    splices: list[int]  # per stored segment, its first routed-experts row
 
 
 class Rollouts:
@@ -90,8 +122,12 @@ class Rollouts:
 
     ``max_new_tokens``: the budget of one trajectory, resumes included. ``retries``: how
     often a call the engine aborted on its own (not the driver, at a seal) is continued
-    before the trajectory is stored as it is (``finish="abort"``). ``extra(group, prompt_ids,
-    trajectory)``, if given, returns more fields for each finished sample (a reward, say).
+    before the trajectory is stored as it is (``finish="abort"``). ``error_retries``: how
+    often a call that failed with an error worth retrying is tried again, after
+    ``backoff`` seconds, doubled at each try. ``abort_timeout``: once a step stops (sealed,
+    or a call failed), how long its calls still on the engine have to end before they are
+    cancelled. ``extra(group, prompt_ids, trajectory)``, if given, returns more fields for
+    each finished sample (a reward, say).
     """
 
     def __init__(
@@ -101,17 +137,28 @@ class Rollouts:
         *,
         max_new_tokens: int,
         retries: int = 2,
+        error_retries: int = 3,
+        backoff: float = 0.5,
+        abort_timeout: float = 30.0,
         extra: Any = None,
     ) -> None:
         if max_new_tokens <= 0:
             raise InvalidArgumentError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if retries < 0 or error_retries < 0:
+            raise InvalidArgumentError(f"retries and error_retries must be >= 0, got {retries} and {error_retries}")
+        if not backoff >= 0 or not 0 < abort_timeout < math.inf:
+            raise InvalidArgumentError(f"backoff must be >= 0 and abort_timeout finite and positive, got {backoff} and {abort_timeout}")
         self.client = client
         self.engine = engine
         self.max_new_tokens = max_new_tokens
         self.retries = retries
+        self.error_retries = error_retries
+        self.backoff = backoff
+        self.abort_timeout = abort_timeout
         self.extra = extra
         self.version = 0
         self._partials: list[_Partial] = []
+        self._done: dict[str, set[Key]] = {}  # step partition -> keys it is done with, oldest first
         self._prefix = os.urandom(4).hex()
         self._rids = itertools.count()
 
@@ -137,85 +184,243 @@ class Rollouts:
         """Run one step: ``n`` samples of each prompt (group ``groups[i]``, by default
         ``"{partition}/{i}"``; ``max_new_tokens[i]`` tokens at most, by default the
         driver's), plus the partial rollouts recycled into ``partition``. Returns when every
-        call has ended and every trajectory has its fate."""
+        call has ended and every trajectory has its fate.
+
+        Raises :class:`EngineError` when a call failed for good, once the step's other calls
+        have ended (aborted, or cancelled after ``abort_timeout``); its ``report`` says what
+        was stored, aborted and failed. Running the step again, with the same prompts and
+        groups, sends only the requests it is not done with (``report.skipped``)."""
         if groups is not None and len(groups) != len(prompts):
             raise InvalidArgumentError(f"{len(groups)} groups for {len(prompts)} prompts")
+        if groups is not None and len(set(groups)) != len(groups):
+            raise InvalidArgumentError(f"groups name each prompt's group once; got {list(groups)}")
         if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
             raise InvalidArgumentError(f"{len(max_new_tokens)} token budgets for {len(prompts)} prompts")
         report = StepReport(partition=partition)
-        step = _Step(self, partition, report)
+        done = self._done_with(partition)
+        step = _Step(self, partition, report, done)
         resumes = [p for p in self._partials if p.meta.partition == partition]
         self._partials = [p for p in self._partials if p.meta.partition != partition]
         calls = [step.resume(p) for p in resumes]
         for i, prompt in enumerate(prompts):
             group = groups[i] if groups is not None else f"{partition}/{i}"
             budget = max_new_tokens[i] if max_new_tokens is not None else self.max_new_tokens
-            calls += [step.fresh([int(t) for t in prompt], group, budget) for _ in range(n)]
+            for k in range(n):
+                if (group, k) in done:
+                    report.skipped += 1
+                else:
+                    calls.append(step.fresh((group, k), [int(t) for t in prompt], group, budget))
         report.requests = len(calls)
-        watch = asyncio.ensure_future(step.watch())
         try:
-            await asyncio.gather(*calls)
+            await step.run(calls)
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            report.keys = set(done)
+        if step.failures:
+            raise step.error() from step.failures[0]
         return report
 
     def rid(self) -> str:
-        return f"tq-{self._prefix}-{next(self._rids)}"
+        # fixed width: SGLang aborts every request whose id starts with the one named
+        return f"tq-{self._prefix}-{next(self._rids):012d}"
+
+    def _done_with(self, partition: str) -> set[Key]:
+        done = self._done.pop(partition, set())
+        self._done[partition] = done  # the most recent last
+        while len(self._done) > REMEMBERED_STEPS:
+            del self._done[next(iter(self._done))]
+        return done
 
 
 class _Step:
-    """One step's calls, the seal watch and the abort of the surplus."""
+    """One step's calls, the seal watch, the abort of what runs once the step stops, and
+    the bound on waiting for it."""
 
-    def __init__(self, driver: Rollouts, partition: str, report: StepReport) -> None:
+    def __init__(self, driver: Rollouts, partition: str, report: StepReport, done: set[Key]) -> None:
         self.d = driver
         self.partition = partition
         self.report = report
-        self.running: set[str] = set()
+        self.done = done
+        self.running: dict[str, asyncio.Future[None]] = {}  # engine calls in flight, by request id
+        self.aborting: set[str] = set()  # the engine was told to abort these
+        self.cut: set[str] = set()  # cancelled: still running when the abort bound passed
+        self.bound_passed = False
+        self.aborts: list[asyncio.Future[None]] = []
         self.sealed_at: float | None = None
+        self.stopped_at: float | None = None  # the seal, the first failure or error
+        self.stopped = asyncio.Event()
+        self.halted = False  # stopped by a failure or an error, not by the seal
+        self.failures: list[EngineError] = []
+
+    async def run(self, calls: list[Coroutine[Any, Any, None]]) -> None:
+        """Every call to its fate. Once the step stops, the calls still on the engine have
+        ``abort_timeout`` seconds to end, then they are cancelled. An error other than an
+        engine's (the client's, say) stops the step too, and is raised once all have ended."""
+        pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(c) for c in calls}
+        stop = asyncio.ensure_future(self.stopped.wait())
+        helpers = {asyncio.ensure_future(self.watch()), stop}
+        error: BaseException | None = None
+        try:
+            while pending:
+                timeout = None
+                if self.stopped_at is not None and not self.bound_passed:
+                    timeout = self.stopped_at + self.d.abort_timeout - time.monotonic()
+                    if timeout <= 0:
+                        self.cut_running()
+                        timeout = None
+                ended, _ = await asyncio.wait(pending | helpers, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in ended:
+                    pending.discard(task)
+                    helpers.discard(task)
+                    if task is stop or task.cancelled() or task.exception() is None or error is not None:
+                        continue
+                    error = task.exception()
+                    log.warning("step %s stops: %s: %s", self.partition, type(error).__name__, error)
+                    self.halted = True
+                    self.stop()
+        finally:
+            for task in (*pending, *helpers):
+                task.cancel()
+            await asyncio.gather(*pending, *helpers, return_exceptions=True)
+            await self.settle_aborts()
+        if error is not None:
+            raise error
 
     async def watch(self) -> None:
-        """Park on the partition's seal; then abort what is still running."""
+        """Park on the partition's seal; then stop the step."""
         try:
             await self.d.client.sealed(self.partition, timeout=math.inf)
         except PartitionClearedError:
             return
         self.sealed_at = time.monotonic()
         self.report.sealed = True
+        self.stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stopped_at is not None
+
+    def stop(self) -> None:
+        """No call starts from now on; those on the engine are aborted there."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+            self.stopped.set()
+        rids = sorted(r for r in self.running if r not in self.aborting)
+        if rids:
+            self.aborting.update(rids)
+            self.aborts.append(asyncio.ensure_future(self.abort(rids)))
+
+    async def abort(self, rids: list[str]) -> None:
+        try:
+            await self.d.engine.abort(rids)
+        except EngineError as exc:  # the calls then end at the abort bound
+            self.report.errors.append(str(exc))
+            log.warning("step %s: aborting %d requests failed: %s", self.partition, len(rids), exc)
+
+    def cut_running(self) -> None:
+        """Cancel the calls still running once the abort bound has passed (closing an HTTP
+        call's connection: the engine aborts a request whose client went away)."""
+        self.bound_passed = True
         if self.running:
-            await self.d.engine.abort(sorted(self.running))
+            log.warning("step %s: %d calls still running %.1f s after the step stopped: cancelling them",
+                        self.partition, len(self.running), self.d.abort_timeout)
+        self.cut.update(self.running)
+        for call in self.running.values():
+            call.cancel()
+
+    async def settle_aborts(self) -> None:
+        """The abort requests, within what is left of the bound."""
+        if not self.aborts:
+            return
+        left = (self.stopped_at or time.monotonic()) + self.d.abort_timeout - time.monotonic()
+        _, late = await asyncio.wait(self.aborts, timeout=max(left, 0.0))
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*self.aborts, return_exceptions=True)
 
     async def call(self, traj: Trajectory, budget: int) -> None:
-        """Engine calls on ``traj`` until it ends: continues the calls the engine aborted by
-        itself (not at a seal), ``retries`` times at most."""
-        for _ in range(self.d.retries + 1):
-            if self.sealed_at is not None:  # sealed before it started: nothing to run
-                return
+        """Engine calls on ``traj`` until it ends: calls the engine aborted by itself (not
+        the driver) are continued ``retries`` times at most; calls that failed with an error
+        worth retrying are tried again ``error_retries`` times at most, after a backoff."""
+        continued = errors = 0
+        while not self.stopping:  # a call the step stopped before it started is not sent
             rid = self.d.rid()
-            self.running.add(rid)
+            call = asyncio.ensure_future(self.d.engine.generate(rid, traj, budget - len(traj.response_ids)))
+            self.running[rid] = call
+            failure = None
             try:
-                await self.d.engine.generate(rid, traj, budget - len(traj.response_ids))
+                await call
+            except asyncio.CancelledError:
+                if rid not in self.cut:  # this request itself was cancelled
+                    call.cancel()
+                    raise
+                return  # cut at the abort bound: the trajectory is as it was
+            except EngineError as exc:
+                if self.stopping:  # the step stopped meanwhile: cut short, not failed
+                    self.report.errors.append(str(exc))
+                    log.info("step %s: after the step stopped: %s", self.partition, exc)
+                    return
+                if not exc.retryable or errors >= self.d.error_retries:
+                    raise
+                failure = exc
             finally:
-                self.running.discard(rid)
-            if traj.finish != "abort":
+                del self.running[rid]
+            if failure is not None:
+                errors += 1
+                self.report.retried += 1
+                delay = self.d.backoff * 2 ** (errors - 1)
+                log.info("step %s: %s; retry %d of %d in %.2f s", self.partition, failure, errors, self.d.error_retries, delay)
+                with contextlib.suppress(asyncio.TimeoutError):  # woken early if the step stops
+                    await asyncio.wait_for(self.stopped.wait(), delay)
+                continue
+            if traj.finish != "abort" or continued >= self.d.retries:
                 return
+            continued += 1
+
+    async def failed(self, exc: EngineError, *, group: GroupId = None, meta: BatchMeta | None = None) -> None:
+        """A call failed for good: the step stops, and the partition's member-failure policy
+        learns of the member (a fresh request of ``group``, or the partial sample ``meta``)."""
+        self.failures.append(exc)
+        self.report.failed += 1
+        self.report.errors.append(str(exc))
+        log.warning("step %s: %s", self.partition, exc)
+        self.halted = True
+        self.stop()
+        if meta is not None:
+            await self.d.client.fail(meta, reason=FAILED)
+        elif group is not None:
+            await self.d.client.fail(self.partition, reason=FAILED, group=group, count=1)
 
     def ended(self, traj: Trajectory) -> None:
-        if traj.finish == "abort" and self.sealed_at is not None:
+        if traj.finish == "abort" and self.stopped_at is not None:
             self.report.aborted += 1
-            took = time.monotonic() - self.sealed_at
+            took = time.monotonic() - self.stopped_at
             self.report.abort_seconds = max(self.report.abort_seconds or 0.0, took)
 
-    async def fresh(self, prompt: list[int], group: GroupId, budget: int) -> None:
+    def cut_short(self, traj: Trajectory) -> bool:
+        """Aborted because the step failed (not sealed): nothing of it is stored; a rerun of
+        the step sends it again."""
+        return traj.finish == "abort" and self.halted and self.sealed_at is None
+
+    async def fresh(self, key: Key, prompt: list[int], group: GroupId, budget: int) -> None:
         traj = Trajectory(prompt_ids=prompt)
-        await self.call(traj, budget)
+        try:
+            await self.call(traj, budget)
+        except EngineError as exc:
+            await self.failed(exc, group=group)
+            self.done.add(key)
+            return
         self.ended(traj)
+        if self.cut_short(traj):
+            return
         fields = traj.fields()
+        if traj.routed_experts is not None:
+            fields[SPLICES] = [0]
         if self.d.extra is not None and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
         meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version)
-        self.fate(meta, _Partial(meta, traj, group, budget))
+        self.done.add(key)
+        self.fate(meta, _Partial(meta, traj, group, budget, [0]))
 
     async def resume(self, p: _Partial) -> None:
         traj = p.trajectory
@@ -224,7 +429,11 @@ class _Step:
         start = traj.experts_start  # the first routed-experts row the resumed call computes
         self.report.resumed += 1
         if traj.finish == "abort":
-            await self.call(traj, p.budget)
+            try:
+                await self.call(traj, p.budget)
+            except EngineError as exc:
+                await self.failed(exc, meta=p.meta)
+                return
             self.ended(traj)
         spans = traj.version_spans[spans_before:]
         version = min((v for v, _, _ in spans), default=self.d.version)
@@ -235,9 +444,11 @@ class _Step:
             "version_spans": torch.tensor(spans, dtype=torch.int64).reshape(-1, 3),
             "finish": traj.finish,
         }
+        p = dataclasses.replace(p, splices=[*p.splices, start])  # this segment's rows start there
         splice, lengths = None, None
         if traj.routed_experts is not None:
             data["routed_experts"] = torch.from_numpy(np.ascontiguousarray(traj.routed_experts))
+            data[SPLICES] = list(p.splices)
             if held:
                 splice, lengths = {"routed_experts": start}, [traj.length - 1]
         finished = traj.finish != "abort"
@@ -257,6 +468,9 @@ class _Step:
         if finished:
             self.report.stored += 1
             self.report.versions[traj.version] = self.report.versions.get(traj.version, 0) + 1
+            return
+        if self.cut_short(traj):  # its tokens are kept; a rerun of this step resumes it
+            self.d._partials.append(p)
             return
         # aborted again, or finished too late: on to the partition this one recycles into, still partial
         nxt = await self.recycle_target()
@@ -285,3 +499,14 @@ class _Step:
             self.report.recycled += 1
         else:
             self.report.discarded += 1
+
+    def error(self) -> EngineError:
+        """What ``step`` raises after a failure, with the report."""
+        r = self.report
+        err = EngineError(
+            f"step {self.partition!r}: {r.failed} of {r.requests} requests failed (first: {self.failures[0]}); "
+            f"{r.stored} stored, {r.aborted} aborted, {r.retried} retries; the failed members were reported to "
+            f"their groups, and a rerun of the step sends only what it is not done with"
+        )
+        err.report = r
+        return err

@@ -22,6 +22,11 @@ field              dtype     shape per sample                 coordinates
                    vLLM)
 ================== ========= ================================ ===========================
 
+Beside ``routed_experts`` the rollout driver writes :data:`SPLICES` (``routed_experts_splices``,
+a list of ints per sample): for each of the sample's version segments, the first row of
+``routed_experts`` that the segment's engine call computed. ``Batch.token_versions`` reads it
+to give each row its version.
+
 The group id travels as the put's ``groups``; the oldest span's version as its ``version`` (what
 staleness admission counts). Other fields (``reward``, metadata) go alongside under their own
 names. A trajectory continued after an abort (a partial rollout resumed) appends its new tokens,
@@ -42,6 +47,8 @@ import torch
 from ..errors import InvalidArgumentError, SchemaError
 
 FINISHES = ("stop", "length", "abort", "error")
+#: per sample, the first ``routed_experts`` row of each version segment (a list of ints)
+SPLICES = "routed_experts_splices"
 FIELDS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "finish", "version_spans", "routed_experts")
 
 

@@ -4,6 +4,7 @@ routed-experts payload over a long sequence is large, but not without limit)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -90,21 +91,45 @@ class HTTPEngine:
 
     async def stream(self, rid: str, path: str, body: Mapping[str, Any], what: str) -> AsyncGenerator[Any, None]:
         """POST ``body`` to ``path`` and yield its events. A stream closed by
-        :meth:`abort_streams` just ends; any other failure is an :class:`EngineError`."""
+        :meth:`abort_streams` just ends; any other failure is an :class:`EngineError`,
+        ``retryable`` where another try may succeed: the connection was refused, reset or
+        dropped, an HTTP 5xx, a timeout before the first event."""
+        import aiohttp
+
+        started = False
+        try:
+            async with self._http().post(f"{self.url}{path}", json=body) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:500]
+                    raise EngineError(f"{what}: HTTP {resp.status}: {text}", retryable=resp.status >= 500)
+                self._streams[rid] = resp
+                async for event in events(resp.content, what):
+                    started = True
+                    yield event
+        except asyncio.TimeoutError:  # aiohttp's timeouts are asyncio's too
+            if rid not in self._closed:
+                when = "after its first event" if started else "before any event"
+                raise EngineError(f"{what}: timed out {when} (timeout={self.timeout} s)", retryable=not started) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            if rid not in self._closed:
+                raise EngineError(f"{what}: {type(exc).__name__}: {exc}", retryable=True) from None
+        except aiohttp.ClientError as exc:
+            if rid not in self._closed:
+                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._streams.pop(rid, None)
+
+    async def post(self, path: str, body: Mapping[str, Any], what: str) -> None:
+        """POST ``body`` to ``path``; anything but HTTP 200 is an :class:`EngineError` naming ``what``."""
         import aiohttp
 
         try:
             async with self._http().post(f"{self.url}{path}", json=body) as resp:
                 if resp.status != 200:
-                    raise EngineError(f"{what}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                self._streams[rid] = resp
-                async for event in events(resp.content, what):
-                    yield event
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            if rid not in self._closed:
-                raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
-        finally:
-            self._streams.pop(rid, None)
+                    text = (await resp.text())[:300]
+                    raise EngineError(f"{what} at {self.url}: HTTP {resp.status}: {text}", retryable=resp.status >= 500)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+            raise EngineError(f"{what} at {self.url}: {type(exc).__name__}: {exc}", retryable=True) from None
 
     def closed(self, rid: str) -> bool:
         """Whether the driver closed this call's stream (and forget it)."""

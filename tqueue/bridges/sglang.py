@@ -125,7 +125,10 @@ class SGLangEngine(HTTPEngine):
     ``POST /abort_request {"rid"}`` (the stream then ends with ``finish_reason`` abort);
     ``abort="close"`` closes the stream instead, for endpoints that route requests to engines
     the caller cannot name (SGLang aborts a request whose client went away), and keeps the
-    tokens of the last event. ``experts_shape`` = ``(num_hidden_layers,
+    tokens and log-probs of the last event; SGLang sends routed experts and
+    ``weight_versions`` in the final event only, so a closed call has no routed experts (the
+    call that resumes it computes every row) and one span, of the last event's
+    ``weight_version``. ``experts_shape`` = ``(num_hidden_layers,
     num_experts_per_tok)`` asks for routed experts. ``sampling_params`` go into every
     request; ``headers`` into every HTTP call (an ``Authorization``, say).
     """
@@ -159,19 +162,21 @@ class SGLangEngine(HTTPEngine):
             body["routed_experts_start_len"] = start
         what = f"SGLang request {rid} at {self.url}"
         last: dict[str, Any] | None = None
-        async with contextlib.aclosing(self.stream(rid, "/generate", body, what)) as stream:
-            async for event in stream:
-                if isinstance(event, list):  # n > 1 answers a list; the driver sends n = 1
-                    event = event[0]
-                if not isinstance(event, dict):
-                    raise EngineError(f"{what}: a streamed event is {type(event).__name__}, not an object")
-                if "error" in event and "output_ids" not in event:
-                    raise EngineError(f"{what}: {event['error']}")
-                last = event
-        closed = self.closed(rid)
+        try:
+            async with contextlib.aclosing(self.stream(rid, "/generate", body, what)) as stream:
+                async for event in stream:
+                    if isinstance(event, list):  # n > 1 answers a list; the driver sends n = 1
+                        event = event[0]
+                    if not isinstance(event, dict):
+                        raise EngineError(f"{what}: a streamed event is {type(event).__name__}, not an object")
+                    if "error" in event and "output_ids" not in event:
+                        raise EngineError(f"{what}: {event['error']}")
+                    last = event
+        finally:
+            closed = self.closed(rid)
         if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
             if not closed:
-                raise EngineError(f"{what}: the stream ended before the request finished")
+                raise EngineError(f"{what}: the stream ended before the request finished", retryable=True)
             last = _aborted(last)
         from_generate(
             last, trajectory.prompt_ids, trajectory=trajectory, experts_shape=self.experts_shape,
@@ -183,23 +188,13 @@ class SGLangEngine(HTTPEngine):
         if self.abort_by == "close":
             self.abort_streams(rids)
             return
-        session = self._http()
-
-        async def one(rid: str) -> None:
-            async with session.post(f"{self.url}/abort_request", json={"rid": rid}) as resp:
-                if resp.status != 200:
-                    raise EngineError(f"aborting SGLang request {rid} at {self.url}: HTTP {resp.status}")
-
-        await asyncio.gather(*(one(r) for r in rids))
+        await asyncio.gather(*(self.post("/abort_request", {"rid": r}, f"aborting SGLang request {r}") for r in rids))
 
     async def set_version(self, version: int) -> None:
         """Tell the server its weights are ``version`` (``POST /update_weight_version``), so
         that its responses' ``weight_versions`` say so."""
-        async with self._http().post(
-            f"{self.url}/update_weight_version", json={"new_version": str(version), "abort_all_requests": False}
-        ) as resp:
-            if resp.status != 200:
-                raise EngineError(f"setting the weight version at {self.url}: HTTP {resp.status}: {await resp.text()}")
+        body = {"new_version": str(version), "abort_all_requests": False}
+        await self.post("/update_weight_version", body, "setting the weight version")
 
 
 def _aborted(last: Mapping[str, Any] | None) -> dict[str, Any]:

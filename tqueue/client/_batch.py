@@ -125,14 +125,28 @@ class Batch(Mapping[str, Any]):
         Read from the sample's segments ``(version, first_token)``, whose ``first_token``
         counts response tokens (0: the first generated token), as every token offset in
         tqueue does. A field whose rows are response tokens (the tokens, their log-probs)
-        maps row ``r`` to response token ``r``: leave ``prompt_lengths`` out. A field whose
-        rows cover the whole sequence, prompt first (routed experts ``[prompt + response,
-        layers, top_k]`` as engines return them, spliced by :meth:`AsyncClient.complete`),
-        needs ``prompt_lengths`` (one for every sample, or one per sample): row ``r`` is
-        then response token ``r - prompt_length``, and the prompt's rows belong to the
-        segment that starts at response token 0 (the weights that prefilled it)."""
+        maps row ``r`` to response token ``r``: leave ``prompt_lengths`` out.
+
+        A field spliced at each resume (routed experts ``[prompt + response - 1, layers,
+        top_k]``, as the rollout driver stores them) maps each segment from the row its call
+        computed first, which the driver records in ``<field>_splices`` (one int per
+        segment): read that field too, and each row gets the version of the call that
+        computed it. A resumed call computes the row of the last token it was given, so the
+        boundary row is the new segment's; where a call's rows were lost (a closed stream),
+        the call that recomputed them has them.
+
+        A field with one row per sequence position, prompt first, and no recorded splices
+        needs ``prompt_lengths`` (one for every sample, or one per sample): row ``r`` is then
+        response token ``r - prompt_length``, and the prompt's rows belong to the segment
+        that starts at response token 0 (the weights that prefilled it)."""
         values = self._values[field]
         meta = self._meta
+        splices = self._values.get(f"{field}_splices")
+        if splices is not None and prompt_lengths is not None:
+            raise InvalidArgumentError(
+                f"token_versions({field!r}): the batch holds {field}_splices, the rows each segment starts "
+                f"at; prompt lengths are for fields without them"
+            )
         prompts = _prompt_lengths(prompt_lengths, len(values), field)
         out = []
         for i, value in enumerate(values):
@@ -146,8 +160,18 @@ class Batch(Mapping[str, Any]):
             segments = meta.segments[i] if meta.segments is not None else None
             if segments is None and meta.versions is not None:
                 segments = [[meta.versions[i], 0]]
-            for version, first in segments or []:
-                versions[prompt + first if first > 0 else 0 :] = version
+            segments = segments or []
+            rows = splices[i] if splices is not None else None
+            if rows is not None and len(rows) != len(segments):
+                raise InvalidArgumentError(
+                    f"field {field!r} of sample {meta.indexes[i]}: {len(rows)} recorded splices "
+                    f"({field}_splices) for {len(segments)} version segments"
+                )
+            for j, (version, first) in enumerate(segments):
+                if rows is not None:
+                    versions[int(rows[j]) :] = version
+                else:
+                    versions[prompt + first if first > 0 else 0 :] = version
             out.append(versions)
         return out
 
