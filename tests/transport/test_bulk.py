@@ -336,9 +336,10 @@ def test_garbage_on_the_bulk_port_is_dropped_and_the_unit_still_serves(connect, 
 
 
 def test_unit_killed_under_an_idle_stream_fails_typed_within_the_request_timeout(streams, partition):
-    """The typed error names the timeout that ran out, the request's or the heartbeats' (both
-    are 3 s here, and whichever ends first is right): no wall clock is raced against it (the
-    producer, whose put must not time out under load, has the default timeout)."""
+    """The typed error names what ended the wait: the unit's refused reconnect (the client's
+    connection watch, usually first), or the request's or the heartbeats' timeout (both 3 s
+    here): no wall clock is raced against it (the producer, whose put must not time out
+    under load, has the default timeout)."""
     timeout = 3.0
     with tqueue.LocalCluster(num_storage_units=1) as cluster:
         config = tqueue.ClientConfig(shm=False, request_timeout=timeout)
@@ -356,7 +357,7 @@ def test_unit_killed_under_an_idle_stream_fails_typed_within_the_request_timeout
             with pytest.raises(
                 tqueue.StorageUnitUnavailableError,
                 match=rf"storage unit {unit} at tcp://127\.0\.0\.1:\d+ (did not answer Fetch within {timeout}"
-                r"|has not been heard from for)",
+                r"|has not been heard from for|no longer answers \(connection refused\)|closed the connection)",
             ):
                 client.get_data(meta)
             assert idle_streams(client, unit) == 0  # the stream was closed, not put back
@@ -637,3 +638,43 @@ def test_stream_failures_are_typed_at_the_transport_boundary():
         port = s.getsockname()[1]  # a port that was just free and is closed again below
     with pytest.raises(tqueue.StorageUnitUnavailableError, match=rf"cannot open a bulk stream to 127\.0\.0\.1:{port}: ConnectionRefusedError"):
         _bulk.BulkStream(f"127.0.0.1:{port}", timeout=10)
+
+
+def test_a_unit_send_is_counted_until_let_go_and_cut_off_at_its_pace():
+    """A unit's stream counts the bytes it has to send (``held_bytes``) until its writer lets
+    go of them; a reader that stops is cut off at the stall timeout and the stream closed; a
+    send that would queue past ``max_queued`` behind one under way is refused, nothing queued."""
+    import time
+
+    import numpy as np
+
+    let_go = threading.Semaphore(0)
+    server = _bulk.BulkServer("127.0.0.1", stall=0.5, min_rate=1 << 30, max_queued=8 << 20, on_sent=let_go.release)
+    reader = _bulk.BulkStream(server.address, 10)
+    stopped = _bulk.BulkStream(server.address, 10)
+    stopped.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    try:
+        reply = np.random.default_rng(7).integers(0, 256, 32 << 20, dtype=np.uint8)
+        got = np.empty_like(reply)
+        assert server.send(reader.token, [reply])
+        reader.read([memoryview(got)], 10)
+        assert let_go.acquire(timeout=10) and server.held_bytes == 0 and np.array_equal(got, reply)
+
+        assert server.send(stopped.token, [reply])
+        assert server.held_bytes == reply.nbytes
+        assert not server.send(stopped.token, [reply[: 1 << 20]])  # 33 MiB past 8 MiB behind it
+        assert server.held_bytes == reply.nbytes
+        t0 = time.monotonic()
+        assert let_go.acquire(timeout=10), "the stopped reader was never cut off"
+        took = time.monotonic() - t0
+        assert server.held_bytes == 0 and took <= 0.5 * 1.25 + 2  # two busy cores
+        left = 0
+        stopped.sock.settimeout(10)
+        while chunk := stopped.sock.recv(1 << 20):  # what was in flight, then the unit's hang-up
+            left += len(chunk)
+        assert left < reply.nbytes
+        assert not server.send(stopped.token, [reply])  # that stream is gone
+    finally:
+        reader.close()
+        stopped.close()
+        server.close()
