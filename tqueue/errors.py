@@ -39,11 +39,13 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
-    "CODES",
     "AuthenticationError",
+    "CODES",
     "ControllerUnavailableError",
     "DataLostError",
+    "EngineError",
     "FieldTypeError",
+    "ForkedClientError",
     "InvalidArgumentError",
     "PartitionClearedError",
     "PermissionDeniedError",
