@@ -4,14 +4,14 @@
                              [--systems tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
                              [--repeats 5] [--warmup 3] [--rounds 2] [--out bench-results]
 
-(also ``tqueue bench`` from a source checkout). Peers that are not installed are skipped
-with a line saying so; ``bash benchmarks/install_peers.sh`` installs them. Every figure is
-the median of ``--repeats`` runs, with min and max, spread over ``--rounds`` rounds that take the
-systems in turn; each round starts every system afresh and runs ``--warmup`` unrecorded first.
-Writes ``results.md``, ``results.json`` and (with matplotlib) ``throughput.png`` to ``--out``.
-``--smoke`` only proves the harness runs end to end (32 samples, 1to1, one run, no warm-up):
-its figures mean nothing. To compare two trees, run each tree's harness into its own folders,
-alternating, and read them with ``benchmarks/compare.py`` (its docstring has the commands).
+(also tqueue bench from a source checkout). Peers that are not installed are skipped with a
+line saying so; bash benchmarks/install_peers.sh installs them. Every figure is the median of
+--repeats runs, with min and max, spread over --rounds rounds that take the systems in turn;
+each round starts every system afresh and runs --warmup unrecorded first. Writes results.md,
+results.json and (with matplotlib) throughput.png to --out. --smoke only proves the harness
+runs end to end (32 samples, 1to1, one run, no warm-up): its figures mean nothing. To compare
+two trees, run each tree's harness into its own folders, alternating, and read them with
+benchmarks/compare.py (its docstring has the commands).
 """
 
 from __future__ import annotations
@@ -279,20 +279,30 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> str | None:
     return None
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=_Formatter)
     p.add_argument("--quick", action="store_true", help="256 samples, 1to1 and 1to4, 2 repeats")
     p.add_argument("--smoke", action="store_true", help="CI check that the harness runs: 32 samples, 1to1, 1 run")
-    p.add_argument("--sizes", default="256,1024,4096,16384")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sizes", default="256,1024,4096,16384", help="samples per batch, comma-separated")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="producer-to-consumer layouts, comma-separated")
+    p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue",
+                   help=f"systems to run, comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, default=5, help="recorded runs of each system, scenario and size")
     p.add_argument("--warmup", type=int, default=3, help="unrecorded rounds first (warm caches, pools and page tables for every system)")
     p.add_argument("--rounds", type=int, default=2,
                    help="spread each system's recorded repeats over this many rounds, systems in turn "
                         "(each round restarts every system and warms it up again)")
     p.add_argument("--max-size", default="", help="per-system size cap, e.g. transferqueue=4096")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="bench-results", help="folder for results.md, results.json and throughput.png")
+    return p
+
+
+def parse(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    p = make_parser(prog)
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.scenarios = args.scenarios.split(",")
@@ -326,8 +336,8 @@ def write(data: dict[str, Any], out: pathlib.Path, *, final: bool) -> tuple[str,
     return text, written
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse(argv, prog)
     out = pathlib.Path(args.out)
     started = time.time()
 

@@ -1,12 +1,26 @@
-"""The servers started from a shell take every config setting as a flag, limits included."""
+"""The command line: servers started from a shell take every config setting as a flag, limits
+included; errors are one line with an exit code; the help and the docs say the same."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
 
 import pytest
 import torch
 
 import tqueue
 from tqueue.errors import InvalidArgumentError
+from tqueue.launch._serve import READY
 
 from .servers import server
 
@@ -93,3 +107,249 @@ def test_a_unit_joins_late_and_status_and_top_show_the_cluster():
                 finally:
                     client.clear("early")  # the waiting call ends (cleared)
                     waiting.join(30)
+
+
+# --- the command line as a new user meets it --------------------------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+COMMANDS = ["controller", "storage-unit", "status", "top", "ingest", "demo", "bench"]
+
+
+def _run(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tqueue", *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        pytest.param([], 2, "the following arguments are required: COMMAND", id="no-command"),
+        pytest.param(["demo", "--steps", "x"], 2, "argument --steps: expected a positive integer, got 'x'", id="bad-value"),
+        pytest.param(["--log-level", "loud", "status", "a"], 2, "argument --log-level: invalid choice", id="bad-level"),
+        pytest.param(["demo", "--trainer", "megatron"], 2, "--trainer megatron needs --engine vllm", id="trainer-alone"),
+        pytest.param(["demo", "--prompts", "7"], 2, "--prompts (7) must be a multiple of --consumers (2)", id="prompts"),
+        pytest.param(["ingest", "tcp://127.0.0.1:9"], 2, "tqueue ingest needs a bearer token", id="no-token"),
+        pytest.param(["ingest", "tcp://127.0.0.1:9", "--token-file", "/nonexistent/token"], 1,
+                     "No such file or directory: '/nonexistent/token'", id="os-error"),
+    ],
+)
+def test_an_error_is_one_line_and_an_exit_code(args, code, message):
+    out = _run(*args, env={**os.environ, "TQUEUE_INGEST_TOKEN": ""})
+    assert out.returncode == code, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("tqueue: error: "), out.stderr
+    assert message in out.stderr
+
+
+def test_an_unreachable_controller_is_one_line_and_exit_code_1():
+    address = f"tcp://127.0.0.1:{_closed_port()}"
+    out = _run("status", address)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("tqueue: error: "), out.stderr
+    assert address in out.stderr
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_debug_anywhere_shows_the_traceback(where):
+    args = ["ingest", "tcp://127.0.0.1:9", "--token-file", "/nonexistent/token"]
+    out = _run(*(["--debug", *args] if where == "first" else [*args, "--debug"]))
+    assert out.returncode == 1
+    assert out.stderr.startswith("Traceback (most recent call last):")
+    assert out.stderr.splitlines()[-1] == "tqueue: error: [Errno 2] No such file or directory: '/nonexistent/token'"
+
+
+def test_ctrl_c_prints_one_line_and_exits_130():
+    """The terminal's Ctrl-C reaches the whole process group: the demo, its producer and
+    consumer processes and its servers. None of them prints a traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqueue", "demo", "--steps", "50", "--prompts", "8", "--group-size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = _read_until(proc.stderr, "samples trained on", 90)  # its children run
+        os.killpg(proc.pid, signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, seen + rest
+    assert rest.splitlines()[-1] == "tqueue: interrupted", rest
+    assert "Traceback" not in seen + rest and "Fatal Python error" not in seen + rest, seen + rest
+
+
+def _read_until(stream: Any, text: str, timeout: float) -> str:
+    """What ``stream`` printed until it printed ``text`` (within ``timeout`` s); read from its
+    descriptor, so that nothing stays buffered in the file object for a later read."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while text not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {text!r} within {timeout} s: {seen}"
+        if select.select([stream], [], [], left)[0]:
+            chunk = os.read(stream.fileno(), 1 << 16).decode()
+            assert chunk, f"the stream ended before {text!r}: {seen}"
+            seen += chunk
+    return seen
+
+
+def test_version():
+    import importlib.metadata
+
+    out = _run("--version")
+    assert out.returncode == 0 and out.stdout == f"tqueue {tqueue.__version__}\n"
+    assert tqueue.__version__ == importlib.metadata.version("tqueue")
+
+
+def test_log_level_and_debug_are_accepted_after_the_command(cluster):
+    out = _run("status", cluster.address, "--log-level", "info", "--debug")
+    assert out.returncode == 0, out.stderr
+    assert f"tqueue at {cluster.address}" in out.stdout
+
+
+def test_bench_help_is_the_benchmarks_own():
+    out = _run("bench", "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: tqueue bench [-h] [--quick]")
+    assert "--systems SYSTEMS" in out.stdout and "usage: tqueue [" not in out.stdout
+
+
+def _help(command: str) -> str:
+    out = _run(*([command] if command else []), "--help")
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _flags(help_text: str) -> set[str]:
+    """The options a --help lists: its option lines start with two spaces and a dash; what
+    follows two more spaces is the option's help."""
+    return {flag for line in help_text.splitlines() if line.startswith("  -")
+            for flag in re.findall(r"--?[a-z][a-z0-9-]*", line[2:].split("  ")[0])}
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    return {command: _help(command) for command in ["", *COMMANDS]}
+
+
+def test_help_is_plain_text_and_says_what_settings_mean(helps):
+    for command, text in helps.items():
+        assert "``" not in text and "(later)" not in text, command
+        assert "usage: tqueue " + command in text.replace("\n", " "), command
+    controller, unit = " ".join(helps["controller"].split()), " ".join(helps["storage-unit"].split())
+    for config, text in ((tqueue.ControllerConfig, controller), (tqueue.StorageConfig, unit)):
+        for field in dataclasses.fields(config):
+            assert " ".join(field.metadata["help"].split()) in text, (config.__name__, field.name)
+    assert "(0: the OS picks; -1: none)" in controller and "(0: no limit beyond the units' own)" in controller
+    assert "(default: 16777216 = 16 MiB)" in controller and "0: no arena" in unit
+    demo = " ".join(helps["demo"].split())
+    assert "pip install -e '.[vllm]'" in demo and "pip install -e '.[megatron]'" in demo
+
+
+def _documented_flags() -> dict[str, set[str]]:
+    """Per command, the arguments that docs/operations.md's reference lists."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    tables: dict[str, set[str]] = {}
+    for title, body in re.findall(r"^### `tqueue ?([a-z-]*)`\n(.*?)(?=^### |<!-- end)", text, flags=re.S | re.M):
+        tables[title] = {flag for cell in re.findall(r"^\| `([^`]*)`", body, flags=re.M)
+                         for flag in re.findall(r"(?<![\w-])--?[a-z][a-z0-9-]*", cell)}
+    return tables
+
+
+def test_the_docs_list_every_flag_of_every_command_and_no_other(helps):
+    documented = _documented_flags()
+    assert set(documented) == set(helps)
+    for command, text in helps.items():
+        shown = _flags(text) - {"-h", "--help"}
+        assert shown == documented[command] - {"-h", "--help"}, command
+
+
+def test_the_reference_in_the_docs_is_the_parsers():
+    from tqueue.cli import reference
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("<!-- generated: tqueue.cli.reference() -->\n")[1].split("<!-- end of the generated section -->")[0]
+    assert section.strip() == reference().strip(), (
+        "docs/operations.md's command-line reference differs from the parsers; regenerate it with "
+        "python -c 'import tqueue.cli; print(tqueue.cli.reference())'"
+    )
+
+
+def _documented_command_lines() -> list[str]:
+    """Every tqueue command line in README.md, docs/operations.md and docs/api.md: the lines
+    of shell code blocks, and inline code that gives a command arguments."""
+    lines = []
+    for name in ("README.md", "docs/operations.md", "docs/api.md"):
+        text = (ROOT / name).read_text()
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S):
+            for line in block.splitlines():
+                for part in line.split("&&"):
+                    part = part.split("#")[0].strip().removeprefix(".venv/bin/")
+                    if part.startswith("tqueue "):
+                        lines.append(part)
+        for span in re.findall(r"(?<!`)`(tqueue [a-z-]+ [^`]+)`(?!`)", text):
+            lines.append(" ".join(span.split()))
+    return lines
+
+
+def _concrete(line: str, address: str) -> list[str]:
+    """A documented line as argv: optional [groups] and '...' dropped, ADDR filled in."""
+    while re.search(r"\[[^\[\]]*\]", line):
+        line = re.sub(r"\s*\[[^\[\]]*\]", "", line)
+    line = line.replace("...", "").replace("$HOSTNAME", "host")
+    argv = [address if word in ("ADDR", "CONTROLLER") else word for word in line.split()[1:]]
+    return argv
+
+
+def _quick(argv: list[str]) -> bool:
+    """Lines that end by themselves within seconds here (servers serve until stopped; the
+    full demo and the engine demos take minutes or extras)."""
+    if "--help" in argv or "--version" in argv:
+        return True
+    if argv[0] == "demo":
+        return "--quick" in argv and "--engine" not in argv
+    return argv[0] == "status" or (argv[0] == "top" and "--iterations" in argv)
+
+
+def test_every_documented_command_line_parses_and_the_quick_ones_run(cluster):
+    from tqueue.cli import _parser
+
+    lines = _documented_command_lines()
+    assert {"tqueue --version", "tqueue demo --quick", "tqueue status ADDR"} <= {" ".join(x.split()[:3]) for x in lines}
+    ran = []
+    for line in lines:
+        argv = _concrete(line, cluster.address)
+        if argv[0] != "bench":
+            try:
+                _parser().parse_args(argv)
+            except SystemExit as exc:
+                assert exc.code == 0, f"documented, but does not parse: {line}"
+        if _quick(argv) and argv not in ran:
+            ran.append(argv)
+            out = _run(*argv, timeout=300)
+            assert out.returncode == 0, (line, out.stderr)
+    assert ["--version"] in ran and ["demo", "--quick"] in ran and ["status", cluster.address] in ran
+
+
+def test_the_ready_line_is_documented_as_printed():
+    printed = []
+    with server("controller", ready=lambda line: line) as line:
+        printed.append(line)
+        address = json.loads(line.split(" ", 1)[1])["address"]
+        with server("storage-unit", "--controller", address, ready=lambda line: line) as unit_line:
+            printed.append(unit_line)
+    docs = {line.split(" ", 1)[0]: [] for line in printed}
+    text = (ROOT / "docs" / "operations.md").read_text()
+    for line in text.splitlines():
+        if line.startswith("TQUEUE-"):
+            docs.setdefault(line.split(" ", 1)[0], []).append(json.loads(line.split(" ", 1)[1]))
+    for line in printed:
+        prefix, info = line.split(" ", 1)
+        assert prefix == READY and any(d.keys() == json.loads(info).keys() and d["role"] == json.loads(info)["role"]
+                                       for d in docs[prefix]), line

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -57,8 +58,11 @@ async def _main(config: ControllerConfig | StorageConfig, watch_stdin: bool) -> 
 
 
 def _wait_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    # os.read on the descriptor, not sys.stdin: a daemon thread blocked in the buffered reader
+    # holds its lock, and a process that stops for a signal meanwhile dies at shutdown with
+    # "Fatal Python error: could not acquire lock for <stdin>"
     try:
-        while sys.stdin.buffer.read(1 << 16):
+        while os.read(sys.stdin.fileno(), 1 << 16):
             pass
     finally:
         loop.call_soon_threadsafe(stop.set)
