@@ -132,9 +132,21 @@ class StorageConfig:
         512, "bulk streams open at once, in all; one more is refused at its hello and its client falls back to ZeroMQ "
         "(streams are reclaimed as soon as their client closes or dies)")
     bulk_streams_per_peer: int = _setting(128, "bulk streams open at once from one peer address; one more is refused likewise")
+    bulk_stall_timeout: float = _setting(
+        30.0, "seconds a bulk stream may move no byte of a fetch's reply (or a put) before the unit cuts it off: the "
+        "stream is closed, the reader's fetch fails, and the bytes it kept in memory (a cleared partition's too) go "
+        "(0: no limit)")
+    bulk_min_rate: int = _setting(
+        1 * MiB, "bytes a second a bulk stream must average: a reply (or put) of N bytes is cut off once "
+        "bulk_stall_timeout + N / bulk_min_rate seconds have passed since it began, so a reader that trickles holds "
+        "it no longer (0: no rate bound)")
     max_queued_bytes: int = _setting(
         1024 * MiB, "reply bytes queued for one peer that does not read them; past it that peer's fetches get "
         "UnavailableError replies instead, until it reads")
+    max_queued_bytes_total: int = _setting(
+        4096 * MiB, "reply bytes queued on ZeroMQ for all peers together (status() counts them in held_bytes, with "
+        "what bulk streams have yet to send); past it fetches get UnavailableError replies instead, until readers "
+        "catch up")
     max_queued_replies: int = _setting(
         10_000, "replies queued for one peer (ZeroMQ's send high-water mark); past it replies to that peer are "
         "dropped, counted and logged")

@@ -110,6 +110,24 @@ def test_arena_allocates_frees_and_coalesces():
         arena.close()
 
 
+def test_arena_pages_freed_after_a_punch_go_back_at_the_next():
+    """A region that frees after a punch (its reader released it once the partition was
+    cleared) is punched by the next one: its pages did stay mapped."""
+    import os
+
+    arena = Arena(8 << 20)
+    try:
+        a, b = arena.alloc(1 << 20), arena.alloc(1 << 20)
+        arena.view[a.offset : b.end] = b"\1" * (2 << 20)
+        assert arena.decref(a)  # a is free
+        assert arena.punch() == (8 << 20) - (1 << 20)  # all but b, still held
+        assert os.fstat(arena.fd).st_blocks * 512 == 1 << 20
+        assert arena.decref(b)  # its last reference: free
+        assert arena.punch() == 8 << 20 and os.fstat(arena.fd).st_blocks == 0
+    finally:
+        arena.close()
+
+
 def arena_store():
     arena = Arena(8 << 20)
     released = []

@@ -283,7 +283,7 @@ class Controller:
                 unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
                 capacity=u.capacity, undropped=self.cleanup.drops.count(u.info.unit_id),
                 name=u.name, alive=u.alive, silent=max(0.0, now - u.heard), arena_used=u.arena_used,
-                metrics=u.metrics,
+                metrics=u.metrics, held_bytes=u.held_bytes,
             )
             for u in self.s.units.values()
         ]

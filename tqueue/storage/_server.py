@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,6 @@ from ._store import Store as _Data
 log = logging.getLogger(__name__)
 
 ALLOC_TIMEOUT = 120.0  # an arena range not stored within this long goes back to the pool
-BULK_READ_TIMEOUT = 60.0  # a writer whose bulk stream stalls this long has its put refused
 COMMIT_SHARE = 0.75  # of the writer's request timeout, what a commit may wait for the controller
 
 
@@ -78,6 +77,7 @@ class StorageUnit:
             max_frames=config.max_frames,
             max_frame_bytes=config.max_frame_bytes,
             max_queued_bytes=config.max_queued_bytes,
+            max_queued_bytes_total=config.max_queued_bytes_total,
             max_queued_replies=config.max_queued_replies,
             heartbeat=0.0,  # the cluster's interval comes with the registration
             curve=_auth.server_keys(config.auth_dir),
@@ -88,7 +88,7 @@ class StorageUnit:
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
         self.data = _Data(self.arena, self._release_soon, max_index=config.max_index)
-        self.bulk = _bulk_server(config, self.address)
+        self.bulk = _bulk_server(config, self.address, self._sent_soon)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
@@ -96,6 +96,8 @@ class StorageUnit:
         self.interval = 0.0  # the cluster's heartbeat interval, learned at registration
         self._controller: _zmq.Peer | None = None
         self._trim: asyncio.TimerHandle | None = None
+        # freed payload that unsent replies still keep in memory: given back once they are gone
+        self._owed = False
         # arena ranges allocated to writers and held by readers, with their lapse timers and
         # the client session that owns them (freed at once when it ends)
         self._allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
@@ -163,9 +165,10 @@ class StorageUnit:
         silent_since: float | None = None
         while True:
             await asyncio.sleep(self.interval)  # the heartbeat's period, not a wait for an event
+            self._sent()  # replies of a cleared partition that ZeroMQ let go of meanwhile
             beat = Heartbeat(
                 unit_id=self.unit_id, name=self.config.name, nbytes=self.data.resident,
-                arena_used=self.arena.used if self.arena is not None else 0,
+                arena_used=self.arena.used if self.arena is not None else 0, held_bytes=self.held_bytes,
             )
             try:
                 reply, _ = await self._ctl().request(
@@ -185,6 +188,7 @@ class StorageUnit:
         uids = list(self.data.partitions)
         freed = sum(self.data.drop(uid) for uid in uids)
         log.warning("unit %d: %s; freeing its %d partitions (%d bytes)", self.unit_id, why, len(uids), freed)
+        self._owed = self.held_bytes > 0
         self._trim_now()
 
     async def serve(self) -> None:
@@ -198,6 +202,7 @@ class StorageUnit:
         unit = [str(self.unit_id)]
         for name, doc, value in (
             ("tqueue_unit_stored_bytes", "Payload bytes the unit holds", self.data.resident),
+            ("tqueue_unit_held_bytes", "Bytes of replies its readers have not taken yet", self.held_bytes),
             ("tqueue_unit_budget_bytes", "The unit's budget (0: none)", self.config.capacity_bytes),
             ("tqueue_unit_arena_used_bytes", "Bytes of its shared-memory arena in use", self.arena.used if self.arena else 0),
             ("tqueue_unit_partitions", "Partitions with samples here", len(self.data.partitions)),
@@ -281,8 +286,7 @@ class StorageUnit:
             pending.commit()
         finally:
             if region is not None:
-                assert self.arena is not None
-                self.arena.decref(region)  # the allocation's own reference
+                self._decref(region)  # the allocation's own reference
         return Stored(nbytes=nbytes, sealed=committed.sealed)
 
     async def _read_bulk(self, msg: Store, raw: list[Any]) -> list[Any]:
@@ -307,7 +311,7 @@ class StorageUnit:
             jobs, at = [], 0
             for token, n in msg.bulk:
                 views = [f.data for f in frames[at : at + n] if f.nbytes]
-                jobs.append(_bulk.run_blocking(self.bulk.read, token, views, BULK_READ_TIMEOUT))
+                jobs.append(_bulk.run_blocking(self.bulk.read, token, views))
                 at += n
             await asyncio.gather(*jobs)
         except BaseException:
@@ -372,9 +376,8 @@ class StorageUnit:
         entry = self._allocs.pop(offset, None)
         if entry is not None:
             entry[1].cancel()
-            if self.arena is not None:
-                log.warning("unit %d: arena region %d %s", self.unit_id, offset, why)
-                self.arena.decref(entry[0])
+            log.warning("unit %d: arena region %d %s", self.unit_id, offset, why)
+            self._decref(entry[0])
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
@@ -423,11 +426,11 @@ class StorageUnit:
 
     def _end_hold(self, hold: int) -> None:
         entry = self._holds.pop(hold, None)
-        if entry is None or self.arena is None:
+        if entry is None:
             return
         entry[1].cancel()
         for region in entry[0]:
-            self.arena.decref(region)
+            self._decref(region)
 
     def _release_soon(self, region: Region) -> None:
         """Drop a reference from any thread (ZeroMQ lets go of sent buffers in its own)."""
@@ -437,8 +440,30 @@ class StorageUnit:
             pass  # the loop is closed: the unit is gone and its arena with it
 
     def _decref(self, region: Region) -> None:
-        if self.arena is not None:
-            self.arena.decref(region)
+        """Drop a reference to an arena region; the last one frees it, and its pages go back
+        to the OS as ``retain_bytes`` says, whether a drop, a release or a send came last."""
+        if self.arena is not None and self.arena.decref(region):
+            self._reclaim()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of replies not yet taken by their readers, on ZeroMQ and on bulk streams:
+        memory the unit holds beyond what it stores (a cleared partition's bytes stay until
+        then; bounded by max_queued_bytes, max_queued_bytes_total and the bulk streams' pace)."""
+        return self._server.queues.total + (self.bulk.held_bytes if self.bulk is not None else 0)
+
+    def _sent_soon(self) -> None:
+        """A bulk stream let go of a reply (from its writer thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._sent)
+        except RuntimeError:
+            pass  # the loop is closed: the unit is gone
+
+    def _sent(self) -> None:
+        """Once the replies that kept freed payload in memory are gone, give it back."""
+        if self._owed and not self.held_bytes:
+            self._owed = False
+            self._reclaim()
 
     def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Dropped:
         if msg.indexes is None:
@@ -446,16 +471,23 @@ class StorageUnit:
         else:
             freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
         if freed:
-            # what is free but still mapped: the heap's free bytes and the arena's
-            idle = _memory.heap_free() + self._buffers.idle_bytes
-            idle += self.arena.free_touched if self.arena is not None else 0
-            if idle > self.config.retain_bytes or not self.config.retain_bytes:
-                self._trim_now()
-            else:
-                self._schedule_trim()
+            # replies not yet taken may keep some of it: given back when they are gone
+            self._owed = self._owed or self.held_bytes > 0
+            self._reclaim()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         part = self.data.partitions.get(msg.partition_uid)
         return Dropped(unit_bytes=self.data.resident, partition_bytes=part.nbytes if part else 0)
+
+    def _reclaim(self) -> None:
+        """Memory was freed: give it back to the OS now if more than ``retain_bytes`` is free
+        but mapped (the heap's free bytes, idle buffers, the arena's free pages), or if
+        nothing is to be retained; else once writes pause for ``trim_delay``."""
+        idle = _memory.heap_free() + self._buffers.idle_bytes
+        idle += self.arena.free_touched if self.arena is not None else 0
+        if idle > self.config.retain_bytes or not self.config.retain_bytes:
+            self._trim_now()
+        else:
+            self._schedule_trim()
 
     def _schedule_trim(self) -> None:
         """(Re)arm the idle timer that returns retained memory to the OS."""
@@ -473,14 +505,16 @@ class StorageUnit:
             self.arena.punch()
 
 
-def _bulk_server(config: StorageConfig, address: str) -> _bulk.BulkServer | None:
+def _bulk_server(config: StorageConfig, address: str, on_sent: Callable[[], None]) -> _bulk.BulkServer | None:
     """The bulk listener, on the interface of the ZeroMQ bind (``tcp://`` binds only)."""
     if not config.bulk or not address.startswith("tcp://"):
         return None
     host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     try:
         return _bulk.BulkServer(
-            host, max_streams=config.bulk_streams, max_per_peer=config.bulk_streams_per_peer
+            host, max_streams=config.bulk_streams, max_per_peer=config.bulk_streams_per_peer,
+            max_queued=config.max_queued_bytes, stall=config.bulk_stall_timeout, min_rate=config.bulk_min_rate,
+            on_sent=on_sent,
         )
     except UnavailableError as exc:
         log.warning("%s; fetched payload goes over ZeroMQ", exc)

@@ -104,16 +104,20 @@ class Arena:
     def incref(self, region: Region) -> None:
         region.refs += 1
 
-    def decref(self, region: Region) -> None:
+    def decref(self, region: Region) -> bool:
+        """Drop a reference; True when that was the last one and the region is free again
+        (its pages stay mapped until :meth:`punch`)."""
         region.refs -= 1
         if region.refs > 0:
-            return
+            return False
         if region.refs < 0:
             log.error("arena region at %d released too often", region.offset)
-            return
+            return False
         del self._regions[region.offset]
         self.used -= region.length
         self._give_back(region.offset, region.length)
+        self._punched = False  # a punch before this left these pages alone
+        return True
 
     def _give_back(self, off: int, length: int) -> None:
         i = bisect.bisect_left(self._free, (off, 0))

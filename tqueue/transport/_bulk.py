@@ -18,7 +18,10 @@ Each stream has a writer thread on the unit (sends release the GIL); reads, on b
 run in worker threads with ``MSG_WAITALL``: one system call per destination. One more thread
 watches every stream for its peer hanging up, so that a closed or killed client's streams
 (socket and thread) are reclaimed at once; the streams a unit holds are capped in all and
-per peer address, and one beyond a cap is refused at its hello with the reason.
+per peer address, and one beyond a cap is refused at its hello with the reason. A peer that
+stops reading (or writing), or trickles, is cut off at its :class:`Pace`; until then the
+bytes queued for it are counted (:attr:`BulkServer.held_bytes`): they keep their payload in
+memory even after its partition was cleared.
 
 Some frames pass through a per-thread scratch buffer of about a MiB, so that their bytes stay
 in the core's cache: a :class:`Produced` frame is written into it as it is sent, a
@@ -37,12 +40,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import os
 import queue
 import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -60,12 +65,14 @@ _MAGIC = b"TQB1"
 _OK = b"K"
 _IOV = 512  # buffers per sendmsg (Linux allows 1024)
 HELLO_TIMEOUT = 10.0  # seconds a new stream may take to say its token before it is dropped
-WRITE_STALL = 60.0  # seconds a unit's send may make no progress before the stream is dropped
+STALL = 30.0  # seconds a unit's transfer may move no byte before it is cut off (StorageConfig.bulk_stall_timeout)
+MIN_RATE = 1 << 20  # bytes a second a unit's transfer must average (StorageConfig.bulk_min_rate)
 MIN_BYTES = 256 << 10  # smaller replies go inline on ZeroMQ: a second socket would not pay
 LOOPBACK_SNDBUF = 256 << 10
 IO_THREADS = 32
 MAX_STREAMS = 512  # streams a unit holds at once by default (StorageConfig.bulk_streams)
 MAX_STREAMS_PER_PEER = 128  # from one peer address (StorageConfig.bulk_streams_per_peer)
+MAX_QUEUED = 1 << 30  # bytes a stream may queue behind the reply it sends (StorageConfig.max_queued_bytes)
 _REASON = 200  # bytes of a refusal's reason
 _CLIENT_IO = io_errors(StorageUnitUnavailableError)
 _UNIT_IO: ErrorMap = {OSError: ProtocolError}  # a writer that breaks off its put: the put is refused
@@ -128,6 +135,44 @@ def _writer_opts(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOOPBACK_SNDBUF)
 
 
+class Pace:
+    """The time a unit gives one transfer of ``nbytes`` on a stream: it is cut off
+    (:class:`TimeoutError`) once no byte has moved for ``stall`` seconds, and once
+    ``stall + nbytes / min_rate`` seconds have passed since it began, so a peer that trickles
+    holds it no longer than one that stopped. ``stall`` or ``min_rate`` 0: no such bound."""
+
+    def __init__(self, nbytes: int, stall: float, min_rate: int) -> None:
+        now = time.monotonic()
+        self.nbytes = nbytes
+        self.stall = stall if stall > 0 else math.inf
+        self.began = self.moved = now
+        self.deadline = now + (stall if stall > 0 else 0.0) + nbytes / min_rate if min_rate > 0 else math.inf
+        self.done = 0  # bytes moved
+        self._timeout = -1.0  # the socket's timeouts as last set
+
+    def next_call(self, sock: socket.socket) -> None:
+        """Bound the next send or receive on ``sock``; TimeoutError once time is up."""
+        now = time.monotonic()
+        left = min(self.deadline - now, self.moved + self.stall - now)
+        if left <= 0:
+            why = f"no byte for {self.stall:g} s" if self.moved + self.stall <= now else "past its deadline"
+            raise TimeoutError(
+                f"{self.done} of {self.nbytes} bytes moved in {now - self.began:.1f} s, {why} "
+                "(StorageConfig.bulk_stall_timeout, bulk_min_rate)"
+            )
+        # A call that times out after moving some bytes returns them, and the stall is timed
+        # from its return: calls of a quarter of the stall keep that within 25% of the bound.
+        timeout = min(left, self.stall / 4)
+        if timeout != self._timeout:  # most calls: a quarter of the stall, set once
+            _kernel_timeouts(sock, timeout)
+            self._timeout = timeout
+
+    def moved_bytes(self, n: int) -> None:
+        if n > 0:
+            self.done += n
+            self.moved = time.monotonic()
+
+
 class BulkServer:
     """A unit's listening stream socket, its accepted streams and their writer threads;
     UnavailableError where it cannot listen on ``host``.
@@ -137,6 +182,12 @@ class BulkServer:
     the stream's writer thread then closes it. At most ``max_streams`` streams (greeting
     or open) exist at once, ``max_per_peer`` from one peer address; one beyond either is
     refused at its hello with ``R`` and the reason (the client sends over ZeroMQ instead).
+
+    A stream sends one reply after the other; one that would queue more than ``max_queued``
+    bytes behind the reply under way is refused (:meth:`send` is false: its caller answers
+    another way). Every transfer, either way, runs at a :class:`Pace` of ``stall`` and
+    ``min_rate``; one cut off closes its stream. ``on_sent`` is called (from a writer thread)
+    each time a queued send has let go of its buffers, sent or not.
     """
 
     def __init__(
@@ -146,10 +197,19 @@ class BulkServer:
         name: str = "storage unit",
         max_streams: int = MAX_STREAMS,
         max_per_peer: int = MAX_STREAMS_PER_PEER,
+        max_queued: int = MAX_QUEUED,
+        stall: float = STALL,
+        min_rate: int = MIN_RATE,
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.max_streams = max_streams
         self.max_per_peer = max_per_peer
+        self.max_queued = max_queued
+        self.stall = stall
+        self.min_rate = min_rate
+        self._on_sent = on_sent
+        self._held = 0  # bytes of sends queued or under way (see held_bytes)
         with Boundary(f"{name}: cannot listen for bulk streams on {host}", io_errors(UnavailableError)):
             self._listener = socket.create_server((host, 0), backlog=64)
         self.address = "%s:%d" % self._listener.getsockname()[:2]
@@ -166,24 +226,40 @@ class BulkServer:
         with self._lock:
             return sum(self._peers.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of sends queued or under way: their buffers stay in memory until their
+        reader has taken them or is cut off, even where their partition was cleared."""
+        with self._lock:
+            return self._held
+
     def send(self, token: int, frames: Sequence[Any]) -> bool:
-        """Queue ``frames`` for the stream of ``token``; False if there is no such stream."""
+        """Queue ``frames`` for the stream of ``token``; False if there is no such stream, or
+        it has more than ``max_queued`` bytes to send before them (nothing is queued then)."""
         with self._lock:
             writer = self._streams.get(token)
-        if writer is None or writer.dead:
+        if writer is None:
             return False
-        writer.jobs.put([memoryview(f).cast("B") for f in frames])
-        return True
+        return writer.queue([memoryview(f).cast("B") for f in frames], self.max_queued)
 
-    def read(self, token: int, targets: Sequence[memoryview], timeout: float) -> None:
-        """Fill ``targets`` in order from the stream of ``token`` (a writer's put); blocking,
-        for a worker thread. A stream that fails or is unknown is closed; raises ProtocolError."""
+    def read(self, token: int, targets: Sequence[memoryview]) -> None:
+        """Fill ``targets`` in order from the stream of ``token`` (a writer's put), at this
+        server's :class:`Pace`; blocking, for a worker thread. A stream that fails, is cut off
+        or is unknown is closed; raises ProtocolError."""
         with self._lock:
             writer = self._streams.get(token)
         if writer is None or writer.dead:
             raise ProtocolError(f"no bulk stream with token {token} (closed, or never opened)")
+        pace = Pace(sum(t.nbytes for t in targets), self.stall, self.min_rate)
         with writer.reading:
-            read_into(writer.sock, targets, timeout)
+            read_into(writer.sock, targets, 0.0, pace=pace)
+
+    def _account(self, nbytes: int) -> None:
+        """Count bytes of sends queued (+) or let go of (-); from any thread."""
+        with self._lock:
+            self._held += nbytes
+        if nbytes < 0 and self._on_sent is not None:
+            self._on_sent()
 
     def drop(self, token: int) -> None:
         """Close a stream whose bytes are out of step (a put that was refused unread)."""
@@ -255,9 +331,9 @@ class BulkServer:
         if len(hello) != _HELLO.size or hello[:4] != _MAGIC:
             raise ProtocolError(f"not a tqueue bulk stream hello: {hello[:16]!r}")
         (_, token) = _HELLO.unpack(hello)
-        stall_limit(sock, WRITE_STALL)  # a reader that stops reading frees the writer
+        sock.settimeout(None)  # each transfer sets its own timeouts (its Pace)
         _writer_opts(sock)
-        writer = _Writer(sock, token, peer, self._forget)
+        writer = _Writer(sock, token, peer, self)
         with self._lock:
             if self._closed or token in self._streams:
                 raise ProtocolError(f"bulk stream token {token} is already in use")
@@ -345,26 +421,44 @@ class _HangupWatch:
 
 
 class _Writer:
-    """One stream's writer thread: sends queued frame lists in order; closes the stream."""
+    """One stream's writer thread: sends queued frame lists in order, each at the server's
+    :class:`Pace`; closes the stream. The bytes queued are counted on the server from when a
+    list is queued until the thread has let go of it."""
 
-    def __init__(self, sock: socket.socket, token: int, peer: str, forget: Callable[[_Writer], None]) -> None:
+    def __init__(self, sock: socket.socket, token: int, peer: str, server: BulkServer) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.token = token
         self.peer = peer
-        self.jobs: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[list[memoryview], int] | None] = queue.SimpleQueue()  # (buffers, bytes)
         self.dead = False
-        self._forget = forget
+        self._server = server
+        self._sending = 0  # bytes of the list being sent
+        self._pending = 0  # bytes of the lists queued or being sent
+        self._lock = threading.Lock()  # queue() against the drain when the thread ends
         self.reading = Boundary(f"bulk stream {token} broke while a put was read", _UNIT_IO, on_error=self.stop)
         self._thread = threading.Thread(target=self._run, name="tqueue-bulk-writer", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def queue(self, job: list[memoryview], limit: int) -> bool:
+        """Queue a send; False if the stream is closing or has sends under way that ``job``
+        would take past ``limit`` bytes (nothing was queued then)."""
+        nbytes = sum(v.nbytes for v in job)
+        with self._lock:
+            if self.dead or (self._pending and self._pending + nbytes > limit):
+                return False
+            self._pending += nbytes
+            self._server._account(nbytes)
+            self.jobs.put((job, nbytes))
+        return True
+
     def hangup(self) -> None:
         """The peer is gone: end the thread, which closes the stream (a blocked send or
         read fails on its own, the peer having reset or closed)."""
-        self.dead = True
+        with self._lock:
+            self.dead = True
         self.jobs.put(None)
 
     def stop(self) -> None:
@@ -375,34 +469,68 @@ class _Writer:
             pass
 
     def _run(self) -> None:
+        server = self._server
         try:
-            while (job := self.jobs.get()) is not None:
-                send_all(self.sock, job)
-                del job  # let the unit's memory go as soon as it is sent
+            while (nbytes := self._send_next()) >= 0:
+                with self._lock:
+                    self._pending -= nbytes
+                server._account(-nbytes)  # its buffers are let go of: say so
+        except TimeoutError as exc:
+            log.warning("%s: bulk stream %d from %s: its reader is cut off: %s", server.name, self.token, self.peer, exc)
         except OSError as exc:
             log.info("bulk stream %d closed by its reader: %s", self.token, exc)
         finally:
-            self.dead = True
-            self._forget(self)
+            with self._lock:
+                self.dead = True
+                self._pending = 0
+            server._forget(self)
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)  # a read of a put under way ends now
             except OSError:
                 pass
             self.sock.close()
-            while True:  # drop what was queued behind a failed send
+            # what failed to go, and what was queued behind it, is let go of and uncounted
+            # (a send cut short sliced its buffers: the count queued is what comes off)
+            left, self._sending = self._sending, 0
+            while True:
                 try:
-                    if self.jobs.get_nowait() is None:
-                        break
+                    job = self.jobs.get_nowait()
                 except queue.Empty:
                     break
+                if job is not None:
+                    left += job[1]
+                del job
+            if left:
+                server._account(-left)
+
+    def _send_next(self) -> int:
+        """Send the next queued list and return its bytes (-1: the stream ends). Its buffers
+        are let go of when this returns or raises."""
+        job = self.jobs.get()
+        if job is None:
+            return -1
+        bufs, self._sending = job
+        del job
+        send_all(self.sock, bufs, pace=Pace(self._sending, self._server.stall, self._server.min_rate))
+        nbytes, self._sending = self._sending, 0
+        return nbytes
 
 
-def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """Write every buffer, gathering up to ``_IOV`` per system call."""
+def send_all(sock: socket.socket, bufs: list[memoryview], *, pace: Pace | None = None) -> None:
+    """Write every buffer, gathering up to ``_IOV`` per system call; with ``pace``, each call
+    bounded by it (TimeoutError once its time is up)."""
     i = 0
     while i < len(bufs):
         batch = bufs[i : i + _IOV]
-        sent = sock.sendmsg(batch)
+        if pace is not None:
+            pace.next_call(sock)
+            try:
+                sent = sock.sendmsg(batch)
+            except BlockingIOError:  # the call's timeout, nothing sent: the pace decides
+                continue
+            pace.moved_bytes(sent)
+        else:
+            sent = sock.sendmsg(batch)
         total = sum(b.nbytes for b in batch)
         if sent == total:
             i += len(batch)
@@ -457,33 +585,50 @@ def stall_limit(sock: socket.socket, timeout: float) -> None:
     ``settimeout``: that one makes the socket non-blocking underneath, so ``MSG_WAITALL`` no
     longer waits and a large receive turns into one poll and one call per few hundred KiB."""
     sock.settimeout(None)
+    _kernel_timeouts(sock, timeout)
+
+
+def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
     sec = timeout if 0 < timeout < 1e9 else 0.0  # 0: no limit (an infinite timeout)
+    sec = max(sec, 1e-3) if sec else 0.0  # a few microseconds must not read as none
     tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def read_into(sock: socket.socket, targets: Sequence[memoryview | Consumed], timeout: float) -> None:
-    """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``.
-    A :class:`Consumed` target is received into this thread's scratch buffer and consumed
-    from there."""
-    stall_limit(sock, timeout)
+def read_into(
+    sock: socket.socket, targets: Sequence[memoryview | Consumed], timeout: float, *, pace: Pace | None = None
+) -> None:
+    """Fill every target in order from ``sock``; OSError if it closes or stalls ``timeout``
+    (with ``pace``: TimeoutError once its time is up instead). A :class:`Consumed` target is
+    received into this thread's scratch buffer and consumed from there."""
+    if pace is None:
+        stall_limit(sock, timeout)
     for t in targets:
         consume = getattr(t, "consume", None)  # the one lookup a plain target costs
         if consume is None:
-            _recv_exactly(sock, t)  # type: ignore[arg-type]
+            _recv_exactly(sock, t, pace)  # type: ignore[arg-type]
         else:
             buf = _scratch_of(t.nbytes)
-            _recv_exactly(sock, memoryview(buf))
+            _recv_exactly(sock, memoryview(buf), pace)
             consume(buf)
 
 
-def _recv_exactly(sock: socket.socket, t: memoryview) -> None:
+def _recv_exactly(sock: socket.socket, t: memoryview, pace: Pace | None) -> None:
     got, n = 0, t.nbytes
     while got < n:
-        r = sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
+        if pace is not None:
+            pace.next_call(sock)
+        try:
+            r = sock.recv_into(t[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # the call's timeout, nothing received
+            if pace is None:
+                raise
+            continue  # the pace decides
         if r == 0:
             raise OSError("the peer closed the stream")
+        if pace is not None:
+            pace.moved_bytes(r)
         got += r
 
 

@@ -552,8 +552,7 @@ class SendQueues:
     ZeroMQ keeps a reply's zero-copy buffers until the peer's connection has taken them, so
     a peer that stops reading would grow the server without bound. Bytes of buffers handed
     to ZeroMQ are counted per peer until ZeroMQ lets go of them (from its own thread); a
-    reply with buffers that would take a peer past ``max_bytes``, or all peers together
-    (with what ``elsewhere`` says is queued on other channels: a unit's bulk streams) past
+    reply with buffers that would take a peer past ``max_bytes``, or all peers together past
     ``max_total``, is answered with an :class:`UnavailableError` instead (the first one
     always goes: a single reply larger than a bound is served). Replies that ZeroMQ refuses
     (the peer is gone: ``ROUTER_MANDATORY``; its queue of ``max_queued_replies`` is full)
@@ -566,7 +565,6 @@ class SendQueues:
         self.name = name
         self.max_bytes = max_bytes
         self.max_total = max_total
-        self.elsewhere: Callable[[], int] = lambda: 0
         self.refused = 0  # replies answered with an error: the peer, or all, had too much unread
         self.unreachable = 0  # replies to peers that are gone
         self.overflowed = 0  # replies dropped: the peer's queue of replies was full
@@ -590,19 +588,14 @@ class SendQueues:
         """None if a reply of ``buffers`` may be queued for ``ident``; else the error sent."""
         size = sum(memoryview(b).nbytes for b in buffers)
         queued = self.queued(ident)
-        if not queued or queued + size <= self.max_bytes:
-            return self.admit_total(ident, size)
-        self.refused += 1
-        self.log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
-        return UnavailableError(
-            f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
-            f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
-        )
-
-    def admit_total(self, ident: bytes, size: int) -> UnavailableError | None:
-        """None if ``size`` more bytes of replies fit the bound on all peers together (also
-        for replies that go another way); else the error to send."""
-        total = self.total + self.elsewhere()
+        if queued and queued + size > self.max_bytes:
+            self.refused += 1
+            self.log_once(ident, "does not read its replies: %d bytes queued, refusing more", queued)
+            return UnavailableError(
+                f"{self.name}: {queued} bytes of earlier replies to this connection are unread; a reply "
+                f"of {size} more would pass the limit of {self.max_bytes} (StorageConfig.max_queued_bytes)"
+            )
+        total = self.total
         if not total or total + size <= self.max_total:
             return None
         self.refused += 1

@@ -565,6 +565,7 @@ class Heartbeat(Message):
     name: str = ""
     nbytes: int = 0
     arena_used: int = 0  # bytes of its shared-memory arena in use (stored, being written, held by readers)
+    held_bytes: int = 0  # bytes of replies its readers have not taken yet (ZeroMQ and bulk streams)
 
 
 class HeartbeatReply(Message):
@@ -692,6 +693,9 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     silent: float = 0.0  # seconds since the controller last heard from it
     arena_used: int = 0  # of its shared-memory arena, as of its last heartbeat
     metrics: str = ""  # its Prometheus endpoint ("": none)
+    # bytes of replies its readers have not taken yet, as of its last heartbeat: they stay in
+    # memory, a cleared partition's too, until taken or cut off (StorageConfig.max_queued_bytes_total)
+    held_bytes: int = 0
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):
