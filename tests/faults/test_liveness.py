@@ -118,19 +118,24 @@ def test_a_killed_controller_fails_parked_calls_of_sync_and_async_clients_at_onc
         print(f"controller SIGKILL: both parked get_meta failed after {took:.2f} s (heartbeat {INTERVAL} s)")
 
 
+def kill_at_store(monkeypatch: pytest.MonkeyPatch, pid: int) -> None:
+    """SIGKILL ``pid`` as this process's clients send a ``Store``: between grant and store."""
+    real = _zmq.Peer.request
+
+    async def request(self: _zmq.Peer, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(msg, Store):
+            os.kill(pid, signal.SIGKILL)
+        return await real(self, msg, *args, **kwargs)
+
+    monkeypatch.setattr(_zmq.Peer, "request", request)
+
+
 def test_a_put_in_flight_when_the_controller_dies_blames_the_controller(monkeypatch):
     """The kill comes between the grant and the store (a hook on this client's Store): the
     unit's commit meets a dead controller, and the writer hears so from the unit."""
     with cluster() as c, c.client(config=tqueue.ClientConfig(shm=False)) as client:
         client.put("p", {"x": torch.ones(2, 2)})  # connected to the unit already
-        real = _zmq.Peer.request
-
-        async def request(self: _zmq.Peer, msg: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(msg, Store):
-                os.kill(c.pids[0], signal.SIGKILL)
-            return await real(self, msg, *args, **kwargs)
-
-        monkeypatch.setattr(_zmq.Peer, "request", request)
+        kill_at_store(monkeypatch, c.pids[0])
         t0 = time.monotonic()
         with pytest.raises(ControllerUnavailableError, match="controller at tcp://.* has not been heard from"):
             client.put("p", {"x": torch.ones(2, 2)})
@@ -145,14 +150,7 @@ def test_a_controller_dead_mid_put_is_blamed_whatever_the_clients_timeout(monkey
     config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=1.5)
     with cluster(heartbeat_interval=2.0) as c, c.client(config=config) as client:
         client.put("p", {"x": torch.ones(2, 2)})  # connected to the unit already
-        real = _zmq.Peer.request
-
-        async def request(self: _zmq.Peer, msg: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(msg, Store):
-                os.kill(c.pids[0], signal.SIGKILL)
-            return await real(self, msg, *args, **kwargs)
-
-        monkeypatch.setattr(_zmq.Peer, "request", request)
+        kill_at_store(monkeypatch, c.pids[0])
         t0 = time.monotonic()
         with pytest.raises(ControllerUnavailableError, match=r"controller at tcp://\S+ did not answer Commit"):
             client.put("p", {"x": torch.ones(2, 2)})
