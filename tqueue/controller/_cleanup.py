@@ -78,6 +78,7 @@ class Cleanup:
         False if it was already forgotten."""
         if self.s.by_uid.pop(part.uid, None) is None:
             return False
+        self.s.totals.retire(part)
         if self.s.partitions.get(part.name) is part:
             del self.s.partitions[part.name]
         if cleared is not None:

@@ -25,6 +25,7 @@ from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableError
 from ..transport import _zmq
 from ..wire import Message
+from ._metrics import Totals
 from ._policies import Policy
 from ._records import GrantRecord, Unit
 from ._rounds import RoundBook
@@ -87,6 +88,7 @@ class ControllerState:
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.grants: dict[int, GrantRecord] = {}
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
+        self.totals = Totals()  # freed partitions' counts, for the metrics' counters
         self.waiters: dict[str, list[Waiter]] = {}  # parked get_meta, by partition name
         self.sealed_waiters: dict[str, list[Waiter]] = {}
         self.version_waiters: list[Waiter] = []  # waiting for the trainer's version to pass theirs

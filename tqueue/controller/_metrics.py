@@ -2,25 +2,114 @@
 (so a scrape and ``status()`` agree), plus the staleness of served samples and the latency of
 requests per message kind.
 
-Names: ``tqueue_partition_samples{partition, state}``, ``tqueue_task_samples{partition, task,
-state}``, ``tqueue_excluded_samples{partition, reason}`` (aborted, discarded, lost, ...),
-``tqueue_partition_bytes``, ``tqueue_unit_bytes{unit}``, ``tqueue_unit_capacity_bytes``,
-``tqueue_unit_alive``, ``tqueue_waiting{partition, kind, reason}``, ``tqueue_version``,
-``tqueue_admitted_samples`` / ``tqueue_admission_limit_samples``,
-``tqueue_served_staleness`` (a histogram of versions behind, per served sample) and
-``tqueue_request_seconds{kind}``.
+Gauges say what is now: ``tqueue_partition_samples{partition, state}`` (ready, in flight),
+``tqueue_leased_samples{partition, task}``, bytes, budgets, units, parked calls, the version
+and the staleness admission. Counters (``..._total``) count what happened:
+``tqueue_committed_samples_total``, ``tqueue_task_samples_total{task, state}`` (consumed,
+refused, expired, lost) and ``tqueue_excluded_samples_total{reason}`` over every partition the
+controller has had, freed ones included (:class:`Totals`), and the same per live partition
+(``tqueue_partition_..._total``). docs/operations.md lists every family as scraped, and a test
+compares the two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..transport._metrics import latency_family
-from ..wire import StatusRequest
+from ..wire import PartitionStatus, StatusRequest
 
 if TYPE_CHECKING:
     from ._server import Controller
+    from ._state import Partition
+
+#: task names, and exclusion reasons, that get series of their own in the cumulative
+#: counters; those first seen after this many are counted together under ``OTHER``
+MAX_NAMES = 1000
+OTHER = "(other)"
+TASK_STATES = ("consumed", "refused", "expired", "lost")
+
+
+class Totals:
+    """Cumulative sample counts per task name and per exclusion reason, over every partition,
+    so that counters outlive the partitions they count (which free themselves once consumed).
+
+    Freed partitions' counts are kept here (:meth:`retire`, when a partition is forgotten);
+    a scrape adds the live partitions' (:meth:`read`). Bounded: the first ``max_names`` task
+    names and ``max_names`` reasons keep series of their own, later ones count under
+    ``"(other)"``; a name, once given a series, keeps it. Reported values never decrease (a
+    partition's count of a reason goes down when a failed move is undone; the counter waits
+    until it is passed again)."""
+
+    def __init__(self, max_names: int = MAX_NAMES) -> None:
+        self.max_names = max_names
+        self.committed = 0
+        self.tasks: dict[str, list[int]] = {}  # label -> counts of freed partitions, as TASK_STATES
+        self.reasons: dict[str, int] = {}  # label -> samples of freed partitions
+        self._shown: dict[tuple[str, ...], int] = {}  # what scrapes reported, per series
+        self._shown_live: dict[int, dict[str, int]] = {}  # the same per live partition's reason
+
+    def task_label(self, name: str) -> str:
+        if name not in self.tasks:
+            if len(self.tasks) >= self.max_names:
+                name = OTHER
+            self.tasks.setdefault(name, [0] * len(TASK_STATES))
+        return name
+
+    def reason_label(self, reason: str) -> str:
+        if reason not in self.reasons:
+            if len(self.reasons) >= self.max_names:
+                reason = OTHER
+            self.reasons.setdefault(reason, 0)
+        return reason
+
+    def retire(self, part: Partition) -> None:
+        """Keep the counts of a partition that is being forgotten."""
+        self._shown_live.pop(part.uid, None)
+        self.committed += part.committed
+        for name, task in part.tasks.items():
+            counts = self.tasks[self.task_label(name)]
+            for i, state in enumerate(TASK_STATES):
+                counts[i] += getattr(task, state)
+        for reason, count in part.reasons.items():
+            self.reasons[self.reason_label(reason)] += count
+
+    def read(self, live: Iterable[PartitionStatus]) -> tuple[int, dict[tuple[str, str], int], dict[str, int]]:
+        """Committed samples, per (task, state) and per reason: freed partitions' plus ``live``."""
+        committed = self.committed
+        tasks = {(name, state): counts[i] for name, counts in self.tasks.items() for i, state in enumerate(TASK_STATES)}
+        reasons = dict(self.reasons)
+        for p in live:
+            committed += p.samples
+            for name, task in p.tasks.items():
+                label = self.task_label(name)
+                for state in TASK_STATES:
+                    tasks[(label, state)] = tasks.get((label, state), 0) + getattr(task, state)
+            for reason, count in p.reasons.items():
+                label = self.reason_label(reason)
+                reasons[label] = reasons.get(label, 0) + count
+        committed = self._monotonic(("committed",), committed)
+        tasks = {key: self._monotonic(("task", *key), value) for key, value in tasks.items()}
+        reasons = {key: self._monotonic(("reason", key), value) for key, value in reasons.items()}
+        return committed, tasks, reasons
+
+    def partition_reasons(self, p: PartitionStatus) -> dict[str, int]:
+        """A live partition's excluded samples per reason, under the same labels as the
+        counters over all partitions, and never going down either."""
+        counts: dict[str, int] = {}
+        for reason, count in p.reasons.items():
+            label = self.reason_label(reason)
+            counts[label] = counts.get(label, 0) + count
+        shown = self._shown_live.setdefault(p.uid, {})
+        for label, count in counts.items():
+            shown[label] = max(shown.get(label, 0), count)
+        return shown
+
+    def _monotonic(self, key: tuple[str, ...], value: int) -> int:
+        shown = max(self._shown.get(key, 0), value)
+        self._shown[key] = shown
+        return shown
 
 
 def _reason(kind: str, text: str) -> str:
@@ -36,27 +125,19 @@ def _reason(kind: str, text: str) -> str:
 
 
 def families(controller: Controller) -> Iterator[Any]:
-    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     st = controller._status(b"", StatusRequest(), [])
-    samples = GaugeMetricFamily("tqueue_partition_samples", "Samples of a partition by state", labels=["partition", "state"])
-    tasks = GaugeMetricFamily("tqueue_task_samples", "Samples of a partition by task and state", labels=["partition", "task", "state"])
-    excluded = GaugeMetricFamily("tqueue_excluded_samples", "Samples never served, by reason", labels=["partition", "reason"])
-    nbytes = GaugeMetricFamily("tqueue_partition_bytes", "Payload bytes a partition holds", labels=["partition"])
-    sealed = GaugeMetricFamily("tqueue_partition_sealed", "1 once the partition takes no more samples", labels=["partition"])
-    for p in st.partitions:
-        for state, value in (("committed", p.samples), ("ready", p.ready), ("excluded", p.excluded),
-                             ("in_flight", p.in_flight), ("lost", p.lost)):
-            samples.add_metric([p.name, state], value)
-        for task, t in p.tasks.items():
-            for state, value in (("leased", t.leased), ("consumed", t.consumed), ("refused", t.refused),
-                                 ("expired", t.expired), ("lost", t.lost)):
-                tasks.add_metric([p.name, task, state], value)
-        for reason, value in p.reasons.items():
-            excluded.add_metric([p.name, reason], value)
-        nbytes.add_metric([p.name], p.nbytes)
-        sealed.add_metric([p.name], int(p.sealed))
-    yield from (samples, tasks, excluded, nbytes, sealed)
+    yield from _partitions(st.partitions, controller.s.totals)
+    committed, tasks, reasons = controller.s.totals.read(st.partitions)
+    yield CounterMetricFamily("tqueue_committed_samples", "Samples committed to partitions, all partitions", value=committed)
+    per_task = CounterMetricFamily("tqueue_task_samples", "Samples by task and what became of them, all partitions", labels=["task", "state"])
+    for (task, state), value in sorted(tasks.items()):
+        per_task.add_metric([task, state], value)
+    per_reason = CounterMetricFamily("tqueue_excluded_samples", "Samples never served, by reason, all partitions", labels=["reason"])
+    for reason, value in sorted(reasons.items()):
+        per_reason.add_metric([reason], value)
+    yield from (per_task, per_reason)
 
     unit_bytes = GaugeMetricFamily("tqueue_unit_bytes", "Payload bytes a storage unit holds", labels=["unit"])
     unit_cap = GaugeMetricFamily("tqueue_unit_capacity_bytes", "A storage unit's budget (0: none)", labels=["unit"])
@@ -79,15 +160,47 @@ def families(controller: Controller) -> Iterator[Any]:
     yield GaugeMetricFamily("tqueue_version", "The trainer's version", value=st.version)
     yield GaugeMetricFamily("tqueue_admitted_samples", "Samples admitted by the staleness bound", value=st.admitted)
     yield GaugeMetricFamily("tqueue_admission_limit_samples", "The staleness bound's limit (-1: none)", value=st.admission_limit)
-
-    counts_behind = controller.s.staleness
-    stale = HistogramMetricFamily("tqueue_served_staleness", "Served samples by versions behind the trainer")
-    buckets, running = [], 0
-    for behind, count in enumerate(counts_behind.tolist()):
-        running += count
-        buckets.append((str(behind) if behind < len(counts_behind) - 1 else "+Inf", running))
-    total = float(sum(i * c for i, c in enumerate(counts_behind.tolist())))
-    stale.add_metric([], buckets, total)
-    yield stale
+    yield _staleness(controller.s.staleness.tolist())
     yield latency_family("tqueue_request_seconds", "Controller request latency by message kind (parked time included)",
                          controller._server.latency)
+
+
+def _partitions(parts: list[PartitionStatus], totals: Totals) -> Iterator[Any]:
+    """Each live partition's families: what it holds now, and its own counters."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    samples = GaugeMetricFamily("tqueue_partition_samples", "Samples of a partition now, by state", labels=["partition", "state"])
+    leased = GaugeMetricFamily("tqueue_leased_samples", "Samples of a partition leased to a task now", labels=["partition", "task"])
+    nbytes = GaugeMetricFamily("tqueue_partition_bytes", "Payload bytes a partition holds", labels=["partition"])
+    sealed = GaugeMetricFamily("tqueue_partition_sealed", "1 once the partition takes no more samples", labels=["partition"])
+    committed = CounterMetricFamily("tqueue_partition_committed_samples", "Samples committed to a partition", labels=["partition"])
+    tasks = CounterMetricFamily("tqueue_partition_task_samples", "Samples of a partition by task and what became of them",
+                                labels=["partition", "task", "state"])
+    excluded = CounterMetricFamily("tqueue_partition_excluded_samples", "Samples of a partition never served, by reason",
+                                   labels=["partition", "reason"])
+    for p in parts:
+        samples.add_metric([p.name, "ready"], p.ready)
+        samples.add_metric([p.name, "in_flight"], p.in_flight)
+        nbytes.add_metric([p.name], p.nbytes)
+        sealed.add_metric([p.name], int(p.sealed))
+        committed.add_metric([p.name], p.samples)
+        for task, t in p.tasks.items():
+            leased.add_metric([p.name, task], t.leased)
+            for state in TASK_STATES:
+                tasks.add_metric([p.name, task, state], getattr(t, state))
+        for reason, value in totals.partition_reasons(p).items():
+            excluded.add_metric([p.name, reason], value)
+    yield from (samples, leased, nbytes, sealed, committed, tasks, excluded)
+
+
+def _staleness(counts_behind: list[int]) -> Any:
+    """Served samples by versions behind the trainer, as a histogram (the last bucket: 16 or more)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    stale = HistogramMetricFamily("tqueue_served_staleness", "Served samples by versions behind the trainer")
+    buckets, running = [], 0
+    for behind, count in enumerate(counts_behind):
+        running += count
+        buckets.append((str(behind) if behind < len(counts_behind) - 1 else "+Inf", running))
+    stale.add_metric([], buckets, float(sum(i * c for i, c in enumerate(counts_behind))))
+    return stale

@@ -24,7 +24,7 @@ import numpy as np
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, ProtocolVersionError
 from ..transport import _auth, _zmq
-from ..transport._metrics import MetricsEndpoint, metrics_host
+from ..transport._metrics import MetricsEndpoint
 from ..wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -144,8 +144,10 @@ class Controller:
         if self.config.metrics_port >= 0:
             from ._metrics import families
 
-            host = metrics_host(self.config.bind)
-            self.metrics = MetricsEndpoint(asyncio.get_running_loop(), lambda: families(self), host, self.config.metrics_port)
+            self.metrics = MetricsEndpoint(
+                asyncio.get_running_loop(), lambda: families(self),
+                bind=self.config.bind, address=self.address, port=self.config.metrics_port,
+            )
             log.info("controller metrics at %s", self.metrics.url)
         await self._server.serve()
 

@@ -30,7 +30,7 @@ from ..errors import (
 from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import Arena, Region
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
-from ..transport._metrics import MetricsEndpoint, latency_family, metrics_host
+from ..transport._metrics import MetricsEndpoint, latency_family
 from ..wire import (
     PROTOCOL_VERSION,
     Alloc,
@@ -123,7 +123,9 @@ class StorageUnit:
             curve=self._server.curve,  # the cluster's key: only it registers a unit
         )
         if self.config.metrics_port >= 0 and self.metrics is None:
-            self.metrics = MetricsEndpoint(self._loop, self._families, metrics_host(self.config.bind), self.config.metrics_port)
+            self.metrics = MetricsEndpoint(
+                self._loop, self._families, bind=self.config.bind, address=self.address, port=self.config.metrics_port
+            )
         await self._register()
         self._beats = self._loop.create_task(self._heartbeats())
 

@@ -40,19 +40,23 @@ class Latency:
 
 
 class MetricsEndpoint:
-    """Serve ``families()`` (run on ``loop``) at ``http://host:port/metrics``; port 0: the OS
-    picks. ``close()`` stops the HTTP server."""
+    """Serve ``families()`` (run on ``loop``) on ``port`` of the host of ``bind`` (the
+    server's ZeroMQ endpoint; port 0: the OS picks). ``url`` names the host of ``address``,
+    the server's advertised address, so a wildcard bind is reached as the server is.
+    ``close()`` stops the HTTP server."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, families: Callable[[], Iterable[Any]], host: str, port: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, families: Callable[[], Iterable[Any]], *, bind: str, address: str, port: int
+    ) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
 
         self._loop = loop
         self._families = families
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
-        self._http, self._thread = start_http_server(port, addr=host, registry=registry)
+        self._http, self._thread = start_http_server(port, addr=metrics_host(bind), registry=registry)
         bound = self._http.server_address
-        self.url = f"http://{host}:{bound[1]}/metrics"
+        self.url = f"http://{url_host(address)}:{bound[1]}/metrics"
 
     def collect(self) -> Iterator[Any]:
         """Called by prometheus_client in its HTTP thread, once per scrape."""
@@ -78,6 +82,15 @@ def metrics_host(endpoint: str) -> str:
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
         return "0.0.0.0" if host in ("*", "") else host.strip("[]")
+    return "127.0.0.1"
+
+
+def url_host(address: str) -> str:
+    """The host of a metrics URL: that of the server's advertised address (``tcp://HOST:PORT``,
+    a wildcard already replaced by ``advertise`` or this machine's address), or loopback for
+    other transports."""
+    if address.startswith("tcp://"):
+        return address[len("tcp://"):].rsplit(":", 1)[0]  # an IPv6 host keeps its brackets
     return "127.0.0.1"
 
 
