@@ -27,7 +27,8 @@ import tqueue
 from tqueue.errors import ControllerUnavailableError
 from tqueue.transport import _zmq
 from tqueue.transport._liveness import HEARTBEAT_LIVENESS
-from tqueue.wire import Store
+from tqueue.wire import GetMeta, Store
+from tqueue.wire import _messages as wire
 
 from ._child import HOLD_BYTES, PUT_BYTES
 from ._proc import fds, threads, until
@@ -198,20 +199,42 @@ def test_a_consumer_that_dies_parked_is_leased_nothing(child):
 def test_samples_put_inside_a_dead_consumers_liveness_window_are_not_leased_to_it(child):
     """The race just inside the liveness window: the consumer is SIGKILLed while parked, and
     samples come before the controller has missed its heartbeats. They are served to the
-    dead consumer's parked request, whose reply cannot be delivered: its lease is released
-    at once, not at its expiry (lease_timeout, 600 s by default)."""
-    with cluster(heartbeat_interval=5.0) as c, c.client() as client:  # a window of 15 s
+    dead consumer's parked request. Its reply cannot be delivered (ZeroMQ knows the peer is
+    gone: usually) and the lease is released at once; or it went down the dead connection
+    in the instant before ZeroMQ knew, and the lease is released when the session ends.
+    Either way not at the lease's expiry (lease_timeout, 600 s by default)."""
+    interval = 2.0  # a window of 6 s
+    with cluster(heartbeat_interval=interval) as c, c.client() as client:
         consumer = child("park", c.address)
         until(lambda: waiting(client, "get_meta") == 1, 60, "the consumer's get_meta parked")
         t0 = kill(consumer)
         put = client.put("empty", {"x": torch.arange(8.0).reshape(4, 2)})
-        meta = client.get_meta("empty", ["x"], 4, task="t", timeout=10)
+        meta = client.get_meta("empty", ["x"], 4, task="t", timeout=60)
         served = time.monotonic() - t0
         assert sorted(meta.indexes) == sorted(put.indexes)
-        assert served < HEARTBEAT_LIVENESS * 5.0  # inside the dead consumer's liveness window
+        assert served < interval * (HEARTBEAT_LIVENESS + 2) + 5.0  # the window, and the sweep's step
         status = {p.name: p for p in client.status().partitions}["empty"]
         assert status.tasks["t"].expired == 4  # once, taken back from the dead consumer
         print(f"parked consumer SIGKILL, put at once: a live consumer served after {served:.2f} s")
+
+
+def test_a_lease_sent_to_a_client_that_fell_silent_returns_when_its_session_ends(raw):
+    """The other side of that race, made certain: the reply reaches a socket whose owner is
+    frozen (a raw peer that never reads, never heartbeats again). The lease, sent after its
+    last sign of life, is released when its session ends, not at lease_timeout (600 s)."""
+    with cluster() as c, c.client() as client:
+        frozen = raw(c.address)
+        frozen.send(wire.encode(GetMeta(rid=1, partition="p", task="t", fields=["x"], batch_size=4, lease_timeout=600)))
+        until(lambda: waiting(client, "get_meta") == 1, 60, "the frozen peer's get_meta parked")
+        t0 = time.monotonic()
+        put = client.put("p", {"x": torch.arange(8.0).reshape(4, 2)})
+        meta = client.get_meta("p", ["x"], 4, task="t", timeout=60)
+        served = time.monotonic() - t0
+        assert sorted(meta.indexes) == sorted(put.indexes)
+        assert served < BOUND
+        assert {p.name: p for p in client.status().partitions}["p"].tasks["t"].expired == 4
+        assert frozen.recv(timeout=5)[0].meta.indexes == put.indexes  # it was sent there first
+        print(f"a lease sent to a frozen client: back after {served:.2f} s (window {INTERVAL * HEARTBEAT_LIVENESS} s)")
 
 
 def test_a_consumer_killed_mid_stream_leaves_the_unit_as_it_was(child):

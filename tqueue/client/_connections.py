@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from .. import _env, _memory
+from .._tasks import Tasks
 from ..config import ClientConfig
 from ..errors import (
     ControllerUnavailableError,
@@ -57,6 +58,7 @@ class Connections:
         self.host = config.host or _env.host()
         self.arenas: dict[int, ArenaMap | None] = {}
         self._releases: dict[int, list[int]] = {}
+        self.tasks = Tasks("client")  # background work (releases of arena holds): cancelled at close
         self._loop: asyncio.AbstractEventLoop | None = None
         self.controller: _zmq.Peer | None = None
         self.units: dict[int, UnitInfo] = {}
@@ -148,6 +150,7 @@ class Connections:
     async def close(self) -> None:
         """Close every connection. Idempotent."""
         self._closed = True
+        await self.tasks.close()
         await self.flush_releases()
         peers = list(self.unit_peers.values())
         if self.controller is not None:
@@ -217,7 +220,7 @@ class Connections:
 
     def _queue_release(self, unit_id: int, hold: int) -> None:
         if not self._releases:
-            asyncio.get_running_loop().create_task(self.flush_releases())
+            self.tasks.start(self.flush_releases(), "release arena holds")
         self._releases.setdefault(unit_id, []).append(hold)
 
     async def flush_releases(self) -> None:

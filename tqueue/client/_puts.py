@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._memory import BufferPool
+from .._tasks import all_or_none
 from ..errors import SchemaError, StorageUnitUnavailableError
 from ..transport import _bulk, _zmq
 from ..transport._arena import ArenaMap, aligned
@@ -294,7 +295,7 @@ class Puts:
             await self._conns.unit(unit_id)
             await self._store(self._conns.units[unit_id], meta.partition, reply, enc, indexes)
 
-        await asyncio.gather(*(write(*w) for w in writes))
+        await all_or_none(*(write(*w) for w in writes))
         return sorted(refused)
 
 

@@ -5,13 +5,13 @@ confirm is remembered and retried, see :mod:`._drops`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .._tasks import all_or_none
 from ..errors import InvalidArgumentError, PartitionClearedError, TQueueError
 from ..wire import Clear, Drop, Dropped, Fail, Ok
 from ._core import UNIT_TIMEOUT, ControllerState
@@ -30,7 +30,7 @@ class Cleanup:
         self.s = state
         self._wake_soon = wake_soon  # serve parked reads of a partition after this reply
         self._retry_parked = retry_parked  # memory was freed: parked writes may fit now
-        self.drops = PendingDrops(state.loop, self._drop_on)
+        self.drops = PendingDrops(state.loop, state.tasks, self._drop_on)
 
     def fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
         part = self.s.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.s.partition(msg.partition)
@@ -51,7 +51,7 @@ class Cleanup:
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
             self.s.bury(part.name)
             self._wake_soon(part.name)  # waiters asking with pad learn that it is done
-            self.s.loop.create_task(self.drop_everywhere(part, None))
+            self.s.tasks.start(self.drop_everywhere(part, None), f"drop partition {part.name!r} on every unit")
 
     async def clear(self, ident: bytes, msg: Clear, bufs: list[Any]) -> Ok:
         part = self.s.partitions.get(msg.partition)
@@ -102,7 +102,7 @@ class Cleanup:
     async def drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
         listed = None if indexes is None else indexes.tolist()
-        await asyncio.gather(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self.s.unit_peers)))
+        await all_or_none(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self.s.unit_peers)))
         self._retry_parked()
 
     async def _drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._tasks import Tasks
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableError
 from ..transport import _zmq
@@ -60,6 +61,8 @@ class Lease:
     indexes: np.ndarray
     timer: asyncio.TimerHandle | None = None
     principal: str = ""  # with auth on: the client it was given to, the only one that acks or renews it
+    session: bytes = b""  # the client session it was sent to (not a DP round's share: its peers hold it too)
+    given: float = 0.0  # loop time it was sent
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,6 +111,7 @@ class ControllerState:
         self.grant_ids = itertools.count(1)
         self.lease_ids = _random_ids()  # not guessable: a lease id is what an ack names
         self.placements = itertools.count()
+        self.tasks = Tasks("controller")  # background work (drops, moves, probes): cancelled at close
 
     # --- partitions -----------------------------------------------------------------
 

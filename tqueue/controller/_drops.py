@@ -9,6 +9,8 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
+from .._tasks import Tasks
+
 log = logging.getLogger(__name__)
 
 DROP_RETRIES = 5  # then the drop stays listed in status() until a later drop of it succeeds
@@ -29,8 +31,11 @@ class PendingDrops:
     """Per unit, the partitions (or samples) whose bytes a unit was asked to drop and did
     not confirm. ``send(unit_id, partition_uid, indexes)`` is the controller's drop call."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[int, int, list[int] | None], Awaitable[bool]]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, tasks: Tasks, send: Callable[[int, int, list[int] | None], Awaitable[bool]]
+    ) -> None:
         self._loop = loop
+        self._tasks = tasks
         self._send = send
         self._units: dict[int, _UnitDrops] = {}
 
@@ -66,7 +71,7 @@ class PendingDrops:
             entry.timer.cancel()
 
     def _start_retry(self, unit_id: int) -> None:
-        self._loop.create_task(self.retry(unit_id))
+        self._tasks.start(self.retry(unit_id), f"retry the drops of unit {unit_id}")
 
     async def retry(self, unit_id: int) -> None:
         """Send every pending drop of ``unit_id`` once more."""

@@ -19,7 +19,6 @@ they expire at their lease timeout, or are acked by another process of the same 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from collections.abc import Callable
@@ -40,9 +39,16 @@ class Liveness:
     """Units' registration and heartbeats, and the end of client sessions, over ``state``."""
 
     def __init__(
-        self, state: ControllerState, *, writes: Writes, cleanup: Cleanup, wake: Callable[[str], None]
+        self,
+        state: ControllerState,
+        *,
+        writes: Writes,
+        cleanup: Cleanup,
+        wake: Callable[[str], None],
+        release: Callable[[int, str], None],
     ) -> None:
         self.s = state
+        self._release = release  # (lease id, why): its samples are ready again for the task
         self.writes = writes
         self.cleanup = cleanup
         self._wake = wake  # serve parked reads of a partition (lost samples end their wait)
@@ -50,12 +56,9 @@ class Liveness:
         self._names: dict[str, int] = {}  # unit name -> unit id
         self._ids = itertools.count(0)
         self._timer = state.loop.call_later(self.interval, self._sweep) if self.interval > 0 else None
-        self._probes: set[asyncio.Task[None]] = set()  # held here, cancelled at close
         state.server.sessions.on_gone(self.session_gone)
 
     def close(self) -> None:
-        for task in self._probes:
-            task.cancel()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -73,7 +76,7 @@ class Liveness:
                 self.unit_dead(old, "registered again (it restarted): what it held is gone")
             peer = self.s.unit_peers.pop(unit_id, None)
             if peer is not None:
-                self.s.loop.create_task(peer.close())
+                self.s.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
         self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time(),
                                      metrics=msg.metrics)
@@ -96,9 +99,7 @@ class Liveness:
             return
         unit.suspect = True
         log.warning("storage unit %d suspected: %s; probing it", unit_id, why)
-        task = self.s.loop.create_task(self._probe(unit, peer, why))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self.s.tasks.start(self._probe(unit, peer, why), f"probe unit {unit_id}")
 
     async def _probe(self, unit: Unit, peer: _zmq.Peer, why: str) -> None:
         limit = max(2 * self.interval, 0.5)
@@ -154,7 +155,7 @@ class Liveness:
         )
         peer = self.s.unit_peers.pop(unit_id, None)
         if peer is not None:
-            self.s.loop.create_task(peer.close())
+            self.s.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         self.writes.retry_parked()  # puts parked for room may fit on the live units
 
     # --- client sessions ------------------------------------------------------------
@@ -191,10 +192,18 @@ class Liveness:
         for key in [k for k in s.granted if session_of(k[0]) == session]:
             del s.granted[key]
         lapsed = self.writes.lapse_owned(session, "belonged to a client that is gone")
-        if mine or sealed or versions or parked or lapsed:
+        # a lease sent after the client fell silent never reached anyone who could use it (the
+        # reply went down a connection that was already dead, in the instant before ZeroMQ
+        # knew): its samples go to a live consumer now, not at the lease's expiry
+        silent_since = s.server.sessions.last_heard
+        unheard = [lid for lid, r in s.leases.items() if r.session == session and r.given > silent_since]
+        for lease_id in unheard:
+            self._release(lease_id, "was sent to a client that is gone, after it fell silent")
+        if mine or sealed or versions or parked or lapsed or unheard:
             log.info(
                 "client session %s ended: %d parked reads, %d seal waits, %d version waits, %d parked writes "
-                "withdrawn, %d grants lapsed", session.hex(), len(mine), len(sealed), len(versions), len(parked), lapsed,
+                "withdrawn, %d grants lapsed, %d leases released", session.hex(), len(mine), len(sealed), len(versions),
+                len(parked), lapsed, len(unheard),
             )
         if parked:
             self.writes.retry_parked()

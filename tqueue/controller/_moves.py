@@ -46,7 +46,7 @@ class Moves:
         moved = src.take_out(taken, reason)
         idx = part.reserve_in(moved)
         self.s.prefetching.add(part.uid)
-        task = self.s.loop.create_task(self._land(moved, part, idx, reason))
+        task = self.s.tasks.start(self._land(moved, part, idx, reason), f"prefetch into {part.name!r}")
         task.add_done_callback(lambda _: self.s.prefetching.discard(part.uid))
         return True
 

@@ -95,7 +95,9 @@ class Controller:
         self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
         self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
         self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect)
-        self.liveness = Liveness(self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon)
+        self.liveness = Liveness(
+            self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
+        )
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -156,6 +158,7 @@ class Controller:
             self.metrics.close()
             self.metrics = None
         self.liveness.close()
+        await self.s.tasks.close()
         for peer in self.s.unit_peers.values():
             await peer.close()
         await self._server.close()

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _env, _memory
 from .._memory import BufferPool
+from .._tasks import all_or_none
 from ..config import StorageConfig
 from ..errors import (
     ControllerUnavailableError,
@@ -315,7 +316,7 @@ class StorageUnit:
                 views = [f.data for f in frames[at : at + n] if f.nbytes]
                 jobs.append(_bulk.run_blocking(self.bulk.read, token, views))
                 at += n
-            await asyncio.gather(*jobs)
+            await all_or_none(*jobs)
         except BaseException:
             for token in tokens:  # bytes may be left unread: those streams are out of step
                 if self.bulk is not None:

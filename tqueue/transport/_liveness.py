@@ -87,6 +87,7 @@ class Sessions:
         self.name = name
         self._drain = drain  # handle what has arrived before judging silence
         self._last: dict[bytes, float] = {}
+        self.last_heard = 0.0  # during the on_gone callbacks: when the ending session was last heard
         self._gone: list[Callable[[bytes], None]] = []
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
@@ -111,7 +112,7 @@ class Sessions:
     def bye(self, ident: bytes) -> None:
         session = session_of(ident)
         if self._last.pop(session, None) is not None:
-            self._end(session, "closed")
+            self._end(session, "closed", self._loop.time())
 
     def _sweep(self) -> None:
         self._drain()
@@ -119,12 +120,13 @@ class Sessions:
         limit = now - window(self.interval)
         gone = [s for s, t in self._last.items() if t < limit]
         for session in gone:
-            del self._last[session]
-            self._end(session, f"silent for more than {window(self.interval):.1f} s")
+            last = self._last.pop(session)
+            self._end(session, f"silent for more than {window(self.interval):.1f} s", last)
         self._timer = self._loop.call_later(self.interval, self._sweep)
 
-    def _end(self, session: bytes, why: str) -> None:
+    def _end(self, session: bytes, why: str, last: float) -> None:
         log.debug("%s: session %s ended (%s)", self.name, session.hex(), why)
+        self.last_heard = last
         for callback in self._gone:
             try:
                 callback(session)
