@@ -93,3 +93,39 @@ def test_the_checker_sees_a_wrong_import(source: str, part: str) -> None:
     rel = pathlib.PurePath("controller", "_probe.py")
     assert part in {p for p, _ in _imported_parts(source, rel)}
     assert part not in LAYERS["controller"]
+
+
+def _sibling_imports(path: pathlib.Path) -> set[str]:
+    """The modules of its own package that the module at ``path`` imports: at module level, in
+    a function (a circle hidden in a function is still a circle) or for type checking only
+    (one module describing its caller is a circle a reader must hold in mind too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found |= {a.name for a in node.names}
+    return found - {"__init__"}
+
+
+PACKAGES = sorted(p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
+def test_no_import_circle_inside_a_package(package: pathlib.Path) -> None:
+    graph = {p.stem: _sibling_imports(p) for p in package.glob("*.py") if p.stem != "__init__"}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circle = path[path.index(module):] + [module]
+            raise AssertionError(f"{package.name}: import circle {' -> '.join(circle)}")
+        if module in done or module not in graph:
+            return
+        for other in sorted(graph[module]):
+            visit(other, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])

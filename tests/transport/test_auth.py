@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from tqueue.errors import InvalidArgumentError
-from tqueue.transport import _auth, _zmq
+from tqueue.transport import _auth, _sockets
 
 
 def test_generated_keys_are_private_and_load_for_both_sides(tmp_path):
@@ -29,8 +29,8 @@ def test_a_missing_key_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("bound", ["tcp://0.0.0.0:5555", "tcp://*:5555"])
 def test_a_wildcard_bind_is_advertised_as_a_reachable_host(bound):
-    assert _zmq.reachable(bound, "node7.example") == "tcp://node7.example:5555"
-    host = _zmq.reachable(bound).removeprefix("tcp://").rpartition(":")[0]
-    assert host not in _zmq.WILDCARDS
-    assert _zmq.reachable("tcp://127.0.0.1:5555", "node7") == "tcp://127.0.0.1:5555"
+    assert _sockets.reachable(bound, "node7.example") == "tcp://node7.example:5555"
+    host = _sockets.reachable(bound).removeprefix("tcp://").rpartition(":")[0]
+    assert host not in _sockets.WILDCARDS
+    assert _sockets.reachable("tcp://127.0.0.1:5555", "node7") == "tcp://127.0.0.1:5555"
 

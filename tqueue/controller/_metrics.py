@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..transport._metrics import latency_family
-from ..wire import PartitionStatus, StatusRequest
+from ..transport._metrics import Latency, latency_family
+from ..wire import PartitionStatus, StatusReply
 
 if TYPE_CHECKING:
-    from ._server import Controller
     from ._state import Partition
 
 #: task names, and exclusion reasons, that get series of their own in the cumulative
@@ -112,28 +111,23 @@ class Totals:
         return shown
 
 
-def _reason(kind: str, text: str) -> str:
-    """A waiter's reason as a label of few values (the text has counts in it)."""
-    if kind == "get_meta":
-        return "not enough ready"
-    text = text.lower()
-    if "memory" in text or "capacity" in text or "budget" in text:
-        return "memory"
-    if "stale" in text or "version" in text or "admission" in text:
-        return "staleness"
-    return "other"
+_CAUSES = {"samples": "not enough ready", "memory": "memory", "staleness": "staleness"}  # label values
 
 
-def families(controller: Controller) -> Iterator[Any]:
+def families(
+    st: StatusReply, *, totals: Totals, staleness: list[int], capacity: int, latency: Latency
+) -> Iterator[Any]:
+    """The metric families of one ``status()`` snapshot ``st`` of the controller, with what the
+    snapshot lacks: the freed partitions' ``totals``, the served samples by versions behind
+    (``staleness``), the cluster's ``capacity`` and the request ``latency``."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    st = controller._status(b"", StatusRequest(), [])
-    yield from _partitions(st.partitions, controller.s.totals)
-    committed, tasks, reasons = controller.s.totals.read(st.partitions)
+    yield from _partitions(st.partitions, totals)
+    committed, tasks, reasons = totals.read(st.partitions)
     yield CounterMetricFamily("tqueue_committed_samples", "Samples committed to partitions, all partitions", value=committed)
     per_task = CounterMetricFamily("tqueue_task_samples", "Samples by task and what became of them, all partitions", labels=["task", "state"])
-    for (task, state), value in sorted(tasks.items()):
-        per_task.add_metric([task, state], value)
+    for (task, fate), value in sorted(tasks.items()):
+        per_task.add_metric([task, fate], value)
     per_reason = CounterMetricFamily("tqueue_excluded_samples", "Samples never served, by reason, all partitions", labels=["reason"])
     for reason, value in sorted(reasons.items()):
         per_reason.add_metric([reason], value)
@@ -147,12 +141,12 @@ def families(controller: Controller) -> Iterator[Any]:
         unit_cap.add_metric([str(u.unit_id)], u.capacity)
         unit_alive.add_metric([str(u.unit_id)], int(u.alive))
     yield from (unit_bytes, unit_cap, unit_alive)
-    yield GaugeMetricFamily("tqueue_capacity_bytes", "The cluster's budget (0: none)", value=controller.config.capacity_bytes)
+    yield GaugeMetricFamily("tqueue_capacity_bytes", "The cluster's budget (0: none)", value=capacity)
 
     waiting = GaugeMetricFamily("tqueue_waiting", "Parked calls, by what they wait for", labels=["partition", "kind", "reason"])
     counts: dict[tuple[str, str, str], int] = {}
     for w in st.waiting:
-        key: tuple[str, str, str] = (w.partition, str(w.kind), _reason(w.kind, w.reason))
+        key: tuple[str, str, str] = (w.partition, str(w.kind), _CAUSES[w.cause])
         counts[key] = counts.get(key, 0) + 1
     for key, value in counts.items():
         waiting.add_metric(list(key), value)
@@ -160,9 +154,8 @@ def families(controller: Controller) -> Iterator[Any]:
     yield GaugeMetricFamily("tqueue_version", "The trainer's version", value=st.version)
     yield GaugeMetricFamily("tqueue_admitted_samples", "Samples admitted by the staleness bound", value=st.admitted)
     yield GaugeMetricFamily("tqueue_admission_limit_samples", "The staleness bound's limit (-1: none)", value=st.admission_limit)
-    yield _staleness(controller.s.staleness.tolist())
-    yield latency_family("tqueue_request_seconds", "Controller request latency by message kind (parked time included)",
-                         controller._server.latency)
+    yield _staleness(staleness)
+    yield latency_family("tqueue_request_seconds", "Controller request latency by message kind (parked time included)", latency)
 
 
 def _partitions(parts: list[PartitionStatus], totals: Totals) -> Iterator[Any]:

@@ -147,7 +147,11 @@ class Controller:
             from ._metrics import families
 
             self.metrics = MetricsEndpoint(
-                asyncio.get_running_loop(), lambda: families(self),
+                asyncio.get_running_loop(),
+                lambda: families(
+                    self.status(), totals=self.s.totals, staleness=self.s.staleness.tolist(),
+                    capacity=self.config.capacity_bytes, latency=self._server.latency,
+                ),
                 bind=self.config.bind, address=self.address, port=self.config.metrics_port,
             )
             log.info("controller metrics at %s", self.metrics.url)
@@ -258,6 +262,11 @@ class Controller:
     # --- status ---------------------------------------------------------------------
 
     def _status(self, ident: bytes, msg: StatusRequest, bufs: list[Any]) -> StatusReply:
+        return self.status()
+
+    def status(self) -> StatusReply:
+        """A snapshot of everything the controller knows (``status()`` of a client, and the
+        metrics at scrape time)."""
         now = self.s.loop.time()
         parts = [
             PartitionStatus(
@@ -308,6 +317,7 @@ class Controller:
                 task="",
                 reason=p.reason,
                 kind="put" if isinstance(p.req, Grant) else "reserve",
+                cause="memory" if p.full else "staleness",
             )
             for p in self.s.parked
         ]

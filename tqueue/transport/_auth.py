@@ -32,6 +32,7 @@ import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..errors import InvalidArgumentError
+from ._sockets import context  # the one context the sockets are made in
 
 ZAP_DOMAIN = b"tqueue"
 CLUSTER = "cluster"  # the principal of the controller and the units
@@ -124,8 +125,6 @@ _state: dict[str, Any] = {}  # "allowed": _Allowed, "auth": _Authenticator (once
 def _admit(keys: dict[bytes, str]) -> None:
     """Start the process's ZAP handler if it is not running; add ``keys`` to what it admits.
     Each call is matched by one :func:`release` (a server's close)."""
-    from ._zmq import context  # the one context the sockets are made in
-
     with _lock:
         allowed: _Allowed | None = _state.get("allowed")
         if allowed is None:

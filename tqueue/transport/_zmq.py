@@ -26,8 +26,6 @@ import inspect
 import itertools
 import logging
 import math
-import os
-import socket
 import threading
 import time
 import weakref
@@ -44,6 +42,7 @@ from ._boundary import DECODE_ERRORS, Boundary, io_errors
 from ._connect import ConnectWatch, endpoint
 from ._liveness import HEARTBEAT_INTERVAL, Sessions, window
 from ._metrics import Latency
+from ._sockets import bind, context, tune
 
 log = logging.getLogger(__name__)
 
@@ -84,55 +83,6 @@ def expected(reply: Message, expect: type[R], *, peer: str, request: Message) ->
     return reply
 
 
-_CONTEXT: tuple[int, zmq.Context] | None = None
-
-
-def context() -> zmq.Context:
-    """The process's one ZeroMQ context (made anew in a forked child)."""
-    global _CONTEXT
-    if _CONTEXT is None or _CONTEXT[0] != os.getpid():
-        _CONTEXT = (os.getpid(), zmq.Context())
-    return _CONTEXT[1]
-
-
-def _tune(sock: zmq.Socket) -> None:
-    # Unbounded queues: a plain ROUTER drops what exceeds its HWM silently, and dropping a
-    # reply would leave a caller waiting for its timeout. Requests are bounded by their
-    # callers; a Server bounds its replies per peer itself (ROUTER_MANDATORY, SendQueues).
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    # Closing must not wait for peers that are gone; what matters was acknowledged.
-    sock.setsockopt(zmq.LINGER, 0)
-
-
-def bind(sock: zmq.Socket, endpoint: str, advertise: str = "") -> str:
-    """Bind, letting the OS pick the port for ``:0``, and return the endpoint peers reach:
-    the real one, with a wildcard host replaced by ``advertise`` (or this machine's address)."""
-    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-        endpoint = endpoint[:-1] + "*"
-    sock.bind(endpoint)
-    return reachable(sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise)
-
-
-WILDCARDS = ("0.0.0.0", "*", "::", "[::]", "")
-
-
-def reachable(endpoint: str, advertise: str = "") -> str:
-    """``endpoint`` (``tcp://host:port``) with a wildcard host replaced by one peers can
-    reach: ``advertise``, else this machine's address."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    if host not in WILDCARDS:
-        return endpoint
-    if not advertise:
-        try:
-            advertise = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            advertise = "127.0.0.1"
-    return f"tcp://{advertise}:{port}"
-
-
 class _LoopSocket:
     """A ZeroMQ socket driven by the running asyncio loop.
 
@@ -147,7 +97,7 @@ class _LoopSocket:
 
     def __init__(self, kind: int, on_message: Callable[[list[zmq.Frame]], None], *, sending: Boundary) -> None:
         self.sock = context().socket(kind)
-        _tune(self.sock)
+        tune(self.sock)
         self._on_message = on_message
         self._sending = sending
         self._loop = asyncio.get_running_loop()
@@ -472,7 +422,7 @@ class BlockingPeer:
         self._io = Boundary(f"request to {where}", io_errors(unavailable))
         self._decoding = Boundary(f"reply from {where}", DECODE_ERRORS)
         self.sock = context().socket(zmq.DEALER)
-        _tune(self.sock)
+        tune(self.sock)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if curve is not None:

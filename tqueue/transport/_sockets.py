@@ -1,0 +1,60 @@
+"""The process's sockets at their lowest: the one ZeroMQ context, how every socket is tuned,
+binding to a port the OS picks, and the address peers reach a bound socket at. Below both the
+request transport (:mod:`._zmq`) and the authenticator (:mod:`._auth`), which make their
+sockets here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import zmq
+
+_CONTEXT: tuple[int, zmq.Context] | None = None
+
+
+def context() -> zmq.Context:
+    """The process's one ZeroMQ context (made anew in a forked child)."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT[0] != os.getpid():
+        _CONTEXT = (os.getpid(), zmq.Context())
+    return _CONTEXT[1]
+
+
+def tune(sock: zmq.Socket) -> None:
+    # Unbounded queues: a plain ROUTER drops what exceeds its HWM silently, and dropping a
+    # reply would leave a caller waiting for its timeout. Requests are bounded by their
+    # callers; a Server bounds its replies per peer itself (ROUTER_MANDATORY, SendQueues).
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    # Closing must not wait for peers that are gone; what matters was acknowledged.
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+def bind(sock: zmq.Socket, endpoint: str, advertise: str = "") -> str:
+    """Bind, letting the OS pick the port for ``:0``, and return the endpoint peers reach:
+    the real one, with a wildcard host replaced by ``advertise`` (or this machine's address)."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    sock.bind(endpoint)
+    return reachable(sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise)
+
+
+WILDCARDS = ("0.0.0.0", "*", "::", "[::]", "")
+
+
+def reachable(endpoint: str, advertise: str = "") -> str:
+    """``endpoint`` (``tcp://host:port``) with a wildcard host replaced by one peers can
+    reach: ``advertise``, else this machine's address."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if host not in WILDCARDS:
+        return endpoint
+    if not advertise:
+        try:
+            advertise = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            advertise = "127.0.0.1"
+    return f"tcp://{advertise}:{port}"
