@@ -39,7 +39,7 @@ from .launch import LocalCluster
 from .wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
 
 if TYPE_CHECKING:
-    from .client import AsyncClient, Batch, Client, ClientStats, FieldStats
+    from .client import AsyncClient, Batch, Client, ClientStats, FieldStats, MicroBatch
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "ForkedClientError",
     "InvalidArgumentError",
     "LocalCluster",
+    "MicroBatch",
     "PROTOCOL_VERSION",
     "PartitionClearedError",
     "PermissionDeniedError",
@@ -77,7 +78,7 @@ __all__ = [
     "WaitTimeoutError",
 ]
 
-_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "FieldStats"}
+_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "FieldStats", "MicroBatch"}
 
 
 def __getattr__(name: str) -> Any:

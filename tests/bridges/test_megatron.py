@@ -126,3 +126,31 @@ def test_the_device_and_backend_follow_what_is_there():
     out = subprocess.run([sys.executable, "-c", STAND_IN], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "npu:3 hccl"
+
+
+def test_read_passes_the_micro_batch_options_through(client, partition):
+    """One rank (no torch.distributed): the planner's options reach the controller, and the
+    micro-batches come packed as asked, every sample exact."""
+    from tqueue.bridges.megatron import StepReader
+
+    lengths = [9, 3, 14, 6, 1, 11, 7, 5, 12, 2, 8, 4]
+    ids = [torch.arange(n) + 100 * i for i, n in enumerate(lengths)]
+    client.put(partition, {"ids": ids, "n": torch.tensor(lengths)})
+    reader = StepReader(client, dp_rank=0, dp_size=1)
+    step = reader.read(partition, ["ids", "n"], 12, max_tokens_per_micro_batch=40, min_num_microbatches=3,
+                       num_microbatches_multiple_of=2, form="packed", pad_to_multiple_of=4, timeout=10)
+    assert step.num_microbatches == 4 and len(step.micro_batches) == 4  # 2 needed, at least 3, a multiple of 2
+    for mb, rows in zip(step.micro_batches, step.micro_batch_indices):
+        indexes = [step.meta.indexes[p] for p in rows]
+        assert mb.form == "packed" and mb.meta.indexes == indexes and mb["n"].tolist() == [lengths[i] for i in indexes]
+        assert mb.cu_seqlens().tolist() == np.cumsum([0] + [lengths[i] for i in indexes]).tolist()
+        assert all(t % 4 == 0 for t in mb.cu_seqlens_padded().diff().tolist())
+        assert all(torch.equal(got, ids[i]) for got, i in zip(mb.unpad("ids"), indexes))
+    reader.done(step)
+    client.put(f"{partition}-b", {"ids": ids, "n": torch.tensor(lengths)})  # a task's rounds keep one shape
+    step = reader.read(f"{partition}-b", ["ids", "n"], 12, micro_batch_size=3, form="padded", timeout=10)
+    assert [mb.size for mb in step.micro_batches] == [3] * 4
+    assert [mb["ids"].shape[1] for mb in step.micro_batches] == [max(mb.lengths().tolist()) for mb in step.micro_batches]
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"form is one of \['padded', 'packed'\], got 'thd'"):
+        reader.read(partition, ["ids"], 12, form="thd", timeout=10)  # type: ignore[arg-type]
+    reader.done(step)

@@ -14,7 +14,9 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
+import tqueue
 from tqueue.controller import _balance
 from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_groups, plan_round
 from tqueue.errors import InvalidArgumentError
@@ -582,3 +584,202 @@ def test_round_book_with_a_short_group_plans_or_raises_a_typed_error():
     assert sorted(i for s in rnd.shares for i in s.tolist()) == indexes.tolist()
     with pytest.raises(InvalidArgumentError, match=r"max_tokens_per_micro_batch=1000.*group with samples \[108, 109, 110\] \(3 samples"):
         RoundBook(2, 8, 1000).form(indexes, np.full(15, 600, dtype=np.int64), [], groups)
+
+
+# the micro-batch count: a minimum, a multiple (virtual pipeline stages), a fixed size
+
+
+def sequence_lengths(n: int, seed: int) -> list[int]:
+    """Prompts of 128 to 1024 tokens and responses of 16 to 2048: an RL step's sequences."""
+    rng = np.random.default_rng(seed)
+    responses = np.clip(rng.lognormal(np.log(450), 0.9, n), 16, 2048).astype(np.int64)
+    return (rng.integers(128, 1025, n) + responses).tolist()
+
+
+def assert_plan_shape(plan: RoundPlan, n: int, dp_size: int) -> None:
+    """Every rank cut into ``num_micro_batches`` non-empty, sorted micro-batches that together
+    are its share, the shares together every position once."""
+    assert_canonical_partition(plan.ranks, n, dp_size)
+    for rank, batches in zip(plan.ranks, plan.micro_batches):
+        assert len(batches) == plan.num_micro_batches
+        assert all(b and b == sorted(b) for b in batches)
+        assert sorted(p for b in batches for p in b) == rank
+
+
+@pytest.mark.parametrize(
+    "cap, multiple, minimum",
+    [
+        (None, 1, 3),
+        (None, 4, 1),
+        (None, 4, 5),
+        (16384, 4, 1),
+        (16384, 3, 20),
+        (4096, 8, 1),
+    ],
+    ids=["no-cap-min3", "no-cap-x4", "no-cap-x4-min5", "cap-x4", "cap-x3-min20", "tight-cap-x8"],
+)
+@pytest.mark.parametrize("dp_size", [2, 4], ids=lambda d: f"dp{d}")
+def test_the_count_is_at_least_the_minimum_and_a_multiple_the_same_on_every_rank(dp_size, cap, multiple, minimum):
+    n = 512
+    lengths = sequence_lengths(n, seed=dp_size + multiple)
+    plan = plan_round(lengths, dp_size, rule=_balance.MicroRule(max_tokens=cap, multiple_of=multiple, minimum=minimum))
+    assert_plan_shape(plan, n, dp_size)
+    needs = max(len(micro_batches([lengths[p] for p in r], cap)) for r in plan.ranks) if cap else 1
+    assert plan.num_micro_batches % multiple == 0
+    assert plan.num_micro_batches == math.ceil(max(needs, minimum) / multiple) * multiple  # the least that does
+    for batches in plan.micro_batches:
+        sums = [sum(lengths[p] for p in b) for b in batches]
+        if cap is not None:
+            assert all(s <= cap or len(b) == 1 for s, b in zip(sums, batches))
+        assert max(sums) <= 1.2 * np.mean(sums)  # balanced
+
+
+@pytest.mark.parametrize("size", [1, 4, 16], ids=lambda s: f"size{s}")
+def test_a_fixed_micro_batch_size_gives_every_micro_batch_exactly_that_many_samples(size):
+    n, dp_size = 256, 4
+    lengths = sequence_lengths(n, seed=size)
+    plan = plan_round(lengths, dp_size, rule=_balance.MicroRule(micro_batch_size=size))
+    assert_plan_shape(plan, n, dp_size)
+    assert plan.num_micro_batches == n // dp_size // size
+    assert {len(b) for batches in plan.micro_batches for b in batches} == {size}
+    if size > 1:  # balanced by tokens, as the ranks are
+        for batches in plan.micro_batches:
+            sums = sums_of(batches, lengths)
+            assert max(sums) <= 1.2 * np.mean(sums)
+
+
+def test_a_fixed_size_spreads_pad_rows_and_keeps_a_real_sample_in_each_micro_batch():
+    """A short last round: pad rows weigh nothing; each micro-batch still has exactly the size,
+    and (with real samples to spare) at least one real sample."""
+    lengths = [300, 20, 700, 50, 10, 400, 90, 600, 5, 30] + [0] * 6  # six pad rows
+    plan = plan_round(lengths, 2, rule=_balance.MicroRule(micro_batch_size=2, multiple_of=2))
+    assert_plan_shape(plan, 16, 2)
+    assert plan.num_micro_batches == 4
+    for batches in plan.micro_batches:
+        assert all(len(b) == 2 and any(lengths[p] for p in b) for b in batches)
+
+
+def test_the_count_with_whole_groups_is_a_multiple_too():
+    lengths = sequence_lengths(128, seed=9)  # about 80k tokens a rank: 5 or 6 micro-batches of 16k
+    plan = plan_groups(lengths, deal_groups([8] * 16), 2, rule=_balance.MicroRule(max_tokens=16384, multiple_of=4, minimum=6))
+    assert_plan_shape(plan, 128, 2)
+    assert plan.num_micro_batches == 8
+    plan = plan_groups(lengths, deal_groups([8] * 16), 2, rule=_balance.MicroRule(micro_batch_size=8))
+    assert plan.num_micro_batches == 8 and {len(b) for m in plan.micro_batches for b in m} == {8}
+
+
+def test_a_fixed_size_with_a_short_group_deals_the_groups_into_equal_shares():
+    """Groups of 4, 4, 2, 2 (two lost members) over 2 ranks, micro-batches of 2: the token
+    balance alone would pair the two big groups; equal shares of 6 need one short group each."""
+    lengths = [900] * 8 + [10] * 4
+    plan = plan_groups(lengths, deal_groups([4, 4, 2, 2]), 2, rule=_balance.MicroRule(micro_batch_size=2))
+    assert sorted(len(r) for r in plan.ranks) == [6, 6]
+    assert plan.num_micro_batches == 3 and {len(b) for m in plan.micro_batches for b in m} == {2}
+    with pytest.raises(InvalidArgumentError, match=r"micro_batch_size=4.*group 'c' \(2 samples"):
+        plan_groups(lengths, deal_groups([4, 4, 2, 2]), 2, rule=_balance.MicroRule(micro_batch_size=4),
+                    names=["'a'", "'b'", "'c'", "'d'"])
+
+
+@pytest.mark.parametrize(
+    "rule, match",
+    [
+        (dict(max_tokens=None, minimum=9), r"cannot cut every rank's share into 9 micro-batches .*min_num_microbatches=9.*hold \[8\] samples"),
+        (dict(max_tokens=5, multiple_of=3), r"into 9 micro-batches \(max_tokens_per_micro_batch=5.*multiple_of=3\)"),
+        (dict(micro_batch_size=3), r"micro_batch_size=3 needs every rank's share to be the same multiple of it.*\[8, 8\]"),
+        (dict(micro_batch_size=4, multiple_of=4), r"cannot cut every rank's share into 4 micro-batches"),
+    ],
+    ids=["minimum-over-the-samples", "rounded-over-the-samples", "size-not-dividing", "size-count-not-a-multiple"],
+)
+def test_a_rule_no_share_can_follow_is_refused_by_name(rule, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        plan_round([5] * 16, 2, rule=_balance.MicroRule(**rule))
+
+
+def test_a_rule_is_a_cap_or_a_size_not_both():
+    with pytest.raises(InvalidArgumentError, match=r"micro_batch_size=4 fixes the samples.*max_tokens_per_micro_batch=100.*one of them"):
+        _balance.MicroRule(max_tokens=100, micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"num_microbatches_multiple_of must be >= 1, got 0"):
+        _balance.MicroRule(multiple_of=0)
+
+
+# what a sample's tokens are: its sequence once, not every jagged field asked for
+
+
+@pytest.mark.parametrize(
+    "fields, balance_by, want",
+    [
+        (["input_ids", "loss_mask", "old_logprobs"], None, [10, 20, 30, 0]),
+        (["prompt_ids", "response_ids", "response_logprobs", "routed_experts"], None, [13, 25, 37, 0]),
+        (["response_ids", "response_logprobs"], None, [3, 5, 7, 0]),
+        (["input_ids", "loss_mask"], ["response_ids"], [3, 5, 7, 0]),
+        (["input_ids"], ["prompt_ids", "response_ids"], [13, 25, 37, 0]),
+        (["reward"], None, [1, 1, 1, 0]),
+    ],
+    ids=["one-sequence-three-fields", "prompt-plus-response", "response-fields", "balance-by-one",
+         "balance-by-the-parts", "no-jagged-field"],
+)
+def test_a_sample_counts_its_sequence_once(fields, balance_by, want):
+    from tqueue.controller._rounds import token_counts
+
+    seq = np.asarray([10, 20, 30, 99])
+    prompt = np.asarray([10, 20, 30, 99])
+    response = np.asarray([3, 5, 7, 99])
+    lengths = {
+        "input_ids": seq, "loss_mask": seq, "old_logprobs": seq, "prompt_ids": prompt,
+        "response_ids": response, "response_logprobs": response, "routed_experts": prompt + response - 1,
+    }
+    indexes = np.asarray([0, 1, 2, -1])  # the last a pad row
+    assert token_counts(lengths, indexes, fields, balance_by).tolist() == want
+
+
+def test_the_cap_counts_one_sequence_however_many_fields_are_read(client, partition):
+    """Three fields of 100 rows a sample under a cap of 400: four samples a micro-batch (the
+    sum of the three fields would allow one)."""
+    rows = [torch.ones(100, dtype=torch.int64)] * 16
+    client.put(partition, {"input_ids": rows, "loss_mask": rows, "old_logprobs": [r.float() for r in rows]})
+    meta = client.get_meta(partition, ["input_ids", "loss_mask", "old_logprobs"], 8, task="t", dp_rank=0, dp_size=2,
+                           max_tokens_per_micro_batch=400, timeout=10)
+    assert meta.num_microbatches == 2 and sorted(len(mb) for mb in meta.micro_batch_indices) == [4, 4]
+    meta = client.get_meta(partition, ["input_ids", "loss_mask"], 8, task="u", dp_rank=0, dp_size=2,
+                           max_tokens_per_micro_batch=400, balance_by="input_ids", timeout=10)
+    assert meta.num_microbatches == 2
+
+
+def test_get_meta_cuts_shares_as_the_rule_says(cluster, partition):
+    lengths = skewed_lengths("lognormal", n=64, seed=1)
+    with tqueue.Client(cluster.address) as c:
+        c.put(partition, {"ids": [torch.zeros(min(n, 4000), dtype=torch.int32) for n in lengths]})
+        metas = [c.get_meta(partition, ["ids"], 16, task="t", dp_rank=r, dp_size=2, round=0, timeout=10,
+                            max_tokens_per_micro_batch=8192, num_microbatches_multiple_of=4, min_num_microbatches=5)
+                 for r in range(2)]
+        assert {m.num_microbatches for m in metas} == {8}
+        assert all(len(m.micro_batch_indices) == 8 and all(m.micro_batch_indices) for m in metas)
+        fixed = [c.get_meta(partition, ["ids"], 16, task="u", dp_rank=r, dp_size=2, round=0, timeout=10,
+                            micro_batch_size=4) for r in range(2)]
+        assert all(m.num_microbatches == 4 and [len(mb) for mb in m.micro_batch_indices] == [4] * 4 for m in fixed)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(micro_batch_size=3), r"micro_batch_size=3 cuts batch_size=8 into 2.66667 micro-batches"),
+        (dict(micro_batch_size=4, num_microbatches_multiple_of=4), r"micro_batch_size=4 cuts batch_size=8 into 2 micro-batches"),
+        (dict(min_num_microbatches=7, num_microbatches_multiple_of=3), r"asks for at least 9 micro-batches per rank, more than its batch_size=8"),
+        (dict(micro_batch_size=2, max_tokens_per_micro_batch=100), r"ask for one of them"),
+        (dict(num_microbatches_multiple_of=0), r"num_microbatches_multiple_of must be at least 1, got 0"),
+        (dict(min_num_microbatches=0), r"min_num_microbatches must be at least 1, got 0"),
+    ],
+    ids=["size-not-dividing", "count-not-a-multiple", "minimum-over-the-batch", "cap-and-size", "multiple-zero", "minimum-zero"],
+)
+def test_rounds_no_share_can_follow_are_refused_before_anything_is_leased(client, partition, options, match):
+    client.put(partition, {"x": torch.arange(16)})
+    with pytest.raises(InvalidArgumentError, match=match):
+        client.get_meta(partition, ["x"], 8, task="t", dp_rank=0, dp_size=2, timeout=5, **options)
+    assert client.get_meta(partition, ["x"], 16, task="t", timeout=5).indexes == list(range(16))  # nothing leased
+
+
+def test_peers_must_ask_for_the_same_micro_batches(client, partition):
+    client.put(partition, {"x": torch.arange(16)})
+    client.get_meta(partition, ["x"], 8, task="t", dp_rank=0, dp_size=2, timeout=5, min_num_microbatches=2)
+    with pytest.raises(InvalidArgumentError, match=r"min_num_microbatches=2; a request asked for 2, 8, 0, 0, 1, 1"):
+        client.get_meta(partition, ["x"], 8, task="t", dp_rank=1, dp_size=2, timeout=5)

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import torch
 
+from ..client._micro import Form, check_options, shape
 from ..errors import InvalidArgumentError
 from ..wire import BatchMeta
 
@@ -135,11 +136,12 @@ def _parallel_state() -> Any:
 @dataclasses.dataclass
 class Step:
     """One rank's share of a step: ``micro_batches`` (each a mapping of field to value,
-    tensors on the device), and the schedule, identical on every rank of the replica."""
+    tensors on the device; a :class:`tqueue.MicroBatch` where ``read`` was given a ``form``),
+    and the schedule, identical on every rank of the replica."""
 
     meta: BatchMeta
     fields: dict[str, Any]
-    micro_batches: list[dict[str, Any]]
+    micro_batches: Sequence[Mapping[str, Any]]
 
     @property
     def global_batch_size(self) -> int:
@@ -203,14 +205,32 @@ class StepReader:
         balance_by: Sequence[str] | None = None,
         timeout: float = math.inf,
         jagged: str = "padded",
+        micro_batch_size: int | None = None,
+        num_microbatches_multiple_of: int = 1,
+        min_num_microbatches: int = 1,
+        form: Form | None = None,
+        pad_to_multiple_of: int = 1,
     ) -> Step:
         """This rank's share of the next round of ``partition``: ``batch_size`` samples
         (``dp_size * batch_size`` in the round), waiting for them up to ``timeout``. Rounds
         count per partition (the client counts them), so every rank of a replica must read
-        the same partitions in the same order."""
+        the same partitions in the same order.
+
+        The controller cuts the share into micro-batches as ``get_meta`` documents
+        (``max_tokens_per_micro_batch`` or ``micro_batch_size``, ``balance_by``,
+        ``min_num_microbatches``, ``num_microbatches_multiple_of``). Without ``form``, each
+        micro-batch holds the rows of the share's values (jagged fields as ``jagged`` says:
+        padded to the share's longest sample); with ``form="padded"`` or ``"packed"`` it is a
+        :class:`tqueue.MicroBatch` padded to its own longest sample or packed with
+        ``cu_seqlens``, to a multiple of ``pad_to_multiple_of`` (``Batch.micro_batches``); the
+        share's values are then per-sample lists."""
+        if form is not None:
+            check_options(form, pad_to_multiple_of)
+            jagged = "list"
         ask = dict(task=self.task, timeout=timeout, policy=policy, dp_rank=self.layout.dp_rank,
                    dp_size=self.layout.dp_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                   balance_by=balance_by, lease_timeout=self.lease_timeout)
+                   balance_by=balance_by, lease_timeout=self.lease_timeout, micro_batch_size=micro_batch_size,
+                   num_microbatches_multiple_of=num_microbatches_multiple_of, min_num_microbatches=min_num_microbatches)
         if self.mode == "each" or self.layout.group is None:
             meta = self.client.get_meta(partition, fields, batch_size, **ask)
             values = dict(self.client.get_data(meta, jagged=jagged))
@@ -222,6 +242,8 @@ class StepReader:
         else:
             meta, values = _receive(self.layout, self.device)
         self.steps += 1
+        if form is not None:
+            return Step(meta, values, shape(meta, values, form=form, pad_to_multiple_of=pad_to_multiple_of))
         return Step(meta, values, _split(meta, values))
 
     def done(self, step: Step) -> None:

@@ -3,6 +3,7 @@
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch
 from ._lifecycle import FieldStats
+from ._micro import MicroBatch
 from ._sync import Client
 
-__all__ = ["AsyncClient", "Batch", "Client", "ClientStats", "FieldStats"]
+__all__ = ["AsyncClient", "Batch", "Client", "ClientStats", "FieldStats", "MicroBatch"]

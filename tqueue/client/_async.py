@@ -270,6 +270,9 @@ class AsyncClient:
         round: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
+        micro_batch_size: int | None = None,
+        num_microbatches_multiple_of: int = 1,
+        min_num_microbatches: int = 1,
         max_staleness: int | None = None,
         pad: bool = False,
     ) -> BatchMeta:
@@ -284,9 +287,14 @@ class AsyncClient:
         ``dp_rank`` / ``dp_size``: this rank's token-balanced share of a round of
         ``dp_size * batch_size`` samples; every caller asking for the same round and rank
         (tensor/pipeline parallel peers) gets the identical meta. Rounds count per client
-        (``round`` overrides). ``max_tokens_per_micro_batch`` caps micro-batches (every rank
-        gets the same number); ``balance_by`` names the jagged fields whose lengths are the
-        tokens (default: the jagged fields asked for).
+        (``round`` overrides). Each share comes cut into micro-batches
+        (``meta.micro_batch_indices``), the same number on every rank:
+        ``max_tokens_per_micro_batch`` caps their tokens, or ``micro_batch_size`` fixes their
+        samples; their count is at least ``min_num_microbatches`` and a multiple of
+        ``num_microbatches_multiple_of`` (a virtual pipeline's size). A sample's tokens are
+        the sum of the jagged fields ``balance_by`` names (one field, ``"input_ids"``, or the
+        parts of one sequence), by default the longest jagged field asked for
+        (``prompt_ids`` + ``response_ids`` counting as one sequence).
         ``max_staleness``: refuse (and count) samples older than the trainer's version
         minus this.
         ``pad``: once the partition is sealed and has fewer samples left than asked, return
@@ -297,7 +305,8 @@ class AsyncClient:
             partition=partition, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
             lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
-            max_staleness=max_staleness, pad=pad,
+            micro_batch_size=micro_batch_size, num_microbatches_multiple_of=num_microbatches_multiple_of,
+            min_num_microbatches=min_num_microbatches, max_staleness=max_staleness, pad=pad,
         )
         return await self._gets.get_meta(ask)
 
@@ -320,6 +329,9 @@ class AsyncClient:
         round: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
+        micro_batch_size: int | None = None,
+        num_microbatches_multiple_of: int = 1,
+        min_num_microbatches: int = 1,
         max_staleness: int | None = None,
         pad: bool = False,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
@@ -347,7 +359,9 @@ class AsyncClient:
             partition=meta, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
             lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size,
             round=round, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-            balance_by=balance_by, max_staleness=max_staleness, pad=pad,
+            balance_by=balance_by, micro_batch_size=micro_batch_size,
+            num_microbatches_multiple_of=num_microbatches_multiple_of,
+            min_num_microbatches=min_num_microbatches, max_staleness=max_staleness, pad=pad,
         )
         return await self._gets.get_data(ask, None, options)
 

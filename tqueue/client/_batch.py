@@ -23,11 +23,12 @@ import torch
 
 from .._memory import BufferPool
 from .._threads import copy_bytes
-from ..errors import InvalidArgumentError, ProtocolError
+from ..errors import InvalidArgumentError, ProtocolError, UnknownFieldError, did_you_mean
 from ..wire import BatchMeta, FieldBlock, FieldSpec
 from ..wire._layout import frame_layout, int_dtype, itemsize, numpy_dtype, sample_sizes
 from ..wire._messages import PackedType
 from ..wire._pack import PACKED, Widening, widen, widen_all
+from . import _micro
 from ._encode import TORCH_DTYPES
 
 JaggedAs = Literal["list", "padded", "nested"]
@@ -88,10 +89,13 @@ class Batch(Mapping[str, Any]):
     depends on the field, never on which samples this batch happened to hold.
     """
 
-    def __init__(self, meta: BatchMeta, values: dict[str, Any], lengths: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, meta: BatchMeta, values: dict[str, Any], lengths: dict[str, torch.Tensor], options: Options | None = None
+    ) -> None:
         self._meta = meta
         self._values = values
         self._lengths = lengths
+        self._options = options or Options()
 
     @property
     def meta(self) -> BatchMeta:
@@ -175,6 +179,53 @@ class Batch(Mapping[str, Any]):
             out.append(versions)
         return out
 
+    def micro_batches(
+        self,
+        fields: Sequence[str] | None = None,
+        *,
+        form: _micro.Form = "padded",
+        pad_to_multiple_of: int = 1,
+        pad_value: _micro.PadValue | Mapping[str, _micro.PadValue] = 0,
+        padding_side: Literal["right", "left"] = "right",
+    ) -> list[_micro.MicroBatch]:
+        """The batch cut into the micro-batches of ``meta.micro_batch_indices`` (the
+        controller's plan; the whole batch as one without), each a :class:`MicroBatch` of
+        ``fields`` (default: all).
+
+        ``form="padded"``: each jagged field ``[b, L, ...]``, padded with ``pad_value`` (one
+        value, or one per field) on ``padding_side`` to the micro-batch's own longest sample,
+        rounded up to ``pad_to_multiple_of``; ``mb.lengths()``, ``mb.attention_mask()``.
+        ``form="packed"``: each jagged field ``[T, ...]``, its samples back to back, each padded
+        at its end to a multiple of ``pad_to_multiple_of``; ``mb.cu_seqlens()`` (int32
+        ``[b + 1]``), ``mb.cu_seqlens_padded()``, ``mb.position_ids()``, ``mb.max_seqlen()``,
+        ``mb.packed_seq_kwargs()`` for megatron-core's ``PackedSeqParams``. Megatron wants a
+        multiple of TP (sequence parallel), ``2 * CP * TP`` with context parallelism.
+        ``mb.unpad(field)`` gives each sample's rows back. Jagged fields fetched ``padded`` or
+        ``nested`` are cut back into their samples first (one copy either way)."""
+        names = list(self._values) if fields is None else ([fields] if isinstance(fields, str) else list(fields))
+        for name in names:
+            if name not in self._values:
+                raise UnknownFieldError(
+                    f"field {name!r} is not in this batch{did_you_mean(name, self._values)}; fields: {sorted(self._values)}"
+                )
+        values = {name: self._samples(name) for name in names}
+        return _micro.shape(
+            self._meta, values, fields=names, form=form, pad_to_multiple_of=pad_to_multiple_of,
+            pad_value=pad_value, padding_side=padding_side,
+        )
+
+    def _samples(self, field: str) -> Any:
+        """A jagged field as per-sample values, however it was fetched; any other as it is."""
+        value = self._values[field]
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            return list(value.unbind())
+        lengths = self._lengths.get(field)
+        if lengths is None or not isinstance(value, (torch.Tensor, np.ndarray)):
+            return value
+        width = value.shape[1] if value.ndim > 1 else 0
+        left = self._options.padding_side == "left"
+        return [value[i, width - n :] if left else value[i, :n] for i, n in enumerate(lengths.tolist())]
+
     def lengths(self, field: str) -> torch.Tensor:
         """Per-sample length (size of dimension 0) of a jagged tensor field, int64 ``[B]``."""
         try:
@@ -244,7 +295,7 @@ def assemble(
         copied += n
         if lens is not None:
             lengths[field] = lens
-    return Batch(meta, values, lengths), copied
+    return Batch(meta, values, lengths, options), copied
 
 
 def assemble_field(

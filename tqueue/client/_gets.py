@@ -51,6 +51,9 @@ class MetaAsk:
     round: int | None = None
     max_tokens_per_micro_batch: int | None = None
     balance_by: Sequence[str] | None = None
+    micro_batch_size: int | None = None
+    num_microbatches_multiple_of: int = 1
+    min_num_microbatches: int = 1
     max_staleness: int | None = None
     pad: bool = False
 
@@ -99,7 +102,11 @@ class Gets:
             round=-1 if round is None else round,
             round_uid=seen_uid,
             max_tokens_per_micro_batch=ask.max_tokens_per_micro_batch or 0,
-            balance_by=list(ask.balance_by) if ask.balance_by is not None else None,
+            balance_by=[ask.balance_by] if isinstance(ask.balance_by, str)
+            else list(ask.balance_by) if ask.balance_by is not None else None,
+            micro_batch_size=ask.micro_batch_size or 0,
+            num_microbatches_multiple_of=ask.num_microbatches_multiple_of,
+            min_num_microbatches=ask.min_num_microbatches,
             max_staleness=ask.max_staleness,
             pad=ask.pad,
         )
@@ -159,7 +166,7 @@ class Gets:
                 values[f], lens, _ = assemble_field(meta, f, [], options, self._pool)
                 if lens is not None:
                     lengths[f] = lens
-            return Batch(meta, values, lengths)
+            return Batch(meta, values, lengths, options)
         bulk = any(self._conns.bulk_to(u) for u in positions)
         dests = dense_dests(meta, fields, self._pool) if bulk else {}
         jobs = [(u, lane) for u, p in positions.items() for lane in self._lanes(meta, fields, u, p)]
@@ -188,7 +195,7 @@ class Gets:
         self.stats.get_bytes += logical
         self.stats.wire_bytes += received
         self.stats.copied_bytes += copied
-        return Batch(meta, {f: values[f] for f in fields}, lengths)
+        return Batch(meta, {f: values[f] for f in fields}, lengths, options)
 
     async def _fetch_part(
         self,

@@ -243,6 +243,9 @@ class Client:
         round: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
+        micro_batch_size: int | None = None,
+        num_microbatches_multiple_of: int = 1,
+        min_num_microbatches: int = 1,
         max_staleness: int | None = None,
         pad: bool = False,
     ) -> BatchMeta:
@@ -255,7 +258,8 @@ class Client:
             partition=partition, fields=fields, batch_size=batch_size, task=task, timeout=timeout,
             lease_timeout=lease_timeout, policy=policy, dp_rank=dp_rank, dp_size=dp_size, round=round,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch, balance_by=balance_by,
-            max_staleness=max_staleness, pad=pad,
+            micro_batch_size=micro_batch_size, num_microbatches_multiple_of=num_microbatches_multiple_of,
+            min_num_microbatches=min_num_microbatches, max_staleness=max_staleness, pad=pad,
         ))
         reply = self._direct().request(msg, expect=Meta, timeout=limit)
         return inner._gets.got_meta(msg, reply)
@@ -302,6 +306,9 @@ class Client:
         round: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
         balance_by: Sequence[str] | None = None,
+        micro_batch_size: int | None = None,
+        num_microbatches_multiple_of: int = 1,
+        min_num_microbatches: int = 1,
         max_staleness: int | None = None,
         pad: bool = False,
         jagged: JaggedAs | Mapping[str, JaggedAs] = "list",
@@ -323,6 +330,9 @@ class Client:
                 round=round,
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                 balance_by=balance_by,
+                micro_batch_size=micro_batch_size,
+                num_microbatches_multiple_of=num_microbatches_multiple_of,
+                min_num_microbatches=min_num_microbatches,
                 max_staleness=max_staleness,
                 pad=pad,
                 jagged=jagged,

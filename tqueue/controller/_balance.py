@@ -20,6 +20,12 @@ big ones) the heaviest rank is within 0.01% at 4096 samples and within a few per
 16384 in 50-135 ms (the tighter the cap, the longer): the controller's loop waits for that,
 once per round.
 
+The count of micro-batches follows a rule (:class:`MicroRule`): the most a rank needs under
+the cap (one without a cap), raised to a minimum and rounded up to a multiple (Megatron's
+interleaved pipeline wants a multiple of its virtual stages); or, with a fixed micro-batch
+size, the share's size divided by it, every micro-batch then holding exactly that many
+samples, balanced by tokens.
+
 Deterministic: a plan depends only on the length values, ties broken by position, so every
 caller that plans the same round gets the identical plan. The controller never imports torch.
 """
@@ -37,7 +43,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RoundPlan", "balanced_partition", "micro_batches", "plan_groups", "plan_round"]
+__all__ = ["MicroRule", "RoundPlan", "balanced_partition", "micro_batches", "plan_groups", "plan_round"]
 
 _PARTNERS = 4  # lightest parts a heavy one tries to trade with
 _BRUTE_FORCE = 2000  # assignments of groups to ranks tried exhaustively when the greedy fails
@@ -91,6 +97,49 @@ def micro_batches(
 
 
 @dataclasses.dataclass(frozen=True)
+class MicroRule:
+    """How many micro-batches each rank's share is cut into, and how.
+
+    ``max_tokens``: at most that many tokens per micro-batch (a longer sample is alone); the
+    count is the most any rank needs, else 1. ``micro_batch_size``: exactly that many samples
+    per micro-batch (no cap then); the count is the share's size divided by it. Either way
+    the count is then at least ``minimum`` and a multiple of ``multiple_of``, the same on
+    every rank, and never above a rank's samples (every micro-batch holds one)."""
+
+    max_tokens: int | None = None
+    micro_batch_size: int | None = None
+    multiple_of: int = 1
+    minimum: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            _positive_int(self.max_tokens, "max_tokens_per_micro_batch")
+        if self.micro_batch_size is not None:
+            _positive_int(self.micro_batch_size, "micro_batch_size")
+            if self.max_tokens is not None:
+                raise InvalidArgumentError(
+                    f"micro_batch_size={self.micro_batch_size} fixes the samples per micro-batch and "
+                    f"max_tokens_per_micro_batch={self.max_tokens} caps their tokens: ask for one of them"
+                )
+        _positive_int(self.multiple_of, "num_microbatches_multiple_of")
+        _positive_int(self.minimum, "min_num_microbatches")
+
+    def count(self, needs: int) -> int:
+        """The count for ranks of which the neediest needs ``needs`` micro-batches (with a
+        fixed size: has ``needs`` times that many samples)."""
+        least = max(needs, self.minimum)
+        return -(-least // self.multiple_of) * self.multiple_of
+
+    def describe(self) -> str:
+        how = (
+            f"micro_batch_size={self.micro_batch_size}" if self.micro_batch_size is not None
+            else f"max_tokens_per_micro_batch={self.max_tokens}" if self.max_tokens is not None
+            else "no token cap"
+        )
+        return f"{how}, min_num_microbatches={self.minimum}, num_microbatches_multiple_of={self.multiple_of}"
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundPlan:
     """How one round is divided. Positions are 0-based into the round's ``lengths``.
 
@@ -106,21 +155,27 @@ class RoundPlan:
 
 
 def plan_round(
-    lengths: Sequence[int] | np.ndarray, dp_size: int, *, max_tokens_per_micro_batch: int | None = None
+    lengths: Sequence[int] | np.ndarray,
+    dp_size: int,
+    *,
+    max_tokens_per_micro_batch: int | None = None,
+    rule: MicroRule | None = None,
 ) -> RoundPlan:
     """Balanced ranks of equal size (``balanced_partition``), each cut into the same number of
-    micro-batches: one without a cap; with one, the largest count a rank needs.
+    micro-batches, as ``rule`` says (default: ``MicroRule(max_tokens_per_micro_batch)``): one
+    without a cap; with one, the largest count a rank needs.
 
     Raises ValueError if ``dp_size < 1``, ``lengths`` is empty or not divisible by ``dp_size``,
-    a length is not a non-negative integer, or the cap is below 1.
+    a length is not a non-negative integer, or the cap is below 1; InvalidArgumentError where
+    the rule asks for more micro-batches than a rank has samples, or for a fixed size that
+    does not divide the shares.
     """
     vals = _as_lengths(lengths)
     dp_size = _positive_int(dp_size, "dp_size")
     if not vals:
         raise ValueError("plan_round needs at least one sample; lengths is empty")
-    cap = _cap(max_tokens_per_micro_batch)
-    # Equal shares: no rank needs more micro-batches than it has samples, so a count exists.
-    return _with_micro(vals, _partition(vals, dp_size, equal_size=True), cap)
+    rule = _rule(rule, max_tokens_per_micro_batch)
+    return _with_micro(vals, _partition(vals, dp_size, equal_size=True), rule)
 
 
 def plan_groups(
@@ -130,34 +185,39 @@ def plan_groups(
     *,
     max_tokens_per_micro_batch: int | None = None,
     names: Sequence[str] | None = None,
+    rule: MicroRule | None = None,
 ) -> RoundPlan:
     """Whole groups per rank, the same number of groups each, balanced by token sums, every rank
-    cut into the same number of micro-batches.
+    cut into the same number of micro-batches (as ``rule`` says; default:
+    ``MicroRule(max_tokens_per_micro_batch)``).
 
     ``groups`` lists positions into ``lengths``, one list per group; groups may differ in size
     (a member masked out). A rank with fewer samples than another rank needs micro-batches
-    cannot follow it: the token-balanced assignment is then traded (or, for few groups,
-    searched exhaustively) for one where every rank can be cut into the same count.
+    cannot follow it (nor, with a fixed micro-batch size, one of another size): the
+    token-balanced assignment is then traded (or, for few groups, searched exhaustively) for
+    one where every rank can be cut into the same count.
 
     Raises InvalidArgumentError if no assignment found has such a count, naming the groups
-    (``names`` or their positions) and the cap; ValueError for malformed arguments.
+    (``names`` or their positions) and the rule; ValueError for malformed arguments.
     """
     vals = _as_lengths(lengths)
     dp_size = _positive_int(dp_size, "dp_size")
-    cap = _cap(max_tokens_per_micro_batch)
+    rule = _rule(rule, max_tokens_per_micro_batch)
     members = [sorted(int(p) for p in g) for g in groups]
     if not members or len(members) % dp_size:
         raise ValueError(f"{len(members)} groups cannot be split into {dp_size} equal parts")
     sums = [sum(vals[p] for p in g) for g in members]
     assignment = _partition(sums, dp_size, equal_size=True)
     sizes = {sum(len(members[g]) for g in part) for part in assignment}
-    # Ranks of equal size always have a common count (none needs more than its samples).
-    if cap is not None and len(sizes) > 1 and _slack(vals, members, assignment, cap) < 0:
-        found = _feasible(vals, members, assignment, cap, sums)
+    # Ranks of equal size have a common count (none needs more than its samples) unless the
+    # rule raises it or fixes the size: only then is the assignment checked.
+    plain = rule.micro_batch_size is None and rule.minimum == rule.multiple_of == 1
+    if not (plain and (len(sizes) == 1 or rule.max_tokens is None)) and _slack(vals, members, assignment, rule) < 0:
+        found = _feasible(vals, members, assignment, rule, sums) if len(sizes) > 1 else None
         if found is None:
-            raise InvalidArgumentError(_no_plan(vals, members, dp_size, cap, names))
+            raise InvalidArgumentError(_no_plan(vals, members, dp_size, rule, names))
         assignment = found
-    return _with_micro(vals, [[p for gi in part for p in members[gi]] for part in assignment], cap)
+    return _with_micro(vals, [[p for gi in part for p in members[gi]] for part in assignment], rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +367,12 @@ def _needs(vals: list[int], positions: Sequence[int], cap: int) -> tuple[int, li
 
 
 def _cut(
-    vals: list[int], positions: Sequence[int], cap: int, count: int, ffd: list[list[int]]
+    vals: list[int], positions: Sequence[int], cap: int | None, count: int, ffd: list[list[int]]
 ) -> list[list[int]]:
     """Exactly ``count`` non-empty micro-batches (minimum <= count <= len(positions)); ``ffd``:
-    FFD's bins of these samples."""
-    oversize = [[p] for p in positions if vals[p] > cap]
-    rest = [p for p in positions if vals[p] <= cap]
+    FFD's bins of these samples (unused without a cap)."""
+    oversize = [[p] for p in positions if cap is not None and vals[p] > cap]
+    rest = [p for p in positions if cap is None or vals[p] <= cap]
     k = count - len(oversize)
     if not k:
         return _canonical(oversize)
@@ -322,14 +382,20 @@ def _cut(
     return _canonical(bins + oversize)
 
 
-def _worst_fit(vals: list[int], positions: list[int], k: int, cap: int) -> list[list[int]] | None:
+def _equal_cut(vals: list[int], positions: Sequence[int], count: int) -> list[list[int]]:
+    """``count`` micro-batches of ``len(positions) // count`` samples each, balanced by tokens."""
+    parts = _partition([vals[p] for p in positions], count, equal_size=True)
+    return _canonical([[positions[i] for i in part] for part in parts])
+
+
+def _worst_fit(vals: list[int], positions: list[int], k: int, cap: int | None) -> list[list[int]] | None:
     """Longest first into the lightest of ``k`` bins (which has the most room): balanced, and
     none empty (k <= len(positions)); None as soon as a sample fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(k)]
     heap = [(0, 0, b) for b in range(k)]  # (tokens, samples, bin): empty bins first
     for p in _descending(vals, positions):
         tokens, n, b = heapq.heappop(heap)
-        if tokens + vals[p] > cap:
+        if cap is not None and tokens + vals[p] > cap:
             return None
         bins[b].append(p)
         heapq.heappush(heap, (tokens + vals[p], n + 1, b))
@@ -354,37 +420,84 @@ def _split(bins: list[list[int]], k: int, vals: list[int]) -> list[list[int]]:
     return bins
 
 
-def _with_micro(vals: list[int], ranks: list[list[int]], cap: int | None) -> RoundPlan:
-    """The plan for these ranks: each cut into the most micro-batches one of them needs."""
+def _with_micro(vals: list[int], ranks: list[list[int]], rule: MicroRule) -> RoundPlan:
+    """The plan for these ranks: each cut into the count the rule gives for the neediest."""
     ranks = _canonical(ranks)
     sums = [sum(vals[p] for p in r) for r in ranks]
-    if cap is None:
+    sizes = [len(r) for r in ranks]
+    size = rule.micro_batch_size
+    if size is not None:
+        if len(set(sizes)) > 1 or sizes[0] % size:
+            raise InvalidArgumentError(
+                f"micro_batch_size={size} needs every rank's share to be the same multiple of it; "
+                f"the shares hold {sizes} samples"
+            )
+        count = rule.count(sizes[0] // size)
+        _fits(count, sizes, rule)
+        return RoundPlan(ranks, [_equal_cut(vals, r, count) for r in ranks], count, sums)
+    cap = rule.max_tokens
+    needs = [_needs(vals, r, cap) if cap is not None else (1, []) for r in ranks]
+    count = rule.count(max(n for n, _ in needs))
+    if count == 1:
         return RoundPlan(ranks, [[list(r)] for r in ranks], 1, sums)
-    needs = [_needs(vals, r, cap) for r in ranks]
-    count = max(n for n, _ in needs)
+    _fits(count, sizes, rule)
     micro = [_cut(vals, r, cap, count, ffd) for r, (_, ffd) in zip(ranks, needs)]
     return RoundPlan(ranks, micro, count, sums)
+
+
+def _fits(count: int, sizes: list[int], rule: MicroRule) -> None:
+    if count > min(sizes) or (rule.micro_batch_size is not None and count * rule.micro_batch_size != sizes[0]):
+        raise InvalidArgumentError(
+            f"cannot cut every rank's share into {count} micro-batches ({rule.describe()}): the "
+            f"shares hold {sorted(set(sizes))} samples, and every micro-batch needs "
+            f"{f'exactly {rule.micro_batch_size} samples' if rule.micro_batch_size else 'at least one'}; "
+            f"ask for more samples per rank, or fewer micro-batches"
+        )
+
+
+def _rule(rule: MicroRule | None, max_tokens: int | None) -> MicroRule:
+    if rule is None:
+        return MicroRule(max_tokens=_cap(max_tokens))
+    if max_tokens is not None and max_tokens != rule.max_tokens:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} differs from the rule's {rule.max_tokens}")
+    return rule
 
 
 # ---------------------------------------------------------------------------------------------
 # groups whose ranks differ in size
 
 
-def _slack(vals: list[int], members: list[list[int]], assignment: list[list[int]], cap: int) -> int:
-    """Fewest samples of a rank minus the most micro-batches a rank needs: >= 0 where a common
-    count exists."""
-    shapes = [_shape(vals, members, part, cap) for part in assignment]
-    return min(n for n, _ in shapes) - max(need for _, need in shapes)
+def _slack(vals: list[int], members: list[list[int]], assignment: list[list[int]], rule: MicroRule) -> int:
+    """Fewest samples of a rank minus the micro-batches the rule cuts every rank into (with a
+    fixed size: minus the most samples of a rank): >= 0 where a common count exists."""
+    shapes = [_shape(vals, members, part, rule) for part in assignment]
+    return _score(shapes, rule)[0]
 
 
-def _shape(vals: list[int], members: list[list[int]], part: list[int], cap: int) -> tuple[int, int]:
-    """(samples, micro-batches needed) of a rank holding the groups ``part``."""
+def _score(shapes: list[tuple[int, int]], rule: MicroRule) -> tuple[int, int]:
+    """The slack, then fewer bottleneck ranks (fewest samples, or the neediest) first."""
+    low, high = min(n for n, _ in shapes), max(need for _, need in shapes)
+    size = rule.micro_batch_size
+    if size is not None:  # equal shares that the size divides, whose count the rule allows
+        slack = low - high if high % size == 0 and rule.count(high // size) * size == high else -high
+    else:
+        slack = low - rule.count(high)
+    return slack, -sum((n == low) + (need == high) for n, need in shapes)
+
+
+def _shape(vals: list[int], members: list[list[int]], part: list[int], rule: MicroRule) -> tuple[int, int]:
+    """(samples, micro-batches needed) of a rank holding the groups ``part``; with a fixed
+    micro-batch size, (samples, samples)."""
     rank = [p for gi in part for p in members[gi]]
-    return len(rank), _needs(vals, rank, cap)[0]
+    if rule.micro_batch_size is not None:
+        return len(rank), len(rank)
+    if rule.max_tokens is None:
+        return len(rank), 1
+    return len(rank), _needs(vals, rank, rule.max_tokens)[0]
 
 
 def _feasible(
-    vals: list[int], members: list[list[int]], start: list[list[int]], cap: int, sums: list[int]
+    vals: list[int], members: list[list[int]], start: list[list[int]], rule: MicroRule, sums: list[int]
 ) -> list[list[int]] | None:
     """An assignment of groups to ranks (same number each) with a common micro-batch count.
 
@@ -396,15 +509,14 @@ def _feasible(
     if _assignments(len(members), parts) <= _BRUTE_FORCE:
         found = [
             a for a in _every_assignment(list(range(len(members))), parts, size)
-            if _slack(vals, members, a, cap) >= 0
+            if _slack(vals, members, a, rule) >= 0
         ]
         return min(found, key=lambda a: max(sum(sums[g] for g in part) for part in a), default=None)
     current = [list(p) for p in start]
-    shapes = [_shape(vals, members, part, cap) for part in current]
+    shapes = [_shape(vals, members, part, rule) for part in current]
 
     def score(shapes: list[tuple[int, int]]) -> tuple[int, int]:
-        low, high = min(n for n, _ in shapes), max(need for _, need in shapes)
-        return low - high, -sum((n == low) + (need == high) for n, need in shapes)
+        return _score(shapes, rule)
 
     best_score = score(shapes)
     for _ in range(2 * len(members)):
@@ -419,7 +531,7 @@ def _feasible(
                     pa, pb = list(current[a]), list(current[b])
                     pa[i], pb[j] = current[b][j], current[a][i]
                     trial = list(shapes)
-                    trial[a], trial[b] = _shape(vals, members, pa, cap), _shape(vals, members, pb, cap)
+                    trial[a], trial[b] = _shape(vals, members, pa, rule), _shape(vals, members, pb, rule)
                     if score(trial) > best_score:
                         best_score, best = score(trial), (a, b, pa, pb, trial)
         if best is None:
@@ -450,17 +562,25 @@ def _every_assignment(items: list[int], parts: int, size: int) -> Iterator[list[
 
 
 def _no_plan(
-    vals: list[int], members: list[list[int]], dp_size: int, cap: int, names: Sequence[str] | None
+    vals: list[int], members: list[list[int]], dp_size: int, rule: MicroRule, names: Sequence[str] | None
 ) -> str:
     label = list(names) if names is not None else [f"at positions {g}" for g in members]
+    fixed = rule.micro_batch_size is not None
     described = ", ".join(
-        f"group {label[i]} ({len(g)} samples, {_needs(vals, g, cap)[0]} micro-batches)" for i, g in enumerate(members)
+        f"group {label[i]} ({len(g)} samples{'' if fixed else f', {_shape(vals, [g], [0], rule)[1]} micro-batches'})"
+        for i, g in enumerate(members)
     )
+    if fixed:
+        why = (f"gives every rank the same number of samples, a multiple of micro_batch_size="
+               f"{rule.micro_batch_size} whose count the rule allows")
+        fix = "change micro_batch_size, or let the groups be whole (no masked members)"
+    else:
+        why = ("gives every rank at least as many samples as the micro-batches the round is cut into "
+               "(every rank must have the same count, none empty)")
+        fix = "raise max_tokens_per_micro_batch or lower min_num_microbatches / num_microbatches_multiple_of"
     return (
         f"cannot plan a round of {len(members)} whole groups over {dp_size} ranks with "
-        f"max_tokens_per_micro_batch={cap}: no assignment found gives every rank at least as "
-        f"many samples as the micro-batches another rank needs (every rank must have the same "
-        f"count, none empty); groups: {described}; raise max_tokens_per_micro_batch"
+        f"{rule.describe()}: no assignment found {why}; groups: {described}; {fix}"
     )
 
 

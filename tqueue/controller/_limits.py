@@ -131,6 +131,9 @@ def _get_meta(msg: GetMeta, config: ControllerConfig) -> None:
             f"at most max_samples_per_request={most} samples a round"
         )
     count("max_tokens_per_micro_batch", msg.max_tokens_per_micro_batch, 1 << 62)
+    count("micro_batch_size", msg.micro_batch_size, most)
+    count("num_microbatches_multiple_of", msg.num_microbatches_multiple_of, most, low=1)
+    count("min_num_microbatches", msg.min_num_microbatches, most, low=1)
     names("fields", msg.fields, MAX_FIELDS)
     names("balance_by", msg.balance_by, MAX_FIELDS)
     seconds("timeout", msg.timeout)

@@ -16,11 +16,10 @@ import msgspec
 import numpy as np
 
 from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
-from ..transport._liveness import session_of
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._core import MAX_SERVED, ControllerState, Lease, Waiter
 from ._policies import BUILT_IN, Candidates, check
-from ._rounds import RoundBook
+from ._rounds import RoundBook, token_counts
 from ._state import LEASED, Partition
 
 log = logging.getLogger(__name__)
@@ -70,8 +69,6 @@ class Reads:
             record.principal = principal
         if msg.dp_size or not served.meta.lease:
             return
-        if record is not None:
-            record.session, record.given = session_of(ident), self.s.loop.time()
         self.s.served[(ident, msg.rid)] = served.meta.lease
         while len(self.s.served) > MAX_SERVED:
             self.s.served.popitem(last=False)
@@ -144,8 +141,8 @@ class Reads:
         key = (part.uid, msg.task)
         book = self.s.rounds.get(key)
         if book is None:
-            book = self.s.rounds[key] = RoundBook(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch)
-        book.check(msg.dp_size, msg.batch_size, msg.max_tokens_per_micro_batch, f"partition {part.name!r}, task {msg.task!r}")
+            book = self.s.rounds[key] = RoundBook.of(msg)
+        book.check(msg, f"partition {part.name!r}, task {msg.task!r}")
         # a caller counting rounds of an earlier partition of this name starts over
         number = 0 if msg.round_uid and msg.round_uid != part.uid else msg.round
         rnd = book.rounds.get(number)
@@ -159,8 +156,7 @@ class Reads:
             indexes = self.select(part, msg, msg.dp_size * msg.batch_size)
             if indexes is None:
                 return None
-            fields = msg.balance_by if msg.balance_by is not None else msg.fields
-            lengths = part.balance_lengths(indexes, fields)
+            lengths = token_counts(part.lengths, indexes, msg.fields, msg.balance_by)
             groups = None
             if msg.policy == "groups":  # whole groups per rank
                 ordinals = part.group[indexes]

@@ -36,7 +36,6 @@ SampleFate = Literal["ok", "aborted"]
 MemberFailure = Literal["drop_group", "mask_member"]
 MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
 WaiterKind = Literal["get_meta", "put", "reserve"]
-WaitCause = Literal["samples", "memory", "staleness"]  # what a parked call waits for
 
 
 class Kind(enum.IntEnum):
@@ -395,7 +394,10 @@ class Commit(Message):
 class GetMeta(Message):
     """Lease samples to a task. ``policy``: ``first_ready`` or ``groups`` (whole groups;
     ``batch_size`` in samples). With ``dp_size``, the request is rank ``dp_rank``'s share
-    of ``round`` (``dp_size * batch_size`` samples split by tokens, see _rounds)."""
+    of ``round`` (``dp_size * batch_size`` samples split by tokens, see _rounds), cut into
+    micro-batches: under ``max_tokens_per_micro_batch`` tokens (0: no cap), or of exactly
+    ``micro_batch_size`` samples (0: not fixed); their count at least
+    ``min_num_microbatches`` and a multiple of ``num_microbatches_multiple_of``."""
 
     KIND = Kind.GET_META
     partition: str
@@ -413,6 +415,9 @@ class GetMeta(Message):
     max_staleness: int | None = None
     round_uid: int = 0  # partition incarnation the caller's round count refers to
     pad: bool = False  # once the partition is sealed and drained, fill the batch with pad rows
+    micro_batch_size: int = 0
+    num_microbatches_multiple_of: int = 1
+    min_num_microbatches: int = 1
 
 
 class Meta(Message):
@@ -706,7 +711,6 @@ class WaiterStatus(msgspec.Struct, kw_only=True):
     task: str
     reason: str
     kind: WaiterKind = "get_meta"
-    cause: WaitCause = "samples"  # samples to be ready (a read), memory or the staleness bound (a write)
 
 
 class StatusReply(Message):
