@@ -1,6 +1,6 @@
 """Build hook for the optional C extension; all other metadata lives in pyproject.toml.
 
-``tqueue._native_pack`` (native/pack.c) narrows integer fields in one pass. It is optional:
+``tqueue.wire._native_pack`` (native/pack.c) narrows integer fields in one pass. It is optional:
 without a C compiler, or if it fails to build, setuptools warns and installs tqueue without it,
 and tqueue/wire/_pack.py falls back to numpy. See native/README.md.
 """
@@ -9,6 +9,6 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("tqueue._native_pack", sources=["native/pack.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension("tqueue.wire._native_pack", sources=["native/pack.c"], optional=True, extra_compile_args=["-O3"]),
     ],
 )

@@ -1,4 +1,4 @@
-/* tqueue._native_pack: narrow a buffer of signed integers in one pass (tqueue/_pack.py).
+/* tqueue.wire._native_pack: narrow a buffer of signed integers in one pass (tqueue/wire/_pack.py).
  *
  * narrow_into(src, src_itemsize, dst, width) -> bool
  *
@@ -96,7 +96,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native_pack", "Narrowing of integer buffers (see tqueue/_pack.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native_pack", "Narrowing of integer buffers (see tqueue/wire/_pack.py).", -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -17,7 +17,7 @@ import tqueue
 
 ROOT = pathlib.Path(tqueue.__file__).parent
 
-BASE = {"errors", "_env", "_extras", "config", "_memory", "_tasks", "_threads", "_native_pack", "_native_balance"}
+BASE = {"errors", "_env", "_extras", "config", "_memory", "_tasks", "_threads"}
 LAYERS: dict[str, set[str]] = {
     # part: the parts it may import (besides itself)
     **{b: BASE for b in BASE},

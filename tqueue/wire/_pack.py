@@ -11,7 +11,7 @@ Readers see exactly the values and dtype that were put. The wire marks it per fr
 
 Fewer bytes cross every socket and sit in every unit: the realistic batch of
 benchmarks/workload.py shrinks from 133 KB to 54 KB a sample. The check and the narrowing are
-one pass over the field (``tqueue._native_pack``, native/pack.c; numpy where it is not
+one pass over the field (``tqueue.wire._native_pack``, native/pack.c; numpy where it is not
 built). ``ClientConfig.pack_ints`` (``TQUEUE_PACK_INTS=0``) turns it off.
 """
 
@@ -25,7 +25,7 @@ from .._threads import on_two_threads, worth_splitting
 from ._messages import PackedType
 
 try:
-    from .. import _native_pack
+    from . import _native_pack
 except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
