@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
+from ..transport._liveness import session_of
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._core import MAX_SERVED, ControllerState, Lease, Waiter
 from ._policies import BUILT_IN, Candidates, check
@@ -69,6 +70,8 @@ class Reads:
             record.principal = principal
         if msg.dp_size or not served.meta.lease:
             return
+        if record is not None:
+            record.session, record.given = session_of(ident), self.s.loop.time()
         self.s.served[(ident, msg.rid)] = served.meta.lease
         while len(self.s.served) > MAX_SERVED:
             self.s.served.popitem(last=False)

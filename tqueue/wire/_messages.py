@@ -36,6 +36,7 @@ SampleFate = Literal["ok", "aborted"]
 MemberFailure = Literal["drop_group", "mask_member"]
 MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
 WaiterKind = Literal["get_meta", "put", "reserve"]
+WaitCause = Literal["samples", "memory", "staleness"]  # what a parked call waits for
 
 
 class Kind(enum.IntEnum):
@@ -711,6 +712,7 @@ class WaiterStatus(msgspec.Struct, kw_only=True):
     task: str
     reason: str
     kind: WaiterKind = "get_meta"
+    cause: WaitCause = "samples"  # samples to be ready (a read), memory or the staleness bound (a write)
 
 
 class StatusReply(Message):
