@@ -90,6 +90,14 @@ class ControllerConfig:
     cycle_notice: float = _setting(
         5.0, "seconds a put parked for memory and a get_meta parked for that put's partition may wait on each other "
         "before both callers are warned that the wait may never end (0: never)")
+    grant_timeout: float = _setting(
+        600.0, "seconds a put's bytes may take to be stored after its grant; then the grant lapses (a producer that "
+        "died between grant and store) and its memory, admission and target places return")
+    unit_timeout: float = _setting(
+        30.0, "seconds a storage unit may take to answer the controller's drop or move; a drop that fails is retried")
+    tombstone_seconds: float = _setting(
+        600.0, "seconds puts to the name of a partition that sealed and freed itself are refused (stragglers start no "
+        "partition nobody consumes); create_partition lifts it")
 
 
 @_documented
@@ -118,6 +126,9 @@ class StorageConfig:
     hold_timeout: float = _setting(
         3600.0, "seconds after which a same-host reader's zero-copy hold on arena bytes lapses if it never released "
         "it (a reader that died)")
+    alloc_timeout: float = _setting(
+        120.0, "seconds a same-host writer may take to store what it copied into an arena range it was given; then "
+        "the range goes back to the arena (a writer that died)")
     bulk: bool = _setting(
         True, "also listen on a plain TCP port beside the ZeroMQ one, over which clients on other hosts receive "
         "fetched payload straight into their batch tensors (tcp:// binds only; see tqueue.transport._bulk)")
@@ -203,6 +214,11 @@ class ClientConfig:
         "(.to('cuda', non_blocking=True)): 54 against 10 GB/s from pageable memory on an H100 host "
         "(benchmarks/cuda.py); needs CUDA; batches read through a unit's arena stay pageable views of it, and idle "
         "pinned buffers count towards buffer_pool_bytes")
+    bulk_put_min_bytes: int = _setting(
+        8 * MiB, "puts from this size up send their frames over the unit's bulk streams (parallel lanes); smaller ones "
+        "go inline on ZeroMQ, whose frames the unit keeps as they arrived")
+    bulk_lane_min_bytes: int = _setting(
+        4 * MiB, "a put or fetch is split over parallel bulk streams only where each stream gets at least this much")
     auth_dir: str = _setting(
         "", "this client's CurveZMQ keys (client.key_secret, cluster.key; see tqueue/transport/_auth.py), or "
         "TQUEUE_AUTH_DIR; empty: no authentication")

@@ -486,11 +486,13 @@ def test_staged_parts_of_two_units_do_not_share_a_buffer(connect, streams, parti
     assert not bool(wrong.any()), f"{int(wrong.sum())} of {len(meta)} rows hold another unit's data"
 
 
+PUT_BULK_MIN_BYTES = tqueue.ClientConfig().bulk_put_min_bytes
+LANE_MIN_BYTES = tqueue.ClientConfig().bulk_lane_min_bytes
+
+
 def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
     """With ``bulk_lanes=2`` a fetch of one unit's samples above the lane threshold is split
     over two streams read at once (each half lands in place: no copy); a small one is not."""
-    from tqueue.client._connections import LANE_MIN_BYTES
-
     producer = connect()
     consumer = connect(bulk_lanes=2)
     rows = 512
@@ -515,11 +517,7 @@ def test_a_big_fetch_runs_over_parallel_lanes(connect, streams, partition):
 def test_a_put_over_bulk_lanes_is_exact_and_visible_once_acknowledged(connect, streams, partition, monkeypatch):
     """A big put goes over two lanes into the unit; a small one over one; both read back
     exact (inline and over the bulk stream)."""
-    import tqueue.client._puts as client_mod
-    from tqueue.client._connections import LANE_MIN_BYTES
-
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)  # the small one too
-    producer = connect(bulk_lanes=2)
+    producer = connect(bulk_lanes=2, bulk_put_min_bytes=_bulk.MIN_BYTES)  # the small one too
     width = LANE_MIN_BYTES // (8 * 256) + 16
     big = payload(512, seed=11, ids=width)
     small = payload(64, seed=12, ids=width)
@@ -539,10 +537,7 @@ def test_a_put_whose_stream_breaks_midway_is_refused_and_leaves_nothing(connect,
     """A writer that stops halfway through a lane (as a producer that dies would): the unit
     refuses the put without storing a byte, says why (the typed error the put raises), and
     keeps serving."""
-    import tqueue.client._puts as client_mod
-
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)
-    producer = connect(bulk_lanes=1)
+    producer = connect(bulk_lanes=1, bulk_put_min_bytes=_bulk.MIN_BYTES)
     data = payload(128, seed=21)
     real_write = _bulk.BulkStream.write
 
@@ -571,9 +566,8 @@ def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, p
     client drops those streams, whose bytes are out of step, and the next put is exact."""
     import tqueue.client._puts as client_mod
 
-    producer = connect(bulk_lanes=1)
+    producer = connect(bulk_lanes=1, bulk_put_min_bytes=_bulk.MIN_BYTES)
     data = payload(64, seed=31)
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", _bulk.MIN_BYTES)
     monkeypatch.setattr(client_mod, "split_lanes", lambda sizes, lanes: [len(sizes) - 1])
     with pytest.raises(tqueue.ProtocolError, match="lanes carry"):
         producer.put(partition, data)
@@ -584,9 +578,7 @@ def test_a_refused_bulk_put_closes_its_streams_and_the_next_put_works(connect, p
 
 def test_a_put_below_the_bulk_threshold_goes_inline_and_one_above_over_a_stream(connect, streams, partition):
     """Small puts (a rollout's group) skip the streams, whose hand-offs would cost more than
-    they save; a put from ``PUT_BULK_MIN_BYTES`` up takes one. Both read back exact."""
-    from tqueue.client._puts import PUT_BULK_MIN_BYTES
-
+    they save; a put from ``ClientConfig.bulk_put_min_bytes`` up takes one. Both read back exact."""
     producer = connect()
     small = payload(64, seed=41)  # 2.5 MiB
     meta = producer.put(partition, small)

@@ -18,7 +18,6 @@ import torch
 import tqueue
 import tqueue.transport._bulk
 import tqueue.wire._layout
-from tqueue.client import _connections
 from tqueue.client import _puts as client_mod
 from tqueue.errors import ProtocolError
 from tqueue.wire import FieldBlock, FieldSpec, _pack
@@ -224,9 +223,8 @@ def test_same_host_writes_stay_wide_in_the_arena(cluster, partition):
 
 
 def test_big_put_over_bulk_lanes_and_bulk_fetch_are_exact(cluster, partition, monkeypatch):
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)  # this put takes the streams
-    data = batch_of(100, seed=4)
-    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as producer, client(cluster, SOCKET) as consumer:
+    data = batch_of(100, seed=4)  # with a threshold of 256 KiB, this put takes the streams
+    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2, bulk_put_min_bytes=1 << 18)) as producer, client(cluster, SOCKET) as consumer:
         producer.put(partition, data)
         batch = consumer.get_data(partition, list(data), 100, task="t", timeout=10)
         assert_same(batch, data)
@@ -305,10 +303,9 @@ def counting_packs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 def test_big_fields_are_narrowed_as_sent_and_widened_as_received(cluster, partition, impl, monkeypatch):
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
     calls = counting_packs(monkeypatch)
     data = big_batch(64, seed=5)
-    with client(cluster, SOCKET) as producer, client(cluster, SOCKET) as consumer:
+    with client(cluster, dataclasses.replace(SOCKET, bulk_put_min_bytes=1 << 18)) as producer, client(cluster, SOCKET) as consumer:
         producer.put(partition, data)
         assert calls == [True]  # one pack, deferred, and no second one: the guesses held
         ids, mask, hashes = (data[f].numel() for f in ("ids", "mask", "hashes"))
@@ -325,11 +322,10 @@ def test_a_value_past_the_first_ones_sends_the_put_again_at_its_width(cluster, p
     """The width is guessed from a field's first values before the Store goes; a later value
     that does not fit stops the streams mid-write, and the put is sent again knowing every
     value. The unit keeps only the second write; the client and unit go on working."""
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
     calls = counting_packs(monkeypatch)
     data = big_batch(64, seed=6)
     data["mask"][-1, -1] = 40_000  # int8 for the first 64Ki values, int32 for the whole field
-    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as producer, client(cluster, SOCKET) as consumer:
+    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2, bulk_put_min_bytes=1 << 18)) as producer, client(cluster, SOCKET) as consumer:
         producer.put(partition, data)
         assert calls == [True, False]  # deferred, then again with every value known
         ids, mask, hashes = (data[f].numel() for f in ("ids", "mask", "hashes"))
@@ -351,8 +347,7 @@ def test_a_value_past_the_first_ones_sends_the_put_again_at_its_width(cluster, p
 def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition, monkeypatch):
     """A narrowed frame costs its narrow bytes plus half its wide ones: a lane of int64
     values sent as int32 carries half the bytes of a lane of float32 sent as they are."""
-    monkeypatch.setattr(client_mod, "PUT_BULK_MIN_BYTES", 1 << 18)
-    monkeypatch.setattr(_connections, "LANE_MIN_BYTES", 1 << 20)
+    config = dataclasses.replace(SOCKET, bulk_put_min_bytes=1 << 18, bulk_lane_min_bytes=1 << 20)
     lanes: list[int] = []
     real = tqueue.transport._bulk.BulkStream.write
 
@@ -365,7 +360,7 @@ def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition
         "ids": torch.arange(64 * 8192).reshape(64, 8192),  # 4 MiB wide, 2 MiB as int32
         "logp": torch.randn(64, 16384),  # 4 MiB
     }
-    with client(cluster, dataclasses.replace(SOCKET, bulk_lanes=2)) as c:
+    with client(cluster, dataclasses.replace(config, bulk_lanes=2)) as c:
         c.put(partition, data)
         assert sorted(lanes) == [2 << 20, 4 << 20]  # by bytes alone: 3 MiB each
         got = c.get_data(partition, ["ids", "logp"], 64, task="t", timeout=10)

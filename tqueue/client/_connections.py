@@ -25,7 +25,6 @@ from ..wire import PROTOCOL_VERSION, Fetched, Hello, HelloReply, Ok, Release, Un
 
 log = logging.getLogger(__name__)
 
-LANE_MIN_BYTES = 4 << 20  # a fetch is split over parallel bulk streams only above this per stream
 
 
 @dataclasses.dataclass

@@ -3,16 +3,16 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
 
 from .._memory import BufferPool
+from .._tasks import all_or_none
 from ..errors import (
     DataLostError,
     InvalidArgumentError,
@@ -25,14 +25,13 @@ from ..transport import _bulk, _zmq
 from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok, Renew
 from ..wire._layout import int_dtype, itemsize, nbytes
 from ..wire._pack import PACKED, Widening
-from . import _connections
 from ._args import _by_unit, _wait, listed
 from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._connections import ClientStats, Connections
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
-RECONNECT_VERDICT = 2.0
+RECONNECT_VERDICT: Final = 2.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,7 +172,7 @@ class Gets:
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         pads = np.flatnonzero(indexes < 0)
         parts = list(
-            await asyncio.gather(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
+            await all_or_none(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
         )
         received = logical = copied = 0
         for part in parts:
@@ -279,7 +278,7 @@ class Gets:
             spec = meta.schema[f]
             if spec.kind != "object" and spec.layout == "dense":
                 dense += int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec)
-        if dense * len(pos) < _connections.LANE_MIN_BYTES * lanes:
+        if dense * len(pos) < self.config.bulk_lane_min_bytes * lanes:
             return [pos]
         return np.array_split(pos, lanes)
 

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -22,17 +22,12 @@ from ..wire import Alloc, Allocated, BatchMeta, FieldBlock, Grant, Granted, Grou
 from ..wire._layout import nbytes, split_lanes
 from ..wire._messages import SampleFate
 from ..wire._pack import Narrowing
-from . import _connections
 from ._args import _by_unit, _groups, _versions, _wait, listed
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, pack, sample_count
 
-# Puts below this go inline on ZeroMQ: the unit keeps ZeroMQ's frames as they arrived, so a
-# stream saves no copy there, and its two thread hand-offs cost 1.5-2.5 ms a put (a 1 MB put:
-# 8.4 against 5.9 ms here); from about 8 MiB up the parallel lanes win (34 MB: 26 against 34 ms).
-PUT_BULK_MIN_BYTES = 8 << 20
 log = logging.getLogger(__name__)
-LANE_GRACE = 2.0  # seconds to wait for a unit's reason after it closed a put's stream
+LANE_GRACE: Final = 2.0  # fixed: seconds to wait for a unit's reason after it closed a put's stream
 
 
 class Puts:
@@ -157,7 +152,7 @@ class Puts:
             store.blocks, store.shm, store.region = placed
             buffers = ()
             copied += enc.nbytes
-        elif bulk and enc.nbytes >= PUT_BULK_MIN_BYTES:
+        elif bulk and enc.nbytes >= self.config.bulk_put_min_bytes:
             try:
                 stored = await self._store_bulk(unit.unit_id, peer, store, enc)
             except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
@@ -182,7 +177,7 @@ class Puts:
         """Send a put's frames over bulk streams (two lanes at once when big) while the
         ``Store`` goes on ZeroMQ: the unit's reply, or None if no stream could be opened
         (send inline instead)."""
-        lane_min = _connections.LANE_MIN_BYTES
+        lane_min = self.config.bulk_lane_min_bytes
         want = self.config.bulk_lanes if enc.nbytes >= lane_min * self.config.bulk_lanes else 1
         counts = split_lanes([b.cost if isinstance(b, Narrowing) else nbytes(b) for b in enc.buffers], max(1, want))
         streams: list[_bulk.BulkStream] = []

@@ -14,7 +14,7 @@ import numpy as np
 from .._tasks import all_or_none
 from ..errors import InvalidArgumentError, PartitionClearedError, TQueueError
 from ..wire import Clear, Drop, Dropped, Fail, Ok
-from ._core import UNIT_TIMEOUT, ControllerState
+from ._core import ControllerState
 from ._drops import PendingDrops
 from ._state import Partition
 
@@ -112,7 +112,7 @@ class Cleanup:
             return True
         try:
             reply, _ = await peer.request(
-                Drop(partition_uid=partition_uid, indexes=indexes), timeout=UNIT_TIMEOUT, expect=Dropped
+                Drop(partition_uid=partition_uid, indexes=indexes), timeout=self.s.config.unit_timeout, expect=Dropped
             )
         except TQueueError as exc:
             log.warning("unit %d did not drop partition uid %d (retried later): %s", unit_id, partition_uid, exc)

@@ -17,7 +17,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -34,13 +34,9 @@ from ._state import Options, Partition, step_in
 
 log = logging.getLogger(__name__)
 
-# A partition that sealed and freed itself leaves a tombstone: puts to its name are refused
-# ("aborted") for this long, so that stragglers do not start a new partition that nobody
-# consumes or frees. ``create_partition`` lifts it; past the count, the oldest go first.
-TOMBSTONE_SECONDS = 600.0
-UNIT_TIMEOUT = 30.0
-MAX_SERVED = 4096  # answered get_meta and puts remembered (request -> lease, grant) for a late Cancel  # for a unit to answer a drop or a move
-MAX_TOMBSTONES = 10_000
+# Fixed bounds on what the controller remembers (settings are in ControllerConfig):
+MAX_SERVED: Final = 4096  # answered get_meta and puts remembered (request -> lease, grant) for a late Cancel
+MAX_TOMBSTONES: Final = 10_000  # names of freed partitions refused for tombstone_seconds; past it the oldest go
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,7 +148,7 @@ class ControllerState:
 
     def bury(self, name: str) -> None:
         self.tombstones.pop(name, None)
-        self.tombstones[name] = self.loop.time() + TOMBSTONE_SECONDS
+        self.tombstones[name] = self.loop.time() + self.config.tombstone_seconds
         while len(self.tombstones) > MAX_TOMBSTONES:
             self.tombstones.popitem(last=False)
 

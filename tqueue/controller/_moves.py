@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, RemoteError, WaitTimeoutError
 from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
-from ._core import UNIT_TIMEOUT, ControllerState, Waiter
+from ._core import ControllerState, Waiter
 from ._reads import Reads
 from ._state import EXCLUDED, HIDDEN, Moved, Partition
 
@@ -75,7 +75,7 @@ class Moves:
                 src_indexes=moved.indexes[sel].tolist(),
                 dst_indexes=idx[sel].tolist(),
             )
-            calls.append(peer.request(move, timeout=UNIT_TIMEOUT, expect=Ok))
+            calls.append(peer.request(move, timeout=self.s.config.unit_timeout, expect=Ok))
             asked.append((unit_id, sel))
         for (unit_id, sel), result in zip(asked, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException):

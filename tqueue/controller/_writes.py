@@ -22,9 +22,6 @@ from ._core import MAX_SERVED, ControllerState, ParkedWrite, Waiter
 from ._records import GrantRecord, Unit
 from ._state import NO_STEP, Partition
 
-# A put's bytes must be committed within this long after its grant, else the grant lapses
-# (a producer that died between grant and store) and the partition can be freed.
-GRANT_TIMEOUT = 600.0
 log = logging.getLogger(__name__)
 
 
@@ -142,7 +139,7 @@ class Writes:
         self.s.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept, admitted=admitted,
-            timer=self.s.loop.call_later(GRANT_TIMEOUT, self._lapse_grant, grant_id),
+            timer=self.s.loop.call_later(self.s.config.grant_timeout, self._lapse_grant, grant_id),
         )
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -61,8 +61,7 @@ from ._store import Store as _Data
 
 log = logging.getLogger(__name__)
 
-ALLOC_TIMEOUT = 120.0  # an arena range not stored within this long goes back to the pool
-COMMIT_SHARE = 0.75  # of the writer's request timeout, what a commit may wait for the controller
+COMMIT_SHARE: Final = 0.75  # fixed: of the writer's request timeout, what a commit may wait for the controller
 
 
 class StorageUnit:
@@ -364,7 +363,7 @@ class StorageUnit:
         if region is None:
             return Allocated(offset=-1)
         # a writer that never stores gives the range back after the request timeout
-        timer = self._loop.call_later(ALLOC_TIMEOUT, self._expire_alloc, region.offset)
+        timer = self._loop.call_later(self.config.alloc_timeout, self._expire_alloc, region.offset)
         self._allocs[region.offset] = (region, timer, session_of(ident))
         return Allocated(offset=region.offset, length=region.length)
 

@@ -25,7 +25,7 @@ from .._threads import on_two_threads, worth_splitting
 from ._messages import PackedType
 
 try:
-    from . import _native_pack
+    import tqueue.wire._native_pack as _native_pack
 except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
