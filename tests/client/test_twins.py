@@ -1,12 +1,19 @@
-"""Client and AsyncClient are twins: the same public methods, with the same parameters."""
+"""Client and AsyncClient are twins: the same public methods, with the same parameters,
+and each parameter list is written once."""
 
 from __future__ import annotations
 
 import inspect
+import pathlib
+import re
 
 import pytest
 
+import tqueue.client
 from tqueue.client import AsyncClient, Client
+from tqueue.client._ask import Completion, DataAsk, MetaAsk
+
+CLIENT = pathlib.Path(tqueue.client.__file__).parent
 
 # Deliberate differences, each with why:
 ONLY_ASYNC = {
@@ -17,6 +24,7 @@ ONLY_SYNC = {
     "__enter__": "context manager; AsyncClient has __aenter__",
     "__exit__": "context manager; AsyncClient has __aexit__",
 }
+ONLY_SYNC_WRITTEN = {"close": "stops the loop thread too, not only the connections"}
 
 
 def public_methods(cls: type) -> dict[str, object]:
@@ -52,3 +60,41 @@ def test_the_public_attributes_are_twins_too():
     """``address``, ``config`` and ``stats``: attributes of AsyncClient, properties of Client."""
     for name in ("address", "config", "stats"):
         assert isinstance(getattr(Client, name), property), name
+
+
+@pytest.mark.parametrize("name", twin_names(), ids=twin_names())
+def test_each_blocking_method_is_made_from_its_async_twin(name):
+    """Not written again: Client's method wraps AsyncClient's (signature and docstring)."""
+    s = getattr(Client, name)
+    if name in ONLY_SYNC_WRITTEN:
+        return
+    assert s.__wrapped__ is getattr(AsyncClient, name)
+    assert s.__doc__ == getattr(AsyncClient, name).__doc__
+
+
+def parameter_lists(source: str) -> list[set[str]]:
+    """The names of each run of lines ``name: annotation[ = default][,]``: the parameter
+    lists of multi-line signatures, and the fields of dataclasses."""
+    runs: list[set[str]] = [set()]
+    for line in source.splitlines():
+        match = re.match(r"^\s+(\w+): [^=]+( = .*)?,?$", line)
+        if match and not line.lstrip().startswith(("return", "#")):
+            runs[-1].add(match.group(1))
+        elif runs[-1]:
+            runs.append(set())
+    return [r for r in runs if r]
+
+
+@pytest.mark.parametrize("ask", [MetaAsk, DataAsk, Completion], ids=lambda a: a.__name__)
+def test_the_arguments_of_a_many_option_call_are_written_once(ask):
+    """The call's signature is its dataclass's, and each of its parameters is in one list
+    of the client's source that holds several of them (or in none: a list of its own)."""
+    method = {MetaAsk: "get_meta", DataAsk: "get_data", Completion: "complete"}[ask]
+    signature = inspect.signature(getattr(AsyncClient, method))
+    assert list(signature.parameters.values())[1:] == list(inspect.signature(ask).parameters.values())
+    names = set(signature.parameters) - {"self"}
+    source = "".join(p.read_text() for p in sorted(CLIENT.rglob("*.py")))
+    lists = [r for r in parameter_lists(source) if len(r & names) >= 4]
+    for name in names:
+        times = sum(name in r for r in lists)
+        assert times <= 1, f"{method}'s parameter {name!r} is written in {times} lists: {lists}"

@@ -3,7 +3,6 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Final
@@ -26,35 +25,13 @@ from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok
 from ..wire._layout import int_dtype, itemsize, nbytes
 from ..wire._pack import PACKED, Widening
 from ._args import _by_unit, _wait, listed
+from ._ask import MetaAsk  # defined there; still importable from here
 from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
 from ._connections import ClientStats, Connections
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
 RECONNECT_VERDICT: Final = 2.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaAsk:
-    """The arguments of one ``get_meta`` call, as :meth:`AsyncClient.get_meta` documents them."""
-
-    partition: str
-    fields: Sequence[str]
-    batch_size: int
-    task: str
-    timeout: float | None = None
-    lease_timeout: float | None = None
-    policy: str = "first_ready"
-    dp_rank: int | None = None
-    dp_size: int | None = None
-    round: int | None = None
-    max_tokens_per_micro_batch: int | None = None
-    balance_by: Sequence[str] | None = None
-    micro_batch_size: int | None = None
-    num_microbatches_multiple_of: int = 1
-    min_num_microbatches: int = 1
-    max_staleness: int | None = None
-    pad: bool = False
 
 
 class Gets:

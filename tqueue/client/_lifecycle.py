@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +31,7 @@ from ._args import _rows, _wait
 from ._encode import sample_count
 
 if TYPE_CHECKING:
+    from ._ask import Completion
     from ._connections import Connections
     from ._gets import Gets
     from ._puts import Puts
@@ -114,23 +114,13 @@ class Lifecycle:
         )
         self._puts.reserved += count
 
-    async def complete(
-        self,
-        meta: BatchMeta,
-        data: Mapping[str, Any],
-        *,
-        version: int,
-        first_token: int,
-        append: Sequence[str] = (),
-        splice: Mapping[str, int | Sequence[int]] | None = None,
-        lengths: Sequence[int] | None = None,
-        finished: bool = True,
-    ) -> list[int]:
+    async def complete(self, call: Completion) -> list[int]:
         """:meth:`AsyncClient.complete`."""
+        meta, data, append, lengths = call.meta, call.data, call.append, call.lengths
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
             raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
-        splice = dict(splice or {})
+        splice = dict(call.splice or {})
         for name in [*append, *splice]:
             if name not in cols:
                 raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
@@ -157,7 +147,7 @@ class Lifecycle:
                     )
                 out.append(row)
             new[name] = out
-        return await self._puts.update(meta, new, complete=finished, segment=(version, first_token))
+        return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token))
 
     async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
         """:meth:`AsyncClient.postpone`."""

@@ -435,7 +435,9 @@ class BlockingPeer:
         """Send ``msg`` and wait up to ``timeout`` seconds (``math.inf``: no limit) for its
         reply (replies to earlier requests that timed out are skipped); an ``Error`` reply is
         raised as its class, a malformed reply to this request as :class:`ProtocolError`. A
-        request that times out is withdrawn with a ``Cancel``. With a ``heartbeat``, the
+        request given up on before its answer came (a timeout, or any exception raised in the
+        waiting thread: ``KeyboardInterrupt`` too) is withdrawn with a ``Cancel``, and the
+        exception goes on. With a ``heartbeat``, the
         server is pinged after each interval of silence and the wait ends with the
         ``unavailable`` error once it has been silent for the liveness window."""
         if self.closed:
@@ -443,6 +445,28 @@ class BlockingPeer:
         msg.rid = rid = next(self._ids)
         with self._io:
             self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+        try:
+            reply = self._wait(msg, rid, timeout)
+        except BaseException:  # no answer: a timeout, a silent server, an interrupt (Ctrl-C)...
+            self._withdraw(rid)
+            raise
+        if isinstance(reply, Error):
+            raise from_code(reply.code, reply.message)
+        return expected(reply, expect, peer=self.name, request=msg)
+
+    def _withdraw(self, rid: int) -> None:
+        """Tell the server that nobody waits for request ``rid`` any more (no reply comes)."""
+        if self.closed:
+            return
+        try:
+            with self._io:
+                self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
+        except UnavailableError as exc:  # fire and forget: the caller's own error goes on
+            log.debug("%s", exc)
+
+    def _wait(self, msg: Message, rid: int, timeout: float) -> Message:
+        """The reply to request ``msg`` (id ``rid``), as it came."""
+        with self._io:
             deadline = time.monotonic() + timeout
             heard = time.monotonic()
             while True:
@@ -451,7 +475,6 @@ class BlockingPeer:
                 if self.heartbeat:
                     silent = now - heard
                     if silent >= window(self.heartbeat):
-                        self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
                         raise self._unavailable(
                             f"{self.name} at {self.address} has not been heard from for {silent:.1f} s "
                             f"(heartbeat every {self.heartbeat:g} s) while waiting for its answer to "
@@ -461,7 +484,6 @@ class BlockingPeer:
                         self.sock.send_multipart(_PING, flags=zmq.NOBLOCK)  # each poll lasts an interval at most
                     left = min(left, self.heartbeat)
                 if now >= deadline:
-                    self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
                     raise self._unavailable(
                         f"{self.name} at {self.address} did not answer {type(msg).__name__} "
                         f"within {timeout:.1f} s"
@@ -483,9 +505,7 @@ class BlockingPeer:
                 if isinstance(reply, Notice):
                     log.warning("%s at %s, on %s: %s", self.name, self.address, type(msg).__name__, reply.text)
                     continue  # word on the wait, not its answer
-                if isinstance(reply, Error):
-                    raise from_code(reply.code, reply.message)
-                return expected(reply, expect, peer=self.name, request=msg)
+                return reply
 
     def close(self) -> None:
         if not self.closed:

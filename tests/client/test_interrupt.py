@@ -1,0 +1,109 @@
+"""A blocking call interrupted (Ctrl-C, SIGINT) withdraws what it had parked at the controller.
+
+The interrupted client is a real :class:`tqueue.Client` in a process of its own
+(tests/client/_interrupted.py) that lives on after the interrupt, as a notebook does: what it
+had parked must not wait for its session to end, nor samples be leased to it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import tqueue
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def waiting(client: tqueue.Client, kind: str) -> int:
+    return sum(1 for w in client.status().waiting if w.kind == kind)
+
+
+def until(condition: Any, timeout: float, what: str) -> None:
+    """Wait for the controller's status to show what a call in another process did."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.1f} s: {what}")
+        pause.wait(0.05)
+
+
+def line_of(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the client process said nothing within {timeout} s"
+    return proc.stdout.readline().decode().strip()
+
+
+@pytest.fixture
+def interrupted() -> Iterator[Any]:
+    """Start ``_interrupted MODE ADDRESS`` and wait for it to say it is about to wait."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(mode: str, address: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.client._interrupted", mode, address],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        procs.append(proc)
+        assert line_of(proc, 120) == "waiting"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def test_an_interrupted_get_meta_is_withdrawn_and_leased_nothing(interrupted):
+    with tqueue.LocalCluster(num_storage_units=1) as c, c.client() as client:
+        consumer = interrupted("get_meta", c.address)
+        until(lambda: waiting(client, "get_meta") == 1, 60, "the consumer's get_meta parked")
+        t0 = time.monotonic()
+        consumer.send_signal(signal.SIGINT)
+        assert line_of(consumer, 30) == "interrupted"
+        assert client.status().waiting == []  # withdrawn at once, its process alive
+        put = client.put("empty", {"x": torch.arange(8.0).reshape(4, 2)})
+        meta = client.get_meta("empty", ["x"], 4, task="t", timeout=2)  # a live consumer gets them all
+        assert sorted(meta.indexes) == sorted(put.indexes)
+        assert {p.name: p for p in client.status().partitions}["empty"].tasks["t"].expired == 0
+        assert consumer.poll() is None
+        print(f"interrupted get_meta: withdrawn and the samples served after {time.monotonic() - t0:.2f} s")
+
+
+def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_grant(interrupted):
+    storage = {"capacity_bytes": 4 << 20}  # one unit of 4 MiB
+    with tqueue.LocalCluster(num_storage_units=1, storage=storage) as c, c.client() as client:
+        client.put("filler", {"x": torch.zeros(12, 1 << 16)})  # 3 MiB: the 2 MiB put must wait
+        producer = interrupted("put", c.address)
+        until(lambda: waiting(client, "put") == 1, 60, "the producer's put parked for memory")
+        assert [w.cause for w in client.status().waiting] == ["memory"]
+        producer.send_signal(signal.SIGINT)
+        assert line_of(producer, 30) == "interrupted"
+        assert client.status().waiting == []
+        client.clear("filler")  # were the put still parked, it would be granted 2 MiB now
+        meta = client.put("after", {"x": torch.zeros(12, 1 << 16)}, timeout=0)  # 3 MiB: room at once
+        assert len(meta) == 12
+        assert "p" not in {p.name for p in client.status().partitions}
+        assert producer.poll() is None

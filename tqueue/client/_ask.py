@@ -1,0 +1,136 @@
+"""The arguments of the client calls that carry many options, written once.
+
+Each of ``get_meta``, ``get_data`` and ``complete`` takes its arguments as one frozen
+dataclass: :class:`MetaAsk`, :class:`DataAsk`, :class:`Completion`. The dataclass is the
+call's only parameter list: :func:`takes` gives the client's method the signature of the
+dataclass (for help(), IDEs and mypy alike), builds the dataclass from the call's arguments
+and hands it to the method's body. The blocking :class:`~tqueue.client.Client` takes its
+methods from :class:`~tqueue.client.AsyncClient`'s, signatures included, so no parameter
+list is written twice.
+
+The options of a lease (``timeout`` ... ``pad``) belong to both ``get_meta`` and the one-call
+form of ``get_data``: they are :class:`LeaseOptions`, a base of both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    from ..wire import BatchMeta
+    from ._batch import JaggedAs
+
+P = ParamSpec("P")
+A = TypeVar("A")
+R = TypeVar("R")
+S = TypeVar("S")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Task:
+    task: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _AnyTask:
+    task: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeaseOptions:
+    """How a lease is asked for, as :meth:`AsyncClient.get_meta` documents it."""
+
+    timeout: float | None = None
+    lease_timeout: float | None = None
+    policy: str = "first_ready"
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    round: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    balance_by: Sequence[str] | None = None
+    micro_batch_size: int | None = None
+    num_microbatches_multiple_of: int = 1
+    min_num_microbatches: int = 1
+    max_staleness: int | None = None
+    pad: bool = False
+
+
+# bases in this order put ``task`` first among the keyword-only parameters
+@dataclasses.dataclass(frozen=True)
+class MetaAsk(LeaseOptions, _Task):
+    """The arguments of one ``get_meta`` call, as :meth:`AsyncClient.get_meta` documents them."""
+
+    partition: str
+    fields: Sequence[str]
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataAsk(LeaseOptions, _AnyTask):
+    """The arguments of one ``get_data`` call, as :meth:`AsyncClient.get_data` documents them:
+    a meta, or a partition to lease from with every option of ``get_meta``."""
+
+    meta: BatchMeta | str
+    fields: Sequence[str] | None = None
+    batch_size: int | None = None
+    _: dataclasses.KW_ONLY
+    jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
+    pad_value: float | int | bool = 0
+    padding_side: str = "right"
+
+    def lease(self, partition: str, fields: Sequence[str], batch_size: int, task: str) -> MetaAsk:
+        """The ``get_meta`` of the one-call form: a lease with these options."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(LeaseOptions)}
+        return MetaAsk(partition, fields, batch_size, task=task, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """The arguments of one ``complete`` call, as :meth:`AsyncClient.complete` documents them."""
+
+    meta: BatchMeta
+    data: Mapping[str, Any]
+    _: dataclasses.KW_ONLY
+    version: int
+    first_token: int
+    append: Sequence[str] = ()
+    splice: Mapping[str, int | Sequence[int]] | None = None
+    lengths: Sequence[int] | None = None
+    finished: bool = True
+
+
+def ask(kind: Callable[P, A], call: str, *args: P.args, **kwargs: P.kwargs) -> A:
+    """``kind(*args, **kwargs)``, where a wrong argument is named as one of ``call``'s: the
+    one place an ask is built from a call's arguments."""
+    try:
+        return kind(*args, **kwargs)
+    except TypeError as exc:  # a missing or unknown argument: the dataclass's wording, our name
+        raise TypeError(f"{call}(): {str(exc).split('(): ', 1)[-1]}") from None
+
+
+def takes(
+    kind: Callable[P, A],
+) -> Callable[[Callable[[S, A], Coroutine[Any, Any, R]]], Callable[Concatenate[S, P], Coroutine[Any, Any, R]]]:
+    """Make ``async def method(self, ask: A)`` a method called with ``A``'s parameters.
+
+    The method keeps its name and docstring, and shows ``A``'s signature (``self`` first)."""
+
+    def decorate(body: Callable[[S, A], Coroutine[Any, Any, R]]) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
+        name = body.__name__
+
+        @functools.wraps(body)
+        async def method(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+            return await body(self, ask(kind, name, *args, **kwargs))
+
+        parameters = list(inspect.signature(body).parameters.values())[:1]  # self
+        parameters += inspect.signature(kind).parameters.values()
+        returns = inspect.signature(body).return_annotation
+        method.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
+        del method.__wrapped__  # the signature is the dataclass's, not the body's
+        return method
+
+    return decorate
