@@ -14,9 +14,9 @@ import numpy as np
 from .._tasks import all_or_none
 from ..errors import InvalidArgumentError, PartitionClearedError, TQueueError
 from ..wire import Clear, Drop, Dropped, Fail, Ok
-from ._core import ControllerState
 from ._drops import PendingDrops
-from ._state import Partition
+from ._partition import Partition
+from ._state import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +27,13 @@ class Cleanup:
     def __init__(
         self, state: ControllerState, *, wake_soon: Callable[[str], None], retry_parked: Callable[[], None]
     ) -> None:
-        self.s = state
+        self.state = state
         self._wake_soon = wake_soon  # serve parked reads of a partition after this reply
         self._retry_parked = retry_parked  # memory was freed: parked writes may fit now
         self.drops = PendingDrops(state.loop, state.tasks, self._drop_on)
 
     def fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
-        part = self.s.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.s.partition(msg.partition)
+        part = self.state.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.state.partition(msg.partition)
         if msg.indexes is not None:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
             part.check_indexes(indexes)
@@ -49,12 +49,12 @@ class Cleanup:
     def maybe_free(self, part: Partition) -> None:
         if part.finished() and self.forget(part, None):
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
-            self.s.bury(part.name)
+            self.state.bury(part.name)
             self._wake_soon(part.name)  # waiters asking with pad learn that it is done
-            self.s.tasks.start(self.drop_everywhere(part, None), f"drop partition {part.name!r} on every unit")
+            self.state.tasks.start(self.drop_everywhere(part, None), f"drop partition {part.name!r} on every unit")
 
     async def clear(self, ident: bytes, msg: Clear, bufs: list[Any]) -> Ok:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
             return Ok()  # already gone: clearing is idempotent
         if msg.indexes is not None:
@@ -76,43 +76,43 @@ class Cleanup:
         """Forget a partition at once (a put to its name starts a new one); its bytes are
         dropped next. ``cleared``: waiters on the name get this error (an explicit clear).
         False if it was already forgotten."""
-        if self.s.by_uid.pop(part.uid, None) is None:
+        if self.state.by_uid.pop(part.uid, None) is None:
             return False
-        self.s.totals.retire(part)
-        if self.s.partitions.get(part.name) is part:
-            del self.s.partitions[part.name]
+        self.state.totals.retire(part)
+        if self.state.partitions.get(part.name) is part:
+            del self.state.partitions[part.name]
         if cleared is not None:
-            for waiter in list(self.s.waiters.get(part.name, [])):
-                self.s.finish(waiter)
-                self.s.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
-        for grant_id in [g for g, r in self.s.grants.items() if r.partition_uid == part.uid]:
-            grant = self.s.grants.pop(grant_id)
+            for waiter in list(self.state.waiters.get(part.name, [])):
+                self.state.finish(waiter)
+                self.state.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
+        for grant_id in [g for g, r in self.state.grants.items() if r.partition_uid == part.uid]:
+            grant = self.state.grants.pop(grant_id)
             grant.stop_timer()
-            unit = self.s.units.get(grant.unit_id)
+            unit = self.state.units.get(grant.unit_id)
             if unit is not None and grant.indexes is None:
                 unit.reserved -= grant.nbytes  # its commit will find no grant to release it
-        for lease_id in [i for i, r in self.s.leases.items() if r.partition_uid == part.uid]:
-            record = self.s.leases.pop(lease_id)
+        for lease_id in [i for i, r in self.state.leases.items() if r.partition_uid == part.uid]:
+            record = self.state.leases.pop(lease_id)
             if record.timer is not None:
                 record.timer.cancel()
-        for key in [k for k in self.s.rounds if k[0] == part.uid]:
-            del self.s.rounds[key]
+        for key in [k for k in self.state.rounds if k[0] == part.uid]:
+            del self.state.rounds[key]
         return True
 
     async def drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
         listed = None if indexes is None else indexes.tolist()
-        await all_or_none(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self.s.unit_peers)))
+        await all_or_none(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self.state.unit_peers)))
         self._retry_parked()
 
     async def _drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:
         """Ask one unit to drop; a failure is remembered and retried (see _drops)."""
-        peer = self.s.unit_peers.get(unit_id)
+        peer = self.state.unit_peers.get(unit_id)
         if peer is None:
             return True
         try:
             reply, _ = await peer.request(
-                Drop(partition_uid=partition_uid, indexes=indexes), timeout=self.s.config.unit_timeout, expect=Dropped
+                Drop(partition_uid=partition_uid, indexes=indexes), timeout=self.state.config.unit_timeout, expect=Dropped
             )
         except TQueueError as exc:
             log.warning("unit %d did not drop partition uid %d (retried later): %s", unit_id, partition_uid, exc)
@@ -120,10 +120,10 @@ class Cleanup:
             return False
         if indexes is None:
             self.drops.done(unit_id, partition_uid)
-        unit = self.s.units.get(unit_id)
+        unit = self.state.units.get(unit_id)
         if unit is not None:
             unit.nbytes = reply.unit_bytes
-        part = self.s.by_uid.get(partition_uid)
+        part = self.state.by_uid.get(partition_uid)
         if part is not None:
             part.unit_bytes[unit_id] = reply.partition_bytes
         return True

@@ -28,8 +28,8 @@ from ..transport import _zmq
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
 from ._cleanup import Cleanup
-from ._core import ControllerState
 from ._records import Unit
+from ._state import ControllerState
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class Liveness:
         wake: Callable[[str], None],
         release: Callable[[int, str], None],
     ) -> None:
-        self.s = state
+        self.state = state
         self._release = release  # (lease id, why): its samples are ready again for the task
         self.writes = writes
         self.cleanup = cleanup
@@ -71,42 +71,42 @@ class Liveness:
         if unit_id is None:
             unit_id = self._names[name] = next(self._ids)
         else:
-            old = self.s.units.get(unit_id)
+            old = self.state.units.get(unit_id)
             if old is not None and old.alive:  # it restarted before its silence was noticed
                 self.unit_dead(old, "registered again (it restarted): what it held is gone")
-            peer = self.s.unit_peers.pop(unit_id, None)
+            peer = self.state.unit_peers.pop(unit_id, None)
             if peer is not None:
-                self.s.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
+                self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
-        self.s.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.s.loop.time(),
+        self.state.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.state.loop.time(),
                                      metrics=msg.metrics)
-        self.s.unit_peers[unit_id] = _zmq.Peer(
+        self.state.unit_peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
-            curve=self.s.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
+            curve=self.state.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
             lasting=True,  # a probe of a unit that died fails at once
         )
         log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
-        self.s.loop.call_soon(self.writes.retry_parked)
+        self.state.loop.call_soon(self.writes.retry_parked)
         return Registered(unit_id=unit_id, heartbeat=self.interval)
 
     def suspect(self, unit_id: int, why: str) -> None:
         """A client could not store on this unit: evidence that it died, ahead of its
         heartbeats. No placements go to it while the controller probes it (a ``Ping``); no
         answer within two intervals declares it dead now, an answer clears it."""
-        unit = self.s.units.get(unit_id)
-        peer = self.s.unit_peers.get(unit_id)
+        unit = self.state.units.get(unit_id)
+        peer = self.state.unit_peers.get(unit_id)
         if unit is None or not unit.alive or unit.suspect or peer is None:
             return
         unit.suspect = True
         log.warning("storage unit %d suspected: %s; probing it", unit_id, why)
-        self.s.tasks.start(self._probe(unit, peer, why), f"probe unit {unit_id}")
+        self.state.tasks.start(self._probe(unit, peer, why), f"probe unit {unit_id}")
 
     async def _probe(self, unit: Unit, peer: _zmq.Peer, why: str) -> None:
         limit = max(2 * self.interval, 0.5)
         try:
             await peer.request(Ping(), expect=Pong, timeout=limit)
         except UnavailableError as exc:
-            if unit.alive and self.s.units.get(unit.info.unit_id) is unit:
+            if unit.alive and self.state.units.get(unit.info.unit_id) is unit:
                 self.unit_dead(unit, f"{why}, and the probe that followed failed ({exc})")
         else:
             log.info("storage unit %d answered the probe: placements resume", unit.info.unit_id)
@@ -115,22 +115,22 @@ class Liveness:
             self.writes.retry_parked()
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
-        unit = self.s.units.get(msg.unit_id)
+        unit = self.state.units.get(msg.unit_id)
         if unit is None or not unit.alive or (msg.name and msg.name != unit.name):
             return HeartbeatReply(known=False)  # it registers again, and starts empty
-        unit.heard = self.s.loop.time()
+        unit.heard = self.state.loop.time()
         unit.arena_used = msg.arena_used
         unit.held_bytes = msg.held_bytes
         return HeartbeatReply(known=True)
 
     def _sweep(self) -> None:
-        self.s.server.drain()  # heartbeats that arrived while the loop was busy count
-        limit = self.s.loop.time() - window(self.interval, UNIT_LIVENESS)
-        for unit in list(self.s.units.values()):
+        self.state.server.drain()  # heartbeats that arrived while the loop was busy count
+        limit = self.state.loop.time() - window(self.interval, UNIT_LIVENESS)
+        for unit in list(self.state.units.values()):
             if unit.alive and unit.heard < limit:
-                silent = self.s.loop.time() - unit.heard
+                silent = self.state.loop.time() - unit.heard
                 self.unit_dead(unit, f"no heartbeat for {silent:.1f} s (one is due every {self.interval:g} s)")
-        self._timer = self.s.loop.call_later(self.interval, self._sweep)
+        self._timer = self.state.loop.call_later(self.interval, self._sweep)
 
     def unit_dead(self, unit: Unit, why: str) -> None:
         """Declare ``unit`` dead: nothing new goes to it and what it held is lost."""
@@ -140,7 +140,7 @@ class Liveness:
         lapsed = self.writes.lapse_on(unit_id, f"was placed on storage unit {unit_id}, which died")
         self.cleanup.drops.forget_unit(unit_id)
         lost = 0
-        for part in list(self.s.partitions.values()):
+        for part in list(self.state.partitions.values()):
             n = part.lose(unit_id)
             part.unit_bytes.pop(unit_id, None)
             if n:
@@ -153,16 +153,16 @@ class Liveness:
             "storage unit %d%s at %s is dead: %s; %d samples lost, %d grants lapsed",
             unit_id, named, unit.info.address, why, lost, lapsed,
         )
-        peer = self.s.unit_peers.pop(unit_id, None)
+        peer = self.state.unit_peers.pop(unit_id, None)
         if peer is not None:
-            self.s.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
+            self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         self.writes.retry_parked()  # puts parked for room may fit on the live units
 
     # --- client sessions ------------------------------------------------------------
 
     def session_gone(self, session: bytes) -> None:
         """Free at once what a client session that ended held here."""
-        s = self.s
+        s = self.state
         # Each withdrawn call is answered too: a caller that is only silent (one that does
         # not heartbeat) then fails loudly instead of waiting for an answer that never comes.
         ended = UnavailableError(

@@ -21,7 +21,7 @@ from ..transport._metrics import Latency, latency_family
 from ..wire import PartitionStatus, StatusReply
 
 if TYPE_CHECKING:
-    from ._state import Partition
+    from ._partition import Partition
 
 #: task names, and exclusion reasons, that get series of their own in the cumulative
 #: counters; those first seen after this many are counted together under ``OTHER``

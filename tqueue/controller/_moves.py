@@ -15,9 +15,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, RemoteError, WaitTimeoutError
 from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
-from ._core import ControllerState, Waiter
+from ._partition import EXCLUDED, HIDDEN, Moved, Partition
 from ._reads import Reads
-from ._state import EXCLUDED, HIDDEN, Moved, Partition
+from ._state import ControllerState, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +26,13 @@ class Moves:
     """Moves and seals, over ``state``; ``reads`` serves what a landing or a seal wakes."""
 
     def __init__(self, state: ControllerState, reads: Reads, *, free: Callable[[Partition], None]) -> None:
-        self.s = state
+        self.state = state
         self.reads = reads
         self._free = free  # free a partition if every task consumed it
 
     def prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
         """Move ready samples of the next partition in, to fill a drained one's short batch."""
-        src = self.s.partitions.get(part.options.prefetch)
+        src = self.state.partitions.get(part.options.prefetch)
         if src is None or src is part:
             return False
         smask, missing = src.field_mask(msg.fields)
@@ -45,9 +45,9 @@ class Moves:
         reason = f"prefetched into {part.name!r}"
         moved = src.take_out(taken, reason)
         idx = part.reserve_in(moved)
-        self.s.prefetching.add(part.uid)
-        task = self.s.tasks.start(self._land(moved, part, idx, reason), f"prefetch into {part.name!r}")
-        task.add_done_callback(lambda _: self.s.prefetching.discard(part.uid))
+        self.state.prefetching.add(part.uid)
+        task = self.state.tasks.start(self._land(moved, part, idx, reason), f"prefetch into {part.name!r}")
+        task.add_done_callback(lambda _: self.state.prefetching.discard(part.uid))
         return True
 
     async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
@@ -63,7 +63,7 @@ class Moves:
         ok = np.ones(len(idx), dtype=bool)
         for unit_id in np.unique(units).tolist():
             sel = units == unit_id
-            peer = self.s.unit_peers.get(unit_id)
+            peer = self.state.unit_peers.get(unit_id)
             if peer is None:
                 ok &= ~sel
                 failed.append(f"unit {unit_id} is not registered (samples {moved.indexes[sel].tolist()})")
@@ -75,7 +75,7 @@ class Moves:
                 src_indexes=moved.indexes[sel].tolist(),
                 dst_indexes=idx[sel].tolist(),
             )
-            calls.append(peer.request(move, timeout=self.s.config.unit_timeout, expect=Ok))
+            calls.append(peer.request(move, timeout=self.state.config.unit_timeout, expect=Ok))
             asked.append((unit_id, sel))
         for (unit_id, sel), result in zip(asked, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException):
@@ -83,7 +83,7 @@ class Moves:
                 failed.append(f"unit {unit_id} refused samples {moved.indexes[sel].tolist()}: {result}")
         if failed:
             log.error("moving samples into partition %r failed: %s", dst.name, "; ".join(failed))
-            src = self.s.by_uid.get(moved.uid)
+            src = self.state.by_uid.get(moved.uid)
             if src is not None:
                 src.restore(moved.indexes[~ok], reason)
             dst.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
@@ -92,7 +92,7 @@ class Moves:
         return failed
 
     async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
-        part = self.s.live(msg.partition, msg.partition_uid)
+        part = self.state.live(msg.partition, msg.partition_uid)
         if msg.to == part.name:
             raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
         idx = np.asarray(msg.indexes, dtype=np.int64)
@@ -101,7 +101,7 @@ class Moves:
             members = [part.groups.members[g] for g in np.unique(part.group[idx]).tolist() if g >= 0]
             idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
             idx = idx[(part.mask[idx] & EXCLUDED) == 0]
-        dst = self.s.partition(msg.to)
+        dst = self.state.partition(msg.to)
         if dst.sealed:
             raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
         reason = f"postponed to {msg.to!r}"
@@ -117,7 +117,7 @@ class Moves:
         return Meta(meta=self.reads.meta_of(dst, new, list(dst.specs), None, 0, None))
 
     def select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is None:
             raise PartitionClearedError(f"partition {msg.partition!r} does not exist (or was freed)")
         mask, missing = part.field_mask(msg.fields)
@@ -128,7 +128,7 @@ class Moves:
         return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, None))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is not None and not part.sealed:
             part.sealed = True
             self.on_sealed(part)
@@ -136,32 +136,32 @@ class Moves:
 
     def on_sealed(self, part: Partition) -> None:
         log.info("partition %r sealed with %d complete samples", part.name, part.complete)
-        for waiter in self.s.sealed_waiters.pop(part.name, []):
+        for waiter in self.state.sealed_waiters.pop(part.name, []):
             if waiter.timer is not None:
                 waiter.timer.cancel()
-            self.s.server.reply(waiter.ident, waiter.req.rid, Ok())
+            self.state.server.reply(waiter.ident, waiter.req.rid, Ok())
         self.reads.wake_soon(part.name)  # a drained, sealed partition may now pad or prefetch
         self._free(part)
 
     def sealed(self, ident: bytes, msg: Sealed, bufs: list[Any]) -> Ok | None:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is not None and part.sealed:
             return Ok()
         if msg.timeout is not None and msg.timeout <= 0:
             raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
-        self.s.check_park(f"sealed({msg.partition!r})")
+        self.state.check_park(f"sealed({msg.partition!r})")
         waiter = Waiter(ident, msg)
         if msg.timeout is not None:
-            waiter.timer = self.s.loop.call_later(msg.timeout, self._expire_sealed, waiter)
-        self.s.sealed_waiters.setdefault(msg.partition, []).append(waiter)
+            waiter.timer = self.state.loop.call_later(msg.timeout, self._expire_sealed, waiter)
+        self.state.sealed_waiters.setdefault(msg.partition, []).append(waiter)
         return None
 
     def _expire_sealed(self, waiter: Waiter) -> None:
         waiter.timer = None
-        self.s.unpark_sealed(waiter)
-        part = self.s.partitions.get(waiter.req.partition)
+        self.state.unpark_sealed(waiter)
+        part = self.state.partitions.get(waiter.req.partition)
         have = f"{part.complete} complete samples" if part else "it does not exist yet"
-        self.s.server.reply_error(
+        self.state.server.reply_error(
             waiter.ident,
             waiter.req.rid,
             WaitTimeoutError(f"partition {waiter.req.partition!r} was not sealed within {waiter.req.timeout} s ({have})"),

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ._state import Partition, TaskState
+from ._partition import Partition, TaskState
 
 
 @dataclasses.dataclass

@@ -18,10 +18,10 @@ import numpy as np
 from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
 from ..transport._liveness import session_of
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
-from ._core import MAX_SERVED, ControllerState, Lease, Waiter
+from ._partition import LEASED, Partition
 from ._policies import BUILT_IN, Candidates, check
 from ._rounds import RoundBook, token_counts
-from ._state import LEASED, Partition
+from ._state import MAX_SERVED, ControllerState, Lease, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Reads:
         prefetch: Prefetch,
         needed: Callable[[str], None],
     ) -> None:
-        self.s = state
+        self.state = state
         self._free = free  # free a partition if every task consumed it
         self._prefetch = prefetch
         self._needed = needed  # a consumer parked on this partition: its puts are admitted
@@ -49,15 +49,15 @@ class Reads:
         _check_get(msg)
         served = self.try_serve(msg)
         if served is not None:
-            self._remember(ident, msg, served, self.s.server.principal)
+            self._remember(ident, msg, served, self.state.server.principal)
             return served
         if msg.timeout is not None and msg.timeout <= 0:
             raise self.timeout_error(msg)
-        self.s.check_park(f"get_meta on partition {msg.partition!r}")
-        waiter = Waiter(ident, msg, principal=self.s.server.principal)
+        self.state.check_park(f"get_meta on partition {msg.partition!r}")
+        waiter = Waiter(ident, msg, principal=self.state.server.principal)
         if msg.timeout is not None:
-            waiter.timer = self.s.loop.call_later(msg.timeout, self.expire, waiter)
-        self.s.waiters.setdefault(msg.partition, []).append(waiter)
+            waiter.timer = self.state.loop.call_later(msg.timeout, self.expire, waiter)
+        self.state.waiters.setdefault(msg.partition, []).append(waiter)
         self._needed(msg.partition)
         return None
 
@@ -65,33 +65,33 @@ class Reads:
         """Who holds the lease (with auth on), and which lease answered which request, for a
         cancel that crosses the reply (a DP round's share is not released: its peers on
         other ranks hold the same meta)."""
-        record = self.s.leases.get(served.meta.lease)
+        record = self.state.leases.get(served.meta.lease)
         if record is not None and not record.principal:
             record.principal = principal
         if msg.dp_size or not served.meta.lease:
             return
         if record is not None:
-            record.session, record.given = session_of(ident), self.s.loop.time()
-        self.s.served[(ident, msg.rid)] = served.meta.lease
-        while len(self.s.served) > MAX_SERVED:
-            self.s.served.popitem(last=False)
+            record.session, record.given = session_of(ident), self.state.loop.time()
+        self.state.served[(ident, msg.rid)] = served.meta.lease
+        while len(self.state.served) > MAX_SERVED:
+            self.state.served.popitem(last=False)
 
     def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
-        policy = self.s.policies.get(msg.policy)
+        policy = self.state.policies.get(msg.policy)
         if policy is None:
-            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.s.policies)}")
+            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.state.policies)}")
         mask, missing = part.field_mask(msg.fields)
         if missing:
             self._check_can_come(part, missing)
             return None
         task = part.task(msg.task)
-        min_version = None if msg.max_staleness is None else self.s.version - msg.max_staleness
+        min_version = None if msg.max_staleness is None else self.state.version - msg.max_staleness
         candidates = Candidates(part, task, mask, min_version)
         found = policy.select(candidates, count)
         if found is not None:
             return found if msg.policy in BUILT_IN else check(found, candidates, msg.policy)
-        if msg.policy == "groups" or not part.drained() or part.uid in self.s.prefetching:
+        if msg.policy == "groups" or not part.drained() or part.uid in self.state.prefetching:
             return None
         if part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
             return None  # samples are on their way in; their landing wakes this request
@@ -111,7 +111,7 @@ class Reads:
         if not part.sealed or part.declared is not None:
             return
         writing: set[str] = set()
-        for grant in self.s.grants.values():
+        for grant in self.state.grants.values():
             if grant.partition_uid == part.uid:
                 writing |= grant.fields
         for name in missing:
@@ -124,9 +124,9 @@ class Reads:
                 )
 
     def try_serve(self, msg: GetMeta) -> Meta | None:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is None:
-            if msg.pad and not msg.dp_size and self.s.buried(msg.partition):  # consumed and freed: the end
+            if msg.pad and not msg.dp_size and self.state.buried(msg.partition):  # consumed and freed: the end
                 return Meta(meta=BatchMeta(partition=msg.partition, partition_uid=0, indexes=[], units=[],
                                            fields=list(msg.fields), schema={}, task=msg.task))
             return None
@@ -142,9 +142,9 @@ class Reads:
 
     def serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
         key = (part.uid, msg.task)
-        book = self.s.rounds.get(key)
+        book = self.state.rounds.get(key)
         if book is None:
-            book = self.s.rounds[key] = RoundBook.of(msg)
+            book = self.state.rounds[key] = RoundBook.of(msg)
         book.check(msg, f"partition {part.name!r}, task {msg.task!r}")
         # a caller counting rounds of an earlier partition of this name starts over
         number = 0 if msg.round_uid and msg.round_uid != part.uid else msg.round
@@ -166,7 +166,7 @@ class Reads:
                 groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
             rnd = book.form(indexes, lengths, [], groups)
             rnd.leases = [self.lease(part, msg.task, share, msg.lease_timeout) for share in rnd.shares]
-            self.s.loop.call_soon(self.wake, part.name)  # peers of other ranks may be waiting
+            self.state.loop.call_soon(self.wake, part.name)  # peers of other ranks may be waiting
         meta = rnd.metas[msg.dp_rank]
         if meta is None:
             share = rnd.shares[msg.dp_rank]
@@ -199,8 +199,8 @@ class Reads:
         if task is not None and lease:  # served to a consumer: how far behind the trainer it is
             known = versions[versions >= 0]
             if len(known):
-                behind = np.clip(self.s.version - known, 0, len(self.s.staleness) - 1)
-                self.s.staleness += np.bincount(behind, minlength=len(self.s.staleness))
+                behind = np.clip(self.state.version - known, 0, len(self.state.staleness) - 1)
+                self.state.staleness += np.bincount(behind, minlength=len(self.state.staleness))
         groups = part.groups_of(safe)
         if groups is not None and not real.all():
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
@@ -228,18 +228,18 @@ class Reads:
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
-        lease_id = next(self.s.lease_ids)
+        lease_id = next(self.state.lease_ids)
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
         part.lease(part.task(task), indexes, lease_id)
         record = Lease(lease_id, part.uid, task, indexes)
         if timeout is not None and not math.isinf(timeout):
-            record.timer = self.s.loop.call_later(timeout, self.expire_lease, lease_id)
-        self.s.leases[lease_id] = record
+            record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)
+        self.state.leases[lease_id] = record
         return lease_id
 
     def expire_lease(self, lease_id: int, why: str = "expired") -> None:
-        record = self.s.leases.pop(lease_id, None)
-        part = self.s.by_uid.get(record.partition_uid) if record else None
+        record = self.state.leases.pop(lease_id, None)
+        part = self.state.by_uid.get(record.partition_uid) if record else None
         if record is None or part is None:
             return
         if record.timer is not None:
@@ -255,22 +255,22 @@ class Reads:
     def cancelled(self, ident: bytes, rid: int) -> None:
         """The caller of an answered ``get_meta`` gave up on it (its reply crossed the
         cancel): the lease it never saw is released, its samples go to a live caller."""
-        lease_id = self.s.served.pop((ident, rid), None)
+        lease_id = self.state.served.pop((ident, rid), None)
         if lease_id is not None:
             self.expire_lease(lease_id, "cancelled by its caller")
 
     def wake_soon(self, partition: str) -> None:
         """Wake the waiters of ``partition`` once the running handler has replied."""
-        self.s.loop.call_soon(self.wake, partition)
+        self.state.loop.call_soon(self.wake, partition)
 
     def _check_owner(self, lease_id: int, task: str, what: str) -> None:
         """With auth on, only the client a lease was given to may ack or renew it."""
-        if self.s.server.curve is None:
+        if self.state.server.curve is None:
             return
         if not lease_id:
             raise PermissionDeniedError(f"with authentication on, {what} of task {task!r} must name its lease")
-        record = self.s.leases.get(lease_id)
-        principal = self.s.server.principal
+        record = self.state.leases.get(lease_id)
+        principal = self.state.server.principal
         if record is not None and record.principal and record.principal != principal:
             raise PermissionDeniedError(
                 f"lease {lease_id} of task {task!r} was given to {record.principal}; {principal} "
@@ -279,7 +279,7 @@ class Reads:
 
     def renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
         self._check_owner(msg.lease, msg.task, "renew")
-        record = self.s.leases.get(msg.lease)
+        record = self.state.leases.get(msg.lease)
         if record is None:
             raise InvalidArgumentError(
                 f"lease {msg.lease} of task {msg.task!r} on partition {msg.partition!r} is "
@@ -289,27 +289,27 @@ class Reads:
             record.timer.cancel()
             record.timer = None
         if msg.timeout is not None and not math.isinf(msg.timeout):
-            record.timer = self.s.loop.call_later(msg.timeout, self.expire_lease, msg.lease)
+            record.timer = self.state.loop.call_later(msg.timeout, self.expire_lease, msg.lease)
         return Ok()
 
     def wake(self, partition: str) -> None:
         """Serve the parked reads of ``partition`` that can be served now."""
-        for waiter in list(self.s.waiters.get(partition, [])):
+        for waiter in list(self.state.waiters.get(partition, [])):
             try:
                 reply = self.try_serve(waiter.req)
             except Exception as exc:  # this waiter's failure is this waiter's answer alone
-                self.s.finish(waiter)
-                self.s.answer(waiter.ident, waiter.req.rid, exc)
+                self.state.finish(waiter)
+                self.state.answer(waiter.ident, waiter.req.rid, exc)
                 continue
             if reply is not None:
-                self.s.finish(waiter)
+                self.state.finish(waiter)
                 self._remember(waiter.ident, waiter.req, reply, waiter.principal)
-                self.s.answer(waiter.ident, waiter.req.rid, reply)
+                self.state.answer(waiter.ident, waiter.req.rid, reply)
 
     def expire(self, waiter: Waiter) -> None:
         waiter.timer = None
-        self.s.finish(waiter)
-        self.s.answer(waiter.ident, waiter.req.rid, self.timeout_error(waiter.req))
+        self.state.finish(waiter)
+        self.state.answer(waiter.ident, waiter.req.rid, self.timeout_error(waiter.req))
 
     def timeout_error(self, msg: GetMeta) -> WaitTimeoutError:
         return WaitTimeoutError(
@@ -319,7 +319,7 @@ class Reads:
         )
 
     def readiness(self, msg: GetMeta) -> str:
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is None:
             return "the partition does not exist yet (nothing was put to it)"
         mask, missing = part.field_mask(msg.fields)
@@ -332,7 +332,7 @@ class Reads:
         if msg.policy == "groups":
             note += f"; {len(part.groups.order)} groups complete"
         if msg.dp_size:
-            book = self.s.rounds.get((part.uid, msg.task))
+            book = self.state.rounds.get((part.uid, msg.task))
             formed = book.next if book else 0
             note += f"; round {msg.round} asked, {formed} rounds formed"
         return (
@@ -342,7 +342,7 @@ class Reads:
 
     def ack(self, ident: bytes, msg: Ack, bufs: list[Any]) -> Ok:
         self._check_owner(msg.lease, msg.task, "ack")
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
             return Ok()  # freed or cleared: nothing is left to acknowledge
         task = part.tasks.get(msg.task)
@@ -354,15 +354,15 @@ class Reads:
         if len(indexes) and (indexes.min() < 0 or indexes.max() >= part.n):
             raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
         part.ack(task, indexes, msg.lease)
-        record = self.s.leases.get(msg.lease)
+        record = self.state.leases.get(msg.lease)
         if record is not None:
             held = (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
             if not held.any():  # the whole lease is acknowledged
-                del self.s.leases[msg.lease]
+                del self.state.leases[msg.lease]
                 if record.timer is not None:
                     record.timer.cancel()
         self._free(part)
-        if part.drained() and not task.leased and msg.partition in self.s.waiters:
+        if part.drained() and not task.leased and msg.partition in self.state.waiters:
             self.wake_soon(part.name)  # a waiter asking with pad may now learn the partition is done
         return Ok()
 

@@ -1,5 +1,5 @@
 """Controller records of the cluster, free of IO: the storage units it knows and the grants
-it gave that are not committed yet (partition state is in :mod:`._state`)."""
+it gave that are not committed yet (partition state is in :mod:`._partition`)."""
 
 from __future__ import annotations
 

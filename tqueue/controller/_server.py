@@ -6,7 +6,7 @@ trainer's version admits more samples. Each is answered the moment that happens,
 typed error at its deadline that says what it waited for, or withdrawn unanswered when its
 caller sends ``Cancel``. Leases expire on timers.
 
-The state is one object (:class:`._core.ControllerState`); what acts on it is composed:
+The state is one object (:class:`._state.ControllerState`); what acts on it is composed:
 ``Writes`` (grants, commits, budget, admission), ``Reads`` (get_meta, rounds, leases),
 ``Moves`` (postpone, prefetch, seals) and ``Cleanup`` (failures, clear, freeing, drops).
 :class:`Controller` owns the server and routes each message to one of them.
@@ -62,13 +62,13 @@ from ..wire import (
     WaiterStatus,
 )
 from ._cleanup import Cleanup
-from ._core import ControllerState
 from ._limits import check as check_limits
 from ._liveness import Liveness
 from ._moves import Moves
+from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
-from ._state import FAILURE_POLICIES, Options, Partition
+from ._state import ControllerState
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,14 @@ class Controller:
         )
         self.address = self._server.address
         self.metrics: MetricsEndpoint | None = None
-        self.s = ControllerState(self.config, self._server, load_policies(self.config.policies))
+        self.state = ControllerState(self.config, self._server, load_policies(self.config.policies))
         # the parts call each other only through these few bound methods
-        self.cleanup = Cleanup(self.s, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
-        self.reads = Reads(self.s, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
-        self.moves = Moves(self.s, self.reads, free=self.cleanup.maybe_free)
-        self.writes = Writes(self.s, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect)
+        self.cleanup = Cleanup(self.state, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
+        self.reads = Reads(self.state, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
+        self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
+        self.writes = Writes(self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect)
         self.liveness = Liveness(
-            self.s, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
+            self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
         )
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
@@ -130,6 +130,11 @@ class Controller:
         for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))
 
+    @property
+    def s(self) -> ControllerState:
+        """``state``, under the short name a debugger or a test types."""
+        return self.state
+
     def _bounded(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:
         """``handler``, run only for a request within the limits of ``_limits`` (else its
         InvalidArgumentError is the reply, and nothing changed)."""
@@ -149,7 +154,7 @@ class Controller:
             self.metrics = MetricsEndpoint(
                 asyncio.get_running_loop(),
                 lambda: families(
-                    self.status(), totals=self.s.totals, staleness=self.s.staleness.tolist(),
+                    self.status(), totals=self.state.totals, staleness=self.state.staleness.tolist(),
                     capacity=self.config.capacity_bytes, latency=self._server.latency,
                 ),
                 bind=self.config.bind, address=self.address, port=self.config.metrics_port,
@@ -162,8 +167,8 @@ class Controller:
             self.metrics.close()
             self.metrics = None
         self.liveness.close()
-        await self.s.tasks.close()
-        for peer in self.s.unit_peers.values():
+        await self.state.tasks.close()
+        for peer in self.state.unit_peers.values():
             await peer.close()
         await self._server.close()
 
@@ -207,7 +212,7 @@ class Controller:
         return HelloReply(
             protocol=PROTOCOL_VERSION,
             server="controller",
-            units=[u.info for u in self.s.units.values()],
+            units=[u.info for u in self.state.units.values()],
             heartbeat=self.config.heartbeat_interval,
         )
 
@@ -230,12 +235,12 @@ class Controller:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
         if msg.target_groups and not msg.group_size:
             raise InvalidArgumentError("target_groups needs a group_size")
-        self.s.tombstones.pop(msg.partition, None)  # an explicit new start
-        if msg.partition in self.s.partitions:
+        self.state.tombstones.pop(msg.partition, None)  # an explicit new start
+        if msg.partition in self.state.partitions:
             if not msg.exist_ok:
                 raise InvalidArgumentError(f"partition {msg.partition!r} already exists")
             return Ok()
-        self.s.partition(
+        self.state.partition(
             msg.partition,
             Options(
                 fields=frozenset(msg.fields) if msg.fields is not None else None,
@@ -255,7 +260,7 @@ class Controller:
     def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
         """The caller gave up on request ``msg.of``: withdraw it wherever it waits, so that
         what it waited for goes to a live caller. No reply, to either message."""
-        if not self.s.withdraw(ident, msg.of):  # answered already: release what it got
+        if not self.state.withdraw(ident, msg.of):  # answered already: release what it got
             self.reads.cancelled(ident, msg.of)
             self.writes.cancelled(ident, msg.of)
 
@@ -267,7 +272,7 @@ class Controller:
     def status(self) -> StatusReply:
         """A snapshot of everything the controller knows (``status()`` of a client, and the
         metrics at scrape time)."""
-        now = self.s.loop.time()
+        now = self.state.loop.time()
         parts = [
             PartitionStatus(
                 name=p.name,
@@ -290,7 +295,7 @@ class Controller:
                 sealed=p.sealed,
                 lost=p.lost,
             )
-            for p in self.s.partitions.values()
+            for p in self.state.partitions.values()
         ]
         units = [
             UnitStatus(
@@ -299,7 +304,7 @@ class Controller:
                 name=u.name, alive=u.alive, silent=max(0.0, now - u.heard), arena_used=u.arena_used,
                 metrics=u.metrics, held_bytes=u.held_bytes,
             )
-            for u in self.s.units.values()
+            for u in self.state.units.values()
         ]
         waiting = [
             WaiterStatus(
@@ -308,7 +313,7 @@ class Controller:
                 reason=f"get_meta for {w.req.batch_size} samples with fields "
                 f"{list(w.req.fields)}: {self.reads.readiness(w.req)}",
             )
-            for ws in self.s.waiters.values()
+            for ws in self.state.waiters.values()
             for w in ws
         ]
         waiting += [
@@ -319,20 +324,20 @@ class Controller:
                 kind="put" if isinstance(p.req, Grant) else "reserve",
                 cause="memory" if p.full else "staleness",
             )
-            for p in self.s.parked
+            for p in self.state.parked
         ]
         limit = -1
-        if self.s.admission is not None:
-            limit = (self.s.version + self.s.admission[0] + 1) * self.s.admission[1]
+        if self.state.admission is not None:
+            limit = (self.state.version + self.state.admission[0] + 1) * self.state.admission[1]
         return StatusReply(
             partitions=parts,
             units=units,
             waiting=waiting,
-            version=self.s.version,
-            admitted=self.s.admitted,
+            version=self.state.version,
+            admitted=self.state.admitted,
             admission_limit=limit,
             metrics=self.metrics.url if self.metrics is not None else "",
-            weights=self.s.weights,
+            weights=self.state.weights,
         )
 
 

@@ -2,7 +2,7 @@
 
 A grant is answered at once, or parked (no polling) until memory frees or the trainer's
 version admits more samples, or refused with a typed error that says what was asked, used and
-allowed. Acts on the :class:`~tqueue.controller._core.ControllerState` it is given.
+allowed. Acts on the :class:`~tqueue.controller._state.ControllerState` it is given.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..transport._liveness import session_of
 from ..wire import Admission, Commit, Committed, Grant, Granted, Notice, Ok, Reserve, SetVersion, VersionReply, VersionWait
-from ._core import MAX_SERVED, ControllerState, ParkedWrite, Waiter
+from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
-from ._state import NO_STEP, Partition
+from ._state import MAX_SERVED, ControllerState, ParkedWrite, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Writes:
         committed: Callable[[Partition, bool], None],
         suspect: Callable[[int, str], None],
     ) -> None:
-        self.s = state
+        self.state = state
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
@@ -79,21 +79,21 @@ class Writes:
     def _remember(self, ident: bytes, rid: int, granted: Granted) -> None:
         """Which grant answered which request, for a cancel that crosses the reply, and
         which session owns it, to free it when that session ends."""
-        record = self.s.grants.get(granted.grant_id)
+        record = self.state.grants.get(granted.grant_id)
         if record is not None:
             record.owner = session_of(ident)
         if granted.grant_id:
-            self.s.granted[(ident, rid)] = granted.grant_id
-            while len(self.s.granted) > MAX_SERVED:
-                self.s.granted.popitem(last=False)
+            self.state.granted[(ident, rid)] = granted.grant_id
+            while len(self.state.granted) > MAX_SERVED:
+                self.state.granted.popitem(last=False)
 
     def _replace(self, ident: bytes, msg: Grant) -> Granted | None:
         """A put whose store failed on its unit asks again: its old grant lapses, the unit is
         suspected (no placements until it answers a probe) and the put is placed anew. A
         grant committed before the failure reached its writer answers ``stored``."""
-        record = self.s.grants.get(msg.replaces)
+        record = self.state.grants.get(msg.replaces)
         if record is None:
-            if msg.replaces in self.s.committed:
+            if msg.replaces in self.state.committed:
                 return Granted(grant_id=msg.replaces, partition_uid=0, start=0, stored=True)
         elif record.owner != session_of(ident) or record.indexes is not None:
             raise InvalidArgumentError(f"grant {msg.replaces} is not a put of this client's to place again")
@@ -106,21 +106,21 @@ class Writes:
     def cancelled(self, ident: bytes, rid: int) -> None:
         """The caller of an answered put gave up on it before seeing its grant: it will
         never store, so the grant lapses now (its memory and target places are freed)."""
-        grant_id = self.s.granted.pop((ident, rid), None)
+        grant_id = self.state.granted.pop((ident, rid), None)
         if grant_id is not None:
             self._lapse_grant(grant_id, "was cancelled by its caller")
 
     def _grant_put(self, msg: Grant, via: frozenset[str] = frozenset()) -> Granted:
         """``via``: the partitions a late put was recycled through to get here."""
-        part = self.s.partitions.get(msg.partition)
+        part = self.state.partitions.get(msg.partition)
         if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
             return self._late_put(part, msg, via)
-        if part is None and self.s.buried(msg.partition):
+        if part is None and self.state.buried(msg.partition):
             log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
             return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
         if part is None:  # validate against a scratch partition: nothing is created for a refused put
-            self.s.check_new(msg.partition)
-            scratch = Partition(msg.partition, 0, max_samples=self.s.config.max_partition_samples)
+            self.state.check_new(msg.partition)
+            scratch = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples)
             scratch.check_room(msg.count)
             added = scratch.check_blocks(msg.blocks, msg.count)
         else:
@@ -128,18 +128,18 @@ class Writes:
             added = part.check_blocks(msg.blocks, msg.count)
         unit = self._place(msg)
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
-        part = self.s.partition(msg.partition)
+        part = self.state.partition(msg.partition)
         part.add_specs(added)
         start = part.allocate(msg.count, msg.groups, msg.versions)
         part.record_lengths(msg.blocks, slice(start, start + msg.count))
         unit.reserved += msg.nbytes
-        grant_id = next(self.s.grant_ids)
+        grant_id = next(self.state.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         kept = msg.count if msg.partial else part.promise(msg.count)
-        self.s.grants[grant_id] = GrantRecord(
+        self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept, admitted=admitted,
-            timer=self.s.loop.call_later(self.s.config.grant_timeout, self._lapse_grant, grant_id),
+            timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
         )
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
@@ -165,7 +165,7 @@ class Writes:
         )
 
     def _grant_update(self, msg: Grant) -> Granted:
-        part = self.s.live(msg.partition, msg.partition_uid)
+        part = self.state.live(msg.partition, msg.partition_uid)
         added = part.check_blocks(msg.blocks, msg.count)
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
@@ -184,31 +184,31 @@ class Writes:
                 part.reasons["completion refused: target reached"] += finishing
                 return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
                                partition=part.name)
-        grant_id = next(self.s.grant_ids)
+        grant_id = next(self.state.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
-        self.s.grants[grant_id] = GrantRecord(
+        self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Committed:
-        grant = self.s.grants.get(msg.grant_id)
+        grant = self.state.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
         if grant.indexes is None and msg.unit_id != grant.unit_id:  # the grant stays for its own unit
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
-        del self.s.grants[msg.grant_id]
+        del self.state.grants[msg.grant_id]
         grant.stop_timer()
-        self.s.committed[msg.grant_id] = None
-        while len(self.s.committed) > MAX_SERVED:
-            self.s.committed.popitem(last=False)
-        unit = self.s.units.get(msg.unit_id)
+        self.state.committed[msg.grant_id] = None
+        while len(self.state.committed) > MAX_SERVED:
+            self.state.committed.popitem(last=False)
+        unit = self.state.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
-        part = self.s.by_uid.get(grant.partition_uid)
+        part = self.state.by_uid.get(grant.partition_uid)
         if part is None:
             raise PartitionClearedError(
                 f"the partition of grant {msg.grant_id} was cleared before its data was stored"
@@ -226,15 +226,15 @@ class Writes:
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
-        self.s.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
+        self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
         return Committed(sealed=part.sealed)
 
     def _place(self, msg: Grant) -> Unit:
         """A unit on the producer's host with room, the least loaded among those."""
-        units = [u for u in self.s.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
+        units = [u for u in self.state.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
         if not units:
-            known = len(self.s.units)
-            suspect = sum(u.alive and u.suspect for u in self.s.units.values())
+            known = len(self.state.units)
+            suspect = sum(u.alive and u.suspect for u in self.state.units.values())
             raise _Wait(
                 f"no live storage unit ({known} registered: {suspect} being probed after a failed store, "
                 f"{known - suspect} dead)" if known
@@ -242,7 +242,7 @@ class Writes:
                 full=True,
             )
         need = msg.nbytes
-        cap = self.s.config.capacity_bytes
+        cap = self.state.config.capacity_bytes
         used = sum(u.load for u in units)
         if cap and used + need > cap:
             raise _Wait(
@@ -263,7 +263,7 @@ class Writes:
             )
         local = [u for u in roomy if msg.host and u.info.host == msg.host]
         pool = local or roomy
-        turn = next(self.s.placements)  # ties rotate so that equal units share the work
+        turn = next(self.state.placements)  # ties rotate so that equal units share the work
         return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
     def _admit(self, count: int, partition: str) -> int:
@@ -279,12 +279,12 @@ class Writes:
         trainer's version makes room for all of it. Either way a put to a partition that a
         consumer is parked on is admitted at once: the trainer needs it now, and holding it
         back could only deadlock the trainer."""
-        if self.s.admission is None or count <= 0:
+        if self.state.admission is None or count <= 0:
             return 0
-        k, batch = self.s.admission
-        version = self.s.version
-        step = self.s.step_of(partition)
-        awaited = partition in self.s.waiters
+        k, batch = self.state.admission
+        version = self.state.version
+        step = self.state.step_of(partition)
+        awaited = partition in self.state.waiters
         if step != NO_STEP:
             if step <= version + k or awaited:
                 return 0
@@ -295,21 +295,21 @@ class Writes:
                 full=False,
             )
         limit = (version + k + 1) * batch
-        if self.s.admitted + count > limit and not awaited:
+        if self.state.admitted + count > limit and not awaited:
             raise _Wait(
                 f"{count} samples for partition {partition!r} wait for the trainer: "
-                f"{self.s.admitted} samples admitted of {limit} allowed (trainer version "
+                f"{self.state.admitted} samples admitted of {limit} allowed (trainer version "
                 f"{version}, max_staleness {k}, batch_size {batch})",
                 full=False,  # never "never": the limit grows with each version, so any put fits in time
             )
-        self.s.admitted += count
+        self.state.admitted += count
         return count
 
     def needed(self, partition: str) -> None:
         """A consumer parked on ``partition``: puts to it that wait for the trainer's
         version are admitted now (see ``_admit``); those that wait for memory are watched."""
-        if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.s.parked):
-            self.s.loop.call_soon(self.retry_parked)  # after the parking request's handler
+        if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.state.parked):
+            self.state.loop.call_soon(self.retry_parked)  # after the parking request's handler
         self.watch(partition)
 
     def watch(self, partition: str) -> None:
@@ -317,17 +317,17 @@ class Writes:
         other: unless the memory is freed elsewhere (another task's acks, a clear) neither
         ends before its timeout. If both still wait after ``cycle_notice`` seconds, each
         caller is warned with a ``Notice`` (and the controller logs it once)."""
-        delay = self.s.config.cycle_notice
-        if delay <= 0 or partition not in self.s.waiters:
+        delay = self.state.config.cycle_notice
+        if delay <= 0 or partition not in self.state.waiters:
             return
-        for parked in self.s.parked:
+        for parked in self.state.parked:
             if parked.full and parked.cycle is None and isinstance(parked.req, Grant) and parked.req.partition == partition:
-                parked.cycle = self.s.loop.call_later(delay, self._notice_cycle, parked)
+                parked.cycle = self.state.loop.call_later(delay, self._notice_cycle, parked)
 
     def _notice_cycle(self, parked: ParkedWrite) -> None:
         partition = parked.req.partition
-        readers = self.s.waiters.get(partition, [])
-        if parked not in self.s.parked or not parked.full or not readers:
+        readers = self.state.waiters.get(partition, [])
+        if parked not in self.state.parked or not parked.full or not readers:
             parked.cycle = None  # the cycle broke; a new reader watches again
             return
         tasks = sorted({w.req.task for w in readers})
@@ -337,33 +337,33 @@ class Writes:
             f"for memory ({parked.reason}); only acks of other partitions, or a clear, free memory for it"
         )
         log.warning("%s", text)
-        self.s.server.reply(parked.ident, parked.req.rid, Notice(text=text))
+        self.state.server.reply(parked.ident, parked.req.rid, Notice(text=text))
         for reader in readers:
-            self.s.server.reply(reader.ident, reader.req.rid, Notice(text=text))
+            self.state.server.reply(reader.ident, reader.req.rid, Notice(text=text))
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
         if wait.never or timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
-        self.s.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
+        self.state.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
         if not math.isinf(timeout):
-            parked.timer = self.s.loop.call_later(timeout, self._expire_parked, parked)
-        self.s.parked.append(parked)
+            parked.timer = self.state.loop.call_later(timeout, self._expire_parked, parked)
+        self.state.parked.append(parked)
         if isinstance(msg, Grant):
             self.watch(msg.partition)
 
     def _expire_parked(self, parked: ParkedWrite) -> None:
-        if parked in self.s.parked:
-            self.s.parked.remove(parked)
+        if parked in self.state.parked:
+            self.state.parked.remove(parked)
         what = "put" if isinstance(parked.req, Grant) else "reserve"
         err = (StorageFullError if parked.full else WaitTimeoutError)(
             f"{what} timed out after {parked.req.timeout} s: {parked.reason}"
         )
-        self.s.server.reply_error(parked.ident, parked.req.rid, err)
+        self.state.server.reply_error(parked.ident, parked.req.rid, err)
 
     def retry_parked(self) -> None:
-        for parked in list(self.s.parked):
+        for parked in list(self.state.parked):
             try:
                 if isinstance(parked.req, Grant):
                     reply: Any = self._grant_put(parked.req)
@@ -375,12 +375,12 @@ class Writes:
                 continue
             except Exception as exc:  # this write's failure is this write's answer alone
                 reply = exc
-            self.s.parked.remove(parked)
+            self.state.parked.remove(parked)
             if parked.timer is not None:
                 parked.timer.cancel()
             if isinstance(reply, Granted):
                 self._remember(parked.ident, parked.req.rid, reply)
-            self.s.answer(parked.ident, parked.req.rid, reply)
+            self.state.answer(parked.ident, parked.req.rid, reply)
 
     def reserve(self, ident: bytes, msg: Reserve, bufs: list[Any]) -> Ok | None:
         if msg.count < 1:
@@ -395,66 +395,66 @@ class Writes:
     def set_version(self, ident: bytes, msg: SetVersion, bufs: list[Any]) -> Ok:
         """A newer version replaces the version and its weights' pointer together (so that a
         version and a pointer seen together always belong together); any other changes nothing."""
-        if msg.version > self.s.version:
-            self.s.version, self.s.weights = msg.version, msg.weights
+        if msg.version > self.state.version:
+            self.state.version, self.state.weights = msg.version, msg.weights
             log.info("trainer version %d (weights %s)", msg.version, msg.weights or "not said")
-            self.s.loop.call_soon(self.retry_parked)  # after this reply
-            self.s.loop.call_soon(self._answer_versions)
+            self.state.loop.call_soon(self.retry_parked)  # after this reply
+            self.state.loop.call_soon(self._answer_versions)
         return Ok()
 
     def wait_version(self, ident: bytes, msg: VersionWait, bufs: list[Any]) -> VersionReply | None:
         """The version and its pointer once the version is past ``msg.after``: at once, or
         parked (bounded by ``max_parked``) until ``set_version`` passes it or its timeout."""
-        if self.s.version > msg.after:
-            return VersionReply(version=self.s.version, weights=self.s.weights)
+        if self.state.version > msg.after:
+            return VersionReply(version=self.state.version, weights=self.state.weights)
         if msg.timeout is not None and msg.timeout <= 0:
-            raise WaitTimeoutError(f"the trainer's version is {self.s.version}, not past {msg.after}")
-        self.s.check_park(f"a wait for a version past {msg.after}")
+            raise WaitTimeoutError(f"the trainer's version is {self.state.version}, not past {msg.after}")
+        self.state.check_park(f"a wait for a version past {msg.after}")
         waiter = Waiter(ident, msg)
         if msg.timeout is not None:
-            waiter.timer = self.s.loop.call_later(msg.timeout, self._expire_version, waiter)
-        self.s.version_waiters.append(waiter)
+            waiter.timer = self.state.loop.call_later(msg.timeout, self._expire_version, waiter)
+        self.state.version_waiters.append(waiter)
         return None  # answered by set_version, at its deadline, or withdrawn by Cancel
 
     def _answer_versions(self) -> None:
-        reply = VersionReply(version=self.s.version, weights=self.s.weights)
-        for waiter in [w for w in self.s.version_waiters if self.s.version > w.req.after]:
-            self.s.unpark_version(waiter)
-            self.s.answer(waiter.ident, waiter.req.rid, reply)
+        reply = VersionReply(version=self.state.version, weights=self.state.weights)
+        for waiter in [w for w in self.state.version_waiters if self.state.version > w.req.after]:
+            self.state.unpark_version(waiter)
+            self.state.answer(waiter.ident, waiter.req.rid, reply)
 
     def _expire_version(self, waiter: Waiter) -> None:
         waiter.timer = None
-        self.s.unpark_version(waiter)
-        self.s.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
-            f"the trainer's version stayed at {self.s.version} for {waiter.req.timeout} s "
+        self.state.unpark_version(waiter)
+        self.state.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
+            f"the trainer's version stayed at {self.state.version} for {waiter.req.timeout} s "
             f"(waited for a version past {waiter.req.after})"
         ))
 
     def set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
         if msg.max_staleness < 0:
-            self.s.admission = None
+            self.state.admission = None
         else:
             if msg.batch_size < 1:
                 raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
-            self.s.admission = (msg.max_staleness, msg.batch_size)
-        self.s.loop.call_soon(self.retry_parked)  # after this reply
+            self.state.admission = (msg.max_staleness, msg.batch_size)
+        self.state.loop.call_soon(self.retry_parked)  # after this reply
         return Ok()
 
     def _lapse_grant(self, grant_id: int, why: str = "was never committed") -> None:
-        grant = self.s.grants.pop(grant_id, None)
+        grant = self.state.grants.pop(grant_id, None)
         if grant is None:
             return  # committed (or its partition is gone)
         grant.stop_timer()
         log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
-        unit = self.s.units.get(grant.unit_id)
+        unit = self.state.units.get(grant.unit_id)
         if unit is not None:
             unit.reserved -= grant.nbytes
-        self.s.admitted -= grant.admitted  # its samples never came: the window is theirs again
-        part = self.s.by_uid.get(grant.partition_uid)
+        self.state.admitted -= grant.admitted  # its samples never came: the window is theirs again
+        part = self.state.by_uid.get(grant.partition_uid)
         if part is not None:
             part.forget(grant)
             self._free(part)
-            self.s.loop.call_soon(self._committed, part, False)  # its readers may learn a field will not come
+            self.state.loop.call_soon(self._committed, part, False)  # its readers may learn a field will not come
         self.retry_parked()
 
     def lapse(self, grant_id: int, why: str) -> None:
@@ -463,14 +463,14 @@ class Writes:
 
     def lapse_owned(self, session: bytes, why: str) -> int:
         """Lapse every uncommitted grant of a client session that ended."""
-        owned = [g.grant_id for g in self.s.grants.values() if g.owner == session and g.indexes is None]
+        owned = [g.grant_id for g in self.state.grants.values() if g.owner == session and g.indexes is None]
         for grant_id in owned:
             self._lapse_grant(grant_id, why)
         return len(owned)
 
     def lapse_on(self, unit_id: int, why: str) -> int:
         """Lapse every uncommitted grant placed on a unit that died."""
-        placed = [g.grant_id for g in self.s.grants.values() if g.unit_id == unit_id and g.indexes is None]
+        placed = [g.grant_id for g in self.state.grants.values() if g.unit_id == unit_id and g.indexes is None]
         for grant_id in placed:
             self._lapse_grant(grant_id, why)
         return len(placed)

@@ -268,7 +268,7 @@ class Registered(Message):
 
 
 class CreatePartition(Message):
-    """Create a partition up front, with options (see ``controller._state.Options``)."""
+    """Create a partition up front, with options (see ``controller._partition.Options``)."""
 
     KIND = Kind.CREATE_PARTITION
     partition: str
