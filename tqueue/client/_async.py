@@ -12,8 +12,9 @@ the blocking :class:`~tqueue.client.Client` takes its methods from these.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -22,16 +23,32 @@ from ..config import ClientConfig
 from ..errors import ControllerUnavailableError, InvalidArgumentError
 from ..transport import _zmq
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Meta, Ok, StatusReply, StatusRequest, VersionReply
+from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Meta, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
 from ._ask import Completion, DataAsk, MetaAsk, ask, takes
 from ._batch import Batch, Options
 from ._connections import ClientStats, Connections
 from ._gets import Gets
-from ._lifecycle import FieldStats, Lifecycle
+from ._lifecycle import Lifecycle
 from ._puts import Puts
 
 __all__ = ["AsyncClient", "ClientStats"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _handed_on(
+    method: Callable[Concatenate[Lifecycle, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """An :class:`AsyncClient` method that hands the call to the client's :class:`Lifecycle`
+    ``method``, with its signature and docstring."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await method(self._lifecycle, *args, **kwargs)
+
+    return call
 
 
 class AsyncClient:
@@ -320,71 +337,14 @@ class AsyncClient:
         """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""
         await self._gets.ack(meta)
 
-    # --- flow control and the rollout lifecycle -------------------------------------
+    # --- flow control and the rollout lifecycle: handed to the Lifecycle, which documents them
 
-    async def seal(self, partition: str) -> None:
-        """Say that no more samples will be put to ``partition``; once every task has
-        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
-        await self._lifecycle.seal(partition)
-
-    async def fail(
-        self,
-        target: str | BatchMeta,
-        *,
-        reason: str,
-        group: GroupId = None,
-        count: int = 1,
-    ) -> None:
-        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
-        that will never be put. The partition's ``on_member_failure`` decides whether the
-        group is aborted or released without them; either way they are never served."""
-        await self._lifecycle.fail(target, reason=reason, group=group, count=count)
-
-    async def set_version(self, version: int, *, weights: str = "") -> None:
-        """The trainer's current policy weight version (admission and staleness use it), and
-        ``weights``: where those weights are published, an opaque pointer (a path, a URL) for
-        engines that pull them, kept with that version. A version not above the current one
-        changes nothing, its pointer included: publish the pointer with the version it
-        belongs to. :meth:`wait_version` and ``status()`` (``version``, ``weights``) tell
-        both."""
-        await self._lifecycle.set_version(version, weights)
-
-    async def wait_version(self, after: int = -1, *, timeout: float | None = None) -> VersionReply:
-        """Wait until the trainer's version is past ``after`` (at once if it is) and return
-        it with its weights' pointer (``.version``, ``.weights``), e.g. for an engine to pull
-        new weights without polling. The wait is parked at the controller, up to ``timeout``
-        seconds (None: the config's ``get_timeout``; ``math.inf``: no limit), then raises
-        :class:`~tqueue.errors.WaitTimeoutError`; cancelled, it is withdrawn there."""
-        return await self._lifecycle.wait_version(after, timeout=timeout)
-
-    async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
-        """Bound how far producers run ahead of the trainer, AReaL-style; None lifts the bound.
-
-        A partition of step ``s`` (``create_partition(step=s)``, or a name ending in
-        ``step-s``) is read by the trainer at version ``s``: puts to it are admitted while
-        ``s <= version + max_staleness`` and wait for ``set_version`` beyond that; samples of
-        other steps never hold them back. Partitions without a step share a running total of
-        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight, which
-        ``reserve`` draws on too. A put to a partition that a consumer is parked on is admitted
-        at once: the bound never holds back what the trainer is waiting for."""
-        await self._lifecycle.set_staleness(max_staleness, batch_size)
-
-    async def reserve(self, count: int, *, timeout: float | None = None) -> None:
-        """Admit ``count`` samples before generating them (waits like a put, up to
-        ``timeout``); the next puts of this client draw on the reservation."""
-        await self._lifecycle.reserve(count, timeout=timeout)
-
-    async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
-        """Move these samples (with ``whole_groups``, every member of their groups) to a later
-        partition, data kept and partial ones still partial; returns their meta there."""
-        return await self._lifecycle.postpone(meta, to, whole_groups=whole_groups)
-
-    async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
-        """Wait until ``partition`` is sealed (its over-sampling target reached, or
-        ``seal``): producers of the surplus learn it here without polling."""
-        await self._lifecycle.sealed(partition, timeout=timeout)
-
-    async def field_stats(self, partition: str, field: str) -> FieldStats:
-        """count, mean, std, min and max of a scalar field over the partition's live samples:
-        aborted, failed, postponed and partial samples and pad rows are left out."""
-        return await self._lifecycle.field_stats(partition, field)
+    seal = _handed_on(Lifecycle.seal)
+    fail = _handed_on(Lifecycle.fail)
+    set_version = _handed_on(Lifecycle.set_version)
+    wait_version = _handed_on(Lifecycle.wait_version)
+    set_staleness = _handed_on(Lifecycle.set_staleness)
+    reserve = _handed_on(Lifecycle.reserve)
+    postpone = _handed_on(Lifecycle.postpone)
+    sealed = _handed_on(Lifecycle.sealed)
+    field_stats = _handed_on(Lifecycle.field_stats)

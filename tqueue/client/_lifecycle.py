@@ -51,7 +51,8 @@ class FieldStats:
 class Lifecycle:
     """Seals, failures, admission and the rollout lifecycle of one client: controller
     requests on its connections, and for ``complete`` and ``field_stats`` its reads and
-    writes."""
+    writes. :class:`~tqueue.client.AsyncClient` hands these calls on as they are, so each
+    method's signature and docstring here are the client's."""
 
     def __init__(self, conns: Connections, puts: Puts, gets: Gets) -> None:
         self._conns = conns
@@ -60,7 +61,8 @@ class Lifecycle:
         self._gets = gets
 
     async def seal(self, partition: str) -> None:
-        """:meth:`AsyncClient.seal`."""
+        """Say that no more samples will be put to ``partition``; once every task has
+        consumed every sample, it frees itself (unless created with ``auto_free=False``)."""
         ctl = await self._conns.ctl()
         await ctl.request(Seal(partition=partition), expect=Ok)
 
@@ -72,7 +74,9 @@ class Lifecycle:
         group: GroupId = None,
         count: int = 1,
     ) -> None:
-        """:meth:`AsyncClient.fail`."""
+        """Report failed rollouts: the samples of a meta, or ``count`` members of ``group``
+        that will never be put. The partition's ``on_member_failure`` decides whether the
+        group is aborted or released without them; either way they are never served."""
         ctl = await self._conns.ctl()
         if isinstance(target, BatchMeta):
             msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
@@ -82,13 +86,22 @@ class Lifecycle:
             msg = Fail(partition=target, group=group, count=count, reason=reason)
         await ctl.request(msg, expect=Ok)
 
-    async def set_version(self, version: int, weights: str = "") -> None:
-        """:meth:`AsyncClient.set_version`."""
+    async def set_version(self, version: int, *, weights: str = "") -> None:
+        """The trainer's current policy weight version (admission and staleness use it), and
+        ``weights``: where those weights are published, an opaque pointer (a path, a URL) for
+        engines that pull them, kept with that version. A version not above the current one
+        changes nothing, its pointer included: publish the pointer with the version it
+        belongs to. :meth:`wait_version` and ``status()`` (``version``, ``weights``) tell
+        both."""
         ctl = await self._conns.ctl()
         await ctl.request(SetVersion(version=version, weights=weights), expect=Ok)
 
-    async def wait_version(self, after: int, *, timeout: float | None = None) -> VersionReply:
-        """:meth:`AsyncClient.wait_version`."""
+    async def wait_version(self, after: int = -1, *, timeout: float | None = None) -> VersionReply:
+        """Wait until the trainer's version is past ``after`` (at once if it is) and return
+        it with its weights' pointer (``.version``, ``.weights``), e.g. for an engine to pull
+        new weights without polling. The wait is parked at the controller, up to ``timeout``
+        seconds (None: the config's ``get_timeout``; ``math.inf``: no limit), then raises
+        :class:`~tqueue.errors.WaitTimeoutError`; cancelled, it is withdrawn there."""
         wait = _wait(timeout, self.config.get_timeout)
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(
@@ -99,12 +112,21 @@ class Lifecycle:
         return reply
 
     async def set_staleness(self, max_staleness: int | None, batch_size: int = 0) -> None:
-        """:meth:`AsyncClient.set_staleness`."""
+        """Bound how far producers run ahead of the trainer, AReaL-style; None lifts the bound.
+
+        A partition of step ``s`` (``create_partition(step=s)``, or a name ending in
+        ``step-s``) is read by the trainer at version ``s``: puts to it are admitted while
+        ``s <= version + max_staleness`` and wait for ``set_version`` beyond that; samples of
+        other steps never hold them back. Partitions without a step share a running total of
+        ``(version + max_staleness + 1) * batch_size`` samples produced or in flight, which
+        ``reserve`` draws on too. A put to a partition that a consumer is parked on is admitted
+        at once: the bound never holds back what the trainer is waiting for."""
         ctl = await self._conns.ctl()
         await ctl.request(Admission(max_staleness=-1 if max_staleness is None else max_staleness, batch_size=batch_size), expect=Ok)
 
     async def reserve(self, count: int, *, timeout: float | None = None) -> None:
-        """:meth:`AsyncClient.reserve`."""
+        """Admit ``count`` samples before generating them (waits like a put, up to
+        ``timeout``); the next puts of this client draw on the reservation."""
         wait = _wait(timeout, self.config.put_timeout)
         ctl = await self._conns.ctl()
         await ctl.request(
@@ -150,7 +172,8 @@ class Lifecycle:
         return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token))
 
     async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
-        """:meth:`AsyncClient.postpone`."""
+        """Move these samples (with ``whole_groups``, every member of their groups) to a later
+        partition, data kept and partial ones still partial; returns their meta there."""
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(
             Postpone(
@@ -165,7 +188,8 @@ class Lifecycle:
         return reply.meta
 
     async def sealed(self, partition: str, *, timeout: float | None = None) -> None:
-        """:meth:`AsyncClient.sealed`."""
+        """Wait until ``partition`` is sealed (its over-sampling target reached, or
+        ``seal``): producers of the surplus learn it here without polling."""
         wait = _wait(timeout, self.config.get_timeout)
         ctl = await self._conns.ctl()
         await ctl.request(
@@ -175,7 +199,8 @@ class Lifecycle:
         )
 
     async def field_stats(self, partition: str, field: str) -> FieldStats:
-        """:meth:`AsyncClient.field_stats`."""
+        """count, mean, std, min and max of a scalar field over the partition's live samples:
+        aborted, failed, postponed and partial samples and pad rows are left out."""
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(Select(partition=partition, fields=[field]), expect=Meta)
         meta = reply.meta
