@@ -19,8 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 import tqueue
+from tqueue.errors import ControllerUnavailableError
+from tqueue.transport import _zmq
+from tqueue.wire import _messages as wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -107,3 +111,37 @@ def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_
         assert len(meta) == 12
         assert "p" not in {p.name for p in client.status().partitions}
         assert producer.poll() is None
+
+
+def test_a_blocking_peer_interrupted_while_it_waits_withdraws_its_request():
+    """The calling thread's own connection (a blocking client's get_meta): SIGINT to the
+    waiting thread once the server has the request; the server then gets its Cancel."""
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    got: list[wire.Message] = []
+
+    def serve() -> None:
+        for _ in range(2):  # the request, then its Cancel
+            if got and not server.poll(30_000):
+                return  # no Cancel came
+            _, *frames = server.recv_multipart()
+            got.append(wire.decode(frames)[0])
+            if len(got) == 1:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    peer = _zmq.BlockingPeer(f"tcp://127.0.0.1:{port}", name="controller", unavailable=ControllerUnavailableError)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            peer.request(wire.Hello(protocol=1), expect=wire.HelloReply, timeout=60)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert len(got) == 2, f"the server got {got}: no Cancel after the interrupt"
+        request, cancel = got
+        assert isinstance(cancel, wire.Cancel) and cancel.of == request.rid
+    finally:
+        peer.close()
+        server.close(linger=0)
+        ctx.term()
