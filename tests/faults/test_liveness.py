@@ -213,8 +213,10 @@ def test_samples_put_inside_a_dead_consumers_liveness_window_are_not_leased_to_i
         served = time.monotonic() - t0
         assert sorted(meta.indexes) == sorted(put.indexes)
         assert served < interval * (HEARTBEAT_LIVENESS + 2) + 5.0  # the window, and the sweep's step
+        # taken back from the dead consumer once (4), or never given to it (0: the live
+        # consumer's get_meta reached the controller before the put's commit woke the waiters)
         status = {p.name: p for p in client.status().partitions}["empty"]
-        assert status.tasks["t"].expired == 4  # once, taken back from the dead consumer
+        assert status.tasks["t"].expired in (0, 4) and status.tasks["t"].leased == 4
         print(f"parked consumer SIGKILL, put at once: a live consumer served after {served:.2f} s")
 
 

@@ -36,7 +36,7 @@ class Cleanup:
         part = self.state.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.state.partition(msg.partition)
         if msg.indexes is not None:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
-            part.check_indexes(indexes)
+            part.samples.check_indexes(indexes, part.name)
             part.fail_samples(indexes, msg.reason)
         elif msg.group is not None and msg.count > 0:
             part.fail_members(msg.group, msg.count, msg.reason)
@@ -59,7 +59,7 @@ class Cleanup:
             return Ok()  # already gone: clearing is idempotent
         if msg.indexes is not None:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
-            part.check_indexes(indexes)
+            part.samples.check_indexes(indexes, part.name)
             part.exclude(indexes, "cleared")
             await self.drop_everywhere(part, indexes)
             self.maybe_free(part)

@@ -33,7 +33,7 @@ from ..wire import (
     Select,
     VersionWait,
 )
-from ._partition import MAX_FIELDS
+from ._schema import MAX_FIELDS
 
 MAX_DIMS = 32  # dimensions of one sample of a field (torch allows 25)
 MAX_NAME = 4096  # characters of a partition, task or field name

@@ -15,8 +15,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, RemoteError, WaitTimeoutError
 from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
-from ._partition import EXCLUDED, HIDDEN, Moved, Partition
+from ._partition import Partition
 from ._reads import Reads
+from ._samples import EXCLUDED, HIDDEN, Moved
 from ._state import ControllerState, Waiter
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,11 @@ class Moves:
         src = self.state.partitions.get(part.options.prefetch)
         if src is None or src is part:
             return False
-        smask, missing = src.field_mask(msg.fields)
+        smask, missing = src.schema.field_mask(msg.fields)
         if missing:
             return False
-        need = count - len(part.all_ready(part.task(msg.task), mask, min_version))
-        taken = src.all_ready(src.task(msg.task), smask, min_version)[:need]
+        need = count - len(part.task(msg.task).all_ready(mask, min_version))
+        taken = src.task(msg.task).all_ready(smask, min_version)[:need]
         if len(taken) < need:
             return False
         reason = f"prefetched into {part.name!r}"
@@ -86,7 +87,7 @@ class Moves:
             src = self.state.by_uid.get(moved.uid)
             if src is not None:
                 src.restore(moved.indexes[~ok], reason)
-            dst.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
+            dst.samples.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
         dst.land(idx[ok], moved.subset(ok))
         self.reads.wake_soon(dst.name)
         return failed
@@ -96,11 +97,11 @@ class Moves:
         if msg.to == part.name:
             raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
         idx = np.asarray(msg.indexes, dtype=np.int64)
-        part.check_indexes(idx)
+        part.samples.check_indexes(idx, part.name)
         if msg.whole_groups:
-            members = [part.groups.members[g] for g in np.unique(part.group[idx]).tolist() if g >= 0]
+            members = [part.groups.members[g] for g in np.unique(part.samples.group[idx]).tolist() if g >= 0]
             idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
-            idx = idx[(part.mask[idx] & EXCLUDED) == 0]
+            idx = idx[(part.samples.mask[idx] & EXCLUDED) == 0]
         dst = self.state.partition(msg.to)
         if dst.sealed:
             raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
@@ -120,11 +121,11 @@ class Moves:
         part = self.state.partitions.get(msg.partition)
         if part is None:
             raise PartitionClearedError(f"partition {msg.partition!r} does not exist (or was freed)")
-        mask, missing = part.field_mask(msg.fields)
+        mask, missing = part.schema.field_mask(msg.fields)
         if missing:
             idx = np.zeros(0, dtype=np.int64)
         else:
-            idx = np.flatnonzero((part.mask[: part.n] & (mask | HIDDEN)) == mask)
+            idx = np.flatnonzero((part.samples.mask[: part.n] & (mask | HIDDEN)) == mask)
         return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, None))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:

@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ._partition import Partition, TaskState
+from ._partition import Partition
+from ._serving import TaskState
 
 
 @dataclasses.dataclass
@@ -54,27 +55,27 @@ class Candidates:
     def ready(self) -> np.ndarray:
         """Every sample the task may take now (has the fields, not leased, consumed,
         excluded or partial, not too stale), in index order."""
-        return self.partition.all_ready(self.task, self.mask, self.min_version)
+        return self.task.all_ready(self.mask, self.min_version)
 
     def first(self, count: int) -> np.ndarray | None:
         """The first ``count`` ready samples in index order (cheap: scans from the task's
         low-water mark), or None if there are fewer."""
-        return self.partition.find_ready(self.task, self.mask, count, self.min_version)
+        return self.task.find_ready(self.mask, count, self.min_version)
 
     def groups(self, count: int) -> np.ndarray | None:
         """Live members of the first ``count`` complete, ready groups, or None."""
-        return self.partition.find_groups(self.task, self.mask, count, self.min_version)
+        return self.task.find_groups(self.mask, count, self.min_version)
 
     def versions(self, indexes: np.ndarray) -> np.ndarray:
         """Oldest policy version of each sample (-1 where unknown)."""
-        return self.partition.version[indexes]
+        return self.partition.samples.version[indexes]
 
     def lengths(self, indexes: np.ndarray, fields: list[str]) -> np.ndarray:
         """Tokens per sample: dim 0 summed over the jagged ``fields``."""
-        return self.partition.balance_lengths(indexes, fields)
+        return self.partition.schema.balance_lengths(indexes, fields)
 
     def group_ids(self, indexes: np.ndarray) -> list[Any] | None:
-        return self.partition.groups_of(indexes)
+        return self.partition.samples.groups_of(indexes)
 
 
 class Policy(Protocol):

@@ -18,9 +18,10 @@ import numpy as np
 from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
 from ..transport._liveness import session_of
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
-from ._partition import LEASED, Partition
+from ._partition import Partition
 from ._policies import BUILT_IN, Candidates, check
 from ._rounds import RoundBook, token_counts
+from ._serving import LEASED
 from ._state import MAX_SERVED, ControllerState, Lease, Waiter
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Reads:
         policy = self.state.policies.get(msg.policy)
         if policy is None:
             raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.state.policies)}")
-        mask, missing = part.field_mask(msg.fields)
+        mask, missing = part.schema.field_mask(msg.fields)
         if missing:
             self._check_can_come(part, missing)
             return None
@@ -108,7 +109,7 @@ class Reads:
         get: the partition is sealed, does not declare its fields, and no put or update in
         flight writes it. (A partition that declares its fields waits for them: a later
         update may write them.)"""
-        if not part.sealed or part.declared is not None:
+        if not part.sealed or part.schema.declared is not None:
             return
         writing: set[str] = set()
         for grant in self.state.grants.values():
@@ -159,10 +160,10 @@ class Reads:
             indexes = self.select(part, msg, msg.dp_size * msg.batch_size)
             if indexes is None:
                 return None
-            lengths = token_counts(part.lengths, indexes, msg.fields, msg.balance_by)
+            lengths = token_counts(part.schema.lengths, indexes, msg.fields, msg.balance_by)
             groups = None
             if msg.policy == "groups":  # whole groups per rank
-                ordinals = part.group[indexes]
+                ordinals = part.samples.group[indexes]
                 groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
             rnd = book.form(indexes, lengths, [], groups)
             rnd.leases = [self.lease(part, msg.task, share, msg.lease_timeout) for share in rnd.shares]
@@ -195,16 +196,16 @@ class Reads:
         def per_sample(arr: np.ndarray, pad: int) -> list[int]:
             return np.where(real, arr[safe], pad).tolist()
 
-        versions = np.where(real, part.version[safe], -1)
+        versions = np.where(real, part.samples.version[safe], -1)
         if task is not None and lease:  # served to a consumer: how far behind the trainer it is
             known = versions[versions >= 0]
             if len(known):
                 behind = np.clip(self.state.version - known, 0, len(self.state.staleness) - 1)
                 self.state.staleness += np.bincount(behind, minlength=len(self.state.staleness))
-        groups = part.groups_of(safe)
+        groups = part.samples.groups_of(safe)
         if groups is not None and not real.all():
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
-        segments = part.segments_of(indexes[real])
+        segments = part.samples.segments_of(indexes[real])
         if segments is not None and not real.all():
             it = iter(segments)
             segments = [next(it) if r else [] for r in real.tolist()]
@@ -212,7 +213,7 @@ class Reads:
             partition=part.name,
             partition_uid=part.uid,
             indexes=indexes.tolist(),
-            units=per_sample(part.unit, -1),
+            units=per_sample(part.samples.unit, -1),
             fields=fields,
             schema=dict(part.specs),
             groups=groups,
@@ -220,9 +221,9 @@ class Reads:
             lease=lease,
             lease_timeout=lease_timeout,
             versions=versions.tolist() if (versions >= 0).any() else None,
-            versions_max=per_sample(part.version_max, -1) if (versions >= 0).any() else None,
+            versions_max=per_sample(part.samples.version_max, -1) if (versions >= 0).any() else None,
             segments=segments,
-            revisions=per_sample(part.revision, 0) if part.revision[safe].any() else None,
+            revisions=per_sample(part.samples.revision, 0) if part.samples.revision[safe].any() else None,
             global_batch_size=len(indexes),
             sealed=part.sealed,
         )
@@ -230,7 +231,7 @@ class Reads:
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
         lease_id = next(self.state.lease_ids)
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
-        part.lease(part.task(task), indexes, lease_id)
+        part.task(task).take(indexes, lease_id)
         record = Lease(lease_id, part.uid, task, indexes)
         if timeout is not None and not math.isinf(timeout):
             record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)
@@ -244,7 +245,7 @@ class Reads:
             return
         if record.timer is not None:
             record.timer.cancel()
-        back = part.expire(part.task(record.task), record.indexes, lease_id)
+        back = part.task(record.task).expire(record.indexes, lease_id)
         if back:
             log.info(
                 "lease %d of task %r %s: %d samples of partition %r are ready again",
@@ -322,7 +323,7 @@ class Reads:
         part = self.state.partitions.get(msg.partition)
         if part is None:
             return "the partition does not exist yet (nothing was put to it)"
-        mask, missing = part.field_mask(msg.fields)
+        mask, missing = part.schema.field_mask(msg.fields)
         if missing:
             ready = 0
             note = f"; fields never written to it: {missing}{did_you_mean(missing[0], part.specs)} (known: {sorted(part.specs)})"
@@ -353,7 +354,7 @@ class Reads:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) and (indexes.min() < 0 or indexes.max() >= part.n):
             raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
-        part.ack(task, indexes, msg.lease)
+        task.ack(indexes, msg.lease)
         record = self.state.leases.get(msg.lease)
         if record is not None:
             held = (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)

@@ -121,21 +121,16 @@ class Writes:
         if part is None:  # validate against a scratch partition: nothing is created for a refused put
             self.state.check_new(msg.partition)
             scratch = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples)
-            scratch.check_room(msg.count)
-            added = scratch.check_blocks(msg.blocks, msg.count)
+            added = scratch.check_put(msg.count, msg.blocks)
         else:
-            part.check_room(msg.count)
-            added = part.check_blocks(msg.blocks, msg.count)
+            added = part.check_put(msg.count, msg.blocks)
         unit = self._place(msg)
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.state.partition(msg.partition)
-        part.add_specs(added)
-        start = part.allocate(msg.count, msg.groups, msg.versions)
-        part.record_lengths(msg.blocks, slice(start, start + msg.count))
+        start, kept = part.admit_put(msg, added)
         unit.reserved += msg.nbytes
         grant_id = next(self.state.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
-        kept = msg.count if msg.partial else part.promise(msg.count)
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept, admitted=admitted,
@@ -166,24 +161,13 @@ class Writes:
 
     def _grant_update(self, msg: Grant) -> Granted:
         part = self.state.live(msg.partition, msg.partition_uid)
-        added = part.check_blocks(msg.blocks, msg.count)
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
-        part.check_indexes(indexes)
-        part.add_specs(added)
-        part.record_lengths(msg.blocks, indexes)
-        kept = 0
-        if msg.complete and part.options.target:
-            # completing partial rollouts takes places of the target, as a put does: all of
-            # them, or none (the samples stay partial; the caller may postpone them)
-            finishing = part.finishing(indexes)
-            kept = part.promise(finishing) if not part.sealed else 0
-            if kept < finishing:
-                part.promised -= kept
-                part.reasons["completion refused: target reached"] += finishing
-                return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
-                               partition=part.name)
+        kept = part.admit_update(msg, indexes)
+        if kept is None:
+            return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
+                           partition=part.name)
         grant_id = next(self.state.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None

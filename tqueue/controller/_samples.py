@@ -1,0 +1,262 @@
+"""A partition's samples, free of IO: what is known of each sample, in numpy arrays.
+
+Per-sample state is kept in numpy arrays so a scan for ready samples is vectorised and a
+partition of a million samples costs tens of megabytes, not a dict entry per sample.
+A sample's fields are a bitmask: bit 63 says its first put is committed, bit 62 that it is
+excluded (aborted, failed, cleared, moved away) and is never served again, bit 61 that it is
+partial (an unfinished rollout: stored, not served until completed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..wire import FieldSpec, GroupId
+
+COMMITTED = np.uint64(1 << 63)
+EXCLUDED = np.uint64(1 << 62)
+PARTIAL = np.uint64(1 << 61)
+HIDDEN = EXCLUDED | PARTIAL
+# per-sample arrays start empty (shared) and double as samples come: an empty partition costs little
+_EMPTY: dict[type, Any] = {dtype: np.zeros(0, dtype=dtype) for dtype in (np.uint64, np.int16, np.int64)}
+NO_VERSION = -1
+
+
+def grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
+    """``arr``, or a copy at least twice as long, holding ``size`` items (the rest ``fill``)."""
+    if size <= len(arr):
+        return arr
+    cap = max(size, 2 * len(arr))
+    out = np.full(cap, fill, dtype=arr.dtype)
+    out[: len(arr)] = arr
+    return out
+
+
+@dataclasses.dataclass
+class Moved:
+    """Samples in transit between partitions (see ``Partition.take_out``)."""
+
+    fields: dict[str, FieldSpec]
+    has: dict[str, np.ndarray]
+    partial: np.ndarray
+    units: np.ndarray
+    version: np.ndarray
+    version_max: np.ndarray
+    revision: np.ndarray
+    segments: list[list[tuple[int, int]] | None]
+    groups: list[GroupId] | None
+    lengths: dict[str, np.ndarray]
+    indexes: np.ndarray  # where they were
+    uid: int  # the partition they left
+
+    def subset(self, sel: np.ndarray) -> Moved:
+        """The samples where ``sel`` (a boolean mask) is true."""
+        picked = np.flatnonzero(sel).tolist()
+        return dataclasses.replace(
+            self,
+            has={name: has[sel] for name, has in self.has.items()},
+            partial=self.partial[sel],
+            units=self.units[sel],
+            version=self.version[sel],
+            version_max=self.version_max[sel],
+            revision=self.revision[sel],
+            segments=[self.segments[i] for i in picked],
+            groups=None if self.groups is None else [self.groups[i] for i in picked],
+            lengths={name: arr[sel] for name, arr in self.lengths.items()},
+            indexes=self.indexes[sel],
+        )
+
+
+class Groups:
+    """Members of each group, by explicit id; completion order; failures."""
+
+    __slots__ = ("ordinal", "ids", "members", "committed", "failed", "aborted", "complete", "order")
+
+    def __init__(self) -> None:
+        self.ordinal: dict[GroupId, int] = {}
+        self.ids: list[GroupId] = []
+        self.members: list[list[int]] = []
+        self.committed: list[int] = []
+        self.failed: list[int] = []  # members that will never come
+        self.aborted: list[bool] = []
+        self.complete: list[bool] = []
+        self.order: list[int] = []  # complete groups, in the order they completed
+
+    def of(self, gid: GroupId) -> int:
+        g = self.ordinal.get(gid)
+        if g is None:
+            g = self.ordinal[gid] = len(self.ids)
+            self.ids.append(gid)
+            self.members.append([])
+            self.committed.append(0)
+            self.failed.append(0)
+            self.aborted.append(False)
+            self.complete.append(False)
+        return g
+
+    def commit(self, indexes: np.ndarray, of: np.ndarray, size: int) -> tuple[np.ndarray, list[int]]:
+        """Samples ``indexes`` (of groups ``of``, -1: none) finished: the late members of
+        aborted groups among them, and the groups they complete (not aborted)."""
+        late: list[np.ndarray] = []
+        done: list[int] = []
+        for g in np.unique(of).tolist():
+            if g < 0:
+                continue
+            self.committed[g] += int(np.count_nonzero(of == g))
+            if self.aborted[g]:
+                late.append(indexes[of == g])
+            was = self.complete[g]
+            self.check(g, size)
+            if self.complete[g] and not was and not self.aborted[g]:
+                done.append(g)
+        return (np.concatenate(late) if late else indexes[:0]), done
+
+    def check(self, g: int, size: int) -> None:
+        if size and not self.complete[g] and self.committed[g] + self.failed[g] >= size:
+            self.complete[g] = True
+            self.order.append(g)
+
+
+
+class Samples:
+    """Each sample's fields (a bitmask), unit, versions, committed updates, rollout segments
+    and group. ``n`` samples are allocated; the arrays may be longer (they double as they grow)."""
+
+    __slots__ = ("n", "mask", "unit", "version", "version_max", "revision", "segments", "group", "groups", "has_groups")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mask = _EMPTY[np.uint64]  # shared until the first sample: each grows into its own
+        self.unit = _EMPTY[np.int16]
+        self.version = _EMPTY[np.int64]  # oldest segment's
+        self.version_max = _EMPTY[np.int64]
+        self.revision = _EMPTY[np.int64]  # committed updates
+        self.segments: dict[int, list[tuple[int, int]]] = {}  # samples of several segments
+        self.group = _EMPTY[np.int64]
+        self.groups = Groups()
+        self.has_groups = False
+
+    def allocate(self, count: int, groups: Sequence[GroupId] | None, versions: Sequence[int] | None) -> int:
+        """Room for ``count`` more samples; the index of the first."""
+        start = self.n
+        # every array grows before ``n`` moves: a failed allocation leaves the samples as they were
+        for attr, fill in (
+            ("mask", 0), ("unit", -1), ("version", NO_VERSION), ("version_max", NO_VERSION),
+            ("revision", 0), ("group", -1),
+        ):
+            setattr(self, attr, grow(getattr(self, attr), start + count, fill))
+        self.n += count
+        if versions is not None:
+            self.version[start : self.n] = versions
+            self.version_max[start : self.n] = versions
+        if groups is not None:
+            self.has_groups = True
+            for i, gid in enumerate(groups):
+                if gid is None:
+                    continue
+                g = self.groups.of(gid)
+                self.group[start + i] = g
+                self.groups.members[g].append(start + i)
+        return start
+
+    def check_indexes(self, indexes: np.ndarray, partition: str) -> None:
+        if len(indexes) and (indexes.min() < 0 or indexes.max() >= self.n):
+            bad = int(indexes[(indexes < 0) | (indexes >= self.n)][0])
+            raise InvalidArgumentError(f"sample {bad} does not exist in partition {partition!r}")
+        if len(indexes) and not np.all(self.mask[indexes] & COMMITTED):
+            bad = int(indexes[(self.mask[indexes] & COMMITTED) == 0][0])
+            raise InvalidArgumentError(
+                f"sample {bad} of partition {partition!r} is not committed yet"
+            )
+        if len(np.unique(indexes)) != len(indexes):
+            raise InvalidArgumentError(f"partition {partition!r}: a sample is listed twice")
+
+
+    def add_segment(self, indexes: np.ndarray, version: int, first_token: int) -> None:
+        """A resumed rollout: tokens from ``first_token`` on come from ``version``."""
+        for i in indexes.tolist():
+            segs = self.segments.get(i)
+            if segs is None:
+                segs = self.segments[i] = [(int(self.version[i]), 0)] if self.version[i] != NO_VERSION else []
+            segs.append((version, first_token))
+        old = self.version[indexes]
+        self.version[indexes] = np.where(old == NO_VERSION, version, np.minimum(old, version))
+        self.version_max[indexes] = np.maximum(self.version_max[indexes], version)
+
+    def segments_of(self, indexes: np.ndarray) -> list[list[list[int]]] | None:
+        if not self.segments or not any(i in self.segments for i in indexes.tolist()):
+            return None
+        out = []
+        for i in indexes.tolist():
+            segs = self.segments.get(i)
+            if segs is None:
+                v = int(self.version[i])
+                segs = [(v, 0)] if v != NO_VERSION else []
+            out.append([[v, t] for v, t in segs])
+        return out
+
+    def finishing(self, indexes: np.ndarray) -> int:
+        """How many of these samples a completion would finish (partial, not excluded)."""
+        mask = self.mask[indexes]
+        return int(np.count_nonzero(((mask & PARTIAL) != 0) & ((mask & EXCLUDED) == 0)))
+
+
+    def groups_of(self, indexes: np.ndarray) -> list[GroupId] | None:
+        if not self.has_groups:
+            return None
+        ids = self.groups.ids
+        return [ids[g] if g >= 0 else None for g in self.group[indexes].tolist()]
+
+
+    def on_unit(self, unit_id: int) -> np.ndarray:
+        """The committed samples stored on a unit, not excluded yet."""
+        n = self.n
+        return np.flatnonzero((self.unit[:n] == unit_id) & ((self.mask[:n] & (COMMITTED | EXCLUDED)) == COMMITTED))
+
+    def unexclude(self, indexes: np.ndarray) -> int:
+        """Serve again those of these committed samples that were excluded; how many."""
+        back = indexes[(self.mask[indexes] & (EXCLUDED | COMMITTED)) == (EXCLUDED | COMMITTED)]
+        self.mask[back] &= ~EXCLUDED
+        return len(back)
+
+    def pack(
+        self, indexes: np.ndarray, uid: int, specs: dict[str, FieldSpec], bits: dict[str, np.uint64],
+        lengths: dict[str, np.ndarray],
+    ) -> Moved:
+        """These samples as they leave partition ``uid`` (whose fields are ``specs``)."""
+        return Moved(
+            fields=dict(specs),
+            has={name: (self.mask[indexes] & bit) != 0 for name, bit in bits.items()},
+            partial=(self.mask[indexes] & PARTIAL) != 0,
+            units=self.unit[indexes].copy(),
+            version=self.version[indexes].copy(),
+            version_max=self.version_max[indexes].copy(),
+            revision=self.revision[indexes].copy(),
+            segments=[self.segments.get(i) for i in indexes.tolist()],
+            groups=self.groups_of(indexes),
+            lengths={name: arr[indexes].copy() for name, arr in lengths.items()},
+            indexes=indexes.copy(),
+            uid=uid,
+        )
+
+    def land(self, idx: np.ndarray, moved: Moved, bits: dict[str, np.uint64]) -> None:
+        """Samples moved in at ``idx`` (reserved by ``allocate``): their fields (``bits``
+        here), units, versions and segments."""
+        mask = np.full(len(idx), COMMITTED, dtype=np.uint64)
+        for name, has in moved.has.items():
+            if has.any():
+                mask |= np.where(has, bits[name], np.uint64(0)).astype(np.uint64)
+        mask |= np.where(moved.partial, PARTIAL, np.uint64(0)).astype(np.uint64)
+        self.mask[idx] = mask
+        self.unit[idx] = moved.units
+        self.version[idx] = moved.version
+        self.version_max[idx] = moved.version_max
+        self.revision[idx] = moved.revision
+        for i, segs in zip(idx.tolist(), moved.segments):
+            if segs is not None:
+                self.segments[i] = list(segs)
