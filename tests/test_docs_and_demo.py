@@ -152,5 +152,5 @@ def test_the_engine_demo_without_its_extra_names_the_install_command():
     assert out.returncode == 1  # one line, no traceback
     assert out.stderr.count("\n") == 1 and re.match(r"tqueue: error: tqueue demo --engine vllm needs vllm\b.*pip install",
                                                      out.stderr, flags=re.I), out.stderr
-    with pytest.raises(ImportError, match=r"the vLLM bridge needs vLLM: pip install 'tqueue\[vllm\]'"):
+    with pytest.raises(ImportError, match=r"VLLMEngine needs vllm \(the 'vllm' extra\): from a checkout of tqueue, pip install -e '\.\[vllm\]'"):
         tqueue.bridges.VLLMEngine(object())

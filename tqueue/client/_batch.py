@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from .._extras import require
 from .._memory import BufferPool
 from .._threads import copy_bytes
 from ..errors import InvalidArgumentError, ProtocolError, UnknownFieldError, did_you_mean
@@ -237,11 +238,8 @@ class Batch(Mapping[str, Any]):
 
     def to_tensordict(self) -> Any:
         """A ``tensordict.TensorDict`` with batch size ``[B]`` (needs ``tensordict``)."""
-        try:
-            from tensordict import NonTensorStack, TensorDict
-        except ImportError as exc:
-            raise ImportError("to_tensordict needs tensordict: pip install 'tqueue[tensordict]'") from exc
-        out = TensorDict({}, batch_size=[self.size])
+        td = require("tensordict", "tensordict", by="Batch.to_tensordict")
+        out = td.TensorDict({}, batch_size=[self.size])
         for name, value in self._values.items():
             if isinstance(value, torch.Tensor):
                 out[name] = value
@@ -250,7 +248,7 @@ class Batch(Mapping[str, Any]):
             elif isinstance(value, np.ndarray):
                 out[name] = torch.from_numpy(value)
             else:
-                out[name] = NonTensorStack.from_list(list(value))
+                out[name] = td.NonTensorStack.from_list(list(value))
         return out
 
     def __repr__(self) -> str:

@@ -19,18 +19,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._extras import require
 from ._local import controller_flags, unit_flags
 from ._serve import READY
 
-INSTALL = "pip install 'tqueue[ray]'"
-
 
 def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(f"tqueue.ray needs Ray: {INSTALL} ({exc})") from exc
-    return ray
+    return require("ray", "ray", by="tqueue.ray")
 
 
 class ServerActor:
@@ -152,4 +147,4 @@ def start(
     return RayCluster(address=address, controller=ctl_facts, units=unit_facts, actors=actors)
 
 
-__all__ = ["INSTALL", "RayCluster", "ServerActor", "start"]
+__all__ = ["RayCluster", "ServerActor", "start"]

