@@ -152,7 +152,7 @@ def run_engine_demo(args: argparse.Namespace) -> int:
     if args.engine not in ENGINES:
         print(f"tqueue demo: --engine is one of {list(ENGINES)}, got {args.engine!r}", file=sys.stderr)
         return 2
-    steps = 2 if args.quick else args.steps
+    steps = args.steps  # tqueue demo has resolved it (2 with --quick, unless --steps says otherwise)
     verbose = bool(getattr(args, "verbose", False))  # a parser without add_engine_arguments has no --verbose
     with tempfile.TemporaryDirectory(prefix="tqueue-demo-") as scratch:
         _engine_environment(scratch, verbose=verbose)
