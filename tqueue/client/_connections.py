@@ -1,10 +1,12 @@
-"""A client's connections: the controller peer, unit peers, bulk streams and arena maps."""
+"""A client's connections: the controller peer, unit peers, the payload route of each unit,
+bulk streams and arena maps."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _env, _memory
@@ -21,10 +23,10 @@ from ..errors import (
 from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import ArenaMap, open_arena
 from ..transport._liveness import Session
-from ..wire import PROTOCOL_VERSION, Fetched, Hello, HelloReply, Ok, Release, UnitInfo
+from ..wire import PROTOCOL_VERSION, Hello, HelloReply, Ok, Release, UnitInfo
+from ._routes import ArenaRoute, BulkRoute, InlineRoute, Route
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass
@@ -48,8 +50,13 @@ class ClientStats:
 
 class Connections:
     """Everything a client holds open: the controller peer (after the protocol handshake),
-    one peer per storage unit, idle bulk streams per unit, and the arenas of units on this
-    host with the holds on them that wait to be released. Puts and gets share one."""
+    one peer and one payload route per storage unit, the pool of idle bulk streams per unit,
+    and the arenas of units on this host with the holds on them that wait to be released.
+    Puts and gets share one.
+
+    The route of a unit is picked once, by :attr:`choose` (:meth:`pick` unless replaced:
+    tests put a route of their own there), and picked again only after the unit's bulk
+    listener could not be reached."""
 
     def __init__(self, address: str, config: ClientConfig) -> None:
         self.address = address
@@ -64,6 +71,8 @@ class Connections:
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.streams: dict[int, list[_bulk.BulkStream]] = {}  # idle bulk streams per unit
         self.no_bulk: set[int] = set()  # units whose bulk listener could not be reached
+        self.routes: dict[int, Route] = {}
+        self.choose: Callable[[UnitInfo], Route] = self.pick
         self._connecting: asyncio.Lock | None = None
         self._closed = False
         # every connection of this client shares one session id: a server frees what the
@@ -146,6 +155,35 @@ class Connections:
             peer.heartbeat(self.heartbeat)
         return peer
 
+    # --- routes ---------------------------------------------------------------------------
+
+    async def route(self, unit_id: int) -> Route:
+        """The payload route of a unit (asking the controller about units it does not know)."""
+        route = self.routes.get(unit_id)
+        if route is not None:
+            return route
+        await self.unit(unit_id)
+        return self.route_to(self.units[unit_id])
+
+    def route_to(self, info: UnitInfo) -> Route:
+        """The payload route of the unit ``info`` describes, picked the first time."""
+        route = self.routes.get(info.unit_id)
+        if route is None:
+            self.units[info.unit_id] = info
+            route = self.routes[info.unit_id] = self.choose(info)
+        return route
+
+    def pick(self, info: UnitInfo) -> Route:
+        """The unit's arena where it is on this host, else its bulk streams where it offers
+        them, else ZeroMQ frames."""
+        peer = self.connect_unit(info)
+        arena = self.arena(info)
+        if arena is not None:
+            return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes)
+        if self.config.bulk and info.bulk and info.unit_id not in self.no_bulk:
+            return BulkRoute(info, peer, self, self.config)
+        return InlineRoute(info, peer)
+
     async def close(self) -> None:
         """Close every connection. Idempotent."""
         self._closed = True
@@ -155,6 +193,7 @@ class Connections:
         if self.controller is not None:
             peers.append(self.controller)
         self.unit_peers.clear()
+        self.routes.clear()
         self.controller = None
         for peer in peers:
             await peer.close(bye=True)  # what the servers hold for this session is freed now
@@ -164,14 +203,6 @@ class Connections:
             st.close()
 
     # --- bulk streams -----------------------------------------------------------------
-
-    def bulk_to(self, unit_id: int) -> bool:
-        """Whether fetches from this unit come over its bulk stream."""
-        info = self.units.get(unit_id)
-        return (
-            self.config.bulk and info is not None and bool(info.bulk)
-            and unit_id not in self.no_bulk and self.arena(info) is None
-        )
 
     async def stream(self, unit_id: int) -> _bulk.BulkStream | None:
         """An idle bulk stream to the unit, opened if none is; None if it cannot be reached
@@ -185,7 +216,12 @@ class Connections:
         except UnavailableError as exc:
             log.warning("%s; payload from unit %d comes over ZeroMQ instead", exc, unit_id)
             self.no_bulk.add(unit_id)
+            self.routes.pop(unit_id, None)  # picked again, inline
             return None
+
+    def keep(self, unit_id: int, streams: Sequence[_bulk.BulkStream]) -> None:
+        """Put streams whose bytes are all read or written back into the unit's idle pool."""
+        self.streams.setdefault(unit_id, []).extend(streams)
 
     # --- arenas -----------------------------------------------------------------------
 
@@ -196,18 +232,7 @@ class Connections:
             self.arenas[unit.unit_id] = open_arena(unit.shm) if local else None
         return self.arenas[unit.unit_id]
 
-    def resolve(self, unit_id: int, arena: ArenaMap, reply: Fetched, raw: list[Any]) -> list[Any]:
-        """Frames of a same-host reply: arena views (holding the unit's hold) and raw frames."""
-        assert reply.shm is not None
-        ranges = [r for r in reply.shm if r]
-        if not ranges:
-            return raw
-        hold = reply.hold
-        views = iter(arena.views(ranges, lambda: self._release_soon(unit_id, hold)))
-        frames = iter(raw)
-        return [next(views) if r else next(frames) for r in reply.shm]
-
-    def _release_soon(self, unit_id: int, hold: int) -> None:
+    def release_soon(self, unit_id: int, hold: int) -> None:
         """Queue a hold's release; called from whichever thread dropped the last view."""
         loop = self._loop
         if loop is None or loop.is_closed():

@@ -8,26 +8,23 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
-import torch
 
 from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..errors import (
     DataLostError,
     InvalidArgumentError,
-    ProtocolError,
     StorageUnitUnavailableError,
     UnknownFieldError,
     did_you_mean,
 )
-from ..transport import _bulk, _zmq
-from ..wire import Ack, BatchMeta, Fetch, Fetched, FieldBlock, GetMeta, Meta, Ok, Renew
-from ..wire._layout import int_dtype, itemsize, nbytes
-from ..wire._pack import PACKED, Widening
+from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk  # defined there; still importable from here
-from ._batch import Batch, Options, Part, assemble_field, bulk_targets, dense_dests, paused_gc
+from ._assemble import Part, assemble
+from ._batch import Batch, Options
 from ._connections import ClientStats, Connections
+from ._routes import Route, Rows
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
@@ -130,134 +127,42 @@ class Gets:
         return await self._fetch(meta, want, options)
 
     async def _fetch(self, meta: BatchMeta, fields: list[str], options: Options) -> Batch:
-        """Fetch from every unit in parallel (one request each), then assemble.
+        """Fetch from every unit in parallel (one request each, or one per lane), each over
+        the route its connections picked for it, then assemble.
 
         (Splitting the request per field, to copy one field while the next arrives, was
         slower on two cores: the copy competes with ZeroMQ's receive for the CPU.)"""
         positions = _by_unit(meta)
-        values: dict[str, Any] = {}
-        lengths: dict[str, torch.Tensor] = {}
         if not positions:  # nothing to fetch: an empty batch, or pad rows only
-            for f in fields:
-                values[f], lens, _ = assemble_field(meta, f, [], options, self._pool)
-                if lens is not None:
-                    lengths[f] = lens
-            return Batch(meta, values, lengths, options)
-        bulk = any(self._conns.bulk_to(u) for u in positions)
-        dests = dense_dests(meta, fields, self._pool) if bulk else {}
-        jobs = [(u, lane) for u, p in positions.items() for lane in self._lanes(meta, fields, u, p)]
+            return assemble(meta, fields, [], options, self._pool)[0]
+        routes = {u: await self._conns.route(u) for u in positions}
+        rows = Rows(meta, self._pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
-        pads = np.flatnonzero(indexes < 0)
-        parts = list(
-            await all_or_none(*(self._fetch_part(meta, u, p, indexes[p].tolist(), fields, dests) for u, p in jobs))
+        jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
+        parts = await all_or_none(
+            *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows) for route, p in jobs)
         )
-        received = logical = copied = 0
-        for part in parts:
-            for block, frames in part.blocks.values():
-                got = [nbytes(f) for f in frames]
-                received += sum(got) if part.wire < 0 else 0
-                logical += sum(got) if not block.packed else _widened(block, got)
-            received += max(part.wire, 0)
-            copied += part.widened
-        with paused_gc():
-            for field in fields:
-                values[field], lens, n = assemble_field(
-                    meta, field, parts, options, self._pool, dests.get(field), pads
-                )
-                copied += n
-                if lens is not None:
-                    lengths[field] = lens
+        batch, tally = assemble(meta, fields, parts, options, self._pool, rows.buffers)
         self.stats.gets += 1
-        self.stats.get_bytes += logical
-        self.stats.wire_bytes += received
-        self.stats.copied_bytes += copied
-        return Batch(meta, {f: values[f] for f in fields}, lengths, options)
+        self.stats.get_bytes += tally.logical
+        self.stats.wire_bytes += tally.wire
+        self.stats.copied_bytes += tally.copied
+        return batch
 
     async def _fetch_part(
-        self,
-        meta: BatchMeta,
-        unit_id: int,
-        pos: np.ndarray,
-        idx: list[int],
-        fields: list[str],
-        dests: dict[str, np.ndarray],
+        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows
     ) -> Part:
         """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit."""
-        peer = await self._conns.unit(unit_id)
         try:
-            return await self._fetch_from(peer, meta, unit_id, pos, idx, fields, dests)
+            return await route.fetch(meta, pos, idx, fields, rows)
         except StorageUnitUnavailableError as exc:
-            if not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there
+            peer = self._conns.unit_peers.get(route.info.unit_id)
+            if peer is None or not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there
                 raise
-            address = self._conns.units[unit_id].address
             raise DataLostError(
-                f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {unit_id} at "
-                f"{address} cannot be read: {exc}"
+                f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {route.info.unit_id} at "
+                f"{route.info.address} cannot be read: {exc}"
             ) from exc
-
-    async def _fetch_from(
-        self,
-        peer: _zmq.Peer,
-        meta: BatchMeta,
-        unit_id: int,
-        pos: np.ndarray,
-        idx: list[int],
-        fields: list[str],
-        dests: dict[str, np.ndarray],
-    ) -> Part:
-        arena = self._conns.arena(self._conns.units[unit_id])
-        stream = await self._conns.stream(unit_id) if self._conns.bulk_to(unit_id) else None
-        wire, widened = -1, 0
-        try:
-            reply, frames = await peer.request(
-                Fetch(
-                    partition=meta.partition,
-                    partition_uid=meta.partition_uid,
-                    indexes=idx,
-                    fields=fields,
-                    shm=arena is not None,
-                    bulk=stream.token if stream is not None else 0,
-                ),
-                expect=Fetched,
-            )
-            if reply.bulk:
-                if stream is None or frames:
-                    raise ProtocolError("a bulk reply to a fetch that asked for none, or with inline frames")
-                frames, targets = bulk_targets(pos, reply.blocks, meta.schema, dests, reply.bulk, self._pool)
-                await _bulk.run_blocking(stream.read, targets, self.config.request_timeout)
-                wire, widened = reply.bulk, sum(t.dst.nbytes for t in targets if isinstance(t, Widening))
-        except BaseException:
-            if stream is not None:
-                stream.close()  # bytes may be in flight: never read this stream again
-                stream = None
-            raise
-        finally:
-            if stream is not None:
-                self._conns.streams.setdefault(unit_id, []).append(stream)
-        if reply.shm is not None and arena is not None:
-            frames = self._conns.resolve(unit_id, arena, reply, frames)
-        blocks, at = {}, 0
-        for block in reply.blocks:
-            blocks[block.name] = (block, frames[at : at + len(block.counts)])
-            at += len(block.counts)
-        return Part(positions=pos, blocks=blocks, wire=wire, widened=widened)
-
-    def _lanes(self, meta: BatchMeta, fields: list[str], unit_id: int, pos: np.ndarray) -> list[np.ndarray]:
-        """The samples of one unit split into runs fetched at once over parallel bulk streams.
-
-        One TCP stream on loopback leaves both cores half idle (each side waits on the other's
-        copy); two streams moved 1.3-3x the bytes of one here. Only for big fetches."""
-        lanes = self.config.bulk_lanes
-        if lanes <= 1 or len(pos) < 2 * lanes or not self._conns.bulk_to(unit_id):
-            return [pos]
-        dense = 0
-        for f in fields:
-            spec = meta.schema[f]
-            if spec.kind != "object" and spec.layout == "dense":
-                dense += int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec)
-        if dense * len(pos) < self.config.bulk_lane_min_bytes * lanes:
-            return [pos]
-        return np.array_split(pos, lanes)
 
     async def ack(self, meta: BatchMeta) -> None:
         """:meth:`AsyncClient.ack`."""
@@ -275,9 +180,3 @@ class Gets:
             expect=Ok,
         )
 
-
-def _widened(block: FieldBlock, sizes: list[int]) -> int:
-    """Bytes of a block's frames (``sizes``) once packed ones are widened."""
-    wide = int_dtype(block.spec)
-    assert wide is not None and block.packed is not None  # checked when the batch was assembled
-    return sum(n // PACKED[p].itemsize * wide.itemsize if p else n for p, n in zip(block.packed, sizes))

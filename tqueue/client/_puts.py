@@ -1,14 +1,13 @@
-"""The write path of a client: encode, grant, store (inline, over bulk streams or into a
-unit's arena) and updates of stored samples."""
+"""The write path of a client: encode, grant, store over the unit's payload route (inline,
+bulk streams or its arena: tqueue/client/_routes/) and updates of stored samples."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,18 +15,15 @@ import torch
 from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..errors import SchemaError, StorageUnitUnavailableError
-from ..transport import _bulk, _zmq
-from ..transport._arena import ArenaMap, aligned
-from ..wire import Alloc, Allocated, BatchMeta, FieldBlock, Grant, Granted, GroupId, Store, Stored, UnitInfo
-from ..wire._layout import nbytes, split_lanes
+from ..wire import BatchMeta, Grant, Granted, GroupId, Store, Stored, UnitInfo
+from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
-from ..wire._pack import Narrowing
 from ._args import _by_unit, _groups, _versions, _wait, listed
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, pack, sample_count
+from ._routes import Outgoing
 
 log = logging.getLogger(__name__)
-LANE_GRACE: Final = 2.0  # fixed: seconds to wait for a unit's reason after it closed a put's stream
 
 
 class Puts:
@@ -126,7 +122,7 @@ class Puts:
     async def _store_on(
         self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None
     ) -> Stored:
-        peer = self._conns.connect_unit(unit)
+        route = self._conns.route_to(unit)
         store = Store(
             grant_id=grant.grant_id,
             partition=partition,
@@ -137,114 +133,20 @@ class Puts:
             indexes=indexes,
             timeout=self.config.request_timeout,
         )
-        arena = self._conns.arena(unit) if enc.nbytes >= self.config.shm_min_bytes else None
-        placed = await self._into_arena(peer, arena, enc) if arena is not None else None
-        logical, wide = enc.nbytes, enc
-        bulk = arena is None and self._conns.bulk_to(unit.unit_id)
-        if placed is None and self.config.pack_ints:  # through a socket: fewer bytes pay
-            # over bulk streams big fields are narrowed as they are sent (frames in cache)
-            enc = pack(wide, self.config.chunk_bytes, self._pool.take, defer=bulk)
-            store.blocks = enc.blocks
-        buffers: Sequence[Any] | None = enc.buffers
-        copied = enc.copied
-        stored: Stored | None = None
-        if placed is not None:
-            store.blocks, store.shm, store.region = placed
-            buffers = ()
-            copied += enc.nbytes
-        elif bulk and enc.nbytes >= self.config.bulk_put_min_bytes:
-            try:
-                stored = await self._store_bulk(unit.unit_id, peer, store, enc)
-            except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
-                enc = pack(wide, self.config.chunk_bytes, self._pool.take)
-                store.blocks, store.bulk = enc.blocks, None
-                stored = await self._store_bulk(unit.unit_id, peer, store, enc)
-            if stored is not None:
-                buffers = None
-        if buffers is not None and enc.deferred:
-            enc = pack(wide, self.config.chunk_bytes, self._pool.take)  # inline after all
-            store.blocks, buffers, copied = enc.blocks, enc.buffers, enc.copied
-        if buffers is not None:
-            stored, _ = await peer.request(store, buffers, expect=Stored)
-        assert stored is not None  # by the bulk stream or the request just made
+        chunk, take = self.config.chunk_bytes, self._pool.take
+        sent = await route.store(
+            Outgoing(
+                wide=enc,
+                narrow=(lambda defer: pack(enc, chunk, take, defer=defer)) if self.config.pack_ints else None,
+                split=lambda sizes, lanes: split_lanes(sizes, lanes),
+            ),
+            store,
+        )
         self.stats.puts += 1
-        self.stats.put_bytes += logical
-        self.stats.wire_bytes += enc.nbytes
-        self.stats.copied_bytes += copied
-        return stored
-
-    async def _store_bulk(self, unit_id: int, peer: _zmq.Peer, store: Store, enc: Encoded) -> Stored | None:
-        """Send a put's frames over bulk streams (two lanes at once when big) while the
-        ``Store`` goes on ZeroMQ: the unit's reply, or None if no stream could be opened
-        (send inline instead)."""
-        lane_min = self.config.bulk_lane_min_bytes
-        want = self.config.bulk_lanes if enc.nbytes >= lane_min * self.config.bulk_lanes else 1
-        counts = split_lanes([b.cost if isinstance(b, Narrowing) else nbytes(b) for b in enc.buffers], max(1, want))
-        streams: list[_bulk.BulkStream] = []
-        for _ in counts:
-            st = await self._conns.stream(unit_id)
-            if st is None:
-                break
-            streams.append(st)
-        if len(streams) < len(counts):
-            self._conns.streams.setdefault(unit_id, []).extend(streams)
-            return None
-        store.bulk = [(st.token, n) for st, n in zip(streams, counts)]
-        limit = self.config.request_timeout
-        reply: asyncio.Future[Any] = asyncio.ensure_future(peer.request(store, expect=Stored))
-        writes: list[asyncio.Future[Any]] = []
-        at = 0
-        for st, n in zip(streams, counts):
-            writes.append(asyncio.ensure_future(_bulk.run_blocking(st.write, enc.buffers[at : at + n], limit)))
-            at += n
-        try:
-            await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
-            broken = next((w for w in writes if w.done() and w.exception() is not None), None)
-            if broken is not None and isinstance(broken.exception(), _bulk.FrameRefused):
-                broken.result()  # the unit is left mid-write and will refuse it: send again
-            if broken is not None and not reply.done():
-                # a unit that refuses a put closes its streams, then says why: wait for that
-                await asyncio.wait([reply], timeout=LANE_GRACE)
-            if reply.done():
-                reply.result()  # the unit's error, if it refused
-            if broken is not None:
-                broken.result()
-            await asyncio.gather(reply, *writes)
-        except BaseException:
-            for st in streams:  # the unit may have left bytes unread: never reuse these
-                st.close()
-            for task in (reply, *writes):
-                if not task.done():
-                    task.cancel()
-                task.add_done_callback(_consume)
-            raise
-        self._conns.streams.setdefault(unit_id, []).extend(streams)
-        return reply.result()[0]
-
-    async def _into_arena(
-        self, peer: _zmq.Peer, arena: ArenaMap, enc: Encoded
-    ) -> tuple[list[FieldBlock], list[list[int]], int] | None:
-        """Copy a write's payload into the unit's arena: one range per field."""
-        fields, at = [], 0
-        for block, whole in zip(enc.blocks, enc.whole):
-            bufs = enc.buffers[at : at + len(block.counts)]
-            at += len(block.counts)
-            fields.append((block, [whole] if whole is not None else bufs, sum(memoryview(b).nbytes for b in bufs)))
-        reply, _ = await peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)), expect=Allocated)
-        if reply.offset < 0:
-            return None  # the arena is full: the socket path still works
-        blocks, refs, off = [], [], reply.offset
-        for block, bufs, n in fields:
-            arena.fill(off, bufs)
-            blocks.append(
-                FieldBlock(
-                    name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
-                    sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
-                )
-            )
-            refs.append([off, n])
-            off += aligned(n)
-        return blocks, refs, reply.offset
+        self.stats.put_bytes += enc.nbytes
+        self.stats.wire_bytes += sent.wire
+        self.stats.copied_bytes += sent.copied
+        return sent.stored
 
     async def update(
         self,
@@ -292,12 +194,6 @@ class Puts:
 
         await all_or_none(*(write(*w) for w in writes))
         return sorted(refused)
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    """Retrieve a finished task's outcome (already reported another way)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _select(cols: dict[str, Any], pos: np.ndarray) -> dict[str, Any]:

@@ -1,0 +1,14 @@
+"""Payload routes: how a storage unit's bytes travel between it and this client.
+
+One route per unit, picked once by :class:`~tqueue.client._connections.Connections`:
+:class:`InlineRoute` (ZeroMQ frames, every unit), :class:`BulkRoute` (the unit's bulk TCP
+streams) and :class:`ArenaRoute` (the arena of a unit on this host). A new route is one new
+module with a :class:`Route` subclass, and one line where the connections pick it.
+"""
+
+from .arena import ArenaRoute
+from .base import Links, Outgoing, Route, Rows, Sent
+from .bulk import BulkRoute
+from .inline import InlineRoute
+
+__all__ = ["ArenaRoute", "BulkRoute", "InlineRoute", "Links", "Outgoing", "Route", "Rows", "Sent"]

@@ -1,0 +1,83 @@
+"""The arena route: a unit on this host shares its arena (tqueue/transport/_arena.py). A put
+copies its fields into a range the unit allocates and sends only the header; a fetch gets
+views of the unit's pages, held until the last view is dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...transport import _zmq
+from ...transport._arena import ArenaMap, aligned
+from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
+from .._assemble import Part
+from .._encode import Encoded
+from .base import Links, Outgoing, Route, Rows, Sent
+from .inline import InlineRoute, fetch_msg, received
+
+
+class ArenaRoute(Route):
+    """Puts of at least ``min_bytes`` go through the arena, smaller ones (and those a full
+    arena refuses) inline; fetches ask for arena views."""
+
+    def __init__(self, info: UnitInfo, peer: _zmq.Peer, arena: ArenaMap, links: Links, min_bytes: int) -> None:
+        super().__init__(info)
+        self.peer = peer
+        self.arena = arena
+        self.inline = InlineRoute(info, peer)
+        self._links = links
+        self._min_bytes = min_bytes
+
+    async def store(self, put: Outgoing, msg: Store) -> Sent:
+        enc = put.wide  # no socket to cross: never narrowed
+        placed = await self._place(enc) if enc.nbytes >= self._min_bytes else None
+        if placed is None:
+            return await self.inline.store(put, msg)
+        msg.blocks, msg.shm, msg.region = placed
+        stored, _ = await self.peer.request(msg, (), expect=Stored)
+        return Sent(stored, enc.nbytes, enc.copied + enc.nbytes)
+
+    async def _place(self, enc: Encoded) -> tuple[list[FieldBlock], list[list[int]], int] | None:
+        """Copy a write's payload into the unit's arena: one range per field; None when the
+        arena is full (the socket still works)."""
+        fields, at = [], 0
+        for block, whole in zip(enc.blocks, enc.whole):
+            bufs = enc.buffers[at : at + len(block.counts)]
+            at += len(block.counts)
+            fields.append((block, [whole] if whole is not None else bufs, sum(memoryview(b).nbytes for b in bufs)))
+        reply, _ = await self.peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)), expect=Allocated)
+        if reply.offset < 0:
+            return None
+        blocks, refs, off = [], [], reply.offset
+        for block, bufs, n in fields:
+            self.arena.fill(off, bufs)
+            blocks.append(
+                FieldBlock(
+                    name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
+                    sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
+                )
+            )
+            refs.append([off, n])
+            off += aligned(n)
+        return blocks, refs, reply.offset
+
+    async def fetch(
+        self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
+        rows: Rows,
+    ) -> Part:
+        reply, frames = await self.peer.request(fetch_msg(meta, indexes, fields, shm=True), expect=Fetched)
+        if reply.shm is not None and not reply.bulk:
+            frames = self._resolve(reply, frames)
+        return received(positions, reply, frames)
+
+    def _resolve(self, reply: Fetched, raw: list[Any]) -> list[Any]:
+        """Frames of a same-host reply: arena views (holding the unit's hold) and raw frames."""
+        assert reply.shm is not None
+        ranges = [r for r in reply.shm if r]
+        if not ranges:
+            return raw
+        hold, unit_id, links = reply.hold, self.info.unit_id, self._links
+        views = iter(self.arena.views(ranges, lambda: links.release_soon(unit_id, hold)))
+        frames = iter(raw)
+        return [next(views) if r else next(frames) for r in reply.shm]
