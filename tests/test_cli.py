@@ -133,6 +133,7 @@ def _closed_port() -> int:
         pytest.param(["demo", "--steps", "x"], 2, "argument --steps: expected a positive integer, got 'x'", id="bad-value"),
         pytest.param(["--log-level", "loud", "status", "a"], 2, "argument --log-level: invalid choice", id="bad-level"),
         pytest.param(["demo", "--trainer", "megatron"], 2, "--trainer megatron needs --engine vllm", id="trainer-alone"),
+        pytest.param(["demo", "--verbose"], 2, "--verbose needs --engine vllm", id="verbose-alone"),
         pytest.param(["demo", "--prompts", "7"], 2, "--prompts (7) must be a multiple of --consumers (2)", id="prompts"),
         pytest.param(["ingest", "tcp://127.0.0.1:9"], 2, "tqueue ingest needs a bearer token", id="no-token"),
         pytest.param(["ingest", "tcp://127.0.0.1:9", "--token-file", "/nonexistent/token"], 1,

@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--trainer", choices=["megatron"],
                    help="with --engine: train with megatron-core DP ranks on gloo; needs the megatron extra: "
                         "pip install -e '.[megatron]' from a checkout")
+    from .bridges.demo import add_engine_arguments
+
+    add_engine_arguments(e)  # --verbose
 
 
 def resolve_arguments(args: argparse.Namespace) -> str:
@@ -94,6 +97,8 @@ def resolve_arguments(args: argparse.Namespace) -> str:
         elif not args.engine:
             shown = "--" + name.replace("_", "-") + (f" {args.trainer}" if name == "trainer" else "")
             return f"{shown} needs --engine vllm (the simulated demo has no engine or trainer to choose)"
+    if getattr(args, "verbose", False) and not args.engine:
+        return "--verbose needs --engine vllm (it shows the engine's own logs)"
     if args.prompts % args.consumers:
         return (f"--prompts ({args.prompts}) must be a multiple of --consumers ({args.consumers}): "
                 "every DP rank takes whole groups")

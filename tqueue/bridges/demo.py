@@ -153,7 +153,7 @@ def run_engine_demo(args: argparse.Namespace) -> int:
         print(f"tqueue demo: --engine is one of {list(ENGINES)}, got {args.engine!r}", file=sys.stderr)
         return 2
     steps = args.steps  # tqueue demo has resolved it (2 with --quick, unless --steps says otherwise)
-    verbose = bool(getattr(args, "verbose", False))  # a parser without add_engine_arguments has no --verbose
+    verbose = bool(args.verbose)
     with tempfile.TemporaryDirectory(prefix="tqueue-demo-") as scratch:
         _engine_environment(scratch, verbose=verbose)
         require("vllm", "vllm", by="tqueue demo --engine vllm")
