@@ -100,7 +100,7 @@ def test_demo_quick_shows_progress_and_ends_with_its_table():
 def test_demo_says_what_it_waits_for_when_no_report_comes():
     """Its children take longer to start than the (here shortened) stall interval: the demo
     says what it waits for, then finishes as usual."""
-    script = ("import sys, tqueue.demo, tqueue.cli; tqueue.demo.STALL_SECONDS = 0.2; "
+    script = ("import sys, tqueue.demos.simulated, tqueue.cli; tqueue.demos.simulated.STALL_SECONDS = 0.2; "
               "sys.exit(tqueue.cli.main(['demo', '--quick', '--steps', '1']))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -113,7 +113,7 @@ def test_a_stalled_demo_names_the_calls_parked_at_the_controller(cluster, client
     import threading
 
     from tests.faults._proc import until
-    from tqueue.demo import _waiting_for
+    from tqueue.demos.simulated import _waiting_for
 
     waiting = threading.Thread(target=lambda: pytest.raises(
         tqueue.PartitionClearedError, client.get_meta, partition, ["x"], 4, task="train", timeout=30))

@@ -61,7 +61,7 @@ def to_tensordict(tmp_path: pathlib.Path) -> None:
 
 
 def tiny_model(tmp_path: pathlib.Path) -> None:
-    from tqueue.bridges.tiny_model import make
+    from tqueue.demos.tiny_model import make
 
     make(tmp_path)
 
@@ -72,7 +72,7 @@ def tiny_model(tmp_path: pathlib.Path) -> None:
         (["vllm"], lambda tmp_path: tqueue.bridges.VLLMEngine(object()), needs("VLLMEngine", "vllm", "vllm")),
         (["ray"], lambda tmp_path: tqueue.ray.start(1), needs("tqueue.ray", "ray", "ray")),
         (["tensordict"], to_tensordict, needs("Batch.to_tensordict", "tensordict", "tensordict")),
-        (["tokenizers", "transformers"], tiny_model, needs("tqueue.bridges.tiny_model", "tokenizers", "vllm")),
+        (["tokenizers", "transformers"], tiny_model, needs("tqueue.demos.tiny_model", "tokenizers", "vllm")),
     ],
     ids=["VLLMEngine", "tqueue.ray.start", "Batch.to_tensordict", "tiny_model.make"],
 )

@@ -3,7 +3,7 @@
 Every import of a tqueue module, at module level or inside a function, is resolved to the part of
 the package it lands in; a part may import only the parts of lower layers and itself. Roles
 (controller, storage, client) never import each other, and nothing but the command line, the
-demo and the bridges themselves imports a bridge.
+demos and the bridges themselves imports a bridge.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ LAYERS: dict[str, set[str]] = {
     "launch": BASE | {"wire", "transport", "controller", "storage", "client"},
     "bridges": BASE | {"wire", "transport", "client", "launch", "bridges"},
     "__init__": BASE | {"wire", "client", "launch"},
-    "demo": BASE | {"wire", "client", "launch", "bridges"},
-    "cli": BASE | {"wire", "client", "launch", "demo", "bridges", "controller", "storage"},
+    "demos": BASE | {"wire", "client", "launch", "bridges"},
+    "cli": BASE | {"wire", "client", "launch", "demos", "bridges", "controller", "storage"},
     "__main__": {"cli"},
     "ray": {"launch"},
 }

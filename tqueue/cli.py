@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="shape of SGLang's routed experts per token, to store them as a tensor field")
 
     d = command("demo", "a simulated GRPO data flow on a local cluster, or the main job with a real engine")
-    from .demo import add_arguments
+    from .demos.simulated import add_arguments
 
     add_arguments(d)
     command("bench", "the end-to-end benchmark against the peers, from a source checkout (tqueue bench --help)",
@@ -282,16 +282,16 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import resolve_arguments
+    from .demos.simulated import resolve_arguments
 
     wrong = resolve_arguments(args)
     if wrong:
         raise UsageError(wrong)
     if args.engine:
-        from .bridges.demo import run_engine_demo
+        from .demos.engine import run_engine_demo
 
         return run_engine_demo(args)
-    from .demo import run_demo
+    from .demos.simulated import run_demo
 
     return run_demo(args)
 

@@ -3,7 +3,7 @@
     pip install -e '.[vllm]'            # from a checkout; the CPU build: see docs/bridges.md
     python docs/examples/vllm_rollouts.py
 
-The model is a tiny random Llama made on the spot (tqueue.bridges.tiny_model); point
+The model is a tiny random Llama made on the spot (tqueue.demos.tiny_model); point
 ``MODEL`` at a real one to generate text that means something. vLLM's logs go to stderr, its
 warnings only (set ``VLLM_LOGGING_LEVEL=INFO`` to see more).
 """
@@ -25,7 +25,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 import tqueue  # noqa: E402
 from tqueue.bridges import Rollouts, VLLMEngine  # noqa: E402
-from tqueue.bridges.tiny_model import make  # noqa: E402
+from tqueue.demos.tiny_model import make  # noqa: E402
 
 
 async def rollouts(llm) -> None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tqueue.bridges.demo import _engine_environment, add_engine_arguments
+from tqueue.demos.engine import _engine_environment, add_engine_arguments
 
 
 def test_add_engine_arguments_gives_the_parser_verbose():

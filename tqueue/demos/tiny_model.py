@@ -3,7 +3,7 @@ nothing comes from a hub. 1,000-word vocabulary (the tokenizer's equals the mode
 sampled id detokenizes), 2 layers, hidden 64, head_dim 32 (vLLM's CPU attention needs 32; its
 bfloat16 AMX kernel crashes on these machines, so engines run it in float32).
 
-``python -m tqueue.bridges.tiny_model DIR`` writes it (about 1 MB, 4 s)."""
+``python -m tqueue.demos.tiny_model DIR`` writes it (about 1 MB, 4 s)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ BOS, EOS, PAD = 1, 2, 3
 def make(out: str | Path) -> Path:
     """Write the model and its tokenizer to ``out`` (needs ``transformers`` and ``tokenizers``,
     which the ``vllm`` extra brings)."""
-    tk = require("tokenizers", "vllm", by="tqueue.bridges.tiny_model")
-    hf = require("transformers", "vllm", by="tqueue.bridges.tiny_model")
+    tk = require("tokenizers", "vllm", by="tqueue.demos.tiny_model")
+    hf = require("transformers", "vllm", by="tqueue.demos.tiny_model")
 
     out = Path(out)
     words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(VOCAB - 4)]
