@@ -20,8 +20,8 @@ from ..transport._liveness import session_of
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._partition import Partition
 from ._policies import BUILT_IN, Candidates, check
-from ._rounds import RoundBook, token_counts
-from ._serving import LEASED
+from ._rounds import Round, RoundBook, token_counts
+from ._serving import CONSUMED, LEASED
 from ._state import MAX_SERVED, ControllerState, Lease, Waiter
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,36 @@ class Reads:
                 micro_batch_indices=rnd.micro[msg.dp_rank],
             )
             rnd.metas[msg.dp_rank] = meta
+        elif meta.lease not in self.state.leases:  # acked or lapsed: asked again by a restarted rank
+            meta = self._relet(part, msg, rnd, meta)
         return Meta(meta=meta)
+
+    def _relet(self, part: Partition, msg: GetMeta, rnd: Round, meta: BatchMeta) -> BatchMeta:
+        """A round's share whose lease ended, asked for again. Acked: the same meta (an ack
+        of it again does nothing). Lapsed (``lease_timeout``): exactly its samples, if the task
+        can still take every one of them, under a new lease; the new meta then answers this
+        rank and its peers after it. Raises InvalidArgumentError where another read took them."""
+        share = rnd.shares[msg.dp_rank]
+        real = share[share >= 0]
+        task = part.task(msg.task)
+        if (task.state[real] == CONSUMED).all():
+            return meta
+        mask, missing = part.schema.field_mask(meta.fields)
+        if missing or not np.isin(real, task.all_ready(mask)).all():
+            raise InvalidArgumentError(
+                f"round {rnd.number} of task {msg.task!r} on partition {part.name!r}: the lease of data-parallel "
+                f"rank {msg.dp_rank}'s share (lease {meta.lease}) lapsed, and its samples {real.tolist()} are no "
+                f"longer all there for the task (another read took some, or they were dropped)"
+            )
+        lease = self.lease(part, msg.task, share, msg.lease_timeout)
+        rnd.leases[msg.dp_rank] = lease
+        fresh = _with(meta, lease=lease, lease_timeout=msg.lease_timeout)
+        rnd.metas[msg.dp_rank] = fresh
+        log.info(
+            "round %d of task %r on partition %r: data-parallel rank %d's share, whose lease %d lapsed, is "
+            "leased again as %d", rnd.number, msg.task, part.name, msg.dp_rank, meta.lease, lease,
+        )
+        return fresh
 
     def meta(self, part: Partition, msg: GetMeta, indexes: np.ndarray, lease: int) -> BatchMeta:
         return self.meta_of(part, indexes, list(msg.fields), msg.task, lease, msg.lease_timeout)
