@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tqueue.errors import SchemaError
-from tqueue.storage._store import SMALL_RUN, Store
+from tqueue.storage._store import SMALL_RUN
+from tqueue.storage._store import PayloadStore as Store
 from tqueue.transport._arena import Arena
 from tqueue.wire import FieldBlock, FieldSpec
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -21,16 +20,14 @@ from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..config import StorageConfig
 from ..errors import (
-    ControllerUnavailableError,
     InvalidArgumentError,
     ProtocolError,
     ProtocolVersionError,
-    TQueueError,
     UnavailableError,
 )
 from ..transport import _auth, _bulk, _zmq
 from ..transport._arena import Arena, Region
-from ..transport._liveness import UNIT_LIVENESS, session_of, window
+from ..transport._liveness import session_of
 from ..transport._metrics import MetricsEndpoint, latency_family
 from ..wire import (
     PROTOCOL_VERSION,
@@ -44,12 +41,10 @@ from ..wire import (
     Fetch,
     Fetched,
     Heartbeat,
-    HeartbeatReply,
     Hello,
     HelloReply,
     Move,
     Ok,
-    Registered,
     RegisterUnit,
     Release,
     Store,
@@ -57,7 +52,10 @@ from ..wire import (
 )
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
-from ._store import Store as _Data
+from ._holds import Holds
+from ._membership import Membership
+from ._store import PayloadStore
+from ._trim import Trimmer
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +85,18 @@ class StorageUnit:
         self._loop = asyncio.get_running_loop()
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
-        self.data = _Data(self.arena, self._release_soon, max_index=config.max_index)
+        self.data = PayloadStore(self.arena, self._release_soon, max_index=config.max_index)
         self.bulk = _bulk_server(config, self.address, self._sent_soon)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
-        self.unit_id = -1
-        self.interval = 0.0  # the cluster's heartbeat interval, learned at registration
-        self._controller: _zmq.Peer | None = None
-        self._trim: asyncio.TimerHandle | None = None
-        # freed payload that unsent replies still keep in memory: given back once they are gone
-        self._owed = False
-        # arena ranges allocated to writers and held by readers, with their lapse timers and
-        # the client session that owns them (freed at once when it ends)
-        self._allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
-        self._holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
-        self._beats: asyncio.Task[None] | None = None
+        self.membership = Membership(
+            config, self._server, self.bulk, describe=self._describe, beat=self._beat, forgotten=self._forget_everything
+        )
+        self.trim = Trimmer(config, self.arena, self._buffers, lambda: self.held_bytes)
+        self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
         self.metrics: MetricsEndpoint | None = None
-        self._server.sessions.on_gone(self._session_gone)
+        self._server.sessions.on_gone(self.holds.session_gone)
         s = self._server
         s.route(Hello, self._hello)
         s.route(Store, self._store)
@@ -118,80 +110,41 @@ class StorageUnit:
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements and sends
         its heartbeats."""
-        self._controller = _zmq.Peer(
-            self.config.controller, name="controller", unavailable=ControllerUnavailableError,
-            curve=self._server.curve,  # the cluster's key: only it registers a unit
-        )
         if self.config.metrics_port >= 0 and self.metrics is None:
             self.metrics = MetricsEndpoint(
                 self._loop, self._families, bind=self.config.bind, address=self.address, port=self.config.metrics_port
             )
-        await self._register()
-        self._beats = self._loop.create_task(self._heartbeats())
+        await self.membership.start()
 
-    async def _register(self) -> None:
-        reply, _ = await self._ctl().request(
-            RegisterUnit(
-                protocol=PROTOCOL_VERSION,
-                address=self.address,
-                host=self.host,
-                capacity=self.config.capacity_bytes,
-                shm=self.arena.path if self.arena is not None else "",
-                bulk=self.bulk.address if self.bulk is not None else "",
-                name=self.config.name,
-                metrics=self.metrics.url if self.metrics is not None else "",
-            ),
-            expect=Registered,
+    @property
+    def unit_id(self) -> int:
+        return self.membership.unit_id
+
+    def _describe(self) -> RegisterUnit:
+        return RegisterUnit(
+            protocol=PROTOCOL_VERSION,
+            address=self.address,
+            host=self.host,
+            capacity=self.config.capacity_bytes,
+            shm=self.arena.path if self.arena is not None else "",
+            bulk=self.bulk.address if self.bulk is not None else "",
+            name=self.config.name,
+            metrics=self.metrics.url if self.metrics is not None else "",
         )
-        self.unit_id = reply.unit_id
-        self.interval = reply.heartbeat
-        self._server.sessions.set_interval(reply.heartbeat)
-        # a commit waits no longer than the liveness window on a silent controller, so a
-        # writer hears "controller unavailable" from this unit before its own timeout
-        self._ctl().heartbeat(reply.heartbeat)
-        self._server.name = f"storage unit {self.unit_id}"
-        if self.bulk is not None:
-            self.bulk.name = self._server.name
-        log.info("storage unit %d serving at %s", self.unit_id, self.address)
 
-    def _ctl(self) -> _zmq.Peer:
-        assert self._controller is not None, "start() first"
-        return self._controller
-
-    async def _heartbeats(self) -> None:
-        """Tell the controller this unit lives, every interval. A controller that does not
-        know the unit as alive (it restarted, or declared this unit dead and its samples
-        lost) hears it register again; the unit starts empty then."""
-        if self.interval <= 0:
-            return
-        silent_since: float | None = None
-        while True:
-            await asyncio.sleep(self.interval)  # the heartbeat's period, not a wait for an event
-            self._sent()  # replies of a cleared partition that ZeroMQ let go of meanwhile
-            beat = Heartbeat(
-                unit_id=self.unit_id, name=self.config.name, nbytes=self.data.resident,
-                arena_used=self.arena.used if self.arena is not None else 0, held_bytes=self.held_bytes,
-            )
-            try:
-                reply, _ = await self._ctl().request(
-                    beat, expect=HeartbeatReply, timeout=window(self.interval, UNIT_LIVENESS)
-                )
-                if not reply.known:
-                    self._forget_everything("the controller no longer knows this unit")
-                    await self._register()
-                silent_since = None
-            except TQueueError as exc:  # the next beat tries again
-                if silent_since is None:
-                    silent_since = self._loop.time()
-                    log.warning("unit %d: the controller does not answer its heartbeat: %s", self.unit_id, exc)
+    def _beat(self, unit_id: int) -> Heartbeat:
+        self.trim.sent()  # replies of a cleared partition that ZeroMQ let go of meanwhile
+        return Heartbeat(
+            unit_id=unit_id, name=self.config.name, nbytes=self.data.resident,
+            arena_used=self.arena.used if self.arena is not None else 0, held_bytes=self.held_bytes,
+        )
 
     def _forget_everything(self, why: str) -> None:
         """Free every partition held: the controller declared them lost (or never knew them)."""
         uids = list(self.data.partitions)
         freed = sum(self.data.drop(uid) for uid in uids)
         log.warning("unit %d: %s; freeing its %d partitions (%d bytes)", self.unit_id, why, len(uids), freed)
-        self._owed = self.held_bytes > 0
-        self._trim_now()
+        self.trim.forgot()
 
     async def serve(self) -> None:
         await self._server.serve()
@@ -218,12 +171,8 @@ class StorageUnit:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self._beats is not None:
-            self._beats.cancel()
-        if self._trim is not None:
-            self._trim.cancel()
-        if self._controller is not None:
-            await self._controller.close()
+        self.trim.close()
+        await self.membership.close()
         await self._server.close()
         if self.bulk is not None:
             self.bulk.close()
@@ -245,8 +194,7 @@ class StorageUnit:
 
     async def _store(self, ident: bytes, msg: Store, raw: list[Any]) -> Stored:
         received = self._loop.time()
-        if self._trim is not None:
-            self._schedule_trim()  # still busy: keep the freed pages for these writes
+        self.trim.busy()
         if msg.indexes is None:
             if msg.count < 0 or msg.start < 0 or msg.start + msg.count > self.data.max_index:
                 raise InvalidArgumentError(
@@ -260,17 +208,16 @@ class StorageUnit:
                 raise ProtocolError(f"Store lists {len(indexes)} indexes for {msg.count} samples")
         if msg.bulk is not None:
             raw = await self._read_bulk(msg, raw)
-        region = self._take_alloc(msg.region) if msg.region >= 0 else None
+        region = self.holds.take_alloc(msg.region) if msg.region >= 0 else None
         try:
-            frames, where = self._frames(msg, raw, region)
+            frames, where = self.holds.frames(msg, raw, region)
             pending = self.data.write(
                 msg.partition_uid, msg.partition, indexes, msg.blocks, frames, arena=where, region=region
             )
             nbytes = sum(nbytes_of(f) for f in frames)
             part = self.data.partitions[msg.partition_uid]
-            assert self._controller is not None
             try:
-                committed, _ = await self._controller.request(
+                committed, _ = await self.membership.ctl().request(
                     Commit(
                         grant_id=msg.grant_id,
                         unit_id=self.unit_id,
@@ -323,63 +270,11 @@ class StorageUnit:
             raise
         return frames
 
-    def _frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:
-        """The write's frames in block order, raw ones and arena ranges interleaved."""
-        if msg.shm is None:
-            if region is not None:
-                raise ProtocolError("a Store with an arena region lists no arena ranges")
-            return raw, [-1] * len(raw)
-        if region is None or self.arena is None:
-            raise ProtocolError("arena ranges in a Store without an allocated region")
-        frames: list[Any] = []
-        where: list[int] = []
-        it = iter(raw)
-        for ref in msg.shm:
-            if not ref:
-                frame = next(it, None)
-                if frame is None:
-                    raise ProtocolError("the Store lists more raw frames than arrived")
-                frames.append(frame)
-                where.append(-1)
-                continue
-            if len(ref) != 2:
-                raise ProtocolError(f"an arena range is [offset, length], got {ref}")
-            off, length = ref
-            if length < 0 or off < region.offset or off + length > region.end:
-                raise ProtocolError(
-                    f"arena range [{off}, {off + length}) lies outside the allocated region "
-                    f"[{region.offset}, {region.end})"
-                )
-            frames.append(self.arena.view[off : off + length])
-            where.append(off)
-        if next(it, None) is not None:
-            raise ProtocolError("raw frames beyond what the Store lists")
-        return frames, where
-
     def _alloc(self, ident: bytes, msg: Alloc, bufs: list[Any]) -> Allocated:
-        if self.arena is None or msg.nbytes <= 0:
-            return Allocated(offset=-1)
-        region = self.arena.alloc(msg.nbytes)
+        region = self.holds.alloc(msg.nbytes, session_of(ident))
         if region is None:
             return Allocated(offset=-1)
-        # a writer that never stores gives the range back after the request timeout
-        timer = self._loop.call_later(self.config.alloc_timeout, self._expire_alloc, region.offset)
-        self._allocs[region.offset] = (region, timer, session_of(ident))
         return Allocated(offset=region.offset, length=region.length)
-
-    def _take_alloc(self, offset: int) -> Region:
-        entry = self._allocs.pop(offset, None)
-        if entry is None:
-            raise ProtocolError(f"arena region {offset} was not allocated (or has expired)")
-        entry[1].cancel()
-        return entry[0]
-
-    def _expire_alloc(self, offset: int, why: str = "was allocated but never stored") -> None:
-        entry = self._allocs.pop(offset, None)
-        if entry is not None:
-            entry[1].cancel()
-            log.warning("unit %d: arena region %d %s", self.unit_id, offset, why)
-            self._decref(entry[0])
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
@@ -387,9 +282,7 @@ class StorageUnit:
         reply = self.data.read(msg.partition_uid, msg.partition, indexes, msg.fields, shm=shm)
         hold = 0
         if reply.held:
-            hold = secrets.randbits(63) | 1  # not guessable (and released by its session only)
-            timer = self._loop.call_later(self.config.hold_timeout, self._end_hold, hold)
-            self._holds[hold] = (reply.held, timer, session_of(ident))
+            hold = self.holds.hold(reply.held, session_of(ident))
         elif msg.bulk and self.bulk is not None:
             total = sum(nbytes_of(f) for f in reply.frames)
             if total >= _bulk.MIN_BYTES and self.bulk.send(msg.bulk, reply.frames):
@@ -405,34 +298,9 @@ class StorageUnit:
         return Ok()
 
     def _release(self, ident: bytes, msg: Release, bufs: list[Any]) -> Ok:
-        """End holds; only the session that got a hold may end it (another reader's batch
-        must not change under it). Holds that are not the caller's are left alone."""
-        session = session_of(ident)
-        for hold in msg.holds:
-            entry = self._holds.get(hold)
-            if entry is not None and entry[2] == session:
-                self._end_hold(hold)
+        """End holds of the caller's session (see ``Holds.release``)."""
+        self.holds.release(msg.holds, session_of(ident))
         return Ok()
-
-    def _session_gone(self, session: bytes) -> None:
-        """A client session ended: its arena ranges and holds go back now."""
-        allocs = [offset for offset, entry in self._allocs.items() if entry[2] == session]
-        for offset in allocs:
-            self._expire_alloc(offset, "was allocated by a client that is gone")
-        holds = [hold for hold, entry in self._holds.items() if entry[2] == session]
-        for hold in holds:
-            self._end_hold(hold)
-        if allocs or holds:
-            log.info("unit %d: a client session ended; %d arena allocations and %d holds freed",
-                     self.unit_id, len(allocs), len(holds))
-
-    def _end_hold(self, hold: int) -> None:
-        entry = self._holds.pop(hold, None)
-        if entry is None:
-            return
-        entry[1].cancel()
-        for region in entry[0]:
-            self._decref(region)
 
     def _release_soon(self, region: Region) -> None:
         """Drop a reference from any thread (ZeroMQ lets go of sent buffers in its own)."""
@@ -445,7 +313,7 @@ class StorageUnit:
         """Drop a reference to an arena region; the last one frees it, and its pages go back
         to the OS as ``retain_bytes`` says, whether a drop, a release or a send came last."""
         if self.arena is not None and self.arena.decref(region):
-            self._reclaim()
+            self.trim.reclaim()
 
     @property
     def held_bytes(self) -> int:
@@ -457,15 +325,9 @@ class StorageUnit:
     def _sent_soon(self) -> None:
         """A bulk stream let go of a reply (from its writer thread)."""
         try:
-            self._loop.call_soon_threadsafe(self._sent)
+            self._loop.call_soon_threadsafe(self.trim.sent)
         except RuntimeError:
             pass  # the loop is closed: the unit is gone
-
-    def _sent(self) -> None:
-        """Once the replies that kept freed payload in memory are gone, give it back."""
-        if self._owed and not self.held_bytes:
-            self._owed = False
-            self._reclaim()
 
     def _drop(self, ident: bytes, msg: Drop, bufs: list[Any]) -> Dropped:
         if msg.indexes is None:
@@ -473,38 +335,10 @@ class StorageUnit:
         else:
             freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
         if freed:
-            # replies not yet taken may keep some of it: given back when they are gone
-            self._owed = self._owed or self.held_bytes > 0
-            self._reclaim()
+            self.trim.freed()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
         part = self.data.partitions.get(msg.partition_uid)
         return Dropped(unit_bytes=self.data.resident, partition_bytes=part.nbytes if part else 0)
-
-    def _reclaim(self) -> None:
-        """Memory was freed: give it back to the OS now if more than ``retain_bytes`` is free
-        but mapped (the heap's free bytes, idle buffers, the arena's free pages), or if
-        nothing is to be retained; else once writes pause for ``trim_delay``."""
-        idle = _memory.heap_free() + self._buffers.idle_bytes
-        idle += self.arena.free_touched if self.arena is not None else 0
-        if idle > self.config.retain_bytes or not self.config.retain_bytes:
-            self._trim_now()
-        else:
-            self._schedule_trim()
-
-    def _schedule_trim(self) -> None:
-        """(Re)arm the idle timer that returns retained memory to the OS."""
-        if self._trim is not None:
-            self._trim.cancel()
-        self._trim = self._loop.call_later(self.config.trim_delay, self._trim_now)
-
-    def _trim_now(self) -> None:
-        if self._trim is not None:
-            self._trim.cancel()
-            self._trim = None
-        self._buffers.clear()
-        _memory.trim()
-        if self.arena is not None:
-            self.arena.punch()
 
 
 def _bulk_server(config: StorageConfig, address: str, on_sent: Callable[[], None]) -> _bulk.BulkServer | None:

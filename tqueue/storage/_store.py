@@ -156,7 +156,7 @@ class ReadReply:
     held: list[Region]
 
 
-class Store:
+class PayloadStore:
     """All partitions held by one unit.
 
     ``release_soon`` drops a region reference from any thread (a send of arena bytes ends

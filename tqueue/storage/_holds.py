@@ -1,0 +1,128 @@
+"""A storage unit's arena ranges in use by clients: those allocated to writers (until their
+``Store`` arrives) and those held by readers (until they ``Release`` them), each with the
+timer that lapses it and the client session that owns it (freed at once when it ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from ..config import StorageConfig
+from ..errors import ProtocolError
+from ..transport._arena import Arena, Region
+from ..wire import Store
+
+log = logging.getLogger(__name__)
+
+
+class Holds:
+    """Allocations and holds of ``arena``'s regions. ``decref``: drop the reference an
+    allocation or a hold keeps on a region. ``name``: the unit's, for the log."""
+
+    def __init__(self, config: StorageConfig, arena: Arena | None, decref: Callable[[Region], None], name: Callable[[], str]) -> None:
+        self.config = config
+        self.arena = arena
+        self._decref = decref
+        self._name = name
+        self._loop = asyncio.get_running_loop()
+        self.allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
+        self.holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
+
+    def alloc(self, nbytes: int, session: bytes) -> Region | None:
+        """A region for a writer's ``Store``; None: no arena, or no room in it."""
+        if self.arena is None or nbytes <= 0:
+            return None
+        region = self.arena.alloc(nbytes)
+        if region is None:
+            return None
+        # a writer that never stores gives the range back after the request timeout
+        timer = self._loop.call_later(self.config.alloc_timeout, self.expire_alloc, region.offset)
+        self.allocs[region.offset] = (region, timer, session)
+        return region
+
+    def take_alloc(self, offset: int) -> Region:
+        """The region allocated at ``offset``, for the ``Store`` that fills it."""
+        entry = self.allocs.pop(offset, None)
+        if entry is None:
+            raise ProtocolError(f"arena region {offset} was not allocated (or has expired)")
+        entry[1].cancel()
+        return entry[0]
+
+    def expire_alloc(self, offset: int, why: str = "was allocated but never stored") -> None:
+        entry = self.allocs.pop(offset, None)
+        if entry is not None:
+            entry[1].cancel()
+            log.warning("%s: arena region %d %s", self._name(), offset, why)
+            self._decref(entry[0])
+
+    def frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:
+        """A ``Store``'s frames in block order, raw ones and ranges of its allocated ``region``
+        interleaved; where each lies in the arena (-1: a raw frame)."""
+        if msg.shm is None:
+            if region is not None:
+                raise ProtocolError("a Store with an arena region lists no arena ranges")
+            return raw, [-1] * len(raw)
+        if region is None or self.arena is None:
+            raise ProtocolError("arena ranges in a Store without an allocated region")
+        frames: list[Any] = []
+        where: list[int] = []
+        it = iter(raw)
+        for ref in msg.shm:
+            if not ref:
+                frame = next(it, None)
+                if frame is None:
+                    raise ProtocolError("the Store lists more raw frames than arrived")
+                frames.append(frame)
+                where.append(-1)
+                continue
+            if len(ref) != 2:
+                raise ProtocolError(f"an arena range is [offset, length], got {ref}")
+            off, length = ref
+            if length < 0 or off < region.offset or off + length > region.end:
+                raise ProtocolError(
+                    f"arena range [{off}, {off + length}) lies outside the allocated region "
+                    f"[{region.offset}, {region.end})"
+                )
+            frames.append(self.arena.view[off : off + length])
+            where.append(off)
+        if next(it, None) is not None:
+            raise ProtocolError("raw frames beyond what the Store lists")
+        return frames, where
+
+    def hold(self, regions: list[Region], session: bytes) -> int:
+        """Keep ``regions`` for a reader until it releases them or ``hold_timeout``; the hold's id."""
+        hold = secrets.randbits(63) | 1  # not guessable (and released by its session only)
+        timer = self._loop.call_later(self.config.hold_timeout, self.end_hold, hold)
+        self.holds[hold] = (regions, timer, session)
+        return hold
+
+    def release(self, holds: list[int], session: bytes) -> None:
+        """End holds; only the session that got a hold may end it (another reader's batch
+        must not change under it). Holds that are not the caller's are left alone."""
+        for hold in holds:
+            entry = self.holds.get(hold)
+            if entry is not None and entry[2] == session:
+                self.end_hold(hold)
+
+    def end_hold(self, hold: int) -> None:
+        entry = self.holds.pop(hold, None)
+        if entry is None:
+            return
+        entry[1].cancel()
+        for region in entry[0]:
+            self._decref(region)
+
+    def session_gone(self, session: bytes) -> None:
+        """A client session ended: its arena ranges and holds go back now."""
+        allocs = [offset for offset, entry in self.allocs.items() if entry[2] == session]
+        for offset in allocs:
+            self.expire_alloc(offset, "was allocated by a client that is gone")
+        holds = [hold for hold, entry in self.holds.items() if entry[2] == session]
+        for hold in holds:
+            self.end_hold(hold)
+        if allocs or holds:
+            log.info("%s: a client session ended; %d arena allocations and %d holds freed",
+                     self._name(), len(allocs), len(holds))
