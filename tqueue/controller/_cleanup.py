@@ -82,8 +82,7 @@ class Cleanup:
         if self.state.partitions.get(part.name) is part:
             del self.state.partitions[part.name]
         if cleared is not None:
-            for waiter in list(self.state.waiters.get(part.name, [])):
-                self.state.finish(waiter)
+            for waiter in self.state.waiters.take(part.name):
                 self.state.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
         for grant_id in [g for g, r in self.state.grants.items() if r.partition_uid == part.uid]:
             grant = self.state.grants.pop(grant_id)

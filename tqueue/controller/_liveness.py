@@ -169,24 +169,13 @@ class Liveness:
             f"the controller heard nothing from this client for {window(self.interval):.1f} s "
             f"(heartbeat every {self.interval:g} s) and ended its session; its parked calls are withdrawn"
         )
-        mine = [w for ws in s.waiters.values() for w in ws if session_of(w.ident) == session]
-        for waiter in mine:
-            s.finish(waiter)
-            s.answer(waiter.ident, waiter.req.rid, ended)
-        sealed = [w for ws in s.sealed_waiters.values() for w in ws if session_of(w.ident) == session]
-        for waiter in sealed:
-            s.unpark_sealed(waiter)
-            s.answer(waiter.ident, waiter.req.rid, ended)
-        versions = [w for w in s.version_waiters if session_of(w.ident) == session]
-        for waiter in versions:
-            s.unpark_version(waiter)
-            s.answer(waiter.ident, waiter.req.rid, ended)
-        parked = [p for p in s.parked if session_of(p.ident) == session]
-        for write in parked:
-            s.parked.remove(write)
-            if write.timer is not None:
-                write.timer.cancel()
-            s.answer(write.ident, write.req.rid, ended)
+        withdrawn = []
+        for registry in (s.waiters, s.sealed_waiters, s.version_waiters, s.parked):
+            mine = registry.withdraw_session(session)
+            for entry in mine:
+                s.answer(entry.ident, entry.req.rid, ended)
+            withdrawn.append(len(mine))
+        reads, sealed, versions, parked = withdrawn
         for key in [k for k in s.served if session_of(k[0]) == session]:
             del s.served[key]
         for key in [k for k in s.granted if session_of(k[0]) == session]:
@@ -199,11 +188,11 @@ class Liveness:
         unheard = [lid for lid, r in s.leases.items() if r.session == session and r.given > silent_since]
         for lease_id in unheard:
             self._release(lease_id, "was sent to a client that is gone, after it fell silent")
-        if mine or sealed or versions or parked or lapsed or unheard:
+        if any(withdrawn) or lapsed or unheard:
             log.info(
                 "client session %s ended: %d parked reads, %d seal waits, %d version waits, %d parked writes "
-                "withdrawn, %d grants lapsed, %d leases released", session.hex(), len(mine), len(sealed), len(versions),
-                len(parked), lapsed, len(unheard),
+                "withdrawn, %d grants lapsed, %d leases released", session.hex(), reads, sealed, versions,
+                parked, lapsed, len(unheard),
             )
         if parked:
             self.writes.retry_parked()

@@ -137,9 +137,7 @@ class Moves:
 
     def on_sealed(self, part: Partition) -> None:
         log.info("partition %r sealed with %d complete samples", part.name, part.complete)
-        for waiter in self.state.sealed_waiters.pop(part.name, []):
-            if waiter.timer is not None:
-                waiter.timer.cancel()
+        for waiter in self.state.sealed_waiters.take(part.name):
             self.state.server.reply(waiter.ident, waiter.req.rid, Ok())
         self.reads.wake_soon(part.name)  # a drained, sealed partition may now pad or prefetch
         self._free(part)
@@ -151,15 +149,10 @@ class Moves:
         if msg.timeout is not None and msg.timeout <= 0:
             raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
         self.state.check_park(f"sealed({msg.partition!r})")
-        waiter = Waiter(ident, msg)
-        if msg.timeout is not None:
-            waiter.timer = self.state.loop.call_later(msg.timeout, self._expire_sealed, waiter)
-        self.state.sealed_waiters.setdefault(msg.partition, []).append(waiter)
+        self.state.sealed_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_sealed)
         return None
 
     def _expire_sealed(self, waiter: Waiter) -> None:
-        waiter.timer = None
-        self.state.unpark_sealed(waiter)
         part = self.state.partitions.get(waiter.req.partition)
         have = f"{part.complete} complete samples" if part else "it does not exist yet"
         self.state.server.reply_error(

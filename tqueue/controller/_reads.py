@@ -56,9 +56,7 @@ class Reads:
             raise self.timeout_error(msg)
         self.state.check_park(f"get_meta on partition {msg.partition!r}")
         waiter = Waiter(ident, msg, principal=self.state.server.principal)
-        if msg.timeout is not None:
-            waiter.timer = self.state.loop.call_later(msg.timeout, self.expire, waiter)
-        self.state.waiters.setdefault(msg.partition, []).append(waiter)
+        self.state.waiters.park(waiter, msg.timeout, self.expire)
         self._needed(msg.partition)
         return None
 

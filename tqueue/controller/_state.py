@@ -27,6 +27,7 @@ from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableErr
 from ..transport import _zmq
 from ..wire import Message
 from ._metrics import Totals
+from ._parked import Parked
 from ._partition import Options, Partition, step_in
 from ._policies import Policy
 from ._records import GrantRecord, Unit
@@ -41,7 +42,8 @@ MAX_TOMBSTONES: Final = 10_000  # names of freed partitions refused for tombston
 
 @dataclasses.dataclass(eq=False)
 class Waiter:
-    """A parked request (``get_meta``, ``sealed`` or a version wait) with its deadline timer."""
+    """A parked request (``get_meta``, ``sealed`` or a version wait) with its deadline timer
+    (see :class:`._parked.Parked`)."""
 
     ident: bytes
     req: Any
@@ -88,10 +90,10 @@ class ControllerState:
         self.grants: dict[int, GrantRecord] = {}
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self.totals = Totals()  # freed partitions' counts, for the metrics' counters
-        self.waiters: dict[str, list[Waiter]] = {}  # parked get_meta, by partition name
-        self.sealed_waiters: dict[str, list[Waiter]] = {}
-        self.version_waiters: list[Waiter] = []  # waiting for the trainer's version to pass theirs
-        self.parked: list[ParkedWrite] = []  # writes and reserves waiting for budget
+        self.waiters: Parked[Waiter] = Parked(self.loop, _partition_of)  # parked get_meta
+        self.sealed_waiters: Parked[Waiter] = Parked(self.loop, _partition_of)
+        self.version_waiters: Parked[Waiter] = Parked(self.loop)  # for the trainer's version to pass theirs
+        self.parked: Parked[ParkedWrite] = Parked(self.loop)  # writes and reserves waiting for budget, in order
         self.leases: dict[int, Lease] = {}
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
         self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
@@ -171,67 +173,27 @@ class ControllerState:
 
     def check_park(self, what: str) -> None:
         """Refuse to park one more request past ``max_parked`` (nothing is recorded)."""
-        parked = (len(self.parked) + sum(map(len, self.waiters.values())) + sum(map(len, self.sealed_waiters.values()))
-                  + len(self.version_waiters))
+        parked = sum(map(len, self._parked()))
         if parked >= self.config.max_parked:
             raise UnavailableError(
                 f"{what} cannot wait: {parked} requests are parked at the controller "
                 f"(max_parked={self.config.max_parked}); retry later"
             )
 
-    def unpark_sealed(self, waiter: Waiter) -> None:
-        """Unpark a ``sealed`` wait (answered, expired or withdrawn)."""
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-            waiter.timer = None
-        waiters = self.sealed_waiters.get(waiter.req.partition, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
-        if not waiters:
-            self.sealed_waiters.pop(waiter.req.partition, None)
-
-    def unpark_version(self, waiter: Waiter) -> None:
-        """Unpark a version wait (answered, expired or withdrawn)."""
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-            waiter.timer = None
-        if waiter in self.version_waiters:
-            self.version_waiters.remove(waiter)
-
     def finish(self, waiter: Waiter) -> None:
         """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-            waiter.timer = None
-        waiters = self.waiters.get(waiter.req.partition, [])
-        if waiter in waiters:
-            waiters.remove(waiter)
-        if not waiters:
-            self.waiters.pop(waiter.req.partition, None)
+        self.waiters.remove(waiter)
 
     def withdraw(self, ident: bytes, rid: int) -> bool:
         """Drop the request ``rid`` of connection ``ident`` wherever it is parked, unanswered."""
-        for waiters in self.waiters.values():
-            for waiter in waiters:
-                if waiter.ident == ident and waiter.req.rid == rid:
-                    self.finish(waiter)
-                    return True
-        for parked in self.parked:
-            if parked.ident == ident and parked.req.rid == rid:
-                self.parked.remove(parked)
-                if parked.timer is not None:
-                    parked.timer.cancel()
-                return True
-        for sealed in self.sealed_waiters.values():
-            for waiter in sealed:
-                if waiter.ident == ident and waiter.req.rid == rid:
-                    self.unpark_sealed(waiter)
-                    return True
-        for waiter in self.version_waiters:
-            if waiter.ident == ident and waiter.req.rid == rid:
-                self.unpark_version(waiter)
-                return True
-        return False
+        return any(parked.withdraw(ident, rid) for parked in self._parked())
+
+    def _parked(self) -> tuple[Parked[Any], ...]:
+        return (self.waiters, self.parked, self.sealed_waiters, self.version_waiters)
+
+
+def _partition_of(waiter: Waiter) -> str:
+    return str(waiter.req.partition)
 
 
 def _random_ids() -> Iterator[int]:

@@ -310,8 +310,8 @@ class Writes:
 
     def _notice_cycle(self, parked: ParkedWrite) -> None:
         partition = parked.req.partition
-        readers = self.state.waiters.get(partition, [])
-        if parked not in self.state.parked or not parked.full or not readers:
+        readers = self.state.waiters.get(partition)
+        if not self.state.parked.has(parked) or not parked.full or not readers:
             parked.cycle = None  # the cycle broke; a new reader watches again
             return
         tasks = sorted({w.req.task for w in readers})
@@ -331,15 +331,11 @@ class Writes:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
         self.state.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
-        if not math.isinf(timeout):
-            parked.timer = self.state.loop.call_later(timeout, self._expire_parked, parked)
-        self.state.parked.append(parked)
+        self.state.parked.park(parked, None if math.isinf(timeout) else timeout, self._expire_parked)
         if isinstance(msg, Grant):
             self.watch(msg.partition)
 
     def _expire_parked(self, parked: ParkedWrite) -> None:
-        if parked in self.state.parked:
-            self.state.parked.remove(parked)
         what = "put" if isinstance(parked.req, Grant) else "reserve"
         err = (StorageFullError if parked.full else WaitTimeoutError)(
             f"{what} timed out after {parked.req.timeout} s: {parked.reason}"
@@ -360,8 +356,6 @@ class Writes:
             except Exception as exc:  # this write's failure is this write's answer alone
                 reply = exc
             self.state.parked.remove(parked)
-            if parked.timer is not None:
-                parked.timer.cancel()
             if isinstance(reply, Granted):
                 self._remember(parked.ident, parked.req.rid, reply)
             self.state.answer(parked.ident, parked.req.rid, reply)
@@ -394,21 +388,16 @@ class Writes:
         if msg.timeout is not None and msg.timeout <= 0:
             raise WaitTimeoutError(f"the trainer's version is {self.state.version}, not past {msg.after}")
         self.state.check_park(f"a wait for a version past {msg.after}")
-        waiter = Waiter(ident, msg)
-        if msg.timeout is not None:
-            waiter.timer = self.state.loop.call_later(msg.timeout, self._expire_version, waiter)
-        self.state.version_waiters.append(waiter)
+        self.state.version_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_version)
         return None  # answered by set_version, at its deadline, or withdrawn by Cancel
 
     def _answer_versions(self) -> None:
         reply = VersionReply(version=self.state.version, weights=self.state.weights)
         for waiter in [w for w in self.state.version_waiters if self.state.version > w.req.after]:
-            self.state.unpark_version(waiter)
+            self.state.version_waiters.remove(waiter)
             self.state.answer(waiter.ident, waiter.req.rid, reply)
 
     def _expire_version(self, waiter: Waiter) -> None:
-        waiter.timer = None
-        self.state.unpark_version(waiter)
         self.state.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
             f"the trainer's version stayed at {self.state.version} for {waiter.req.timeout} s "
             f"(waited for a version past {waiter.req.after})"
