@@ -167,8 +167,12 @@ def test_debug_anywhere_shows_the_traceback(where):
 def test_ctrl_c_prints_one_line_and_exits_130():
     """The terminal's Ctrl-C reaches the whole process group: the demo, its producer and
     consumer processes and its servers. None of them prints a traceback."""
+    # SIGINT's default action restored before tqueue starts, as in a terminal: a background job
+    # (the tests run as one in some CI) hands its children SIGINT ignored
+    start = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tqueue", "demo", "--steps", "50", "--prompts", "8", "--group-size", "4"],
+        [sys.executable, "-c", start, sys.executable, "-m", "tqueue", "demo", "--steps", "50", "--prompts", "8",
+         "--group-size", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

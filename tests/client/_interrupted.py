@@ -15,6 +15,7 @@ stdin to close.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import torch
@@ -28,6 +29,9 @@ def say(line: str) -> None:
 
 
 def main(mode: str, address: str) -> None:
+    # Ctrl-C as a terminal delivers it, even where this test runs as a background job (whose
+    # children inherit SIGINT ignored, and Python then installs no handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     client = tqueue.Client(address)
     client.connect()
     say("waiting")

@@ -131,6 +131,8 @@ def test_a_blocking_peer_interrupted_while_it_waits_withdraws_its_request():
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     thread = threading.Thread(target=serve)
+    # Ctrl-C's handler, even where the tests run as a background job (SIGINT then inherited ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread.start()
     peer = _zmq.BlockingPeer(f"tcp://127.0.0.1:{port}", name="controller", unavailable=ControllerUnavailableError)
     try:
@@ -142,6 +144,7 @@ def test_a_blocking_peer_interrupted_while_it_waits_withdraws_its_request():
         request, cancel = got
         assert isinstance(cancel, wire.Cancel) and cancel.of == request.rid
     finally:
+        signal.signal(signal.SIGINT, previous)
         peer.close()
         server.close(linger=0)
         ctx.term()

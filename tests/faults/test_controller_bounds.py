@@ -451,6 +451,7 @@ def rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.soak
 def test_fuzzed_traffic_leaves_a_correct_client_served_and_memory_bounded(inproc, raw, capsys, caplog):
     import logging
     import random

@@ -67,6 +67,7 @@ def usage(pids: list[int]) -> list[tuple[int, int, int]]:
     return [(fds(p), threads(p), rss(p)) for p in pids]
 
 
+@pytest.mark.soak
 def test_ten_thousand_sessions_leave_fds_threads_and_rss_where_they_were(cluster):
     pids = cluster.pids  # controller, then the units
     asyncio.run(sessions(cluster.address, 0, WARM_UP))

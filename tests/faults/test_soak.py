@@ -4,9 +4,12 @@ against their generator, and every acknowledged put is consumed exactly once."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import soak
 
 
+@pytest.mark.soak
 def test_64_producers_and_16_consumers_lose_nothing_and_corrupt_nothing():
     result = soak.run(producers=64, consumers=16, seconds=8.0, processes=2, units=2, rows=1024)
     print(f"\nsoak: {result}")
