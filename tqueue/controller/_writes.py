@@ -17,7 +17,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Admission, Commit, Committed, Grant, Granted, Notice, Ok, Reserve, SetVersion, VersionReply, VersionWait
+from ..wire import Admission, Commit, Committed, Grant, Granted, Ok, Reserve, SetVersion, VersionReply, VersionWait
+from ._cycles import Cycles
 from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
 from ._state import MAX_SERVED, ControllerState, ParkedWrite, Waiter
@@ -50,6 +51,7 @@ class Writes:
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
+        self.cycles = Cycles(state)  # parked puts and reads that wait on each other
 
     def grant(self, ident: bytes, msg: Grant, bufs: list[Any]) -> Granted | None:
         if msg.count < 1:
@@ -294,36 +296,7 @@ class Writes:
         version are admitted now (see ``_admit``); those that wait for memory are watched."""
         if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.state.parked):
             self.state.loop.call_soon(self.retry_parked)  # after the parking request's handler
-        self.watch(partition)
-
-    def watch(self, partition: str) -> None:
-        """A put parked for memory and a read parked for that put's partition wait on each
-        other: unless the memory is freed elsewhere (another task's acks, a clear) neither
-        ends before its timeout. If both still wait after ``cycle_notice`` seconds, each
-        caller is warned with a ``Notice`` (and the controller logs it once)."""
-        delay = self.state.config.cycle_notice
-        if delay <= 0 or partition not in self.state.waiters:
-            return
-        for parked in self.state.parked:
-            if parked.full and parked.cycle is None and isinstance(parked.req, Grant) and parked.req.partition == partition:
-                parked.cycle = self.state.loop.call_later(delay, self._notice_cycle, parked)
-
-    def _notice_cycle(self, parked: ParkedWrite) -> None:
-        partition = parked.req.partition
-        readers = self.state.waiters.get(partition)
-        if not self.state.parked.has(parked) or not parked.full or not readers:
-            parked.cycle = None  # the cycle broke; a new reader watches again
-            return
-        tasks = sorted({w.req.task for w in readers})
-        text = (
-            f"a wait that may never end: get_meta of task(s) {tasks} on partition {partition!r} waits for "
-            f"samples that a put of {parked.req.count} parked at the controller would bring, and that put waits "
-            f"for memory ({parked.reason}); only acks of other partitions, or a clear, free memory for it"
-        )
-        log.warning("%s", text)
-        self.state.server.reply(parked.ident, parked.req.rid, Notice(text=text))
-        for reader in readers:
-            self.state.server.reply(reader.ident, reader.req.rid, Notice(text=text))
+        self.cycles.watch(partition)
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
@@ -333,7 +306,7 @@ class Writes:
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
         self.state.parked.park(parked, None if math.isinf(timeout) else timeout, self._expire_parked)
         if isinstance(msg, Grant):
-            self.watch(msg.partition)
+            self.cycles.watch(msg.partition)
 
     def _expire_parked(self, parked: ParkedWrite) -> None:
         what = "put" if isinstance(parked.req, Grant) else "reserve"
