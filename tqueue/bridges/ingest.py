@@ -145,6 +145,139 @@ def _invalid(error: str, *, record: int | None, field: str | None, key: str | No
     return _Refused(422, error, **named, **more)
 
 
+class _Reader:
+    """Reads a body into samples: decodes it, checks each record's types and fields, and
+    groups the records by the fields they carry (one put each); a bad record refuses the
+    whole body, naming its record and field."""
+
+    def __init__(self, max_records: int, experts_shape: tuple[int, int] | None) -> None:
+        self.max_records = max_records
+        self.experts_shape = experts_shape
+
+    def validate(self, partition: str, raw: bytes, kind: str) -> _Body:
+        """The body's records as samples, and the puts that store them; a bad record refuses
+        the whole body."""
+        records = self._decode(raw, kind)
+        samples, versions = [], []
+        for i, record in enumerate(records):
+            fields, version = self._sample(partition, i, record)
+            samples.append(fields)
+            versions.append(version)
+        given = [v for v in versions if v is not None]
+        if given and len(given) != len(versions):
+            i = versions.index(None)
+            raise _invalid(f"record {i} (key {records[i].key!r}) has no version while others of the body do: "
+                           "give version or version_spans", record=i, field="version", key=records[i].key)
+        self._agree(partition, records, samples)
+        sets: dict[frozenset[str], list[int]] = {}
+        for i, fields in enumerate(samples):
+            sets.setdefault(frozenset(fields), []).append(i)
+        return _Body(records, samples, [r.group for r in records], given or None, list(sets.values()))
+
+    def _decode(self, raw: bytes, content_type: str) -> list[Record]:
+        if content_type not in (MSGPACK, "application/json"):
+            raise _Refused(415, f"the body is application/json or {MSGPACK}, not {content_type or 'untyped'}")
+        try:
+            value = msgspec.msgpack.decode(raw) if content_type == MSGPACK else msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise _invalid(f"the body is not {'MessagePack' if content_type == MSGPACK else 'JSON'}: {exc}",
+                           record=None, field="body") from None
+        if not isinstance(value, dict):
+            raise _invalid(f"the body is a record or {{\"records\": [...]}}, not {_kind(value)}", record=None, field="body")
+        items = value["records"] if "records" in value else [value]
+        if not isinstance(items, list) or not items:
+            raise _invalid(f"records is a non-empty array of records, not {_kind(items)}", record=None, field="records")
+        if len(items) > self.max_records:
+            raise _Refused(413, f"{len(items)} records in one body; at most {self.max_records}")
+        return [self._record(i, item) for i, item in enumerate(items)]
+
+    @staticmethod
+    def _record(i: int, item: Any) -> Record:
+        """Record ``i`` of the body, its types checked (SGLang response and ``extra`` values
+        included)."""
+        key = item.get("key") if isinstance(item, dict) and isinstance(item.get("key"), str) else None
+        named = f"record {i}" + (f" (key {key!r})" if key is not None else "")
+        if not isinstance(item, dict):
+            raise _invalid(f"{named} is {_kind(item)}, not an object", record=i, field=None)
+        try:
+            record = _convert(item, Record, "")
+            if record.sglang is not None:
+                _convert(record.sglang, _SGLang, "sglang")
+            for name, value in record.extra.items():
+                _convert(value, Extra, f"extra.{name}")
+        except _Bad as bad:
+            raise _invalid(f"{named}: {bad.error}", record=i, field=bad.field, key=key) from None
+        return record
+
+    def _sample(self, partition: str, i: int, r: Record) -> tuple[dict[str, Any], int | None]:
+        """The fields of record ``i``, validated, and the version its put carries."""
+        try:
+            traj = self._generated(r) if r.sglang is not None else self._tokens(r)
+            fields = traj.fields()
+            fields["key"] = r.key
+            if r.reward is not None:
+                fields["reward"] = torch.tensor(r.reward, dtype=torch.float32)
+            for name, value in r.extra.items():
+                if name in _STANDARD:
+                    raise _Bad(f"extra.{name}", f"extra field {name!r} is a standard field")
+                fields[name] = torch.tensor(value, dtype=torch.float64) if not isinstance(value, str) else value
+        except _Bad as bad:
+            raise _invalid(f"record {i} (key {r.key!r}) of partition {partition!r}: {bad.error}",
+                           record=i, field=bad.field, key=r.key) from None
+        version = traj.version if traj.version >= 0 else r.version
+        return fields, version
+
+    def _generated(self, r: Record) -> Trajectory:
+        if r.response_ids is not None or r.response_logprobs is not None:
+            raise _Bad("sglang", "a record is either an SGLang response (sglang) or a token-level one (response_ids), not both")
+        try:
+            return from_generate(r.sglang or {}, r.prompt_ids, experts_shape=self.experts_shape)
+        except (SchemaError, InvalidArgumentError) as exc:  # the response's types are checked: what is left is its content
+            raise _Bad("sglang", str(exc)) from None
+
+    @staticmethod
+    def _tokens(r: Record) -> Trajectory:
+        """The trajectory of a token-level record, each field checked before it is used."""
+        if r.response_ids is None or r.response_logprobs is None:
+            missing = "response_ids" if r.response_ids is None else "response_logprobs"
+            raise _Bad(missing, "a token-level record has response_ids and response_logprobs (or give sglang)")
+        n = len(r.response_ids)
+        if len(r.response_logprobs) != n:
+            raise _Bad("response_logprobs", f"{len(r.response_logprobs)} log-probs for {n} response tokens")
+        if r.version_spans is not None:
+            spans = list(r.version_spans)
+            for version, start, end in spans:
+                if not 0 <= start <= end <= n:
+                    raise _Bad("version_spans", f"the span [{start}, {end}) of version {version} lies outside the {n} response tokens")
+        else:
+            spans = [(r.version, 0, n)] if r.version is not None and n else []
+        if r.loss_mask is not None:
+            if len(r.loss_mask) != n:
+                raise _Bad("loss_mask", f"{len(r.loss_mask)} loss_mask values for {n} response tokens")
+            if any(m not in (0, 1) for m in r.loss_mask):
+                raise _Bad("loss_mask", "loss_mask values are 0 or 1")
+        experts = _experts(r, len(r.prompt_ids) + n - 1) if r.routed_experts is not None else None
+        traj = Trajectory(prompt_ids=list(r.prompt_ids))
+        traj.append(r.response_ids, r.response_logprobs, r.finish, spans, experts, 0)
+        if r.loss_mask is not None:
+            traj.loss_mask = list(r.loss_mask)
+        return traj
+
+    @staticmethod
+    def _agree(partition: str, records: list[Record], samples: list[dict[str, Any]]) -> None:
+        """Refuse a field whose type differs between records (a partition holds one)."""
+        first: dict[str, tuple[int, str]] = {}
+        for i, fields in enumerate(samples):
+            for name, value in fields.items():
+                j, kind = first.setdefault(name, (i, _type(value)))
+                if _type(value) != kind:
+                    key = records[i].key
+                    raise _invalid(
+                        f"record {i} (key {key!r}) of partition {partition!r}: field {name!r} is {_type(value)}, "
+                        f"record {j}'s is {kind} (a field has one type)", record=i, field=_path(name), key=key,
+                    )
+
+
 class Ingest:
     """The ingestion server over ``client``.
 
@@ -173,6 +306,7 @@ class Ingest:
         self.max_records = max_records
         self.retry_after = str(max(1, math.ceil(retry_after)))
         self.experts_shape = experts_shape
+        self._reader = _Reader(max_records, experts_shape)
         self.remember = remember
         self.version = -1  # the trainer's, as last learned from the controller (-1: not yet)
         self.where = ""
@@ -306,9 +440,9 @@ class Ingest:
         kind = request.content_type if request.headers.get("Content-Type") else ""
         raw = await request.read()
         if len(raw) > OFF_LOOP_BYTES:  # a large body is decoded beside the loop, which serves others meanwhile
-            body = await asyncio.to_thread(self._validate, partition, raw, kind)
+            body = await asyncio.to_thread(self._reader.validate, partition, raw, kind)
         else:
-            body = self._validate(partition, raw, kind)
+            body = self._reader.validate(partition, raw, kind)
         self._reserve(partition, body.records)
         # the puts run to their end even if the poster leaves: its keys' fate is then known
         store = asyncio.ensure_future(self._store(partition, body))
@@ -340,129 +474,6 @@ class Ingest:
             return accepted, [], None
         finally:
             self._release(partition, [r.key for i, r in enumerate(body.records) if i not in accepted])
-
-    def _validate(self, partition: str, raw: bytes, kind: str) -> _Body:
-        """The body's records as samples, and the puts that store them; a bad record refuses
-        the whole body."""
-        records = self._decode(raw, kind)
-        samples, versions = [], []
-        for i, record in enumerate(records):
-            fields, version = self._sample(partition, i, record)
-            samples.append(fields)
-            versions.append(version)
-        given = [v for v in versions if v is not None]
-        if given and len(given) != len(versions):
-            i = versions.index(None)
-            raise _invalid(f"record {i} (key {records[i].key!r}) has no version while others of the body do: "
-                           "give version or version_spans", record=i, field="version", key=records[i].key)
-        self._agree(partition, records, samples)
-        sets: dict[frozenset[str], list[int]] = {}
-        for i, fields in enumerate(samples):
-            sets.setdefault(frozenset(fields), []).append(i)
-        return _Body(records, samples, [r.group for r in records], given or None, list(sets.values()))
-
-    def _decode(self, raw: bytes, content_type: str) -> list[Record]:
-        if content_type not in (MSGPACK, "application/json"):
-            raise _Refused(415, f"the body is application/json or {MSGPACK}, not {content_type or 'untyped'}")
-        try:
-            value = msgspec.msgpack.decode(raw) if content_type == MSGPACK else msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise _invalid(f"the body is not {'MessagePack' if content_type == MSGPACK else 'JSON'}: {exc}",
-                           record=None, field="body") from None
-        if not isinstance(value, dict):
-            raise _invalid(f"the body is a record or {{\"records\": [...]}}, not {_kind(value)}", record=None, field="body")
-        items = value["records"] if "records" in value else [value]
-        if not isinstance(items, list) or not items:
-            raise _invalid(f"records is a non-empty array of records, not {_kind(items)}", record=None, field="records")
-        if len(items) > self.max_records:
-            raise _Refused(413, f"{len(items)} records in one body; at most {self.max_records}")
-        return [self._record(i, item) for i, item in enumerate(items)]
-
-    @staticmethod
-    def _record(i: int, item: Any) -> Record:
-        """Record ``i`` of the body, its types checked (SGLang response and ``extra`` values
-        included)."""
-        key = item.get("key") if isinstance(item, dict) and isinstance(item.get("key"), str) else None
-        named = f"record {i}" + (f" (key {key!r})" if key is not None else "")
-        if not isinstance(item, dict):
-            raise _invalid(f"{named} is {_kind(item)}, not an object", record=i, field=None)
-        try:
-            record = _convert(item, Record, "")
-            if record.sglang is not None:
-                _convert(record.sglang, _SGLang, "sglang")
-            for name, value in record.extra.items():
-                _convert(value, Extra, f"extra.{name}")
-        except _Bad as bad:
-            raise _invalid(f"{named}: {bad.error}", record=i, field=bad.field, key=key) from None
-        return record
-
-    def _sample(self, partition: str, i: int, r: Record) -> tuple[dict[str, Any], int | None]:
-        """The fields of record ``i``, validated, and the version its put carries."""
-        try:
-            traj = self._generated(r) if r.sglang is not None else self._tokens(r)
-            fields = traj.fields()
-            fields["key"] = r.key
-            if r.reward is not None:
-                fields["reward"] = torch.tensor(r.reward, dtype=torch.float32)
-            for name, value in r.extra.items():
-                if name in _STANDARD:
-                    raise _Bad(f"extra.{name}", f"extra field {name!r} is a standard field")
-                fields[name] = torch.tensor(value, dtype=torch.float64) if not isinstance(value, str) else value
-        except _Bad as bad:
-            raise _invalid(f"record {i} (key {r.key!r}) of partition {partition!r}: {bad.error}",
-                           record=i, field=bad.field, key=r.key) from None
-        version = traj.version if traj.version >= 0 else r.version
-        return fields, version
-
-    def _generated(self, r: Record) -> Trajectory:
-        if r.response_ids is not None or r.response_logprobs is not None:
-            raise _Bad("sglang", "a record is either an SGLang response (sglang) or a token-level one (response_ids), not both")
-        try:
-            return from_generate(r.sglang or {}, r.prompt_ids, experts_shape=self.experts_shape)
-        except (SchemaError, InvalidArgumentError) as exc:  # the response's types are checked: what is left is its content
-            raise _Bad("sglang", str(exc)) from None
-
-    @staticmethod
-    def _tokens(r: Record) -> Trajectory:
-        """The trajectory of a token-level record, each field checked before it is used."""
-        if r.response_ids is None or r.response_logprobs is None:
-            missing = "response_ids" if r.response_ids is None else "response_logprobs"
-            raise _Bad(missing, "a token-level record has response_ids and response_logprobs (or give sglang)")
-        n = len(r.response_ids)
-        if len(r.response_logprobs) != n:
-            raise _Bad("response_logprobs", f"{len(r.response_logprobs)} log-probs for {n} response tokens")
-        if r.version_spans is not None:
-            spans = list(r.version_spans)
-            for version, start, end in spans:
-                if not 0 <= start <= end <= n:
-                    raise _Bad("version_spans", f"the span [{start}, {end}) of version {version} lies outside the {n} response tokens")
-        else:
-            spans = [(r.version, 0, n)] if r.version is not None and n else []
-        if r.loss_mask is not None:
-            if len(r.loss_mask) != n:
-                raise _Bad("loss_mask", f"{len(r.loss_mask)} loss_mask values for {n} response tokens")
-            if any(m not in (0, 1) for m in r.loss_mask):
-                raise _Bad("loss_mask", "loss_mask values are 0 or 1")
-        experts = _experts(r, len(r.prompt_ids) + n - 1) if r.routed_experts is not None else None
-        traj = Trajectory(prompt_ids=list(r.prompt_ids))
-        traj.append(r.response_ids, r.response_logprobs, r.finish, spans, experts, 0)
-        if r.loss_mask is not None:
-            traj.loss_mask = list(r.loss_mask)
-        return traj
-
-    @staticmethod
-    def _agree(partition: str, records: list[Record], samples: list[dict[str, Any]]) -> None:
-        """Refuse a field whose type differs between records (a partition holds one)."""
-        first: dict[str, tuple[int, str]] = {}
-        for i, fields in enumerate(samples):
-            for name, value in fields.items():
-                j, kind = first.setdefault(name, (i, _type(value)))
-                if _type(value) != kind:
-                    key = records[i].key
-                    raise _invalid(
-                        f"record {i} (key {key!r}) of partition {partition!r}: field {name!r} is {_type(value)}, "
-                        f"record {j}'s is {kind} (a field has one type)", record=i, field=_path(name), key=key,
-                    )
 
     def _reserve(self, partition: str, records: list[Record]) -> None:
         """Claim the keys, or answer 409 naming the first taken (in this body, accepted
