@@ -72,22 +72,31 @@ class Moved:
         )
 
 
+_NO_GROUPS: Any = ()  # read-only: a Groups that has none
+
+
 class Groups:
     """Members of each group, by explicit id; completion order; failures."""
 
     __slots__ = ("ordinal", "ids", "members", "committed", "failed", "aborted", "complete", "order")
 
     def __init__(self) -> None:
-        self.ordinal: dict[GroupId, int] = {}
-        self.ids: list[GroupId] = []
-        self.members: list[list[int]] = []
-        self.committed: list[int] = []
-        self.failed: list[int] = []  # members that will never come
-        self.aborted: list[bool] = []
-        self.complete: list[bool] = []
-        self.order: list[int] = []  # complete groups, in the order they completed
+        # shared and empty until the first group comes (most partitions never have one): an
+        # empty partition costs the controller little
+        self.ordinal: dict[GroupId, int] = _NO_GROUPS
+        self.ids: list[GroupId] = _NO_GROUPS
+        self.members: list[list[int]] = _NO_GROUPS
+        self.committed: list[int] = _NO_GROUPS
+        self.failed: list[int] = _NO_GROUPS  # members that will never come
+        self.aborted: list[bool] = _NO_GROUPS
+        self.complete: list[bool] = _NO_GROUPS
+        self.order: list[int] = _NO_GROUPS  # complete groups, in the order they completed
 
     def of(self, gid: GroupId) -> int:
+        if self.ordinal is _NO_GROUPS:
+            self.ordinal = {}
+            self.ids, self.members, self.committed, self.failed = [], [], [], []
+            self.aborted, self.complete, self.order = [], [], []
         g = self.ordinal.get(gid)
         if g is None:
             g = self.ordinal[gid] = len(self.ids)
