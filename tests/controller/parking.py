@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tqueue.wire import _messages as wire
+from tqueue import wire
 
 
 def park(peer: Any, *requests: wire.Message) -> wire.StatusReply:

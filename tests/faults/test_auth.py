@@ -20,9 +20,9 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 import tqueue
+from tqueue import wire
 from tqueue.errors import AuthenticationError, PermissionDeniedError
 from tqueue.transport import _auth, _bulk
-from tqueue.wire import _messages as wire
 
 from ._proc import until
 

@@ -1,7 +1,7 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates); ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
@@ -42,7 +42,6 @@ from ._messages import (
     Move,
     Notice,
     Ok,
-    PartitionStatus,
     Ping,
     Pong,
     Postpone,
@@ -55,20 +54,23 @@ from ._messages import (
     Sealed,
     Select,
     SetVersion,
-    StatusReply,
-    StatusRequest,
     Store,
     Stored,
-    TaskStatus,
     UnitInfo,
-    UnitStatus,
     VersionReply,
     VersionWait,
-    WaiterStatus,
     decode,
     encode,
     error_reply,
     salvage_rid,
+)
+from ._status import (
+    PartitionStatus,
+    StatusReply,
+    StatusRequest,
+    TaskStatus,
+    UnitStatus,
+    WaiterStatus,
 )
 
 __all__ = [

@@ -654,87 +654,29 @@ class Reserve(Message):
     timeout: float | None = None
 
 
-class StatusRequest(Message):
-    KIND = Kind.STATUS
-
-
-class TaskStatus(msgspec.Struct, kw_only=True):
-    """``lost``: samples this task had not consumed when their storage unit died."""
-
-    leased: int
-    consumed: int
-    refused: int = 0
-    expired: int = 0
-    lost: int = 0
-
-
-class PartitionStatus(msgspec.Struct, kw_only=True):
-    """``samples``: committed; ``ready``: committed and not excluded; ``excluded``: aborted,
-    failed or cleared samples, by reason in ``reasons``."""
-
-    name: str
-    uid: int
-    samples: int
-    fields: dict[str, FieldSpec]
-    tasks: dict[str, TaskStatus]
-    nbytes: int
-    ready: int = 0
-    excluded: int = 0
-    reasons: dict[str, int] = {}
-    in_flight: int = 0
-    groups_complete: int = 0
-    sealed: bool = False
-    lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
-    recycle_to: str = ""  # where puts after the seal go, as partial samples
-
-
-class UnitStatus(msgspec.Struct, kw_only=True):
-    unit_id: int
-    address: str
-    host: str
-    nbytes: int
-    capacity: int = 0
-    undropped: int = 0  # partitions whose drop this unit has not confirmed (retried)
-    name: str = ""
-    alive: bool = True  # false: missed its heartbeats; its samples are lost
-    silent: float = 0.0  # seconds since the controller last heard from it
-    arena_used: int = 0  # of its shared-memory arena, as of its last heartbeat
-    metrics: str = ""  # its Prometheus endpoint ("": none)
-    # bytes of replies its readers have not taken yet, as of its last heartbeat: they stay in
-    # memory, a cleared partition's too, until taken or cut off (StorageConfig.max_queued_bytes_total)
-    held_bytes: int = 0
-
-
-class WaiterStatus(msgspec.Struct, kw_only=True):
-    """A parked call: ``kind`` is ``get_meta``, ``put`` or ``reserve``."""
-
-    partition: str
-    task: str
-    reason: str
-    kind: WaiterKind = "get_meta"
-    cause: WaitCause = "samples"  # samples to be ready (a read), memory or the staleness bound (a write)
-
-
-class StatusReply(Message):
-    KIND = Kind.STATUS_REPLY
-    partitions: list[PartitionStatus]
-    units: list[UnitStatus]
-    waiting: list[WaiterStatus] = []
-    version: int = 0
-    admitted: int = 0
-    admission_limit: int = -1
-    metrics: str = ""  # the controller's Prometheus endpoint ("": none)
-    weights: str = ""  # where the weights of ``version`` are (SetVersion.weights)
-
-
 _TYPES: dict[int, type[Message]] = {}
-for _cls in list(globals().values()):
-    if isinstance(_cls, type) and issubclass(_cls, Message) and _cls is not Message:
-        _TYPES[int(_cls.KIND)] = _cls
-_KIND_FRAMES = {cls: bytes([kind]) for kind, cls in _TYPES.items()}
-_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
+_KIND_FRAMES: dict[type[Message], bytes] = {}
+_DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {}
 _ENCODER = msgspec.msgpack.Encoder()
 _ANY = msgspec.msgpack.Decoder()
+
+
+def register(namespace: dict[str, Any]) -> None:
+    """Make the messages defined in a wire module (its ``globals()``) encodable and decodable.
+
+    Each wire module calls this once, at its end; a kind claimed twice is a programming error.
+    """
+    for cls in list(namespace.values()):
+        if not (isinstance(cls, type) and issubclass(cls, Message)) or cls is Message:
+            continue
+        if "KIND" not in cls.__dict__:
+            continue  # imported from another wire module, registered there
+        kind = int(cls.KIND)
+        if _TYPES.get(kind, cls) is not cls:
+            raise RuntimeError(f"message kind {kind} claimed by {_TYPES[kind].__name__} and {cls.__name__}")
+        _TYPES[kind] = cls
+        _KIND_FRAMES[cls] = bytes([kind])
+        _DECODERS[kind] = msgspec.msgpack.Decoder(cls)
 
 
 def encode(msg: Message, buffers: Sequence[Any] = ()) -> list[Any]:
@@ -786,3 +728,6 @@ def error_reply(rid: int, exc: BaseException) -> Error:
     code = getattr(exc, "code", "remote")
     message = str(exc) if getattr(exc, "code", None) else f"{type(exc).__name__}: {exc}"
     return Error(rid=rid, code=code, message=message)
+
+
+register(globals())

@@ -1,0 +1,83 @@
+"""The controller's report of itself (``status()``): partitions, tasks, units and parked calls."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ._messages import FieldSpec, Kind, Message, WaitCause, WaiterKind, register
+
+
+class StatusRequest(Message):
+    KIND = Kind.STATUS
+
+
+class TaskStatus(msgspec.Struct, kw_only=True):
+    """``lost``: samples this task had not consumed when their storage unit died."""
+
+    leased: int
+    consumed: int
+    refused: int = 0
+    expired: int = 0
+    lost: int = 0
+
+
+class PartitionStatus(msgspec.Struct, kw_only=True):
+    """``samples``: committed; ``ready``: committed and not excluded; ``excluded``: aborted,
+    failed or cleared samples, by reason in ``reasons``."""
+
+    name: str
+    uid: int
+    samples: int
+    fields: dict[str, FieldSpec]
+    tasks: dict[str, TaskStatus]
+    nbytes: int
+    ready: int = 0
+    excluded: int = 0
+    reasons: dict[str, int] = {}
+    in_flight: int = 0
+    groups_complete: int = 0
+    sealed: bool = False
+    lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
+    recycle_to: str = ""  # where puts after the seal go, as partial samples
+
+
+class UnitStatus(msgspec.Struct, kw_only=True):
+    unit_id: int
+    address: str
+    host: str
+    nbytes: int
+    capacity: int = 0
+    undropped: int = 0  # partitions whose drop this unit has not confirmed (retried)
+    name: str = ""
+    alive: bool = True  # false: missed its heartbeats; its samples are lost
+    silent: float = 0.0  # seconds since the controller last heard from it
+    arena_used: int = 0  # of its shared-memory arena, as of its last heartbeat
+    metrics: str = ""  # its Prometheus endpoint ("": none)
+    # bytes of replies its readers have not taken yet, as of its last heartbeat: they stay in
+    # memory, a cleared partition's too, until taken or cut off (StorageConfig.max_queued_bytes_total)
+    held_bytes: int = 0
+
+
+class WaiterStatus(msgspec.Struct, kw_only=True):
+    """A parked call: ``kind`` is ``get_meta``, ``put`` or ``reserve``."""
+
+    partition: str
+    task: str
+    reason: str
+    kind: WaiterKind = "get_meta"
+    cause: WaitCause = "samples"  # samples to be ready (a read), memory or the staleness bound (a write)
+
+
+class StatusReply(Message):
+    KIND = Kind.STATUS_REPLY
+    partitions: list[PartitionStatus]
+    units: list[UnitStatus]
+    waiting: list[WaiterStatus] = []
+    version: int = 0
+    admitted: int = 0
+    admission_limit: int = -1
+    metrics: str = ""  # the controller's Prometheus endpoint ("": none)
+    weights: str = ""  # where the weights of ``version`` are (SetVersion.weights)
+
+
+register(globals())
