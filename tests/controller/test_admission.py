@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 
@@ -124,7 +125,7 @@ def test_a_cancelled_write_waiting_for_the_trainer_is_withdrawn(cluster, client,
         if before.admission_limit > before.admitted:  # fill the window
             client.reserve(before.admission_limit - before.admitted, timeout=0)
         admitted = client.status().admitted
-        status = park(peer, Reserve(rid=1, count=2, timeout=None))
+        status = park(peer, Reserve(rid=1, count=2, timeout=math.inf))
         assert [w.kind for w in status.waiting] == ["reserve"]
         assert park(peer, Cancel(rid=2, of=1)).waiting == []
         client.set_version(client.status().version + 1)  # would have admitted the withdrawn one

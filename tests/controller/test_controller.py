@@ -4,6 +4,7 @@ schemas, placement, leases and acks, clear."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
@@ -240,7 +241,7 @@ def test_status_reports_progress_exclusions_and_waiting_calls(cluster, partition
 
 def test_a_cancelled_get_meta_is_withdrawn_and_the_samples_go_to_a_live_caller(cluster, client, partition, raw):
     peer = raw(cluster.address)
-    asked = GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t", timeout=None)
+    asked = GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t", timeout=math.inf)
     assert waiting(park(peer, asked), partition) == ["get_meta"]
     assert waiting(park(peer, Cancel(rid=2, of=1)), partition) == []
     client.put(partition, {"x": torch.arange(2)})
@@ -251,7 +252,7 @@ def test_a_cancelled_get_meta_is_withdrawn_and_the_samples_go_to_a_live_caller(c
 
 def test_a_cancelled_seal_wait_is_withdrawn(cluster, client, partition, raw):
     peer = raw(cluster.address)
-    park(peer, Sealed(rid=1, partition=partition, timeout=None), Cancel(rid=2, of=1))
+    park(peer, Sealed(rid=1, partition=partition, timeout=math.inf), Cancel(rid=2, of=1))
     client.put(partition, {"x": torch.arange(2)})
     client.seal(partition)
     assert peer.ask(wire.encode(StatusRequest(rid=3))).rid == 3
@@ -261,7 +262,7 @@ def test_a_cancel_that_crosses_its_reply_releases_the_lease(cluster, client, par
     client.put(partition, {"x": torch.arange(2)})
     peer = raw(cluster.address)
     served = peer.ask(wire.encode(GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t",
-                                          lease_timeout=None)))
+                                          lease_timeout=math.inf)))
     assert served.meta.indexes == [0, 1]  # leased without expiry to a caller that then gives up
     park(peer, Cancel(rid=2, of=1))
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]

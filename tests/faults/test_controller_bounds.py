@@ -262,7 +262,7 @@ HOSTILE = [
         r"dp_size \* batch_size = 10000 \* 1000 is out of bounds", id="get-dp",
     ),
     pytest.param(GetMeta(partition="p", fields=["x"] * 100, batch_size=1, task="t"), r"fields lists 100 entries; at most 61", id="get-fields"),
-    pytest.param(GetMeta(partition="p", fields=["x"], batch_size=1, task="t", timeout=math.nan), r"timeout must be >= 0 seconds or None, got nan", id="get-nan"),
+    pytest.param(GetMeta(partition="p", fields=["x"], batch_size=1, task="t", timeout=math.nan), r"timeout must be >= 0 seconds \(math.inf: none\), got nan", id="get-nan"),
     pytest.param(GetMeta(partition="p", fields=["x"], batch_size=1, task="t" * 5000), r"task is 5000 characters long", id="get-task"),
     pytest.param(Ack(partition="p", partition_uid=0, task="t", indexes=[BIG]), rf"indexes holds sample {BIG}", id="ack-huge"),
     pytest.param(Ack(partition="p", partition_uid=0, task="t", indexes=list(range(10**6 + 1))), r"indexes lists 1000001 entries", id="ack-long"),

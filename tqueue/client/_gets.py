@@ -3,7 +3,6 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -67,8 +66,8 @@ class Gets:
             fields=fields,
             batch_size=ask.batch_size,
             task=ask.task,
-            timeout=None if math.isinf(wait) else wait,
-            lease_timeout=None if math.isinf(lease) else lease,
+            timeout=wait,
+            lease_timeout=lease,
             policy=ask.policy,
             dp_rank=-1 if ask.dp_rank is None else ask.dp_rank,
             dp_size=ask.dp_size or 0,
@@ -104,7 +103,7 @@ class Gets:
                 partition_uid=meta.partition_uid,
                 task=meta.task,
                 lease=meta.lease,
-                timeout=None if math.isinf(lease) else lease,
+                timeout=lease,
             ),
             expect=Ok,
         )

@@ -105,7 +105,7 @@ class Lifecycle:
         wait = _wait(timeout, self.config.get_timeout)
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(
-            VersionWait(after=after, timeout=None if math.isinf(wait) else wait),
+            VersionWait(after=after, timeout=wait),
             timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=VersionReply,
         )
@@ -130,7 +130,7 @@ class Lifecycle:
         wait = _wait(timeout, self.config.put_timeout)
         ctl = await self._conns.ctl()
         await ctl.request(
-            Reserve(count=count, timeout=None if math.isinf(wait) else wait),
+            Reserve(count=count, timeout=wait),
             timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Ok,
         )
@@ -193,7 +193,7 @@ class Lifecycle:
         wait = _wait(timeout, self.config.get_timeout)
         ctl = await self._conns.ctl()
         await ctl.request(
-            Sealed(partition=partition, timeout=None if math.isinf(wait) else wait),
+            Sealed(partition=partition, timeout=wait),
             timeout=wait + self.config.request_timeout,  # math.inf: no limit
             expect=Ok,
         )

@@ -4,7 +4,6 @@ bulk streams or its arena: tqueue/client/_routes/) and updates of stored samples
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,7 +59,7 @@ class Puts:
         first: Granted | None = None  # a grant replaced after its unit failed was already stored
         left = wait
         while True:
-            grant.timeout = None if math.isinf(left) else left
+            grant.timeout = left
             ctl = await self._conns.ctl()
             reply, _ = await ctl.request(grant, timeout=left + self.config.request_timeout, expect=Granted)
             self.reserved -= reserved

@@ -73,10 +73,10 @@ def indexes(field: str, values: Sequence[int] | None, config: ControllerConfig) 
         )
 
 
-def seconds(field: str, value: float | None) -> None:
-    """None (no deadline), or a number of seconds >= 0 (inf: no deadline)."""
-    if value is not None and (math.isnan(value) or value < 0):
-        raise InvalidArgumentError(f"{field} must be >= 0 seconds or None, got {value}")
+def seconds(field: str, value: float) -> None:
+    """A number of seconds >= 0 (math.inf: no deadline)."""
+    if math.isnan(value) or value < 0:
+        raise InvalidArgumentError(f"{field} must be >= 0 seconds (math.inf: none), got {value}")
 
 
 def name(field: str, value: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -115,7 +116,7 @@ class Moves:
                 f"postponing samples {idx.tolist()} of partition {part.name!r} to {msg.to!r}: "
                 f"{'; '.join(failed)}; those samples stay in {part.name!r}, the others moved"
             )
-        return Meta(meta=self.reads.meta_of(dst, new, list(dst.specs), None, 0, None))
+        return Meta(meta=self.reads.meta_of(dst, new, list(dst.specs), None, 0, math.inf))
 
     def select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:
         part = self.state.partitions.get(msg.partition)
@@ -126,7 +127,7 @@ class Moves:
             idx = np.zeros(0, dtype=np.int64)
         else:
             idx = np.flatnonzero((part.samples.mask[: part.n] & (mask | HIDDEN)) == mask)
-        return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, None))
+        return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, math.inf))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:
         part = self.state.partitions.get(msg.partition)
@@ -146,7 +147,7 @@ class Moves:
         part = self.state.partitions.get(msg.partition)
         if part is not None and part.sealed:
             return Ok()
-        if msg.timeout is not None and msg.timeout <= 0:
+        if msg.timeout <= 0:
             raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
         self.state.check_park(f"sealed({msg.partition!r})")
         self.state.sealed_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_sealed)

@@ -5,6 +5,7 @@ One :class:`Parked` registry per kind of wait; together they count toward ``max_
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -33,10 +34,10 @@ class Parked(Generic[E]):
         self._by: dict[str, list[E]] = {}
         self._count = 0
 
-    def park(self, entry: E, timeout: float | None, expire: Callable[[E], None]) -> None:
-        """Park ``entry``; at ``timeout`` seconds (None: never) it is unparked and ``expire``
-        answers it."""
-        if timeout is not None:
+    def park(self, entry: E, timeout: float, expire: Callable[[E], None]) -> None:
+        """Park ``entry``; at ``timeout`` seconds (``math.inf``: never) it is unparked and
+        ``expire`` answers it."""
+        if not math.isinf(timeout):
             entry.timer = self._loop.call_later(timeout, self._expire, entry, expire)
         self._by.setdefault(self._key(entry), []).append(entry)
         self._count += 1

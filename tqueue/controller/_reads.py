@@ -52,7 +52,7 @@ class Reads:
         if served is not None:
             self._remember(ident, msg, served, self.state.server.principal)
             return served
-        if msg.timeout is not None and msg.timeout <= 0:
+        if msg.timeout <= 0:
             raise self.timeout_error(msg)
         self.state.check_park(f"get_meta on partition {msg.partition!r}")
         waiter = Waiter(ident, msg, principal=self.state.server.principal)
@@ -215,7 +215,7 @@ class Reads:
         return self.meta_of(part, indexes, list(msg.fields), msg.task, lease, msg.lease_timeout)
 
     def meta_of(
-        self, part: Partition, indexes: np.ndarray, fields: list[str], task: str | None, lease: int, lease_timeout: float | None
+        self, part: Partition, indexes: np.ndarray, fields: list[str], task: str | None, lease: int, lease_timeout: float
     ) -> BatchMeta:
         real = indexes >= 0
         safe = np.where(real, indexes, 0)
@@ -255,12 +255,12 @@ class Reads:
             sealed=part.sealed,
         )
 
-    def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float | None) -> int:
+    def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:
         lease_id = next(self.state.lease_ids)
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
         part.task(task).take(indexes, lease_id)
         record = Lease(lease_id, part.uid, task, indexes)
-        if timeout is not None and not math.isinf(timeout):
+        if not math.isinf(timeout):
             record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)
         self.state.leases[lease_id] = record
         return lease_id
@@ -316,7 +316,7 @@ class Reads:
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
-        if msg.timeout is not None and not math.isinf(msg.timeout):
+        if not math.isinf(msg.timeout):
             record.timer = self.state.loop.call_later(msg.timeout, self.expire_lease, msg.lease)
         return Ok()
 
@@ -404,8 +404,8 @@ def _check_get(msg: GetMeta) -> None:
     if msg.batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
     for name, value in (("timeout", msg.timeout), ("lease_timeout", msg.lease_timeout)):
-        if value is not None and (math.isnan(value) or value < 0):
-            raise InvalidArgumentError(f"{name} must be >= 0 seconds or None, got {value}")
+        if math.isnan(value) or value < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0 seconds (math.inf: none), got {value}")
     if not msg.task:
         raise InvalidArgumentError("get_meta needs a task name")
     if not msg.fields or len(set(msg.fields)) != len(msg.fields):

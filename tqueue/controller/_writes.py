@@ -299,12 +299,11 @@ class Writes:
         self.cycles.watch(partition)
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
-        timeout = math.inf if msg.timeout is None else msg.timeout  # None: the caller waits forever
-        if wait.never or timeout <= 0:
+        if wait.never or msg.timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
         self.state.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
-        self.state.parked.park(parked, None if math.isinf(timeout) else timeout, self._expire_parked)
+        self.state.parked.park(parked, msg.timeout, self._expire_parked)
         if isinstance(msg, Grant):
             self.cycles.watch(msg.partition)
 
@@ -358,7 +357,7 @@ class Writes:
         parked (bounded by ``max_parked``) until ``set_version`` passes it or its timeout."""
         if self.state.version > msg.after:
             return VersionReply(version=self.state.version, weights=self.state.weights)
-        if msg.timeout is not None and msg.timeout <= 0:
+        if msg.timeout <= 0:
             raise WaitTimeoutError(f"the trainer's version is {self.state.version}, not past {msg.after}")
         self.state.check_park(f"a wait for a version past {msg.after}")
         self.state.version_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_version)

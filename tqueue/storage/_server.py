@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Final
@@ -357,11 +358,11 @@ def _bulk_server(config: StorageConfig, address: str, on_sent: Callable[[], None
         return None
 
 
-def _commit_limit(writer_timeout: float, elapsed: float) -> _zmq.Timeout:
+def _commit_limit(writer_timeout: float | None, elapsed: float) -> float | None:
     """How long a commit may wait for the controller: within the writer's own timeout, so
     that a dead controller is reported by this unit as ControllerUnavailableError before
-    the writer gives up on the unit (and blames it); unknown (0): the peer's own limit."""
-    if writer_timeout <= 0:
-        return _zmq.PEER_DEFAULT
+    the writer gives up on the unit (and blames it); unknown (None): the peer's own limit."""
+    if writer_timeout is None or math.isinf(writer_timeout):
+        return None
     return max(0.05, COMMIT_SHARE * writer_timeout - elapsed)
 

@@ -7,7 +7,8 @@ ZeroMQ and decode failures become tqueue errors through the boundaries of ``_bou
 A message that cannot be decoded costs that message only, never the receive loop.
 
 A request's timeout is a number of seconds, ``math.inf`` (no timer: wait while the peer is
-alive) or :data:`PEER_DEFAULT` (the peer's own request timeout). A request given up on (its
+alive) or None (the peer's own request timeout): the one convention of every timeout in
+tqueue, None meaning "the default of whoever is asked". A request given up on (its
 timeout ran out, or its task was cancelled) is withdrawn with a ``Cancel`` on the same
 connection, so the server does not keep a wait nobody will read; servers never answer one.
 
@@ -21,14 +22,13 @@ handlers that wait on another server.
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import itertools
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
@@ -47,16 +47,6 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Message)
 
-
-class _Default(enum.Enum):
-    PEER = "the peer's request timeout"
-
-
-PEER_DEFAULT: Final = _Default.PEER
-"""A request's ``timeout`` when the caller has none of its own: the peer's request timeout.
-(``math.inf`` means no timeout at all; ``None`` is not a timeout.)"""
-
-Timeout = float | Literal[_Default.PEER]
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
 _PING = encode(Ping())
@@ -292,13 +282,13 @@ class Peer:
         buffers: Sequence[Any] = (),
         *,
         expect: type[R],
-        timeout: Timeout = PEER_DEFAULT,
+        timeout: float | None = None,
     ) -> tuple[R, list[Any]]:
         """Send ``msg`` with ``buffers`` (zero-copy) and wait for its reply, of type ``expect``.
 
         An ``Error`` reply is raised as its exception class, a reply of another type or one
         that cannot be decoded as :class:`ProtocolError`; no reply within ``timeout``
-        (:data:`PEER_DEFAULT`: the peer's; ``math.inf``: none, the wait lasts while the peer
+        (None: the peer's; ``math.inf``: none, the wait lasts while the peer
         is open) raises this peer's :class:`UnavailableError` subclass. A request that times
         out or whose task is cancelled is withdrawn with a ``Cancel``.
         """
@@ -312,7 +302,7 @@ class Peer:
         msg.rid = rid
         fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        limit = self.timeout if timeout is PEER_DEFAULT else timeout
+        limit = self.timeout if timeout is None else timeout
         try:
             # tiny messages are cheaper copied than wrapped as zero-copy frames; a socket with
             # no connection to queue on (one the server refused) fails at once, never blocks

@@ -4,6 +4,11 @@ A message is ``[kind, header, *buffers]``: one byte naming the message type, the
 MessagePack (a msgspec Struct, so decoding validates), then one raw frame per payload buffer.
 Payload bytes never pass through MessagePack and nothing is ever unpickled.
 
+A timeout on the wire is always explicit: seconds, or ``math.inf`` for no deadline. (Only
+``Store.timeout``, which tells a unit how long its writer waits, may be None: unknown.) The
+rule everywhere above the wire is the same with one more case: None is "no timeout of my
+own", the default of whoever is asked (the client's config, a peer's request timeout).
+
 Schema evolution follows msgspec's rules: new struct fields get defaults and go last; a
 change that old peers cannot read bumps :data:`PROTOCOL_VERSION`, which the handshake checks.
 
@@ -18,6 +23,7 @@ Sets that grow at run time stay ``str`` and are checked where they are known: ba
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, Union, get_args
 
@@ -25,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step
+PROTOCOL_VERSION = 5  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -160,7 +166,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     groups: list[GroupId] | None = None
     task: str | None = None
     lease: int = 0
-    lease_timeout: float | None = None
+    lease_timeout: float = math.inf
     versions: list[int] | None = None
     dp_rank: int = -1
     dp_size: int = 0
@@ -298,7 +304,7 @@ class Grant(Message):
     indexes: list[int] | None = None
     nbytes: int = 0
     versions: list[int] | None = None
-    timeout: float | None = None  # how long the grant may wait for memory or admission
+    timeout: float = math.inf  # how long the grant may wait for memory or admission
     reserved: int = 0  # samples of this write already admitted by a reserve()
     partial: bool = False  # unfinished samples: stored, never served until completed
     complete: bool = False  # (update) the samples are finished now
@@ -363,7 +369,7 @@ class Store(Message):
     region: int = -1
     shm: list[list[int]] | None = None
     bulk: list[tuple[int, int]] | None = None
-    timeout: float = 0.0  # seconds the writer waits for Stored: the unit answers within it (0: unknown)
+    timeout: float | None = None  # seconds the writer waits for Stored: the unit answers within it (None: unknown)
 
 
 class Stored(Message):
@@ -405,8 +411,8 @@ class GetMeta(Message):
     fields: list[str]
     batch_size: int
     task: str
-    timeout: float | None = None
-    lease_timeout: float | None = None
+    timeout: float = math.inf
+    lease_timeout: float = math.inf
     policy: str = "first_ready"
     dp_rank: int = -1
     dp_size: int = 0
@@ -520,7 +526,7 @@ class Sealed(Message):
 
     KIND = Kind.SEALED
     partition: str
-    timeout: float | None = None
+    timeout: float = math.inf
 
 
 class Select(Message):
@@ -589,7 +595,7 @@ class Renew(Message):
     partition_uid: int
     task: str
     lease: int
-    timeout: float | None = None
+    timeout: float = math.inf
 
 
 class Fail(Message):
@@ -622,11 +628,11 @@ class SetVersion(Message):
 
 class VersionWait(Message):
     """Wait until the trainer's version is past ``after``: answered with ``VersionReply`` then
-    (at once if it already is), or with a timeout error at ``timeout`` seconds (None: none)."""
+    (at once if it already is), or with a timeout error at ``timeout`` seconds (``math.inf``: none)."""
 
     KIND = Kind.VERSION_WAIT
     after: int
-    timeout: float | None = None
+    timeout: float = math.inf
 
 
 class VersionReply(Message):
@@ -651,7 +657,7 @@ class Reserve(Message):
 
     KIND = Kind.RESERVE
     count: int
-    timeout: float | None = None
+    timeout: float = math.inf
 
 
 _TYPES: dict[int, type[Message]] = {}
