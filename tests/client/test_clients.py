@@ -107,7 +107,7 @@ def test_sync_get_meta_from_many_threads_on_their_own_connections(client, partit
         t.join(timeout=30)
     assert not errors
     assert sorted(i for m in metas for i in m) == list(range(64))
-    assert len(client._direct_peers) == 4
+    assert len(client._direct_routes) == 4
     with pytest.raises(tqueue.WaitTimeoutError, match=partition):
         client.get_meta(partition, ["x"], 1, task="t", timeout=0.05)
 

@@ -11,7 +11,7 @@ import pytest
 
 import tqueue.client
 from tqueue.client import AsyncClient, Client
-from tqueue.client._ask import Completion, DataAsk, MetaAsk
+from tqueue.client._ask import Completion, DataAsk, MetaAsk, PutAsk
 
 CLIENT = pathlib.Path(tqueue.client.__file__).parent
 
@@ -19,6 +19,7 @@ CLIENT = pathlib.Path(tqueue.client.__file__).parent
 ONLY_ASYNC = {
     "__aenter__": "async context manager; Client has __enter__",
     "__aexit__": "async context manager; Client has __exit__",
+    "thread_route": "a blocking caller's own route; Client's get_meta takes it",
 }
 ONLY_SYNC = {
     "__enter__": "context manager; AsyncClient has __aenter__",
@@ -85,11 +86,11 @@ def parameter_lists(source: str) -> list[set[str]]:
     return [r for r in runs if r]
 
 
-@pytest.mark.parametrize("ask", [MetaAsk, DataAsk, Completion], ids=lambda a: a.__name__)
+@pytest.mark.parametrize("ask", [PutAsk, MetaAsk, DataAsk, Completion], ids=lambda a: a.__name__)
 def test_the_arguments_of_a_many_option_call_are_written_once(ask):
     """The call's signature is its dataclass's, and each of its parameters is in one list
     of the client's source that holds several of them (or in none: a list of its own)."""
-    method = {MetaAsk: "get_meta", DataAsk: "get_data", Completion: "complete"}[ask]
+    method = {PutAsk: "put", MetaAsk: "get_meta", DataAsk: "get_data", Completion: "complete"}[ask]
     signature = inspect.signature(getattr(AsyncClient, method))
     assert list(signature.parameters.values())[1:] == list(inspect.signature(ask).parameters.values())
     names = set(signature.parameters) - {"self"}
@@ -98,3 +99,10 @@ def test_the_arguments_of_a_many_option_call_are_written_once(ask):
     for name in names:
         times = sum(name in r for r in lists)
         assert times <= 1, f"{method}'s parameter {name!r} is written in {times} lists: {lists}"
+
+
+def test_the_blocking_client_uses_only_the_public_methods_of_the_async_one():
+    """No ``_inner._name``: what Client needs of AsyncClient is public (thread_route included)."""
+    source = (CLIENT / "_sync.py").read_text()
+    assert re.findall(r"_inner\._\w+", source) == []
+    assert re.findall(r"AsyncClient\._\w+", source) == []

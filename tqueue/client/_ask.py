@@ -1,7 +1,7 @@
 """The arguments of the client calls that carry many options, written once.
 
-Each of ``get_meta``, ``get_data`` and ``complete`` takes its arguments as one frozen
-dataclass: :class:`MetaAsk`, :class:`DataAsk`, :class:`Completion`. The dataclass is the
+Each of ``put``, ``get_meta``, ``get_data`` and ``complete`` takes its arguments as one frozen
+dataclass: :class:`PutAsk`, :class:`MetaAsk`, :class:`DataAsk`, :class:`Completion`. The dataclass is the
 call's only parameter list: :func:`takes` gives the client's method the signature of the
 dataclass (for help(), IDEs and mypy alike), builds the dataclass from the call's arguments
 and hands it to the method's body. The blocking :class:`~tqueue.client.Client` takes its
@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
-    from ..wire import BatchMeta
+    from ..wire import BatchMeta, GroupId
     from ._batch import JaggedAs
 
 P = ParamSpec("P")
@@ -38,6 +38,19 @@ class _Task:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _AnyTask:
     task: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PutAsk:
+    """The arguments of one ``put`` call, as :meth:`AsyncClient.put` documents them."""
+
+    partition: str
+    data: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    _: dataclasses.KW_ONLY
+    groups: Sequence[GroupId] | GroupId = None
+    version: int | Sequence[int] | None = None
+    timeout: float | None = None
+    partial: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

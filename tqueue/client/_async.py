@@ -20,15 +20,14 @@ import torch
 
 from .._memory import BufferPool
 from ..config import ClientConfig
-from ..errors import ControllerUnavailableError, InvalidArgumentError
-from ..transport import _zmq
+from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, Clear, CreatePartition, GroupId, Meta, Ok, StatusReply, StatusRequest
+from ..wire import BatchMeta, Clear, CreatePartition, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
-from ._ask import Completion, DataAsk, MetaAsk, ask, takes
+from ._ask import Completion, DataAsk, MetaAsk, PutAsk, takes
 from ._batch import Batch, Options
 from ._connections import ClientStats, Connections
-from ._gets import Gets
+from ._gets import Gets, ThreadRoute
 from ._lifecycle import Lifecycle
 from ._puts import Puts
 
@@ -178,16 +177,8 @@ class AsyncClient:
 
     # --- writes ---------------------------------------------------------------------
 
-    async def put(
-        self,
-        partition: str,
-        data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-        *,
-        groups: Sequence[GroupId] | GroupId = None,
-        version: int | Sequence[int] | None = None,
-        timeout: float | None = None,
-        partial: bool = False,
-    ) -> BatchMeta:
+    @takes(PutAsk)
+    async def put(self, ask: PutAsk) -> BatchMeta:
         """Write new samples to ``partition`` (created on first use) and return their meta.
 
         ``data`` maps field name to per-sample values (see the module docs of the encoder),
@@ -210,14 +201,7 @@ class AsyncClient:
         A put to a partition that sealed and freed itself is aborted for 10 minutes after
         (stragglers), unless :meth:`create_partition` starts it again.
         """
-        return await self._puts.put(
-            partition,
-            data,
-            groups=groups,
-            version=version,
-            timeout=timeout,
-            partial=partial,
-        )
+        return await self._puts.put(ask)
 
     async def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add or overwrite fields of the samples of ``meta`` (e.g. a reward worker adding
@@ -286,25 +270,12 @@ class AsyncClient:
         """
         return await self._gets.get_meta(ask)
 
-    def _get_meta_on(self, peer: _zmq.BlockingPeer, *args: Any, **kwargs: Any) -> BatchMeta:
-        """``get_meta`` sent and waited for by the calling thread on ``peer`` (from
-        :meth:`_thread_peer`), not through the event loop: the blocking client's route for
-        it, about twice as fast. Same arguments, rounds and errors as :meth:`get_meta`."""
-        msg, limit = self._gets.request(ask(MetaAsk, "get_meta", *args, **kwargs))
-        return self._gets.got_meta(msg, peer.request(msg, expect=Meta, timeout=limit))
-
-    def _thread_peer(self) -> _zmq.BlockingPeer:
-        """A connection to the controller for one calling thread, in this client's session
-        (call after :meth:`connect`)."""
-        conns = self._conns
-        return _zmq.BlockingPeer(
-            self.address,
-            name="controller",
-            unavailable=ControllerUnavailableError,
-            routing_id=conns.session.routing_id(),  # one session with the client's other connections
-            heartbeat=conns.heartbeat,
-            curve=conns.curve,
-        )
+    def thread_route(self) -> ThreadRoute:
+        """A route for one blocking caller's thread (after :meth:`connect`): its
+        ``get_meta`` is sent and waited for by that thread on a connection of its own, in this
+        client's session, about twice as fast as through the event loop. The blocking
+        :class:`~tqueue.client.Client` gives each calling thread one; close it when done."""
+        return ThreadRoute(self._gets, self._conns.thread_peer())
 
     async def renew(self, meta: BatchMeta, *, lease_timeout: float | None = None) -> None:
         """Extend the lease of a meta from ``get_meta`` by ``lease_timeout`` from now."""

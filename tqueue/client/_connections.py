@@ -124,6 +124,20 @@ class Connections:
         assert self.controller is not None
         return self.controller
 
+    def thread_peer(self) -> _zmq.BlockingPeer:
+        """A blocking connection to the controller for one calling thread, in this client's
+        session (after :meth:`connect`)."""
+        if self.controller is None:
+            raise InvalidArgumentError("connect the client before asking for a thread's connection")
+        return _zmq.BlockingPeer(
+            self.address,
+            name="controller",
+            unavailable=ControllerUnavailableError,
+            routing_id=self.session.routing_id(),  # one session with the client's other connections
+            heartbeat=self.heartbeat,
+            curve=self.curve,
+        )
+
     async def unit(self, unit_id: int) -> _zmq.Peer:
         """The peer of a storage unit; asks the controller about units it does not know yet."""
         peer = self.unit_peers.get(unit_id)

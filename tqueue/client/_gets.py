@@ -17,9 +17,10 @@ from ..errors import (
     UnknownFieldError,
     did_you_mean,
 )
+from ..transport import _zmq
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._args import _by_unit, _wait, listed
-from ._ask import MetaAsk  # defined there; still importable from here
+from ._ask import MetaAsk, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
 from ._batch import Batch, Options
 from ._connections import ClientStats, Connections
@@ -28,6 +29,29 @@ from ._routes import Route, Rows
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
 RECONNECT_VERDICT: Final = 2.0
+
+
+class ThreadRoute:
+    """``get_meta`` sent and waited for by one calling thread on a connection of its own to the
+    controller, in its client's session, not through the client's event loop: the blocking
+    client's route for it, about twice as fast. Same arguments, rounds and errors as
+    :meth:`AsyncClient.get_meta`; an exception in the waiting thread (Ctrl-C) withdraws the
+    request at the controller. Made by :meth:`AsyncClient.thread_route`."""
+
+    def __init__(self, gets: Gets, peer: _zmq.BlockingPeer) -> None:
+        self._gets = gets
+        self._peer = peer
+
+    @property
+    def closed(self) -> bool:
+        return self._peer.closed
+
+    def get_meta(self, *args: Any, **kwargs: Any) -> BatchMeta:
+        msg, limit = self._gets.request(ask(MetaAsk, "get_meta", *args, **kwargs))
+        return self._gets.got_meta(msg, self._peer.request(msg, expect=Meta, timeout=limit))
+
+    def close(self) -> None:
+        self._peer.close()
 
 
 class Gets:

@@ -14,10 +14,11 @@ import torch
 from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..errors import SchemaError, StorageUnitUnavailableError
-from ..wire import BatchMeta, Grant, Granted, GroupId, Store, Stored, UnitInfo
+from ..wire import BatchMeta, Grant, Granted, Store, Stored, UnitInfo
 from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
 from ._args import _by_unit, _groups, _versions, _wait, listed
+from ._ask import PutAsk
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, pack, sample_count
 from ._routes import Outgoing
@@ -35,20 +36,12 @@ class Puts:
         self.stats = stats
         self.reserved = 0  # samples admitted by reserve() and not yet put
 
-    async def put(
-        self,
-        partition: str,
-        data: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-        *,
-        groups: Sequence[GroupId] | GroupId,
-        version: int | Sequence[int] | None,
-        timeout: float | None,
-        partial: bool,
-    ) -> BatchMeta:
+    async def put(self, ask: PutAsk) -> BatchMeta:
         """:meth:`AsyncClient.put`."""
+        partition, data, timeout, partial = ask.partition, ask.data, ask.timeout, ask.partial
         enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
-        group_ids = _groups(groups, enc.count, partition)
-        versions = _versions(version, enc.count, partition)
+        group_ids = _groups(ask.groups, enc.count, partition)
+        versions = _versions(ask.version, enc.count, partition)
         wait = _wait(timeout, self.config.put_timeout)
         reserved = min(self.reserved, enc.count)
         grant = Grant(

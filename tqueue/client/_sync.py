@@ -19,8 +19,8 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 from ..config import ClientConfig
 from ..errors import ForkedClientError
-from ..transport import _zmq
 from ._async import AsyncClient, ClientStats
+from ._gets import ThreadRoute
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -34,8 +34,8 @@ def _shutdown(
 ) -> None:
     if os.getpid() != pid:  # a forked child: the sockets and the thread are the parent's to close
         return
-    for peer in direct:
-        peer.close()
+    for route in direct:
+        route.close()
     direct.clear()
     if loop.is_closed():
         return
@@ -56,18 +56,19 @@ def _twin(
 ) -> Callable[Concatenate[Client, P], T]:
     """The blocking twin of an :class:`AsyncClient` method: its name, signature and docstring,
     run on the client's loop thread while the caller waits (cancelled if the wait is
-    interrupted). ``from_thread(inner, peer, *args, **kwargs)``: a route that the calling
-    thread runs itself on its own controller connection instead."""
+    interrupted). ``from_thread(route, *args, **kwargs)``: a method of
+    :class:`~tqueue.client._gets.ThreadRoute` that the calling thread runs itself, on its own
+    route, instead."""
     if from_thread is None:
 
         def twin(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
             return self._run(method(self._inner, *args, **kwargs))
 
     else:
-        route = from_thread
+        on_route = from_thread
 
         def twin(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
-            return route(self._inner, self._thread_peer(), *args, **kwargs)
+            return on_route(self._thread_route(), *args, **kwargs)
 
     return functools.wraps(method)(twin)
 
@@ -93,9 +94,9 @@ class Client:
         self._thread.start()
         self._local = threading.local()
         self._direct_lock = threading.Lock()
-        self._direct_peers: list[_zmq.BlockingPeer] = []  # one per calling thread
+        self._direct_routes: list[ThreadRoute] = []  # one per calling thread
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._loop, self._thread, self._inner, self._direct_peers, self._pid
+            self, _shutdown, self._loop, self._thread, self._inner, self._direct_routes, self._pid
         )
 
     @property
@@ -156,20 +157,20 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _thread_peer(self) -> _zmq.BlockingPeer:
-        """This thread's own connection to the controller (after the client's handshake)."""
+    def _thread_route(self) -> ThreadRoute:
+        """This thread's own route to the controller (after the client's handshake)."""
         if os.getpid() != self._pid:
             raise _forked(self._pid)
-        peer = getattr(self._local, "peer", None)
-        if peer is None or peer.closed:
+        route = getattr(self._local, "route", None)
+        if route is None or route.closed:
             if not self._finalizer.alive:
                 raise RuntimeError("the client is closed")
             self.connect()
-            peer = self._inner._thread_peer()
-            self._local.peer = peer
+            route = self._inner.thread_route()
+            self._local.route = route
             with self._direct_lock:
-                self._direct_peers.append(peer)
-        return peer
+                self._direct_routes.append(route)
+        return route
 
     create_partition = _twin(AsyncClient.create_partition)
     clear = _twin(AsyncClient.clear)
@@ -179,7 +180,7 @@ class Client:
     complete = _twin(AsyncClient.complete)
     # sent from the calling thread on its own connection to the controller, not through the
     # loop thread: the answer comes about twice as fast
-    get_meta = _twin(AsyncClient.get_meta, from_thread=AsyncClient._get_meta_on)
+    get_meta = _twin(AsyncClient.get_meta, from_thread=ThreadRoute.get_meta)
     renew = _twin(AsyncClient.renew)
     get_data = _twin(AsyncClient.get_data)
     ack = _twin(AsyncClient.ack)
