@@ -11,7 +11,7 @@ import pytest
 
 import tqueue.client
 from tqueue.client import AsyncClient, Client
-from tqueue.client._ask import Completion, DataAsk, MetaAsk, PutAsk
+from tqueue.client._ask import Completion, DataAsk, MetaAsk, Options, PutAsk
 
 CLIENT = pathlib.Path(tqueue.client.__file__).parent
 
@@ -106,3 +106,12 @@ def test_the_blocking_client_uses_only_the_public_methods_of_the_async_one():
     source = (CLIENT / "_sync.py").read_text()
     assert re.findall(r"_inner\._\w+", source) == []
     assert re.findall(r"AsyncClient\._\w+", source) == []
+
+
+def test_how_a_read_presents_jagged_fields_is_written_once():
+    """``jagged``, ``pad_value`` and ``padding_side`` of get_data are Options' fields, which
+    DataAsk inherits: no other list of the client's source holds ``jagged``."""
+    source = "".join(p.read_text() for p in sorted(CLIENT.rglob("*.py")))
+    holding = [r for r in parameter_lists(source) if "jagged" in r]
+    assert holding == [{"jagged", "pad_value", "padding_side"}]
+    assert issubclass(DataAsk, Options)

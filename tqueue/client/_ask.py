@@ -9,7 +9,8 @@ methods from :class:`~tqueue.client.AsyncClient`'s, signatures included, so no p
 list is written twice.
 
 The options of a lease (``timeout`` ... ``pad``) belong to both ``get_meta`` and the one-call
-form of ``get_data``: they are :class:`LeaseOptions`, a base of both.
+form of ``get_data``: they are :class:`LeaseOptions`, a base of both. How a read presents
+jagged fields is :class:`Options`, a base of :class:`DataAsk`.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
+
+from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from ..wire import BatchMeta, GroupId
-    from ._batch import JaggedAs
 
 P = ParamSpec("P")
 A = TypeVar("A")
 R = TypeVar("R")
 S = TypeVar("S")
+JaggedAs = Literal["list", "padded", "nested"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,26 @@ class PutAsk:
     version: int | Sequence[int] | None = None
     timeout: float | None = None
     partial: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """How a read presents jagged fields: ``jagged`` is one mode or a per-field mapping (the
+    options of :meth:`AsyncClient.get_data`, and of every reader built on it)."""
+
+    jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
+    pad_value: float | int | bool = 0
+    padding_side: Literal["right", "left"] = "right"
+
+    def mode(self, field: str) -> JaggedAs:
+        mode = self.jagged if isinstance(self.jagged, str) else self.jagged.get(field, "list")
+        if mode not in ("list", "padded", "nested"):
+            raise InvalidArgumentError(f"jagged mode for field {field!r} is {mode!r}; use list, padded or nested")
+        return mode
+
+    def check(self) -> None:
+        if self.padding_side not in ("right", "left"):
+            raise InvalidArgumentError(f"padding_side is 'right' or 'left', got {self.padding_side!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,18 +105,16 @@ class MetaAsk(LeaseOptions, _Task):
     batch_size: int
 
 
+# bases in this order keep ``task`` first and the presentation options last
 @dataclasses.dataclass(frozen=True)
-class DataAsk(LeaseOptions, _AnyTask):
+class DataAsk(Options, LeaseOptions, _AnyTask):
     """The arguments of one ``get_data`` call, as :meth:`AsyncClient.get_data` documents them:
-    a meta, or a partition to lease from with every option of ``get_meta``."""
+    a meta, or a partition to lease from with every option of ``get_meta``, and how to present
+    jagged fields (it is the read's :class:`Options`)."""
 
     meta: BatchMeta | str
     fields: Sequence[str] | None = None
     batch_size: int | None = None
-    _: dataclasses.KW_ONLY
-    jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
-    pad_value: float | int | bool = 0
-    padding_side: str = "right"
 
     def lease(self, partition: str, fields: Sequence[str], batch_size: int, task: str) -> MetaAsk:
         """The ``get_meta`` of the one-call form: a lease with these options."""

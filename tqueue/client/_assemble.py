@@ -29,7 +29,8 @@ from ..wire import BatchMeta, FieldBlock, FieldSpec
 from ..wire._layout import frame_layout, int_dtype, itemsize, nbytes, numpy_dtype, sample_sizes
 from ..wire._messages import PackedType
 from ..wire._pack import PACKED, widen, widen_all
-from ._batch import Batch, Options
+from ._ask import Options
+from ._batch import Batch
 from ._encode import TORCH_DTYPES
 
 _DECODER = msgspec.msgpack.Decoder()

@@ -13,6 +13,7 @@ the blocking :class:`~tqueue.client.Client` takes its methods from these.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -22,10 +23,11 @@ from .._memory import BufferPool
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, Clear, CreatePartition, Ok, StatusReply, StatusRequest
+from ..wire import BatchMeta, CheckpointReply, Clear, CreatePartition, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
+from . import _durable
 from ._ask import Completion, DataAsk, MetaAsk, PutAsk, takes
-from ._batch import Batch, Options
+from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
 from ._lifecycle import Lifecycle
@@ -175,6 +177,31 @@ class AsyncClient:
         reply, _ = await ctl.request(StatusRequest(), expect=StatusReply)
         return reply
 
+    # --- durability -----------------------------------------------------------------
+
+    async def save_checkpoint(self, directory: str | os.PathLike[str], *, metadata: Any = None) -> CheckpointReply:
+        """Write the whole data plane into ``directory``: every partition's metadata (samples,
+        fields, groups, versions and segments, each task's consumption, partial and recycled
+        samples), the trainer's version and staleness bound, and every unit's payload, as
+        Apache Arrow IPC files beside a JSON manifest, with ``metadata`` (JSON values only)
+        kept in it. The directory must be reachable under the same path by the controller
+        and every storage unit (one host, or a shared filesystem).
+
+        Atomic: files go into a new folder, are fsynced, and the manifest is renamed into
+        place last; a checkpoint that stops halfway leaves the previous one as it was. Puts
+        and gets go on while the bytes are written: the checkpoint holds a server's loop only
+        while it copies that server's bookkeeping (the reply's ``pause``). Waits as long as
+        the controller and units are alive. Returns what was written and what it cost."""
+        return await _durable.save(self._conns, directory, metadata)
+
+    async def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
+        """Load the checkpoint in ``directory`` into this cluster, which must have no
+        partitions yet; it may have any number of storage units. Every sample comes back
+        bit-exact, with every task's consumption; samples that were leased come back ready.
+        Returns the ``metadata`` given to :meth:`save_checkpoint`. Nothing in a checkpoint is
+        executed: JSON, and Arrow files read as bytes."""
+        return await _durable.load(self._conns, directory)
+
     # --- writes ---------------------------------------------------------------------
 
     @takes(PutAsk)
@@ -293,7 +320,7 @@ class AsyncClient:
         ``padding_side``; lengths via ``batch.lengths(field)``), or ``nested`` (a torch
         jagged nested tensor); one mode, or a mapping per field.
         """
-        options = Options(jagged=ask.jagged, pad_value=ask.pad_value, padding_side=ask.padding_side)  # type: ignore[arg-type]
+        options = ask  # a DataAsk is the read's Options
         meta, fields, batch_size, task = ask.meta, ask.fields, ask.batch_size, ask.task
         if not isinstance(meta, str):
             if batch_size is not None or task is not None or ask.dp_size is not None:

@@ -1,10 +1,9 @@
-"""What a read gives its caller: a :class:`Batch` of fields, and the :class:`Options` that
-say how jagged fields are presented. tqueue/client/_assemble.py builds it from what the
+"""What a read gives its caller: a :class:`Batch` of fields, presented as its
+:class:`~tqueue.client._ask.Options` say. tqueue/client/_assemble.py builds it from what the
 storage units sent."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -15,27 +14,7 @@ from .._extras import require
 from ..errors import InvalidArgumentError, UnknownFieldError, did_you_mean
 from ..wire import BatchMeta
 from . import _micro
-
-JaggedAs = Literal["list", "padded", "nested"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """How to present jagged fields: ``jagged`` is one mode or a per-field mapping."""
-
-    jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
-    pad_value: float | int | bool = 0
-    padding_side: Literal["right", "left"] = "right"
-
-    def mode(self, field: str) -> JaggedAs:
-        mode = self.jagged if isinstance(self.jagged, str) else self.jagged.get(field, "list")
-        if mode not in ("list", "padded", "nested"):
-            raise InvalidArgumentError(f"jagged mode for field {field!r} is {mode!r}; use list, padded or nested")
-        return mode
-
-    def check(self) -> None:
-        if self.padding_side not in ("right", "left"):
-            raise InvalidArgumentError(f"padding_side is 'right' or 'left', got {self.padding_side!r}")
+from ._ask import Options
 
 
 class Batch(Mapping[str, Any]):

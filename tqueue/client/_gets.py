@@ -20,9 +20,9 @@ from ..errors import (
 from ..transport import _zmq
 from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ._args import _by_unit, _wait, listed
-from ._ask import MetaAsk, ask  # MetaAsk: defined there; still importable from here
+from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
-from ._batch import Batch, Options
+from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
 
