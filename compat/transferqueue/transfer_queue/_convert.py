@@ -1,0 +1,148 @@
+"""Between TransferQueue's shapes (``TensorDict``, its ``BatchMeta``) and tqueue's (a mapping of
+per-sample fields, ``tqueue.BatchMeta``, ``tqueue.Batch``).
+
+Storage rule: a tensor field whose samples are scalars is a dense tqueue field; any other
+tensor field is stored jagged (one tensor per sample), because TransferQueue returns every such
+field as a nested tensor and lets its per-sample shape change from one put to the next.
+Non-tensor values are tqueue object fields: MessagePack values only (tqueue refuses other
+objects at ``put`` with ``FieldTypeError`` naming the field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+import tqueue
+from transfer_queue.metadata import BatchMeta
+
+_WHERE = "_tq"  # per-sample backend meta: [partition uid, storage unit]
+
+
+def rows(td: TensorDict) -> int:
+    return int(td.batch_size[0]) if len(td.batch_size) else 0
+
+
+def to_fields(td: TensorDict) -> dict[str, Any]:
+    """A ``TensorDict`` of B rows as tqueue's per-field values."""
+    n = rows(td)
+    out: dict[str, Any] = {}
+    for name in td.keys():
+        value = td.get(name)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            out[name] = [t.contiguous() for t in value.unbind(0)]
+        elif isinstance(value, torch.Tensor):
+            out[name] = value if value.dim() == 1 else [t.contiguous() for t in value.unbind(0)]
+        elif isinstance(value, NonTensorStack):
+            out[name] = [_plain(v) for v in value.tolist()]
+        elif isinstance(value, NonTensorData):
+            out[name] = [_plain(value.data)] * n
+        elif isinstance(value, TensorDict):
+            raise tqueue.FieldTypeError(
+                f"field {name!r} is a nested TensorDict: tqueue fields are flat; put its keys as "
+                f"fields of their own (e.g. '{name}.{next(iter(value.keys()), 'x')}')"
+            )
+        else:
+            out[name] = list(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays inside non-tensor values as MessagePack values."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def to_tensordict(batch: Any, names: list[str], size: int) -> TensorDict:
+    """A tqueue ``Batch`` packed as TransferQueue packs its batches: per-sample scalars stacked,
+    other tensors as a jagged nested tensor (strided where more than one dimension varies),
+    non-tensors as a ``NonTensorStack``."""
+    out: dict[str, Any] = {}
+    for name in names:
+        value = batch[name]
+        if isinstance(value, torch.Tensor):
+            out[name] = value.clone() if value.dim() == 1 else _nested(list(value.unbind(0)))
+        elif isinstance(value, np.ndarray):
+            out[name] = torch.from_numpy(value.copy())
+        elif value and all(isinstance(v, torch.Tensor) for v in value):
+            out[name] = _nested([v.clone() for v in value])
+        else:
+            out[name] = NonTensorStack(*value, batch_size=[size]) if size else NonTensorStack(batch_size=[0])
+    return TensorDict(out, batch_size=[size])
+
+
+def _nested(parts: list[torch.Tensor]) -> Any:
+    try:
+        return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    except (RuntimeError, ValueError):
+        return torch.nested.as_nested_tensor(parts, layout=torch.strided)
+
+
+def spec_schema(spec: tqueue.FieldSpec) -> dict[str, Any]:
+    """One field's entry of TransferQueue's ``field_schema`` from tqueue's ``FieldSpec``."""
+    if spec.kind == "object":
+        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    dtype = getattr(torch, spec.dtype, None)
+    if spec.layout == "jagged":
+        return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
+    return {"dtype": dtype, "shape": torch.Size(spec.shape or (1,)), "is_nested": False, "is_non_tensor": False}
+
+
+def to_meta(meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
+    """TransferQueue's ``BatchMeta`` for a tqueue meta; each sample remembers its partition's uid
+    and its unit, and each field tqueue's spec, so ``get_data`` can be asked for any
+    selection of it, in any process."""
+    names = list(meta.fields if fields is None else fields)
+    specs = {n: meta.schema[n] for n in names if n in meta.schema}
+    backend = [
+        {_WHERE: [meta.partition_uid, unit], **{n: _spec_list(s) for n, s in specs.items()}} for unit in meta.units
+    ]
+    return BatchMeta(
+        global_indexes=list(meta.indexes),
+        partition_ids=[meta.partition] * len(meta.indexes),
+        field_schema={n: spec_schema(s) for n, s in specs.items()},
+        production_status=np.ones(len(meta.indexes), dtype=np.int8),
+        _custom_backend_meta=backend,
+    )
+
+
+def _spec_list(spec: tqueue.FieldSpec) -> list[Any]:
+    return [spec.kind, spec.dtype, spec.layout, list(spec.shape), spec.ndim]
+
+
+def from_meta(meta: BatchMeta) -> list[tqueue.BatchMeta]:
+    """tqueue metas (one per partition) for a TransferQueue ``BatchMeta`` that came from tqueue."""
+    by_partition: dict[tuple[str, int], list[int]] = {}
+    for row, backend in enumerate(meta._custom_backend_meta):
+        where = backend.get(_WHERE)
+        if where is None:
+            raise ValueError(
+                f"sample {meta.global_indexes[row]} of this BatchMeta was not returned by tqueue "
+                "(a put or get_meta): tqueue can read only samples it handed out"
+            )
+        by_partition.setdefault((meta.partition_ids[row], int(where[0])), []).append(row)
+    out = []
+    for (partition, uid), picked in by_partition.items():
+        first = meta._custom_backend_meta[picked[0]]
+        schema = {
+            n: tqueue.FieldSpec(kind=v[0], dtype=v[1], layout=v[2], shape=tuple(v[3]), ndim=v[4])
+            for n, v in first.items()
+            if n != _WHERE
+        }
+        out.append(
+            tqueue.BatchMeta(
+                partition=partition,
+                partition_uid=uid,
+                indexes=[meta.global_indexes[r] for r in picked],
+                units=[int(meta._custom_backend_meta[r][_WHERE][1]) for r in picked],
+                fields=[n for n in meta.field_names if n in schema],
+                schema=schema,
+            )
+        )
+    return out

@@ -1,0 +1,51 @@
+"""``StreamingDataLoader``: a ``DataLoader`` over a ``StreamingDataset`` that yields its
+``(TensorDict, BatchMeta)`` items as they are (no batching, no collation by default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from transfer_queue.dataloader.streaming_dataset import StreamingDataset
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class StreamingDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+    ) -> None:
+        self.dataset: StreamingDataset = dataset
+        super().__init__(
+            dataset=dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=collate_fn or _identity,
+            pin_memory=pin_memory,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
+
+    def reset(self) -> None:
+        self.dataset.reset()
+
+    def step(self, partition_id: str) -> None:
+        self.dataset.step(partition_id)
+
+    def get_buffer(self) -> list[Any]:
+        return self.dataset.buffer
