@@ -175,6 +175,8 @@ class Client:
     create_partition = _twin(AsyncClient.create_partition)
     clear = _twin(AsyncClient.clear)
     status = _twin(AsyncClient.status)
+    save_checkpoint = _twin(AsyncClient.save_checkpoint)
+    load_checkpoint = _twin(AsyncClient.load_checkpoint)
     put = _twin(AsyncClient.put)
     update = _twin(AsyncClient.update)
     complete = _twin(AsyncClient.complete)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -52,46 +52,58 @@ class Moves:
         task.add_done_callback(lambda _: self.state.prefetching.discard(part.uid))
         return True
 
-    async def _land(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
+    def _land(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> Coroutine[Any, Any, list[str]]:
         """Re-key the samples' data on their units, then make them visible in ``dst``.
 
         Samples a unit did not re-key (it refused, or did not answer) are not landed: they
         stay where they were (their data never left) and are never served in ``dst``.
-        Returns one line per unit that failed, empty if every sample moved."""
-        units = moved.units
-        asked: list[tuple[int, np.ndarray]] = []
-        calls = []
-        failed: list[str] = []
-        ok = np.ones(len(idx), dtype=bool)
-        for unit_id in np.unique(units).tolist():
-            sel = units == unit_id
-            peer = self.state.unit_peers.get(unit_id)
-            if peer is None:
-                ok &= ~sel
-                failed.append(f"unit {unit_id} is not registered (samples {moved.indexes[sel].tolist()})")
-                continue
-            move = Move(
-                src_uid=moved.uid,
-                dst_uid=dst.uid,
-                dst_name=dst.name,
-                src_indexes=moved.indexes[sel].tolist(),
-                dst_indexes=idx[sel].tolist(),
-            )
-            calls.append(peer.request(move, timeout=self.state.config.unit_timeout, expect=Ok))
-            asked.append((unit_id, sel))
-        for (unit_id, sel), result in zip(asked, await asyncio.gather(*calls, return_exceptions=True)):
-            if isinstance(result, BaseException):
-                ok &= ~sel
-                failed.append(f"unit {unit_id} refused samples {moved.indexes[sel].tolist()}: {result}")
-        if failed:
-            log.error("moving samples into partition %r failed: %s", dst.name, "; ".join(failed))
-            src = self.state.by_uid.get(moved.uid)
-            if src is not None:
-                src.restore(moved.indexes[~ok], reason)
-            dst.samples.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
-        dst.land(idx[ok], moved.subset(ok))
-        self.reads.wake_soon(dst.name)
-        return failed
+        Returns one line per unit that failed, empty if every sample moved. The move counts
+        as under way from this call (the samples left their partition in this loop step):
+        a checkpoint waits until none is."""
+        self.state.moving += 1
+        self.state.moved.clear()
+        return self._landing(moved, dst, idx, reason)
+
+    async def _landing(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
+        try:
+            units = moved.units
+            asked: list[tuple[int, np.ndarray]] = []
+            calls = []
+            failed: list[str] = []
+            ok = np.ones(len(idx), dtype=bool)
+            for unit_id in np.unique(units).tolist():
+                sel = units == unit_id
+                peer = self.state.unit_peers.get(unit_id)
+                if peer is None:
+                    ok &= ~sel
+                    failed.append(f"unit {unit_id} is not registered (samples {moved.indexes[sel].tolist()})")
+                    continue
+                move = Move(
+                    src_uid=moved.uid,
+                    dst_uid=dst.uid,
+                    dst_name=dst.name,
+                    src_indexes=moved.indexes[sel].tolist(),
+                    dst_indexes=idx[sel].tolist(),
+                )
+                calls.append(peer.request(move, timeout=self.state.config.unit_timeout, expect=Ok))
+                asked.append((unit_id, sel))
+            for (unit_id, sel), result in zip(asked, await asyncio.gather(*calls, return_exceptions=True)):
+                if isinstance(result, BaseException):
+                    ok &= ~sel
+                    failed.append(f"unit {unit_id} refused samples {moved.indexes[sel].tolist()}: {result}")
+            if failed:
+                log.error("moving samples into partition %r failed: %s", dst.name, "; ".join(failed))
+                src = self.state.by_uid.get(moved.uid)
+                if src is not None:
+                    src.restore(moved.indexes[~ok], reason)
+                dst.samples.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
+            dst.land(idx[ok], moved.subset(ok))
+            self.reads.wake_soon(dst.name)
+            return failed
+        finally:
+            self.state.moving -= 1
+            if not self.state.moving:
+                self.state.moved.set()
 
     async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
         part = self.state.live(msg.partition, msg.partition_uid)

@@ -30,6 +30,7 @@ from ..wire import (
     Ack,
     Admission,
     Cancel,
+    Checkpoint,
     Clear,
     Commit,
     CreatePartition,
@@ -50,6 +51,7 @@ from ..wire import (
     RegisterUnit,
     Renew,
     Reserve,
+    Restore,
     Seal,
     Sealed,
     Select,
@@ -61,6 +63,7 @@ from ..wire import (
     VersionWait,
     WaiterStatus,
 )
+from ._checkpoint import Checkpoints
 from ._cleanup import Cleanup
 from ._limits import check as check_limits
 from ._liveness import Liveness
@@ -98,6 +101,7 @@ class Controller:
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
         )
+        self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -126,6 +130,8 @@ class Controller:
             (Select, self.moves.select_all),
             (StatusRequest, self._status),
             (Cancel, self._cancel),
+            (Checkpoint, self.checkpoints.save),
+            (Restore, self.checkpoints.restore),
         )
         for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))

@@ -100,6 +100,9 @@ class ControllerState:
         self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
         self.rounds: dict[tuple[int, str], RoundBook] = {}
         self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
+        self.moving = 0  # moves sent to units, not landed yet
+        self.moved = asyncio.Event()  # set while no move is under way (a checkpoint waits for it)
+        self.moved.set()
         self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
         self.version = 0
         self.weights = ""  # where the weights of ``version`` are, as the trainer said

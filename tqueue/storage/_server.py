@@ -44,15 +44,18 @@ from ..wire import (
     Heartbeat,
     Hello,
     HelloReply,
+    LoadUnit,
     Move,
     Ok,
     RegisterUnit,
     Release,
+    SaveUnit,
     Store,
     Stored,
 )
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
+from ._checkpoint import UnitCheckpoints
 from ._holds import Holds
 from ._membership import Membership
 from ._store import PayloadStore
@@ -97,6 +100,7 @@ class StorageUnit:
         self.trim = Trimmer(config, self.arena, self._buffers, lambda: self.held_bytes)
         self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
         self.metrics: MetricsEndpoint | None = None
+        self.checkpoints = UnitCheckpoints(self.data, self.arena, self._decref)
         self._server.sessions.on_gone(self.holds.session_gone)
         s = self._server
         s.route(Hello, self._hello)
@@ -107,6 +111,8 @@ class StorageUnit:
         s.route(Release, self._release)
         s.route(Move, self._move, role=_auth.CLUSTER)
         s.route(Cancel, self._cancel)
+        s.route(SaveUnit, lambda ident, msg, bufs: self.checkpoints.save(msg), role=_auth.CLUSTER)
+        s.route(LoadUnit, lambda ident, msg, bufs: self.checkpoints.load(msg), role=_auth.CLUSTER)
 
     async def start(self) -> None:
         """Register with the controller; afterwards the unit receives placements and sends
@@ -175,6 +181,7 @@ class StorageUnit:
         self.trim.close()
         await self.membership.close()
         await self._server.close()
+        await self.checkpoints.close()
         if self.bulk is not None:
             self.bulk.close()
         self.data.partitions.clear()

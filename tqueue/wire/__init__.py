@@ -1,12 +1,23 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates), ``_status`` the controller's report of itself; ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
 """
 
+from ._durable import (
+    Checkpoint,
+    CheckpointReply,
+    LoadUnit,
+    Restore,
+    Restored,
+    SaveUnit,
+    UnitFile,
+    UnitLoaded,
+    UnitSaved,
+)
 from ._messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -81,6 +92,8 @@ __all__ = [
     "BatchMeta",
     "Bye",
     "Cancel",
+    "Checkpoint",
+    "CheckpointReply",
     "Clear",
     "Commit",
     "Committed",
@@ -105,6 +118,7 @@ __all__ = [
     "Hello",
     "HelloReply",
     "Kind",
+    "LoadUnit",
     "Message",
     "Meta",
     "Move",
@@ -120,7 +134,10 @@ __all__ = [
     "Release",
     "Renew",
     "Reserve",
+    "Restore",
+    "Restored",
     "salvage_rid",
+    "SaveUnit",
     "Seal",
     "Sealed",
     "Select",
@@ -130,7 +147,10 @@ __all__ = [
     "Store",
     "Stored",
     "TaskStatus",
+    "UnitFile",
     "UnitInfo",
+    "UnitLoaded",
+    "UnitSaved",
     "UnitStatus",
     "VersionReply",
     "VersionWait",

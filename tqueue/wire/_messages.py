@@ -91,6 +91,15 @@ class Kind(enum.IntEnum):
     COMMITTED = 43
     VERSION_WAIT = 44
     VERSION_REPLY = 45
+    # 50-59: durability (wire/_durable.py)
+    CHECKPOINT = 50
+    CHECKPOINT_REPLY = 51
+    RESTORE = 52
+    RESTORED = 53
+    SAVE_UNIT = 54
+    UNIT_SAVED = 55
+    LOAD_UNIT = 56
+    UNIT_LOADED = 57
 
 
 class Message(msgspec.Struct, kw_only=True):

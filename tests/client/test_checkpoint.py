@@ -1,0 +1,209 @@
+"""save_checkpoint / load_checkpoint: the whole data plane into Arrow IPC files and a JSON
+manifest, and back into a fresh cluster of another size, bit-exact, with every task's
+consumption, leases given back and partial rollouts still resumable. Real processes; the
+old cluster is SIGKILLed (by pid) before the restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.ipc
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import InvalidArgumentError, ProtocolError
+
+STEP = "train/step-3"
+NEXT = "train/step-4"
+
+
+def samples(first: int, n: int) -> list[dict]:
+    """Fields of every kind a put takes: small int64 (narrowed on the wire), bf16 jagged,
+    fp8, bool, objects, and 64 KiB of bytes (its own frame, through the arena for the shm client)."""
+    g = torch.Generator().manual_seed(first)
+    return [
+        {
+            "x": torch.tensor([i, -i, 7], dtype=torch.int64),
+            "bf": torch.randn(1 + i % 5, 2, generator=g).to(torch.bfloat16),
+            "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+            "ok": torch.tensor([i % 2 == 0, True]),
+            "obj": {"i": i, "text": "é" * (i % 3), "ids": list(range(i % 4))},
+            "big": torch.randint(0, 255, (64 << 10,), dtype=torch.uint8, generator=g),
+        }
+        for i in range(first, first + n)
+    ]
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        )
+    return a == b
+
+
+def check(client: tqueue.Client, meta, written: dict[int, dict]) -> None:
+    batch = client.get_data(meta)
+    for row, i in enumerate(meta.indexes):
+        for name, want in written[i].items():
+            got = batch[name][row]
+            assert same(got, want), f"sample {i} field {name}: {got!r} != {want!r}"
+
+
+def kill(cluster: tqueue.LocalCluster) -> None:
+    for pid in cluster.pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_checkpoint_comes_back_bit_exact_in_a_cluster_of_another_size(tmp_path: pathlib.Path) -> None:
+    written: dict[int, dict] = {}
+    placed: set[int] = set()
+    with tqueue.LocalCluster(num_storage_units=2) as old:
+        with tqueue.Client(old.address) as c, tqueue.Client(
+            old.address, config=tqueue.ClientConfig(shm=True, shm_min_bytes=0)
+        ) as arena:
+            c.create_partition(STEP, group_size=2)
+            for writer, first in ((c, 0), (arena, 8), (c, 16), (arena, 24)):
+                rows = samples(first, 8)
+                meta = writer.put(STEP, rows, groups=[f"g{(first + k) // 2}" for k in range(8)], version=2)
+                written.update(zip(meta.indexes, rows))
+                placed.update(meta.units)
+            assert len(placed) == 2  # the payload lies on both units
+            half = c.get_meta(STEP, ["x"], 16, task="a")
+            c.ack(half)
+            c.get_meta(STEP, ["x"], 4, task="b", lease_timeout=600)  # leased, never acked
+            partial = c.put(NEXT, {"tokens": [torch.arange(3), torch.arange(5)]}, partial=True, version=2)
+            c.set_version(3)
+            c.set_staleness(2, batch_size=32)
+            info = c.save_checkpoint(tmp_path, metadata={"step": 3, "note": ["resume", 1.5]})
+            assert info.partitions == 2 and info.samples == 34 and info.payload_bytes > 32 * (64 << 10)
+            assert info.pause < 1.0 and info.controller_pause <= info.pause and info.unit_pause <= info.pause
+        kill(old)
+
+    with tqueue.LocalCluster(num_storage_units=3) as new, tqueue.Client(new.address) as c:
+        assert c.load_checkpoint(tmp_path) == {"step": 3, "note": ["resume", 1.5]}
+        status = c.status()
+        step = next(p for p in status.partitions if p.name == STEP)
+        assert step.samples == 32 and step.ready == 32
+        assert step.tasks["a"].consumed == 16 and step.tasks["b"].leased == 0 and step.tasks["b"].consumed == 0
+        assert status.version == 3 and status.admission_limit == (3 + 2 + 1) * 32
+        # task a reads exactly the half it had not consumed, and nothing more
+        rest = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "big"], 16, task="a", timeout=10)
+        assert sorted(rest.indexes) == sorted(set(written) - set(half.indexes))
+        check(c, rest, written)
+        with pytest.raises(tqueue.errors.WaitTimeoutError):
+            c.get_meta(STEP, ["x"], 1, task="a", timeout=0.5)
+        # task b's lease came back ready: it reads all 32
+        every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "big"], 32, task="b", timeout=10)
+        check(c, every, written)
+        assert len(set(every.units)) >= 2  # two old units' payload, spread over the new ones
+        assert sorted(every.groups) == sorted(f"g{i // 2}" for i in range(32))
+        # the partial rollouts are still there, hidden until completed, and can be resumed
+        with pytest.raises(tqueue.errors.WaitTimeoutError):
+            c.get_meta(NEXT, ["tokens"], 1, task="a", timeout=0.3)
+        # (a meta from before the restore names the old units: the partition's next step gets
+        # a fresh one, as the rollout driver resumes recycled samples)
+        fresh = c.postpone(partial, "train/step-5")
+        assert fresh.indexes == [0, 1] and set(fresh.units) <= {u.unit_id for u in status.units}
+        tokens = c.get_data(fresh)["tokens"]
+        assert [t.tolist() for t in tokens] == [[0, 1, 2], [0, 1, 2, 3, 4]]
+        assert c.complete(fresh, {"tokens": [torch.arange(2), torch.arange(1)]}, version=3, first_token=3, append=["tokens"]) == []
+        done = c.get_meta("train/step-5", ["tokens"], 2, task="a", timeout=10)
+        tokens = c.get_data(done)["tokens"]
+        assert [t.tolist() for t in tokens] == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0]]
+        assert done.versions == [2, 2]
+
+
+def test_the_files_are_read_by_pyarrow_alone(tmp_path: pathlib.Path, client: tqueue.Client) -> None:
+    name = f"arrow/{tmp_path.name}"
+    rows = [{"x": torch.tensor([i, i + 1], dtype=torch.float32), "obj": f"s{i}"} for i in range(5)]
+    client.put(name, rows)
+    client.get_meta(name, ["x"], 2, task="t")
+    client.save_checkpoint(tmp_path, metadata=None)
+    client.clear(name)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    gen = tmp_path / manifest["generation"]
+    part = next(p for p in manifest["partitions"] if p["name"] == name)
+    table = pa.ipc.open_file(pa.memory_map(str(gen / part["path"]))).read_all()
+    assert table.column("task/t").to_pylist() == [1, 1, 0, 0, 0]  # leased at the checkpoint
+    files = [f for u in manifest["units"] for f in u["files"] if f["partition"] == name and f["field"] == "x"]
+    values = {}
+    for f in files:
+        t = pa.ipc.open_file(pa.memory_map(str(gen / f["path"]))).read_all()
+        header = json.loads(t.schema.metadata[b"tqueue"])
+        assert header["spec"]["dtype"] == "float32" and header["partition"] == name and header["field"] == "x"
+        for i, v, shape in zip(t.column("index").to_pylist(), t.column("value").to_pylist(), t.column("shape").to_pylist()):
+            values[i] = (torch.frombuffer(bytearray(v), dtype=torch.float32).tolist(), shape)
+    assert values == {i: ([float(i), float(i + 1)], [2]) for i in range(5)}
+
+
+def test_loading_refuses_what_is_not_a_fresh_cluster_or_a_checkpoint(tmp_path: pathlib.Path, client: tqueue.Client) -> None:
+    with pytest.raises(InvalidArgumentError, match="no checkpoint in .*manifest.json is not there"):
+        client.load_checkpoint(tmp_path / "nothing")
+    with pytest.raises(InvalidArgumentError, match="checkpoint metadata must be JSON .*bytes"):
+        client.save_checkpoint(tmp_path, metadata={"k": b"raw"})
+    client.put(f"fresh/{tmp_path.name}", {"x": torch.zeros(1, 2)})
+    client.save_checkpoint(tmp_path, metadata=[1])
+    with pytest.raises(InvalidArgumentError, match="load_checkpoint needs a cluster without partitions; this one has"):
+        client.load_checkpoint(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    with tqueue.LocalCluster(num_storage_units=1) as fresh, tqueue.Client(fresh.address) as c:
+        first = next(f for u in manifest["units"] for f in u["files"])
+        unit_file = tmp_path / manifest["generation"] / first["path"]
+        data = unit_file.read_bytes()
+        unit_file.write_bytes(data[:-10])
+        with pytest.raises(ProtocolError, match="has .* bytes, the manifest says .*: the checkpoint is damaged"):
+            c.load_checkpoint(tmp_path)
+        unit_file.write_bytes(data)
+        (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+        with pytest.raises(ProtocolError, match="a checkpoint of format version 99; this controller reads version 1"):
+            c.load_checkpoint(tmp_path)
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        assert c.load_checkpoint(tmp_path) == [1]
+        assert {p.name for p in c.status().partitions} == {p["name"] for p in manifest["partitions"]}
+
+
+PAUSE_BOUND = 0.25  # seconds a checkpoint may hold a server's loop here (2 busy cores)
+
+
+def test_puts_and_gets_go_on_while_a_checkpoint_is_written(tmp_path: pathlib.Path, client: tqueue.Client, cluster) -> None:
+    """256 MiB in 4,096 samples: the checkpoint holds each loop for less than PAUSE_BOUND, and
+    puts and gets complete while its files are written."""
+    name = f"busy/{tmp_path.name}"
+    for k in range(16):
+        client.put(name, {"x": torch.full((256, 64 << 10), k, dtype=torch.uint8)})
+    stop = threading.Event()
+    latencies: list[tuple[float, float]] = []  # (start, seconds) of each put + get
+
+    def traffic() -> None:
+        with tqueue.Client(cluster.address) as other:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                meta = other.put(f"{name}-live", {"y": torch.ones(4, 16)})
+                other.get_data(other.get_meta(f"{name}-live", ["y"], 4, task="t", timeout=10))
+                del meta
+                latencies.append((t0, time.monotonic() - t0))
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        begin = time.monotonic()
+        info = client.save_checkpoint(tmp_path)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    during = [s for t, s in latencies if begin <= t and t + s <= end]
+    print(f"\ncheckpoint: {info.payload_bytes / 2**20:.0f} MiB in {info.seconds:.2f} s "
+          f"({info.payload_bytes / info.seconds / 1e9:.2f} GB/s); loops held: controller {1e3 * info.controller_pause:.1f} ms, "
+          f"units {1e3 * info.unit_pause:.1f} ms; {len(during)} put+get done meanwhile, slowest {max(during, default=0):.3f} s")
+    assert info.payload_bytes >= 256 << 20
+    assert info.pause < PAUSE_BOUND
+    assert during, "no put and get completed while the checkpoint was written"

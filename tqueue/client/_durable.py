@@ -1,0 +1,44 @@
+"""Checkpoint and restore, as a client asks for them (the work is the controller's and the
+units': see ``tqueue/controller/_checkpoint.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..wire import Checkpoint, CheckpointReply, Restore, Restored
+from ._connections import Connections
+
+
+def _directory(directory: str | os.PathLike[str]) -> str:
+    """An absolute path: the servers resolve nothing against their own working directory."""
+    try:
+        path = os.fspath(directory)
+    except TypeError:
+        raise InvalidArgumentError(f"a checkpoint directory is a path, got {type(directory).__name__}") from None
+    if not isinstance(path, str) or not path:
+        raise InvalidArgumentError(f"a checkpoint directory is a non-empty path, got {directory!r}")
+    return os.path.abspath(path)
+
+
+async def save(conns: Connections, directory: str | os.PathLike[str], metadata: Any) -> CheckpointReply:
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"checkpoint metadata must be JSON (dicts, lists, str, int, float, bool, None): {exc}"
+        ) from None
+    ctl = await conns.ctl()
+    reply, _ = await ctl.request(
+        Checkpoint(directory=_directory(directory), metadata=text), expect=CheckpointReply, timeout=math.inf
+    )
+    return reply
+
+
+async def load(conns: Connections, directory: str | os.PathLike[str]) -> Any:
+    ctl = await conns.ctl()
+    reply, _ = await ctl.request(Restore(directory=_directory(directory)), expect=Restored, timeout=math.inf)
+    return json.loads(reply.metadata)

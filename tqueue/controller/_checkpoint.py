@@ -1,0 +1,342 @@
+"""Checkpoint and restore of the whole data plane, as the controller leads them.
+
+**A checkpoint** (``Checkpoint``) goes in three steps:
+
+1. It waits until no move between partitions is half done (samples taken out of one
+   partition, not landed in the other yet), then, in one step of the controller's loop,
+   copies every partition's metadata (``_snapshot.capture``) and sends ``SaveUnit`` to every
+   live unit. A unit gets it on the same connection as the drops and moves, after those sent
+   before and before those sent after: so each unit's snapshot holds every sample this copy
+   calls committed (puts that commit meanwhile are in neither, or only on the unit, where the
+   restore ignores them). That step, and each unit's snapshot of its columns, are the only
+   times a checkpoint holds a loop: for time in proportion to samples and pieces, never bytes.
+2. The partitions' files (``partitions/p<uid>.arrow``) are written by a thread, the units'
+   (``unit-<id>/...``) by theirs, all into a new folder ``gen-<time>-<random>`` inside the
+   directory, each file fsynced, then the folders.
+3. Once all are written, ``manifest.json`` is written as ``manifest.json.tmp``, fsynced and
+   renamed over the old one (then the directory is fsynced): the rename is the commit. Older
+   generations are deleted after it. A checkpoint that stops anywhere before the rename
+   leaves the previous manifest, and the generation it names, as they were.
+
+**A restore** (``Restore``) reads the manifest, refuses a cluster that already has
+partitions, gives each old unit's files to a live unit (the largest first, to the unit
+given least so far: any number of units takes any checkpoint), waits for every unit to load
+them, then rebuilds the partitions under their old uids and names, their samples on their
+new units, leases given back and the trainer's version, weights pointer and staleness bound
+as they were. Its reply carries the user metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+
+from .._tasks import all_or_none
+from ..errors import InvalidArgumentError, ProtocolError, UnavailableError
+from ..wire import (
+    Checkpoint,
+    CheckpointReply,
+    Drop,
+    Dropped,
+    LoadUnit,
+    Restore,
+    Restored,
+    SaveUnit,
+    UnitFile,
+    UnitLoaded,
+    UnitSaved,
+)
+from ._samples import COMMITTED, EXCLUDED
+from ._snapshot import Image, capture, read_image, rebuild, write_image
+from ._state import ControllerState
+
+log = logging.getLogger(__name__)
+
+FORMAT: Final = "tqueue-checkpoint"
+FORMAT_VERSION: Final = 1
+MANIFEST: Final = "manifest.json"
+MOVES_WAIT: Final = 30.0  # seconds a checkpoint waits for moves under way to land
+
+
+class Checkpoints:
+    """Handlers of ``Checkpoint`` and ``Restore`` over ``state``; ``wake`` serves readers
+    parked on a partition that a restore brought back."""
+
+    def __init__(self, state: ControllerState, *, wake: Callable[[str], None]) -> None:
+        self.state = state
+        self._wake = wake
+        self._busy = ""  # "a checkpoint" or "a restore" while one runs
+
+    async def save(self, ident: bytes, msg: Checkpoint, bufs: list[Any]) -> CheckpointReply:
+        directory = _absolute(msg.directory)
+        try:
+            metadata = json.loads(msg.metadata)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"checkpoint metadata is JSON text: {exc}") from exc
+        self._start("a checkpoint")
+        try:
+            return await self._save(directory, metadata)
+        finally:
+            self._busy = ""
+
+    async def _save(self, directory: str, metadata: Any) -> CheckpointReply:
+        started = time.perf_counter()
+        await self._moves_landed()
+        # --- one loop step: the metadata's copy, and SaveUnit on its way to every unit ---
+        t0 = time.perf_counter()
+        state = self.state
+        images = [capture(p) for p in state.partitions.values()]
+        uids = [img.uid for img in images]
+        generation = f"gen-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}-{secrets.token_hex(4)}"
+        gen_dir = os.path.join(directory, generation)
+        units = [(uid, u) for uid, u in state.units.items() if u.alive and uid in state.unit_peers]
+        saves = [
+            asyncio.ensure_future(
+                state.unit_peers[uid].request(SaveUnit(directory=gen_dir, partitions=uids, unit=uid), expect=UnitSaved, timeout=math.inf)
+            )
+            for uid, _ in units
+        ]
+        trainer = {
+            "version": state.version, "weights": state.weights,
+            "admission": list(state.admission) if state.admission is not None else None,
+            # admission taken by puts that will never commit is not the restored cluster's
+            "admitted": state.admitted - sum(g.admitted for g in state.grants.values()),
+        }
+        controller_pause = time.perf_counter() - t0
+        # --- the files, in threads here and on the units ---
+        try:
+            sizes = await asyncio.to_thread(_write_images, gen_dir, images)
+            saved = [reply for reply, _ in await all_or_none(*saves)]
+        except BaseException:
+            for fut in saves:
+                fut.cancel()
+            await asyncio.to_thread(shutil.rmtree, gen_dir, True)
+            raise
+        manifest = {
+            "format": FORMAT, "version": FORMAT_VERSION, "generation": generation,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "metadata": metadata, "trainer": trainer,
+            "partitions": [
+                {"name": img.name, "uid": img.uid, "path": f"partitions/p{img.uid}.arrow", "nbytes": size,
+                 "samples": _live(img)}
+                for img, size in zip(images, sizes)
+            ],
+            "units": [
+                {"unit_id": uid, "name": u.name, "files": [msgspec.to_builtins(f) for f in reply.files]}
+                for (uid, u), reply in zip(units, saved)
+            ],
+        }
+        path = await asyncio.to_thread(_commit_manifest, directory, manifest)
+        unit_pause = max((r.pause for r in saved), default=0.0)
+        reply = CheckpointReply(
+            manifest=path, generation=generation, partitions=len(images),
+            samples=sum(p["samples"] for p in manifest["partitions"]),
+            payload_bytes=sum(f.nbytes for r in saved for f in r.files), seconds=time.perf_counter() - started,
+            pause=max(controller_pause, unit_pause), controller_pause=controller_pause, unit_pause=unit_pause,
+        )
+        log.info(
+            "checkpoint %s: %d partitions, %d samples, %d payload bytes in %.2f s (loops held %.1f ms at most)",
+            path, reply.partitions, reply.samples, reply.payload_bytes, reply.seconds, 1e3 * reply.pause,
+        )
+        return reply
+
+    async def _moves_landed(self) -> None:
+        state = self.state
+        deadline = time.monotonic() + MOVES_WAIT
+        while state.moving:
+            try:
+                await asyncio.wait_for(state.moved.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UnavailableError(
+                    f"a checkpoint waits for no move between partitions to be under way; {state.moving} "
+                    f"still were after {MOVES_WAIT:g} s"
+                ) from None
+
+    async def restore(self, ident: bytes, msg: Restore, bufs: list[Any]) -> Restored:
+        directory = _absolute(msg.directory)
+        self._start("a restore")
+        try:
+            return await self._restore(directory)
+        finally:
+            self._busy = ""
+
+    async def _restore(self, directory: str) -> Restored:
+        started = time.perf_counter()
+        state = self.state
+        self._check_fresh()
+        manifest, images = await asyncio.to_thread(_read_checkpoint, directory)
+        gen_dir = os.path.join(directory, manifest["generation"])
+        self._check_fresh()
+        # partitions created from now on get uids past the restored ones
+        state.uids = itertools.count(max(max([img.uid for img in images], default=0) + 1, next(state.uids)))
+        live = sorted(uid for uid, u in state.units.items() if u.alive and not u.suspect and uid in state.unit_peers)
+        old_units = [(u["unit_id"], [msgspec.convert(f, UnitFile) for f in u["files"]]) for u in manifest["units"]]
+        if not live and any(files for _, files in old_units):
+            raise UnavailableError("load_checkpoint needs at least one live storage unit to take the payload")
+        mapping = _assign(old_units, live)
+        loads: dict[int, list[UnitFile]] = {}
+        for old, files in old_units:
+            loads.setdefault(mapping[old], []).extend(files)
+        try:
+            replies = [reply for reply, _ in await all_or_none(*(
+                state.unit_peers[new].request(LoadUnit(directory=gen_dir, files=files), expect=UnitLoaded, timeout=math.inf)
+                for new, files in loads.items()
+            ))]
+            self._check_fresh()
+        except BaseException:
+            await self._unload(list(loads), [img.uid for img in images])
+            raise
+        config = state.config
+        for img in images:
+            part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
+            state.partitions[part.name] = part
+            state.by_uid[part.uid] = part
+        for new, reply in zip(loads, replies):
+            for uid, nbytes in reply.partition_bytes.items():
+                owner = state.by_uid.get(uid)
+                if owner is not None:
+                    owner.unit_bytes[new] = nbytes
+            state.units[new].nbytes = reply.unit_bytes
+        trainer = manifest["trainer"]
+        state.version, state.weights = int(trainer["version"]), str(trainer["weights"])
+        admission = trainer["admission"]
+        state.admission = (int(admission[0]), int(admission[1])) if admission is not None else None
+        state.admitted = int(trainer["admitted"])
+        for part in list(state.partitions.values()):
+            self._wake(part.name)
+        log.info("restored %s: %d partitions, units %s", directory, len(images), mapping)
+        return Restored(
+            metadata=json.dumps(manifest["metadata"]), partitions=len(images),
+            samples=sum(_live(img) for img in images),
+            payload_bytes=sum(f.nbytes for _, files in old_units for f in files),
+            seconds=time.perf_counter() - started, units=mapping,
+        )
+
+    async def _unload(self, units: list[int], uids: list[int]) -> None:
+        """Drop what a failed restore may have loaded (best effort: the restore failed anyway)."""
+        calls = [
+            peer.request(Drop(partition_uid=uid), expect=Dropped, timeout=self.state.config.unit_timeout)
+            for unit in units if (peer := self.state.unit_peers.get(unit)) is not None
+            for uid in uids
+        ]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.warning("dropping a failed restore's payload: %s", result)
+
+    def _start(self, what: str) -> None:
+        if self._busy:
+            raise UnavailableError(f"{what} cannot start: {self._busy} is under way")
+        self._busy = what
+
+    def _check_fresh(self) -> None:
+        if self.state.partitions:
+            names = sorted(self.state.partitions)
+            raise InvalidArgumentError(
+                f"load_checkpoint needs a cluster without partitions; this one has {len(names)} "
+                f"({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''})"
+            )
+
+
+def _absolute(directory: str) -> str:
+    if not isinstance(directory, str) or not os.path.isabs(directory):
+        raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {directory!r}")
+    return os.path.normpath(directory)
+
+
+def _live(img: Image) -> int:
+    mask = img.arrays["mask"]
+    return int(((mask & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
+
+
+def _assign(old_units: list[tuple[int, list[UnitFile]]], live: list[int]) -> dict[int, int]:
+    """Each old unit's files to a live unit: the largest first, to the one given least."""
+    given = {uid: 0 for uid in live}
+    mapping: dict[int, int] = {}
+    for old, files in sorted(old_units, key=lambda u: (-sum(f.payload for f in u[1]), u[0])):
+        if not live:
+            continue
+        new = min(live, key=lambda uid: (given[uid], uid))
+        mapping[old] = new
+        given[new] += sum(f.payload for f in files)
+    return mapping
+
+
+# --- files (in a thread) ---------------------------------------------------------------
+
+
+def _write_images(gen_dir: str, images: list[Image]) -> list[int]:
+    folder = os.path.join(gen_dir, "partitions")
+    os.makedirs(folder, exist_ok=True)
+    sizes = [write_image(os.path.join(folder, f"p{img.uid}.arrow"), img) for img in images]
+    _fsync_dir(folder)
+    _fsync_dir(gen_dir)
+    return sizes
+
+
+def _commit_manifest(directory: str, manifest: dict[str, Any]) -> str:
+    """Write the manifest beside the old one, then rename it over: the checkpoint's commit.
+    Generations the new manifest does not name are deleted after."""
+    path = os.path.join(directory, MANIFEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    for entry in os.listdir(directory):
+        if entry.startswith("gen-") and entry != manifest["generation"]:
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+    return path
+
+
+def _read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"no checkpoint in {directory}: {MANIFEST} is not there") from None
+    except ValueError as exc:
+        raise ProtocolError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ProtocolError(f"{path} is not a tqueue checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ProtocolError(
+            f"{path} is a checkpoint of format version {manifest.get('version')}; this controller reads version {FORMAT_VERSION}"
+        )
+    gen_dir = os.path.join(directory, str(manifest["generation"]))
+    images = []
+    for entry in manifest["partitions"]:
+        file = os.path.join(gen_dir, entry["path"])
+        size = os.path.getsize(file) if os.path.exists(file) else -1
+        if size != entry["nbytes"]:
+            raise ProtocolError(f"{file} has {size} bytes, the manifest says {entry['nbytes']}: the checkpoint is damaged")
+        images.append(read_image(file))
+    for unit in manifest["units"]:
+        for entry in unit["files"]:
+            file = os.path.join(gen_dir, entry["path"])
+            size = os.path.getsize(file) if os.path.exists(file) else -1
+            if size != entry["nbytes"]:
+                raise ProtocolError(f"{file} has {size} bytes, the manifest says {entry['nbytes']}: the checkpoint is damaged")
+    return manifest, images
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

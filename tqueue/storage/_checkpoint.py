@@ -1,0 +1,310 @@
+"""A storage unit's part of a checkpoint: its payload, written as Apache Arrow IPC files and
+loaded back.
+
+**Saving.** ``SaveUnit`` arrives on the controller's connection, after every drop and move
+the controller sent before it took its own snapshot, and before any it sends after: so the
+unit's snapshot holds every sample the controller's metadata calls committed. The snapshot is
+taken on the unit's loop in one step and copies no payload: per field, which piece and row
+holds each sample (two index arrays) and a reference to each piece (its frames are never
+changed; a write or a drop replaces pieces, it does not alter them; arena ranges get a
+reference until the file is written). That step is the only time the checkpoint holds the
+unit's loop (``UnitSaved.pause``); the bytes are written by a thread while puts and gets go
+on.
+
+**The files.** One per field of a partition: ``unit-<id>/p<uid>-f<k>.arrow``, a record batch
+per run of samples, columns ``index`` (int64), ``value`` (large_binary: each sample's bytes,
+integers widened back to the field's dtype, objects as MessagePack) and, for tensor and
+ndarray fields, ``shape`` (fixed-size list of int64). The schema's metadata ``tqueue`` is
+JSON: the partition, its uid, the field and its spec. pyarrow alone reads them.
+
+**Loading.** ``LoadUnit`` names files; a thread reads each into buffers of its own (one copy
+out of the page cache; the files stay closed, so a later checkpoint may delete them), and
+the loop installs each batch as a write, committed at once (the controller restores the
+metadata that makes them visible).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+
+from .. import _threads
+from ..errors import InvalidArgumentError, ProtocolError
+from ..transport._arena import Arena, Region
+from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved
+from ..wire._layout import int_dtype
+from ..wire._pack import PACKED
+from ._store import PayloadStore, Piece
+
+FORMAT: Final = "tqueue-payload"
+FORMAT_VERSION: Final = 1
+BATCH_BYTES: Final = 64 << 20  # a run of samples longer than this is cut into several record batches
+
+
+@dataclasses.dataclass
+class _Column:
+    """One field of one partition as the snapshot found it: sample ``indexes`` held by
+    ``pieces[pids[i]]`` at row ``rows[i]``."""
+
+    uid: int
+    partition: str
+    field: str
+    indexes: np.ndarray
+    pids: np.ndarray
+    rows: np.ndarray
+    pieces: dict[int, Piece]
+
+
+class UnitCheckpoints:
+    """Saves and loads the payload of ``store``; ``decref`` lets go of an arena region."""
+
+    def __init__(self, store: PayloadStore, arena: Arena | None, decref: Callable[[Region], None]) -> None:
+        self.store = store
+        self.arena = arena
+        self._decref = decref
+        self._running: set[asyncio.Future[Any]] = set()
+
+    # --- saving ---------------------------------------------------------------------
+
+    def save(self, msg: SaveUnit) -> Awaitable[UnitSaved]:
+        """Take the snapshot now (in the handler's own step), write it in the background."""
+        if not os.path.isabs(msg.directory):
+            raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {msg.directory!r}")
+        started = time.perf_counter()
+        columns = self.snapshot(msg.partitions)
+        regions = {p.region.offset: p.region for c in columns for p in c.pieces.values() if p.region is not None}
+        for region in regions.values():
+            assert self.arena is not None
+            self.arena.incref(region)  # its pages stay ours until the file is written
+        pause = time.perf_counter() - started
+        return self._write(msg, columns, list(regions.values()), pause)
+
+    def snapshot(self, uids: list[int]) -> list[_Column]:
+        """Which piece and row hold each sample of every field of ``uids`` (copies of the
+        index arrays, references to the pieces: no payload is copied)."""
+        out = []
+        for uid in uids:
+            part = self.store.partitions.get(uid)
+            if part is None:
+                continue
+            for field, col in part.columns.items():
+                held = col.piece_of[: col.top]
+                indexes = np.flatnonzero(held > 0)
+                if not len(indexes):
+                    continue
+                pids = held[indexes]
+                pieces = {pid: col.pieces[pid] for pid in np.unique(pids).tolist()}
+                out.append(_Column(uid, part.name, field, indexes, pids, col.row_of[indexes], pieces))
+        return out
+
+    async def _write(self, msg: SaveUnit, columns: list[_Column], regions: list[Region], pause: float) -> UnitSaved:
+        folder = f"unit-{msg.unit}"
+        try:
+            files = await self._in_thread(_write_all, msg.directory, folder, columns)
+        finally:
+            for region in regions:
+                self._decref(region)
+        return UnitSaved(files=files, pause=pause)
+
+    # --- loading --------------------------------------------------------------------
+
+    def load(self, msg: LoadUnit) -> Awaitable[UnitLoaded]:
+        if not os.path.isabs(msg.directory):
+            raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {msg.directory!r}")
+        return self._load(msg)
+
+    async def _load(self, msg: LoadUnit) -> UnitLoaded:
+        loaded = await self._in_thread(_read_all, msg.directory, msg.files)
+        uids = set()
+        for uid, name, indexes, block, frame in loaded:
+            self.store.write(uid, name, indexes, [block], [frame]).commit()
+            uids.add(uid)
+        parts = self.store.partitions
+        return UnitLoaded(
+            partition_bytes={uid: parts[uid].nbytes for uid in uids if uid in parts}, unit_bytes=self.store.resident
+        )
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        fut = asyncio.get_running_loop().run_in_executor(_threads.pool("checkpoint", 1), fn, *args)
+        self._running.add(fut)
+        try:
+            return await fut
+        finally:
+            self._running.discard(fut)
+
+    async def close(self) -> None:
+        """Wait for a file being written or read (it may read arena pages: the arena is
+        unmapped after this)."""
+        if self._running:
+            await asyncio.wait(list(self._running))
+
+
+# --- files (in the checkpoint thread) -------------------------------------------------
+
+
+def _write_all(directory: str, folder: str, columns: list[_Column]) -> list[UnitFile]:
+    import pyarrow as pa
+
+    os.makedirs(os.path.join(directory, folder), exist_ok=True)
+    files = []
+    per_partition: dict[int, int] = {}
+    for col in columns:
+        k = per_partition[col.uid] = per_partition.get(col.uid, -1) + 1
+        rel = f"{folder}/p{col.uid}-f{k}.arrow"
+        spec = _file_spec(col)
+        header = {
+            "format": FORMAT, "version": FORMAT_VERSION, "partition": col.partition, "partition_uid": col.uid,
+            "field": col.field, "spec": {"kind": spec.kind, "dtype": spec.dtype, "layout": spec.layout,
+                                         "shape": list(spec.shape), "ndim": spec.ndim},
+        }
+        columns_ = [pa.field("index", pa.int64()), pa.field("value", pa.large_binary(), nullable=False)]
+        ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
+        if spec.kind != "object" and ndim:
+            columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
+        schema = pa.schema(columns_, metadata={"tqueue": json.dumps(header)})
+        rows = payload = 0
+        path = os.path.join(directory, rel)
+        with open(path, "wb") as sink:
+            with pa.ipc.new_file(sink, schema) as writer:
+                for indexes, data, offsets, shapes in _runs(col):
+                    arrays = [
+                        pa.array(indexes, type=pa.int64()),
+                        pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
+                    ]
+                    if len(columns_) == 3:
+                        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
+                    writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                    rows += len(indexes)
+                    payload += int(offsets[-1])
+            sink.flush()
+            os.fsync(sink.fileno())
+        files.append(UnitFile(
+            path=rel, partition_uid=col.uid, partition=col.partition, field=col.field, rows=rows,
+            nbytes=os.path.getsize(path), payload=payload,
+        ))
+    _fsync_dir(os.path.join(directory, folder))
+    return files
+
+
+def _file_spec(col: _Column) -> FieldSpec:
+    """The field's spec as its file says it: dense where every piece is dense of one shape
+    (as a read of all of them would be), else jagged (each sample's shape in ``shape``)."""
+    specs = [p.spec for p in col.pieces.values()]
+    first = specs[0]
+    if first.kind == "object":
+        return FieldSpec(kind="object", dtype=first.dtype, layout="jagged")
+    shapes = {tuple(s.shape) if s.layout == "dense" else None for s in specs}
+    if len(shapes) == 1 and (shape := next(iter(shapes))) is not None:
+        return FieldSpec(kind=first.kind, dtype=first.dtype, layout="dense", shape=shape)
+    ndim = first.ndim if first.layout == "jagged" else len(first.shape)
+    return FieldSpec(kind=first.kind, dtype=first.dtype, layout="jagged", ndim=ndim)
+
+
+def _runs(col: _Column) -> Any:
+    """(indexes, values back to back, int64 offsets, shapes [n, ndim]) per run: the samples
+    of one frame of one piece, cut at BATCH_BYTES; packed integers widened."""
+    for pid, piece in col.pieces.items():
+        sel = col.pids == pid
+        indexes, rows = col.indexes[sel], col.rows[sel]
+        frame_of = piece.frame_of[rows]
+        for f in np.unique(frame_of).tolist():
+            at = frame_of == f
+            yield from _cut(piece, f, indexes[at], rows[at])
+
+
+def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
+    frame = np.frombuffer(piece.frames[f], dtype=np.uint8)
+    offs, sizes = piece.offsets[rows], piece.sizes[rows]
+    narrow = piece.packed[f] if piece.packed else ""
+    wide = int_dtype(piece.spec) if narrow else None
+    if piece.shapes is not None:
+        shapes = piece.shapes[rows]
+    else:
+        shapes = np.tile(np.asarray(piece.spec.shape, dtype=np.int64), (len(rows), 1))
+    ends = np.cumsum(sizes)
+    start = 0
+    while start < len(rows):
+        stop = int(np.searchsorted(ends, ends[start] - sizes[start] + BATCH_BYTES, side="right"))
+        stop = max(stop, start + 1)
+        o, s = offs[start:stop], sizes[start:stop]
+        if len(o) == 1 or np.all(o[1:] == o[:-1] + s[:-1]):
+            data = frame[int(o[0]) : int(o[-1] + s[-1])]  # consecutive: a view, no copy
+        else:
+            data = np.concatenate([frame[int(a) : int(a + b)] for a, b in zip(o, s)])
+        if wide is not None:  # integers narrowed for the trip: the file holds the field's dtype
+            data = np.frombuffer(data, dtype=PACKED[narrow]).astype(wide).view(np.uint8)
+            s = s * (wide.itemsize // PACKED[narrow].itemsize)
+        offsets = np.concatenate(([0], np.cumsum(s))).astype(np.int64)
+        yield indexes[start:stop], data, offsets, shapes[start:stop]
+        start = stop
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(directory: str, files: list[UnitFile]) -> list[tuple[int, str, np.ndarray, FieldBlock, np.ndarray]]:
+    import pyarrow as pa
+
+    out = []
+    for entry in files:
+        path = os.path.join(directory, entry.path)
+        with pa.memory_map(path) as source:
+            reader = pa.ipc.open_file(source)
+            header = _header(reader.schema, path)
+            if header.get("partition_uid") != entry.partition_uid or header.get("field") != entry.field:
+                raise ProtocolError(f"{path} holds {header.get('field')!r} of partition uid {header.get('partition_uid')}, "
+                                    f"the manifest says {entry.field!r} of uid {entry.partition_uid}")
+            try:
+                spec = msgspec.convert(header.get("spec"), FieldSpec)
+            except msgspec.ValidationError as exc:
+                raise ProtocolError(f"{path}: the field's spec is not one: {exc}") from exc
+            for i in range(reader.num_record_batches):
+                out.append((entry.partition_uid, entry.partition, *_batch(reader.get_batch(i), spec, entry.field, path)))
+    return out
+
+
+def _header(schema: Any, path: str) -> dict[str, Any]:
+    raw = (schema.metadata or {}).get(b"tqueue")
+    try:
+        header = json.loads(raw) if raw is not None else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ProtocolError(f"{path} is not a tqueue payload file")
+    if header.get("version") != FORMAT_VERSION:
+        raise ProtocolError(f"{path} is a payload file of version {header.get('version')}; this unit reads version {FORMAT_VERSION}")
+    return header
+
+
+def _batch(batch: Any, spec: FieldSpec, field: str, path: str) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
+    """A record batch as a write: its indexes, its block, its one frame (a copy of its values)."""
+    n = batch.num_rows
+    values = batch.column("value")
+    if values.null_count:
+        raise ProtocolError(f"{path}: field {field!r} has samples without a value")
+    _, offsets_buf, data_buf = values.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64)[values.offset : values.offset + n + 1]
+    frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])].copy()
+    indexes = batch.column("index").to_numpy().astype(np.int64)
+    block = FieldBlock(name=field, spec=spec, counts=[n])
+    if spec.kind == "object":
+        block.sizes = np.diff(offsets).tolist()
+    elif spec.layout == "jagged":
+        if spec.ndim:
+            block.shapes = batch.column("shape").flatten().to_numpy().astype(np.int64).tolist()
+        else:
+            block.shapes = []
+    return indexes, block, frame
