@@ -215,8 +215,8 @@ class ClientConfig:
         "(benchmarks/cuda.py); needs CUDA; batches read through a unit's arena stay pageable views of it, and idle "
         "pinned buffers count towards buffer_pool_bytes")
     bulk_put_min_bytes: int = _setting(
-        8 * MiB, "puts from this size up send their frames over the unit's bulk streams (parallel lanes); smaller ones "
-        "go inline on ZeroMQ, whose frames the unit keeps as they arrived")
+        8 * MiB, "puts from this size up (as the caller's values hold them) send their frames over the unit's bulk "
+        "streams (parallel lanes); smaller ones go inline on ZeroMQ, whose frames the unit keeps as they arrived")
     bulk_lane_min_bytes: int = _setting(
         4 * MiB, "a put or fetch is split over parallel bulk streams only where each stream gets at least this much")
     auth_dir: str = _setting(

@@ -368,13 +368,14 @@ def test_lanes_are_balanced_by_what_their_frames_cost_to_send(cluster, partition
 
 
 def test_a_put_too_small_for_the_streams_is_narrowed_before_it_is_sent(cluster, partition, monkeypatch):
-    """Deferred frames are only for the streams: a put that goes inline on ZeroMQ after all
-    is packed again, before sending, and reads back exact."""
+    """Deferred frames are only for the streams: a put below ``bulk_put_min_bytes`` (as the
+    caller's values hold it) goes inline on ZeroMQ, packed once, knowing every value, before
+    it is sent, and reads back exact."""
     calls = counting_packs(monkeypatch)
-    data = big_batch(24, seed=8)  # ids and mask of 96 Ki values: deferred at first
+    data = big_batch(24, seed=8)  # ids and mask of 96 Ki values: big enough to defer
     with client(cluster, SOCKET) as c:
         c.put(partition, data)
-        assert calls == [True, False]
+        assert calls == [False]  # never deferred, never packed twice
         ids, mask = data["ids"].numel(), data["mask"].numel()
         assert c.stats.wire_bytes == c.stats.put_bytes - ids * 4 - mask * 7
         assert_same(c.get_data(partition, list(data), 24, task="t", timeout=10), data)

@@ -27,8 +27,9 @@ LANE_GRACE: Final = 2.0  # fixed: seconds to wait for a unit's reason after it c
 
 
 class BulkRoute(Route):
-    """Puts of at least ``ClientConfig.bulk_put_min_bytes`` and every fetch over bulk streams
-    from the connections' pool; what no stream can carry goes inline."""
+    """Puts of at least ``ClientConfig.bulk_put_min_bytes`` (as the caller's values hold
+    them, before narrowing) and every fetch over bulk streams from the connections' pool;
+    what no stream can carry goes inline."""
 
     def __init__(self, info: UnitInfo, peer: _zmq.Peer, links: Links, config: ClientConfig) -> None:
         super().__init__(info)
@@ -40,21 +41,22 @@ class BulkRoute(Route):
     # --- puts ---------------------------------------------------------------------------
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
+        if put.wide.nbytes < self.config.bulk_put_min_bytes:  # small: inline, narrowed once
+            return await self.inline.store(put, msg)
         # big fields are narrowed as they are sent (frames in cache)
         enc = put.narrow(True) if put.narrow is not None else put.wide
         copied = enc.copied
-        if enc.nbytes >= self.config.bulk_put_min_bytes:
-            msg.blocks = enc.blocks
-            try:
-                stored = await self._write(msg, enc, put.split)
-            except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
-                assert put.narrow is not None  # only narrowed frames are refused
-                enc = put.narrow(False)
-                msg.blocks, msg.bulk = enc.blocks, None
-                stored = await self._write(msg, enc, put.split)
-            if stored is not None:
-                return Sent(stored, enc.nbytes, copied)
-        if enc.deferred:  # inline after all
+        msg.blocks = enc.blocks
+        try:
+            stored = await self._write(msg, enc, put.split)
+        except _bulk.FrameRefused:  # a value past the first ones' range: narrow knowing them all
+            assert put.narrow is not None  # only narrowed frames are refused
+            enc = put.narrow(False)
+            msg.blocks, msg.bulk = enc.blocks, None
+            stored = await self._write(msg, enc, put.split)
+        if stored is not None:
+            return Sent(stored, enc.nbytes, copied)
+        if enc.deferred:  # no stream could be opened: inline after all
             assert put.narrow is not None
             enc = put.narrow(False)
         return await self.inline.send(enc, msg)
