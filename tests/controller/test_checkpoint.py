@@ -1,0 +1,64 @@
+"""A partition's image in a checkpoint (controller/_snapshot.py): captured, written as an
+Arrow IPC file, read and rebuilt; leases come back ready, puts that never committed stay out,
+samples move to the units that took their payload."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from tqueue.controller._partition import Options, Partition
+from tqueue.controller._records import GrantRecord
+from tqueue.controller._samples import COMMITTED, EXCLUDED
+from tqueue.controller._serving import AVAILABLE, CONSUMED
+from tqueue.controller._snapshot import capture, read_image, rebuild, write_image
+from tqueue.errors import ProtocolError
+from tqueue.wire import FieldSpec
+
+
+def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
+    part = Partition("train/step-2", 7, Options(group_size=2, tasks=frozenset({"a"})))
+    part.schema.add({
+        "x": FieldSpec(kind="tensor", dtype="float32", layout="dense", shape=(2,)),
+        "ids": FieldSpec(kind="tensor", dtype="int64", layout="jagged", ndim=1),
+    })
+    part.schema.lengths["ids"] = np.array([3, 4, 5, 0], dtype=np.int64)
+    start = part.allocate(3, ["g0", "g0", 5], [1, 1, 2])
+    part.commit(GrantRecord(1, 7, 0, start, 3, None, frozenset({"x", "ids"}), kept=3), 0)
+    part.allocate(1, [5], None)  # granted, never committed
+    part.samples.add_segment(np.array([2]), 3, 17)
+    task = part.task("a")
+    task.take(np.array([0, 1]), 99)
+    task.ack(np.array([0]), 99)  # 0 consumed, 1 still leased
+    path = tmp_path / "p.arrow"
+    write_image(str(path), capture(part))
+    back = rebuild(read_image(str(path)), {0: 4}, max_samples=1 << 20, max_tasks=16)
+
+    assert (back.name, back.uid, back.options, back.step) == (part.name, part.uid, part.options, 2)
+    assert back.specs == part.specs and back.schema.bits == part.schema.bits
+    s = back.samples
+    assert s.n == 4 and s.unit[:3].tolist() == [4, 4, 4] and s.unit[3] == -1
+    assert np.all(s.mask[:3] & COMMITTED) and s.mask[3] & EXCLUDED  # the put that never committed stays out
+    assert s.version[:3].tolist() == [1, 1, 2] and s.version_max[2] == 3
+    assert s.segments == {2: [(2, 0), (3, 17)]} and s.segments_of(np.array([2])) == [[[2, 0], [3, 17]]]
+    assert s.groups.ids == ["g0", 5] and s.groups.members == [[0, 1], [2, 3]] and s.groups.order == [0]
+    assert back.schema.lengths["ids"].tolist() == [3, 4, 5, 0]
+    t = back.tasks["a"]
+    assert t.state[:4].tolist() == [CONSUMED, AVAILABLE, AVAILABLE, AVAILABLE] and t.lo == 1
+    assert (t.consumed, t.leased) == (1, 0)  # the lease in flight came back ready
+    assert back.committed == 3 and back.complete == part.complete and back.in_flight == 0
+    mask, _ = back.schema.field_mask(["x"])
+    assert t.find_ready(mask, 2).tolist() == [1, 2]
+
+
+def test_a_file_that_is_not_an_image_is_refused(tmp_path: pathlib.Path) -> None:
+    import pyarrow as pa
+
+    path = tmp_path / "other.arrow"
+    table = pa.table({"mask": pa.array([1], type=pa.uint64())})
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(ProtocolError, match="other.arrow is not a tqueue partition file"):
+        read_image(str(path))

@@ -1,0 +1,45 @@
+"""A unit's payload in a checkpoint (storage/_checkpoint.py): a snapshot of its columns, the
+Arrow files written from it and loaded into another store give back every sample's bytes,
+integers narrowed for the trip widened back, pieces overwritten after the snapshot as they
+were before."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from tqueue.storage._checkpoint import UnitCheckpoints, _read_all, _write_all
+from tqueue.storage._store import PayloadStore
+from tqueue.wire import FieldBlock, FieldSpec
+
+
+def _read(store: PayloadStore, uid: int, name: str, field: str, indexes: list[int]) -> tuple[FieldBlock, bytes]:
+    reply = store.read(uid, name, np.asarray(indexes, dtype=np.int64), [field])
+    return reply.blocks[0], b"".join(bytes(f) for f in reply.frames)
+
+
+def test_the_payload_comes_back_from_its_files(tmp_path: pathlib.Path) -> None:
+    store = PayloadStore()
+    ids = FieldSpec(kind="tensor", dtype="int64", layout="jagged", ndim=1)
+    narrow = np.array([1, -2, 3, 4, 5, -6], dtype=np.int8)  # 3 samples of 2, 1, 3 int64 values, sent as int8
+    store.write(9, "p", np.array([0, 1, 2]), [FieldBlock(name="ids", spec=ids, counts=[3], shapes=[2, 1, 3], packed=["int8"])],
+                [narrow.tobytes()]).commit()
+    obj = FieldSpec(kind="object", layout="jagged")
+    store.write(9, "p", np.array([0, 1, 2]), [FieldBlock(name="o", spec=obj, counts=[1, 2], sizes=[1, 2, 3])],
+                [b"a", b"bbccc"]).commit()
+    columns = UnitCheckpoints(store, None, lambda r: None).snapshot([9, 404])
+    # overwritten after the snapshot: the snapshot keeps the piece it saw
+    store.write(9, "p", np.array([1]), [FieldBlock(name="o", spec=obj, counts=[1], sizes=[1])], [b"z"]).commit()
+    files = _write_all(str(tmp_path), "unit-3", columns)
+    assert sorted((f.field, f.rows) for f in files) == [("ids", 3), ("o", 3)]
+    assert all((tmp_path / f.path).stat().st_size == f.nbytes for f in files)
+
+    fresh = PayloadStore()
+    for uid, name, indexes, block, frame in _read_all(str(tmp_path), files):
+        fresh.write(uid, name, indexes, [block], [frame]).commit()
+    block, data = _read(fresh, 9, "p", "ids", [0, 1, 2])
+    assert block.shapes == [2, 1, 3] and not block.packed
+    assert np.frombuffer(data, dtype=np.int64).tolist() == [1, -2, 3, 4, 5, -6]
+    block, data = _read(fresh, 9, "p", "o", [2, 0, 1])
+    assert block.sizes == [3, 1, 2] and data == b"cccabb"
