@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -118,5 +120,31 @@ def test_each_unit_gets_its_route_once_and_each_call_passes_through_it_once(clus
             assert dict(picks) == {u: 1 for u in units}
             assert all(type(client._conns.routes[u]) is kind for u in units)
             assert calls == {"store": 3, "fetch": 3}
+
+    asyncio.run(main())
+
+
+def test_a_bulk_route_whose_listener_cannot_be_reached_says_so_once_and_carries_all_inline(cluster, partition, caplog):
+    """The route keeps its unit's streams itself; where none can be opened (nothing listens
+    at the unit's bulk address) it warns once and every later put and fetch goes inline, exact."""
+    config = tqueue.ClientConfig(shm=False, bulk_lanes=1, bulk_put_min_bytes=1)
+    data = {"x": torch.arange(8 * 1024, dtype=torch.float32).reshape(8, 1024), "s": [str(i) for i in range(8)]}
+
+    async def main() -> None:
+        async with tqueue.AsyncClient(cluster.address, config=config) as client:
+            conns = client._conns
+            pick = conns.choose
+            conns.choose = lambda info: pick(msgspec.structs.replace(info, bulk="127.0.0.1:1"))  # nothing listens
+            with caplog.at_level(logging.WARNING, logger="tqueue.client._routes.bulk"):
+                metas = [await client.put(partition, data) for _ in range(3)]
+                for meta in metas:
+                    batch = await client.get_data(meta)
+                    assert torch.equal(batch["x"], data["x"]) and batch["s"] == data["s"]
+            units = {u for m in metas for u in m.units}
+            for u in units:
+                route = conns.routes[u]
+                assert isinstance(route, BulkRoute) and route.unreachable and route.idle == []
+            warned = [r for r in caplog.records if "goes over ZeroMQ instead" in r.getMessage()]
+            assert len(warned) == len(units)
 
     asyncio.run(main())

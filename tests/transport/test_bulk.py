@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import tqueue
+from tqueue.client._routes import BulkRoute
 from tqueue.transport import _bulk
 from tqueue.wire._layout import split_lanes
 
@@ -196,7 +197,8 @@ def bulk_address(client: tqueue.Client, unit_id: int) -> str:
 
 
 def idle_streams(client: tqueue.Client, unit_id: int) -> int:
-    return len(client._inner._conns.streams.get(unit_id, []))
+    route = client._inner._conns.routes.get(unit_id)
+    return len(route.idle) if isinstance(route, BulkRoute) else 0
 
 
 # --- tests ----------------------------------------------------------------------------
@@ -412,7 +414,7 @@ def test_concurrent_fetches_from_one_unit_open_and_reuse_several_streams(bulk_cl
                 for batch, data in zip(batches, datas):
                     same(batch, data)
                 assert streams.opened[address] == 4, round_  # 4 at once; the second round reuses them
-                assert len(consumer._conns.streams[unit]) == 4
+                assert len(consumer._conns.routes[unit].idle) == 4
                 assert streams.read[address] >= (round_ + 1) * sum(dense_nbytes(d) for d in datas)
             # and out of step: a dense-only fetch beside a full one, both exact
             a, b = await asyncio.gather(

@@ -1,12 +1,12 @@
-"""A client's connections: the controller peer, unit peers, the payload route of each unit,
-bulk streams and arena maps."""
+"""A client's connections: the controller peer, unit peers, the payload route of each unit
+(which keeps its own bulk streams) and arena maps."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from .. import _env, _memory
@@ -20,7 +20,7 @@ from ..errors import (
     StorageUnitUnavailableError,
     UnavailableError,
 )
-from ..transport import _auth, _bulk, _zmq
+from ..transport import _auth, _zmq
 from ..transport._arena import ArenaMap, open_arena
 from ..transport._liveness import Session
 from ..wire import PROTOCOL_VERSION, Hello, HelloReply, Ok, Release, UnitInfo
@@ -50,13 +50,13 @@ class ClientStats:
 
 class Connections:
     """Everything a client holds open: the controller peer (after the protocol handshake),
-    one peer and one payload route per storage unit, the pool of idle bulk streams per unit,
-    and the arenas of units on this host with the holds on them that wait to be released.
-    Puts and gets share one.
+    one peer and one payload route per storage unit (a bulk route keeps the unit's idle
+    streams), and the arenas of units on this host with the holds on them that wait to be
+    released. Puts and gets share one.
 
     The route of a unit is picked once, by :attr:`choose` (:meth:`pick` unless replaced:
-    tests put a route of their own there), and picked again only after the unit's bulk
-    listener could not be reached."""
+    tests put a route of their own there). A get or a put asks for it once per unit and then
+    talks to the route alone."""
 
     def __init__(self, address: str, config: ClientConfig) -> None:
         self.address = address
@@ -69,8 +69,6 @@ class Connections:
         self.controller: _zmq.Peer | None = None
         self.units: dict[int, UnitInfo] = {}
         self.unit_peers: dict[int, _zmq.Peer] = {}
-        self.streams: dict[int, list[_bulk.BulkStream]] = {}  # idle bulk streams per unit
-        self.no_bulk: set[int] = set()  # units whose bulk listener could not be reached
         self.routes: dict[int, Route] = {}
         self.choose: Callable[[UnitInfo], Route] = self.pick
         self._connecting: asyncio.Lock | None = None
@@ -194,8 +192,8 @@ class Connections:
         arena = self.arena(info)
         if arena is not None:
             return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes)
-        if self.config.bulk and info.bulk and info.unit_id not in self.no_bulk:
-            return BulkRoute(info, peer, self, self.config)
+        if self.config.bulk and info.bulk:
+            return BulkRoute(info, peer, self.config)
         return InlineRoute(info, peer)
 
     async def close(self) -> None:
@@ -207,35 +205,13 @@ class Connections:
         if self.controller is not None:
             peers.append(self.controller)
         self.unit_peers.clear()
+        routes = list(self.routes.values())
         self.routes.clear()
+        for route in routes:
+            route.close()  # a bulk route's idle streams
         self.controller = None
         for peer in peers:
             await peer.close(bye=True)  # what the servers hold for this session is freed now
-        streams = [st for idle in self.streams.values() for st in idle]
-        self.streams.clear()
-        for st in streams:
-            st.close()
-
-    # --- bulk streams -----------------------------------------------------------------
-
-    async def stream(self, unit_id: int) -> _bulk.BulkStream | None:
-        """An idle bulk stream to the unit, opened if none is; None if it cannot be reached
-        (fetches from it then come in ZeroMQ frames)."""
-        idle = self.streams.get(unit_id)
-        if idle:
-            return idle.pop()
-        info = self.units[unit_id]
-        try:
-            return await _bulk.run_blocking(_bulk.BulkStream, info.bulk, self.config.request_timeout)
-        except UnavailableError as exc:
-            log.warning("%s; payload from unit %d comes over ZeroMQ instead", exc, unit_id)
-            self.no_bulk.add(unit_id)
-            self.routes.pop(unit_id, None)  # picked again, inline
-            return None
-
-    def keep(self, unit_id: int, streams: Sequence[_bulk.BulkStream]) -> None:
-        """Put streams whose bytes are all read or written back into the unit's idle pool."""
-        self.streams.setdefault(unit_id, []).extend(streams)
 
     # --- arenas -----------------------------------------------------------------------
 

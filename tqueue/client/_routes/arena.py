@@ -13,7 +13,7 @@ from ...transport._arena import ArenaMap, aligned
 from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from .._assemble import Part
 from .._encode import Encoded
-from .base import Links, Outgoing, Route, Rows, Sent
+from .base import Outgoing, Releases, Route, Rows, Sent
 from .inline import InlineRoute, fetch_msg, received
 
 
@@ -21,12 +21,12 @@ class ArenaRoute(Route):
     """Puts of at least ``min_bytes`` go through the arena, smaller ones (and those a full
     arena refuses) inline; fetches ask for arena views."""
 
-    def __init__(self, info: UnitInfo, peer: _zmq.Peer, arena: ArenaMap, links: Links, min_bytes: int) -> None:
+    def __init__(self, info: UnitInfo, peer: _zmq.Peer, arena: ArenaMap, releases: Releases, min_bytes: int) -> None:
         super().__init__(info)
         self.peer = peer
         self.arena = arena
         self.inline = InlineRoute(info, peer)
-        self._links = links
+        self._releases = releases
         self._min_bytes = min_bytes
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
@@ -77,7 +77,7 @@ class ArenaRoute(Route):
         ranges = [r for r in reply.shm if r]
         if not ranges:
             return raw
-        hold, unit_id, links = reply.hold, self.info.unit_id, self._links
-        views = iter(self.arena.views(ranges, lambda: links.release_soon(unit_id, hold)))
+        hold, unit_id, releases = reply.hold, self.info.unit_id, self._releases
+        views = iter(self.arena.views(ranges, lambda: releases.release_soon(unit_id, hold)))
         frames = iter(raw)
         return [next(views) if r else next(frames) for r in reply.shm]

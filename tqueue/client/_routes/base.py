@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from ..._memory import BufferPool
-from ...transport import _bulk
 from ...wire import BatchMeta, FieldSpec, Store, Stored, UnitInfo
 from ...wire._layout import itemsize
 from .._assemble import Part
@@ -70,13 +69,9 @@ class Rows:
         return spec, buf
 
 
-class Links(Protocol):
-    """What routes borrow from the client's connections: the pool of idle bulk streams and
-    the queue of arena holds to release."""
-
-    async def stream(self, unit_id: int) -> _bulk.BulkStream | None: ...
-
-    def keep(self, unit_id: int, streams: Sequence[_bulk.BulkStream]) -> None: ...
+class Releases(Protocol):
+    """Where an arena route queues the release of a hold once the caller dropped its last
+    view of it (from any thread, after the get): the client's connections."""
 
     def release_soon(self, unit_id: int, hold: int) -> None: ...
 
@@ -91,6 +86,9 @@ class Route(abc.ABC):
     @abc.abstractmethod
     async def store(self, put: Outgoing, msg: Store) -> Sent:
         """Send one put's payload and ``msg`` (its header, filled in here) to the unit."""
+
+    def close(self) -> None:  # noqa: B027 - most routes hold nothing of their own
+        """Let go of what the route holds of its own (a bulk route's idle streams)."""
 
     @abc.abstractmethod
     async def fetch(

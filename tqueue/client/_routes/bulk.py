@@ -12,14 +12,14 @@ from typing import Any, Final
 import numpy as np
 
 from ...config import ClientConfig
-from ...errors import ProtocolError
+from ...errors import ProtocolError, UnavailableError
 from ...transport import _bulk, _zmq
 from ...wire import BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from ...wire._layout import int_dtype, itemsize, nbytes, sample_sizes
 from ...wire._pack import PACKED, Narrowing, Widening
 from .._assemble import Part
 from .._encode import Encoded
-from .base import Links, Outgoing, Route, Rows, Sent
+from .base import Outgoing, Route, Rows, Sent
 from .inline import InlineRoute, fetch_msg, received
 
 log = logging.getLogger(__name__)
@@ -28,20 +28,41 @@ LANE_GRACE: Final = 2.0  # fixed: seconds to wait for a unit's reason after it c
 
 class BulkRoute(Route):
     """Puts of at least ``ClientConfig.bulk_put_min_bytes`` (as the caller's values hold
-    them, before narrowing) and every fetch over bulk streams from the connections' pool;
-    what no stream can carry goes inline."""
+    them, before narrowing) and every fetch over the unit's bulk streams; what no stream can
+    carry goes inline. The route keeps its unit's idle streams (``idle``): a stream whose
+    bytes were all read or written goes back there, one in doubt is closed. Where the unit's
+    listener cannot be reached, the route says so once and carries everything inline."""
 
-    def __init__(self, info: UnitInfo, peer: _zmq.Peer, links: Links, config: ClientConfig) -> None:
+    def __init__(self, info: UnitInfo, peer: _zmq.Peer, config: ClientConfig) -> None:
         super().__init__(info)
         self.peer = peer
         self.inline = InlineRoute(info, peer)
-        self._links = links
         self.config = config
+        self.idle: list[_bulk.BulkStream] = []
+        self.unreachable = False
+
+    async def _stream(self) -> _bulk.BulkStream | None:
+        """An idle stream, opened if none is; None if the unit's listener cannot be reached."""
+        if self.idle:
+            return self.idle.pop()
+        if self.unreachable:
+            return None
+        try:
+            return await _bulk.run_blocking(_bulk.BulkStream, self.info.bulk, self.config.request_timeout)
+        except UnavailableError as exc:
+            log.warning("%s; payload of unit %d goes over ZeroMQ instead", exc, self.info.unit_id)
+            self.unreachable = True
+            return None
+
+    def close(self) -> None:
+        idle, self.idle = self.idle, []
+        for st in idle:
+            st.close()
 
     # --- puts ---------------------------------------------------------------------------
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
-        if put.wide.nbytes < self.config.bulk_put_min_bytes:  # small: inline, narrowed once
+        if put.wide.nbytes < self.config.bulk_put_min_bytes or self.unreachable:  # inline, narrowed once
             return await self.inline.store(put, msg)
         # big fields are narrowed as they are sent (frames in cache)
         enc = put.narrow(True) if put.narrow is not None else put.wide
@@ -67,15 +88,14 @@ class BulkRoute(Route):
         lane_min = self.config.bulk_lane_min_bytes
         want = self.config.bulk_lanes if enc.nbytes >= lane_min * self.config.bulk_lanes else 1
         counts = split([b.cost if isinstance(b, Narrowing) else nbytes(b) for b in enc.buffers], max(1, want))
-        unit_id = self.info.unit_id
         streams: list[_bulk.BulkStream] = []
         for _ in counts:
-            st = await self._links.stream(unit_id)
+            st = await self._stream()
             if st is None:
                 break
             streams.append(st)
         if len(streams) < len(counts):
-            self._links.keep(unit_id, streams)
+            self.idle.extend(streams)
             return None
         msg.bulk = [(st.token, n) for st, n in zip(streams, counts)]
         limit = self.config.request_timeout
@@ -95,7 +115,7 @@ class BulkRoute(Route):
                     task.cancel()
                 task.add_done_callback(_consume)
             raise
-        self._links.keep(unit_id, streams)
+        self.idle.extend(streams)
         stored: Stored = reply.result()[0]
         return stored
 
@@ -104,8 +124,7 @@ class BulkRoute(Route):
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: Rows
     ) -> Part:
-        unit_id = self.info.unit_id
-        stream = await self._links.stream(unit_id)
+        stream = await self._stream()
         if stream is None:  # the listener cannot be reached: in frames this once
             return await self.inline.fetch(meta, positions, indexes, fields, rows)
         wire, widened = -1, 0
@@ -122,7 +141,7 @@ class BulkRoute(Route):
         except BaseException:
             stream.close()  # bytes may be in flight: never read this stream again
             raise
-        self._links.keep(unit_id, [stream])
+        self.idle.append(stream)
         return received(positions, reply, frames, wire, widened)
 
     def lanes(self, meta: BatchMeta, fields: list[str], positions: np.ndarray) -> list[np.ndarray]:
