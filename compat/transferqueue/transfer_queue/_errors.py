@@ -18,7 +18,6 @@ class NotYetSupportedError(NotImplementedError):
 
 
 KEY_INDEX = "tqueue's key index (keys to samples, with per-sample tags; issue 27)"
-CHECKPOINT = "tqueue's checkpoint (issue 26)"
 
 
 def not_yet(call: str, needs: str) -> NotYetSupportedError:

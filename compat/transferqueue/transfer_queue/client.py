@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import tqueue
 from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tensordict
-from transfer_queue._errors import CHECKPOINT, KEY_INDEX, not_yet, refused
+from transfer_queue._errors import KEY_INDEX, not_yet, refused
 from transfer_queue.metadata import BatchMeta
 
 POLLING_ENV = "TQUEUE_TRANSFER_QUEUE_POLLING"  # "1": an under-supplied get_meta returns an empty meta
@@ -82,6 +82,14 @@ def _task_and_mode(mode: str, task_name: str | None, sampling_config: dict[str, 
     if config:
         raise not_yet(f"get_meta(sampling_config={sorted(config)})", "arguments passed to tqueue policies (issue 27)")
     return task_name
+
+
+def _whole(call: str) -> NotImplementedError:
+    return refused(
+        f"{call} (a checkpoint of the controller or of the storage alone)",
+        "tqueue checkpoints the controller and every unit together, consistently: use transfer_queue.save_checkpoint "
+        "and load_checkpoint",
+    )
 
 
 def _polling() -> bool:
@@ -296,10 +304,16 @@ class TransferQueueClient(_Refusals):
         return self._kv("kv_list")
 
     def save_controller_checkpoint(self, path: str) -> None:
-        raise not_yet("save_controller_checkpoint", CHECKPOINT)
+        raise _whole("save_controller_checkpoint")
 
     def load_controller_checkpoint(self, path: str) -> None:
-        raise not_yet("load_controller_checkpoint", CHECKPOINT)
+        raise _whole("load_controller_checkpoint")
+
+    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        raise _whole("save_storage_checkpoint")
+
+    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        raise _whole("load_storage_checkpoint")
 
     def close(self) -> None:
         self._client.close()

@@ -12,6 +12,7 @@ attaches to that address.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 import tqueue
-from transfer_queue._errors import CHECKPOINT, KEY_INDEX, not_yet, refused
+from transfer_queue._errors import KEY_INDEX, not_yet, refused
 from transfer_queue.client import POLLING_ENV, TransferQueueClient
 from transfer_queue.metadata import KVBatchMeta
 from transfer_queue.sampler import BaseSampler, SequentialSampler
@@ -171,8 +172,29 @@ async def async_kv_clear(*args: Any, **kwargs: Any) -> None:
 
 
 def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True, metadata: dict[str, Any] | None = None) -> None:
-    raise not_yet("save_checkpoint", CHECKPOINT)
+    """tqueue's checkpoint of the whole data plane (``Client.save_checkpoint``: metadata and
+    payload, atomic), plus TransferQueue's ``metadata.json`` (``storage_saved``,
+    ``user_metadata``) written beside it, also atomically, once tqueue's manifest is in place.
+
+    ``metadata`` must be JSON values (tqueue's ``InvalidArgumentError`` otherwise). tqueue's
+    checkpoint always holds the payload: ``include_storage=False`` saves it too, and
+    ``metadata.json`` says so (``storage_saved: true``).
+    """
+    directory = Path(checkpoint_dir).absolute()
+    reply = get_client()._client.save_checkpoint(directory, metadata=metadata)
+    record = {"storage_saved": True, "user_metadata": metadata, "tqueue_manifest": Path(reply.manifest).name}
+    tmp = directory / "metadata.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / "metadata.json")
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
-    raise not_yet("load_checkpoint", CHECKPOINT)
+    """Load a checkpoint of ``save_checkpoint`` into this cluster, which must have no partitions
+    yet (``Client.load_checkpoint``). TransferQueue's own checkpoints (pickle) cannot be read."""
+    directory = Path(checkpoint_dir).absolute()
+    if not (directory / "manifest.json").exists() and (directory / "controller_state.pkl").exists():
+        raise refused(f"{directory} is a TransferQueue checkpoint (pickle)", "tqueue reads only its own checkpoints")
+    get_client()._client.load_checkpoint(directory)
