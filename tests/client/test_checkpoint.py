@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import threading
 import time
@@ -200,6 +201,9 @@ def test_puts_and_gets_go_on_while_a_checkpoint_is_written(tmp_path: pathlib.Pat
     finally:
         stop.set()
         worker.join(timeout=60)
+        client.clear(name)  # 256 MiB on the module's units, and as many on disk
+        client.clear(f"{name}-live")
+        shutil.rmtree(tmp_path, ignore_errors=True)
     during = [s for t, s in latencies if begin <= t and t + s <= end]
     print(f"\ncheckpoint: {info.payload_bytes / 2**20:.0f} MiB in {info.seconds:.2f} s "
           f"({info.payload_bytes / info.seconds / 1e9:.2f} GB/s); loops held: controller {1e3 * info.controller_pause:.1f} ms, "

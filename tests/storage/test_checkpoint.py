@@ -43,3 +43,25 @@ def test_the_payload_comes_back_from_its_files(tmp_path: pathlib.Path) -> None:
     assert np.frombuffer(data, dtype=np.int64).tolist() == [1, -2, 3, 4, 5, -6]
     block, data = _read(fresh, 9, "p", "o", [2, 0, 1])
     assert block.sizes == [3, 1, 2] and data == b"cccabb"
+
+
+def test_a_write_the_controller_had_not_committed_is_left_out(tmp_path: pathlib.Path) -> None:
+    """An update installed on the unit but not committed at the controller's copy (say, one
+    the controller will refuse) is seen through: the snapshot holds the samples as they were;
+    a new put not committed is not in it at all."""
+    store = PayloadStore()
+    spec = FieldSpec(kind="ndarray", dtype="uint8", layout="dense", shape=(2,))
+    store.write(4, "p", np.array([0, 1, 2]), [FieldBlock(name="x", spec=spec, counts=[3])], [b"aabbcc"], grant=1).commit()
+    store.write(4, "p", np.array([2, 0]), [FieldBlock(name="x", spec=spec, counts=[1, 1])], [b"ZZ", b"XX"], grant=2)
+    store.write(4, "p", np.array([3]), [FieldBlock(name="x", spec=spec, counts=[1])], [b"nn"], grant=3)
+    assert sorted(store.installed) == [2, 3]
+    checkpoints = UnitCheckpoints(store, None, lambda r: None)
+    for exclude, want in (([2, 3], b"aabbcc"), ([], b"XXbbZZnn")):
+        folder = tmp_path / f"e{len(exclude)}"
+        files = _write_all(str(folder), "unit-0", checkpoints.snapshot([4], exclude))
+        fresh = PayloadStore()
+        for uid, name, indexes, block, frame in _read_all(str(folder), files):
+            fresh.write(uid, name, indexes, [block], [frame]).commit()
+        held = fresh.partitions[4].columns["x"]
+        n = int((held.piece_of[: held.top] > 0).sum())
+        assert _read(fresh, 4, "p", "x", list(range(n)))[1] == want

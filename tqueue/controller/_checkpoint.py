@@ -102,10 +102,11 @@ class Checkpoints:
         generation = f"gen-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}-{secrets.token_hex(4)}"
         gen_dir = os.path.join(directory, generation)
         units = [(uid, u) for uid, u in state.units.items() if u.alive and uid in state.unit_peers]
+        pending = list(state.grants)  # writes the copy does not hold: the units leave them out
         saves = [
-            asyncio.ensure_future(
-                state.unit_peers[uid].request(SaveUnit(directory=gen_dir, partitions=uids, unit=uid), expect=UnitSaved, timeout=math.inf)
-            )
+            asyncio.ensure_future(state.unit_peers[uid].request(
+                SaveUnit(directory=gen_dir, partitions=uids, unit=uid, exclude=pending), expect=UnitSaved, timeout=math.inf
+            ))
             for uid, _ in units
         ]
         trainer = {

@@ -30,7 +30,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -79,7 +79,7 @@ class UnitCheckpoints:
         if not os.path.isabs(msg.directory):
             raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {msg.directory!r}")
         started = time.perf_counter()
-        columns = self.snapshot(msg.partitions)
+        columns = self.snapshot(msg.partitions, msg.exclude)
         regions = {p.region.offset: p.region for c in columns for p in c.pieces.values() if p.region is not None}
         for region in regions.values():
             assert self.arena is not None
@@ -87,9 +87,12 @@ class UnitCheckpoints:
         pause = time.perf_counter() - started
         return self._write(msg, columns, list(regions.values()), pause)
 
-    def snapshot(self, uids: list[int]) -> list[_Column]:
+    def snapshot(self, uids: Sequence[int], exclude: Sequence[int] = ()) -> list[_Column]:
         """Which piece and row hold each sample of every field of ``uids`` (copies of the
-        index arrays, references to the pieces: no payload is copied)."""
+        index arrays, references to the pieces: no payload is copied). Writes of the grants
+        in ``exclude`` that are installed and not committed are seen through: their samples
+        as they were before them."""
+        hidden = [self.store.installed[g] for g in exclude if g in self.store.installed]
         out = []
         for uid in uids:
             part = self.store.partitions.get(uid)
@@ -98,11 +101,14 @@ class UnitCheckpoints:
             for field, col in part.columns.items():
                 held = col.piece_of[: col.top]
                 indexes = np.flatnonzero(held > 0)
-                if not len(indexes):
-                    continue
                 pids = held[indexes]
+                rows = col.row_of[indexes]
                 pieces = {pid: col.pieces[pid] for pid in np.unique(pids).tolist()}
-                out.append(_Column(uid, part.name, field, indexes, pids, col.row_of[indexes], pieces))
+                for write in hidden:
+                    if write.uid == uid and field in write.fields:
+                        indexes, pids, rows = _before_write(write.fields[field], indexes, pids, rows, pieces)
+                if len(indexes):
+                    out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces))
         return out
 
     async def _write(self, msg: SaveUnit, columns: list[_Column], regions: list[Region], pause: float) -> UnitSaved:
@@ -145,6 +151,27 @@ class UnitCheckpoints:
         unmapped after this)."""
         if self._running:
             await asyncio.wait(list(self._running))
+
+
+def _before_write(
+    write: tuple[Piece, np.ndarray, np.ndarray, np.ndarray, dict[int, Piece]],
+    indexes: np.ndarray, pids: np.ndarray, rows: np.ndarray, pieces: dict[int, Piece],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The snapshot's samples with an uncommitted write undone: those still pointing at its
+    piece point where they did before it (or are left out, where nothing was there)."""
+    piece, at, old_pids, old_rows, olds = write
+    mine = [pid for pid, p in pieces.items() if p is piece]
+    if not mine:
+        return indexes, pids, rows  # overwritten since, or never installed here
+    sel = pids == mine[0]
+    del pieces[mine[0]]
+    order = np.argsort(at, kind="stable")
+    where = order[np.searchsorted(at[order], indexes[sel])]
+    pids, rows = pids.copy(), rows.copy()
+    pids[sel], rows[sel] = old_pids[where], old_rows[where]
+    pieces.update(olds)
+    keep = pids > 0
+    return indexes[keep], pids[keep], rows[keep]
 
 
 # --- files (in the checkpoint thread) -------------------------------------------------

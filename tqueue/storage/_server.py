@@ -220,7 +220,8 @@ class StorageUnit:
         try:
             frames, where = self.holds.frames(msg, raw, region)
             pending = self.data.write(
-                msg.partition_uid, msg.partition, indexes, msg.blocks, frames, arena=where, region=region
+                msg.partition_uid, msg.partition, indexes, msg.blocks, frames, arena=where, region=region,
+                grant=msg.grant_id,
             )
             nbytes = sum(nbytes_of(f) for f in frames)
             part = self.data.partitions[msg.partition_uid]

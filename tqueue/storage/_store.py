@@ -138,6 +138,16 @@ class PartitionData:
 
 
 @dataclasses.dataclass
+class Installed:
+    """A write installed and not committed yet, as a checkpoint's snapshot may need to see
+    through it: per field, its new piece, the samples it covers and what they pointed to
+    before (piece id 0: nothing), with those pieces."""
+
+    uid: int
+    fields: dict[str, tuple[Piece, np.ndarray, np.ndarray, np.ndarray, dict[int, Piece]]]
+
+
+@dataclasses.dataclass
 class Pending:
     """An installed write, waiting for the controller's commit: ``commit()`` or ``rollback()``."""
 
@@ -154,6 +164,18 @@ class ReadReply:
     frames: list[Any]
     refs: list[list[int]] | None
     held: list[Region]
+
+
+def _before(col: Column | None, indexes: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, Piece]]:
+    """What ``indexes`` of a column point to: piece ids (0: none), rows, and those pieces."""
+    pids = np.zeros(len(indexes), dtype=np.int64)
+    rows = np.zeros(len(indexes), dtype=np.int64)
+    if col is None or not len(indexes) or int(indexes.min()) >= len(col.piece_of):
+        return pids, rows, {}  # new samples, the usual write
+    inside = indexes < len(col.piece_of)
+    pids[inside] = col.piece_of[indexes[inside]]
+    rows[inside] = col.row_of[indexes[inside]]
+    return pids, rows, {pid: col.pieces[pid] for pid in np.unique(pids[pids > 0]).tolist()}
 
 
 class PayloadStore:
@@ -178,6 +200,7 @@ class PayloadStore:
         self.arena = arena
         self._release_soon = release_soon
         self._piece_ids = itertools.count(1)  # 0: no piece
+        self.installed: dict[int, Installed] = {}  # grant id -> a write of it not committed yet
 
     # --- writes ---------------------------------------------------------------------
 
@@ -191,8 +214,10 @@ class PayloadStore:
         *,
         arena: Sequence[int] | None = None,
         region: Region | None = None,
+        grant: int = 0,
     ) -> Pending:
-        """Install a write; pieces it overwrites stay until ``commit()``."""
+        """Install a write; pieces it overwrites stay until ``commit()``. ``grant``: the
+        controller's grant it belongs to, remembered (``installed``) until commit or rollback."""
         if uid <= 0:
             raise ProtocolError(f"bad partition uid {uid}")
         self.check_indexes(name, indexes)
@@ -230,14 +255,21 @@ class PayloadStore:
                 self.arena.incref(piece.region)
         rows = np.arange(len(indexes), dtype=np.int64)
         top = int(indexes.max()) + 1 if len(indexes) else 0
+        befores = [_before(part.columns.get(field), indexes) for field, _ in pieces] if grant else []
         steps = [self._install(part, field, piece, span, rows, top) for field, piece in pieces]
+        if grant:
+            self.installed[grant] = Installed(
+                uid, {field: (piece, indexes, *before) for (field, piece), before in zip(pieces, befores)}
+            )
 
         def commit() -> None:
+            self.installed.pop(grant, None)
             for _, _, dead in steps:
                 for piece in dead:
                     self._free(piece)
 
         def rollback() -> None:
+            self.installed.pop(grant, None)
             if self.partitions.get(uid) is not part:
                 return  # dropped meanwhile: its pieces are already freed and accounted
             for undo, new, _ in reversed(steps):

@@ -76,6 +76,9 @@ class SaveUnit(Message):
     directory: str
     partitions: list[int]
     unit: int = 0  # the name of the unit's folder (its unit id)
+    # grants the controller had not committed at its copy: a write of one of them that this
+    # unit installed is left out (the samples as they were before it)
+    exclude: list[int] = []
 
 
 class UnitSaved(Message):
