@@ -30,6 +30,7 @@ from ._ask import Completion, DataAsk, MetaAsk, PutAsk, takes
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
+from ._keys import KeyCalls
 from ._lifecycle import Lifecycle
 from ._puts import Puts
 
@@ -37,6 +38,18 @@ __all__ = ["AsyncClient", "ClientStats"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def _keyed(
+    method: Callable[Concatenate[KeyCalls, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """An :class:`AsyncClient` method that hands the call to the client's :class:`KeyCalls`."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await method(self._keys, *args, **kwargs)
+
+    return call
 
 
 def _handed_on(
@@ -80,6 +93,7 @@ class AsyncClient:
         self._puts = Puts(self._conns, pool, self.stats)
         self._gets = Gets(self._conns, pool, self.stats)
         self._lifecycle = Lifecycle(self._conns, self._puts, self._gets)
+        self._keys = KeyCalls(self._conns)
 
     # --- connection -----------------------------------------------------------------
 
@@ -346,3 +360,13 @@ class AsyncClient:
     postpone = _handed_on(Lifecycle.postpone)
     sealed = _handed_on(Lifecycle.sealed)
     field_stats = _handed_on(Lifecycle.field_stats)
+
+    # --- keys and tags: handed to KeyCalls, which documents them
+
+    bind_keys = _keyed(KeyCalls.bind_keys)
+    tag_keys = _keyed(KeyCalls.tag_keys)
+    set_tags = _keyed(KeyCalls.set_tags)
+    lookup_keys = _keyed(KeyCalls.lookup_keys)
+    keys_of = _keyed(KeyCalls.keys_of)
+    list_keys = _keyed(KeyCalls.list_keys)
+    drop_keys = _keyed(KeyCalls.drop_keys)

@@ -195,6 +195,13 @@ class Client:
     postpone = _twin(AsyncClient.postpone)
     sealed = _twin(AsyncClient.sealed)
     field_stats = _twin(AsyncClient.field_stats)
+    bind_keys = _twin(AsyncClient.bind_keys)
+    tag_keys = _twin(AsyncClient.tag_keys)
+    set_tags = _twin(AsyncClient.set_tags)
+    lookup_keys = _twin(AsyncClient.lookup_keys)
+    keys_of = _twin(AsyncClient.keys_of)
+    list_keys = _twin(AsyncClient.list_keys)
+    drop_keys = _twin(AsyncClient.drop_keys)
 
 
 def _forked(parent: int) -> ForkedClientError:

@@ -29,11 +29,13 @@ from ..wire import (
     PROTOCOL_VERSION,
     Ack,
     Admission,
+    BindKeys,
     Cancel,
     Checkpoint,
     Clear,
     Commit,
     CreatePartition,
+    DropKeys,
     Fail,
     GetMeta,
     Grant,
@@ -42,6 +44,8 @@ from ..wire import (
     HeartbeatReply,
     Hello,
     HelloReply,
+    ListKeys,
+    LookupKeys,
     Message,
     Meta,
     Ok,
@@ -55,9 +59,11 @@ from ..wire import (
     Seal,
     Sealed,
     Select,
+    SetTags,
     SetVersion,
     StatusReply,
     StatusRequest,
+    TagKeys,
     TaskStatus,
     UnitStatus,
     VersionWait,
@@ -65,6 +71,7 @@ from ..wire import (
 )
 from ._checkpoint import Checkpoints
 from ._cleanup import Cleanup
+from ._keys import Keys
 from ._limits import check as check_limits
 from ._liveness import Liveness
 from ._moves import Moves
@@ -102,6 +109,7 @@ class Controller:
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
         )
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
+        self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -132,6 +140,12 @@ class Controller:
             (Cancel, self._cancel),
             (Checkpoint, self.checkpoints.save),
             (Restore, self.checkpoints.restore),
+            (BindKeys, self.keys.bind),
+            (TagKeys, self.keys.tag_keys),
+            (SetTags, self.keys.set_tags),
+            (LookupKeys, self.keys.lookup),
+            (ListKeys, self.keys.list_keys),
+            (DropKeys, self.keys.drop),
         )
         for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))

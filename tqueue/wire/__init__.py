@@ -1,7 +1,7 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints; ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
@@ -18,6 +18,7 @@ from ._durable import (
     UnitLoaded,
     UnitSaved,
 )
+from ._keys import BindKeys, DropKeys, KeyListing, KeysFound, ListKeys, LookupKeys, SetTags, TagKeys, Tags
 from ._messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -90,6 +91,7 @@ __all__ = [
     "Alloc",
     "Allocated",
     "BatchMeta",
+    "BindKeys",
     "Bye",
     "Cancel",
     "Checkpoint",
@@ -100,6 +102,7 @@ __all__ = [
     "CreatePartition",
     "decode",
     "Drop",
+    "DropKeys",
     "Dropped",
     "encode",
     "Error",
@@ -117,8 +120,12 @@ __all__ = [
     "HeartbeatReply",
     "Hello",
     "HelloReply",
+    "KeyListing",
+    "KeysFound",
     "Kind",
+    "ListKeys",
     "LoadUnit",
+    "LookupKeys",
     "Message",
     "Meta",
     "Move",
@@ -141,11 +148,14 @@ __all__ = [
     "Seal",
     "Sealed",
     "Select",
+    "SetTags",
     "SetVersion",
     "StatusReply",
     "StatusRequest",
     "Store",
     "Stored",
+    "TagKeys",
+    "Tags",
     "TaskStatus",
     "UnitFile",
     "UnitInfo",

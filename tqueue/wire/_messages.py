@@ -100,6 +100,15 @@ class Kind(enum.IntEnum):
     UNIT_SAVED = 55
     LOAD_UNIT = 56
     UNIT_LOADED = 57
+    # 60-69: keys and tags (wire/_keys.py)
+    BIND_KEYS = 60
+    TAG_KEYS = 61
+    SET_TAGS = 62
+    LOOKUP_KEYS = 63
+    KEYS_FOUND = 64
+    LIST_KEYS = 65
+    KEY_LISTING = 66
+    DROP_KEYS = 67
 
 
 class Message(msgspec.Struct, kw_only=True):

@@ -1,0 +1,117 @@
+"""Keys and tags (tqueue/client/_keys.py, tqueue/controller/_keys.py) on a real cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import tqueue
+
+
+def _values(client: tqueue.Client, partition: str, n: int) -> tqueue.BatchMeta:
+    return client.put(partition, {"x": torch.arange(float(n))})
+
+
+def test_tag_only_keys_get_their_samples_later(client: tqueue.Client, partition: str) -> None:
+    client.tag_keys(partition, ["a", "b"], [{"status": "running"}, {"status": "running"}])
+    assert client.list_keys(partition) == {partition: {"a": {"status": "running"}, "b": {"status": "running"}}}
+    meta = _values(client, partition, 2)
+    client.bind_keys(meta, ["b", "c"])
+    found = client.lookup_keys(partition, ["c", "a", "missing", "b"])
+    assert found.indexes == [meta.indexes[1], -1, -1, meta.indexes[0]]
+    assert found.tags == [{}, {"status": "running"}, None, {"status": "running"}]  # b kept its tags
+    assert found.meta is not None and found.meta.indexes == [meta.indexes[1], meta.indexes[0]]
+    assert client.get_data(found.meta)["x"].tolist() == [1.0, 0.0]
+
+
+def test_lookups_neither_lease_nor_consume(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 3)
+    client.bind_keys(meta, ["k0", "k1", "k2"])
+    found = client.lookup_keys(partition, ["k2", "k0"], fields=["x"])
+    for _ in range(2):
+        assert client.get_data(found.meta)["x"].tolist() == [2.0, 0.0]
+    leased = client.get_meta(partition, ["x"], 3, task="train", timeout=10)
+    assert sorted(leased.indexes) == sorted(meta.indexes)
+    assert client.keys_of(partition, sorted(leased.indexes)).keys == ["k0", "k1", "k2"]
+
+
+def test_tags_replace_and_keys_of(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 2)
+    client.bind_keys(meta, ["a", "b"], tags=[{"n": 1}, {"n": 2}])
+    client.set_tags(meta.select([1]), [{"n": 3, "done": True}])
+    client.tag_keys(partition, ["a"], [{"m": [1, 2]}])
+    got = client.keys_of(partition, meta.indexes)
+    assert got.keys == ["a", "b"] and got.tags == [{"m": [1, 2]}, {"n": 3, "done": True}]
+    unnamed = _values(client, partition, 1)
+    assert client.keys_of(partition, unnamed.indexes).keys == [None]
+
+
+def test_a_key_names_one_sample(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 2)
+    client.bind_keys(meta.select([0]), ["a"])
+    with pytest.raises(tqueue.InvalidArgumentError, match=f"key 'a' of partition '{partition}' already names sample"):
+        client.bind_keys(meta.select([1]), ["a"])
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"sample \d+ of partition .* is named 'a' already"):
+        client.bind_keys(meta.select([0]), ["z"])
+    with pytest.raises(tqueue.InvalidArgumentError, match="the same key twice"):
+        client.bind_keys(meta, ["b", "b"])
+    with pytest.raises(tqueue.InvalidArgumentError, match="2 keys for 1 samples"):
+        client.bind_keys(meta.select([1]), ["b", "c"])
+    with pytest.raises(tqueue.InvalidArgumentError, match="keys are str, got int"):
+        client.tag_keys(partition, [1], [{}])  # type: ignore[list-item]
+    with pytest.raises(tqueue.InvalidArgumentError, match="one dict per key"):
+        client.tag_keys(partition, ["q"], [])
+
+
+def test_drop_keys_frees_their_samples(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 3)
+    client.bind_keys(meta, ["a", "b", "c"])
+    client.drop_keys(partition, ["a", "c", "unknown"])
+    client.drop_keys(partition, ["a"])  # again: harmless
+    client.drop_keys("no-such-partition", ["a"])
+    assert client.list_keys(partition) == {partition: {"b": {}}}
+    left = client.get_meta(partition, ["x"], 1, task="t", timeout=10)
+    assert left.indexes == [meta.indexes[1]]
+    with pytest.raises(tqueue.WaitTimeoutError):
+        client.get_meta(partition, ["x"], 1, task="t", timeout=0)
+
+
+def test_cleared_samples_and_partitions_take_their_keys(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 2)
+    client.bind_keys(meta, ["a", "b"])
+    client.clear(meta.select([0]))
+    found = client.lookup_keys(partition, ["a", "b"])
+    assert found.indexes == [-1, meta.indexes[1]]
+    client.clear(partition)
+    assert partition not in client.list_keys()
+    _values(client, partition, 1)  # a new partition of that name starts without keys
+    assert client.list_keys(partition) == {}
+    assert client.lookup_keys(partition, ["b"]).indexes == [-1]
+
+
+def test_bounds_of_a_request() -> None:
+    with tqueue.LocalCluster(num_storage_units=1, controller={"max_samples_per_request": 3}) as cluster, tqueue.Client(
+        cluster.address
+    ) as client:
+        with pytest.raises(tqueue.InvalidArgumentError, match="4 keys in one request, more than max_samples_per_request=3"):
+            client.tag_keys("p", list("abcd"), [{}] * 4)
+        with pytest.raises(tqueue.InvalidArgumentError, match="a key of 5000 characters"):
+            client.tag_keys("p", ["k" * 5000], [{}])
+
+
+@pytest.fixture
+def async_client(cluster: tqueue.LocalCluster) -> Iterator[str]:
+    yield cluster.address
+
+
+def test_async_twin(async_client: str, partition: str) -> None:
+    async def run() -> dict[str, dict[str, dict[str, object]]]:
+        async with tqueue.AsyncClient(async_client) as client:
+            meta = await client.put(partition, {"x": torch.zeros(1)})
+            await client.bind_keys(meta, ["only"], tags=[{"ok": True}])
+            return await client.list_keys(partition)
+
+    assert asyncio.run(run()) == {partition: {"only": {"ok": True}}}
