@@ -103,7 +103,7 @@ class UnitCheckpoints:
                 indexes = np.flatnonzero(held > 0)
                 pids = held[indexes]
                 rows = col.row_of[indexes]
-                pieces = {pid: col.pieces[pid] for pid in np.unique(pids).tolist()}
+                pieces = dict(col.pieces)  # each one holds a sample (no sort of a million piece ids)
                 for write in hidden:
                     if write.uid == uid and field in write.fields:
                         indexes, pids, rows = _before_write(write.fields[field], indexes, pids, rows, pieces)
@@ -238,9 +238,11 @@ def _file_spec(col: _Column) -> FieldSpec:
 def _runs(col: _Column) -> Any:
     """(indexes, values back to back, int64 offsets, shapes [n, ndim]) per run: the samples
     of one frame of one piece, cut at BATCH_BYTES; packed integers widened."""
-    for pid, piece in col.pieces.items():
-        sel = col.pids == pid
-        indexes, rows = col.indexes[sel], col.rows[sel]
+    order = np.argsort(col.pids, kind="stable")  # by piece, each in index order
+    cuts = np.flatnonzero(np.diff(col.pids[order])) + 1
+    for chunk in np.split(order, cuts) if len(order) else ():
+        piece = col.pieces[int(col.pids[chunk[0]])]
+        indexes, rows = col.indexes[chunk], col.rows[chunk]
         frame_of = piece.frame_of[rows]
         for f in np.unique(frame_of).tolist():
             at = frame_of == f
