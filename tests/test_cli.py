@@ -358,3 +358,26 @@ def test_the_ready_line_is_documented_as_printed():
         prefix, info = line.split(" ", 1)
         assert prefix == READY and any(d.keys() == json.loads(info).keys() and d["role"] == json.loads(info)["role"]
                                        for d in docs[prefix]), line
+
+
+def test_checkpoint_and_restore_from_the_command_line(tmp_path):
+    """``tqueue checkpoint ADDR DIR`` writes what ``tqueue restore ADDR DIR`` loads into
+    another cluster, metadata included; metadata that is not JSON is a usage error."""
+
+    def tq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tqueue", *args], capture_output=True, text=True, timeout=120)
+
+    with tqueue.LocalCluster(num_storage_units=1) as old, tqueue.Client(old.address) as c:
+        c.put("cli", {"x": torch.arange(6).reshape(3, 2)})
+        bad = tq("checkpoint", old.address, str(tmp_path), "--metadata", "{step")
+        assert bad.returncode == 2 and "tqueue: error: --metadata is JSON" in bad.stderr
+        out = tq("checkpoint", old.address, str(tmp_path), "--metadata", '{"step": 9}')
+        assert out.returncode == 0, out.stderr
+        assert re.match(r"tqueue checkpoint: .*manifest\.json: 1 partitions, 3 samples, \d+ payload bytes", out.stdout)
+    with tqueue.LocalCluster(num_storage_units=2) as new, tqueue.Client(new.address) as c:
+        out = tq("restore", new.address, str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f'tqueue restore: 1 partitions from {tmp_path}; metadata {{"step": 9}}'
+        assert c.get_data("cli", ["x"], 3, task="t").get("x").tolist() == [[0, 1], [2, 3], [4, 5]]
+        again = tq("restore", new.address, str(tmp_path))
+        assert again.returncode == 1 and "load_checkpoint needs a cluster without partitions" in again.stderr

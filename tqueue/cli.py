@@ -148,6 +148,15 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between frames")
     tp.add_argument("--iterations", type=int, default=0, metavar="N", help="frames to draw (0: until Ctrl-C)")
 
+    ck = command("checkpoint", "write a running cluster's data plane into DIRECTORY (docs/api.md, save_checkpoint)")
+    ck.add_argument("controller", metavar="ADDR", help="the controller's address")
+    ck.add_argument("directory", metavar="DIRECTORY",
+                    help="where the checkpoint goes: the same path on the controller's and every unit's host")
+    ck.add_argument("--metadata", default="null", metavar="JSON", help="JSON kept in the manifest, given back by restore")
+    rs = command("restore", "load the checkpoint in DIRECTORY into a cluster without partitions (docs/api.md, load_checkpoint)")
+    rs.add_argument("controller", metavar="ADDR", help="the controller's address")
+    rs.add_argument("directory", metavar="DIRECTORY", help="a directory that save_checkpoint or tqueue checkpoint wrote")
+
     i = command("ingest", "HTTP ingestion for rollout fleets that push (docs/ingest.md)")
     i.add_argument("controller", metavar="ADDR", help="the controller's address")
     i.add_argument("--host", default="127.0.0.1", help="HTTP host to bind")
@@ -320,6 +329,36 @@ def _bench(argv: list[str]) -> int:
     return int(_bench_module().main(argv, prog="tqueue bench"))
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    import json
+
+    from .client import Client
+
+    try:
+        metadata = json.loads(args.metadata)
+    except ValueError as exc:
+        raise UsageError(f"--metadata is JSON: {exc}") from None
+    with Client(args.controller) as client:
+        info = client.save_checkpoint(args.directory, metadata=metadata)
+    print(
+        f"tqueue checkpoint: {info.manifest}: {info.partitions} partitions, {info.samples} samples, "
+        f"{info.payload_bytes} payload bytes in {info.seconds:.2f} s (loops held {1e3 * info.pause:.1f} ms at most)"
+    )
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    import json
+
+    from .client import Client
+
+    with Client(args.controller) as client:
+        metadata = client.load_checkpoint(args.directory)
+        parts = len(client.status().partitions)
+    print(f"tqueue restore: {parts} partitions from {args.directory}; metadata {json.dumps(metadata)}")
+    return 0
+
+
 def _ingest(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -359,6 +398,8 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "storage-unit": _storage_unit,
     "status": _status,
     "top": _top,
+    "checkpoint": _checkpoint,
+    "restore": _restore,
     "ingest": _ingest,
     "demo": _demo,
 }
