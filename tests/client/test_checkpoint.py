@@ -211,3 +211,16 @@ def test_puts_and_gets_go_on_while_a_checkpoint_is_written(tmp_path: pathlib.Pat
     assert info.payload_bytes >= 256 << 20
     assert info.pause < PAUSE_BOUND
     assert during, "no put and get completed while the checkpoint was written"
+
+
+def test_a_checkpoint_moves_between_clusters_with_auth_on(tmp_path: pathlib.Path) -> None:
+    """With CurveZMQ on, the controller's SaveUnit and LoadUnit reach the units under the
+    cluster's key; a checkpoint of one cluster loads into another with keys of its own."""
+    with tqueue.LocalCluster(num_storage_units=2, auth=True) as old, old.client() as c:
+        meta = c.put("secure", {"x": torch.arange(8, dtype=torch.float64).reshape(4, 2)})
+        assert c.save_checkpoint(tmp_path, metadata="s").samples == 4
+    with tqueue.LocalCluster(num_storage_units=1, auth=True) as new, new.client() as c:
+        assert c.load_checkpoint(tmp_path) == "s"
+        got = c.get_meta("secure", ["x"], 4, task="t", timeout=10)
+        assert got.indexes == meta.indexes
+        assert c.get_data(got)["x"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
