@@ -214,6 +214,13 @@ class ClientConfig:
         "(.to('cuda', non_blocking=True)): 54 against 10 GB/s from pageable memory on an H100 host "
         "(benchmarks/cuda.py); needs CUDA; batches read through a unit's arena stay pageable views of it, and idle "
         "pinned buffers count towards buffer_pool_bytes")
+    device_chunk_bytes: int = _setting(
+        4 * MiB, "a read onto a device (get_data(device=...)) copies in chunks of this size, and stages bytes "
+        "that are not page-locked through two page-locked bounce buffers of this size that take turns")
+    register_arena: bool = _setting(
+        True, "register the arena of a unit on this host with the device driver (cudaHostRegister) on the first "
+        "device read, so reads copy from it by DMA in place; it locks as many bytes as the arena holds, for the "
+        "client's life (where the driver refuses, a log line says so once and reads go through bounce buffers)")
     bulk_put_min_bytes: int = _setting(
         8 * MiB, "puts from this size up (as the caller's values hold them) send their frames over the unit's bulk "
         "streams (parallel lanes); smaller ones go inline on ZeroMQ, whose frames the unit keeps as they arrived")

@@ -78,3 +78,30 @@ def test_pin_memory_assembles_socket_batches_in_pinned_memory(cluster, partition
                 assert torch.equal(batch[k].to("cuda", non_blocking=True).cpu(), data[k]), k
             assert all(torch.equal(a, b) for a, b in zip(batch["jagged"], data["jagged"]))
             assert list(batch["prompt"]) == data["prompt"]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_get_data_onto_the_gpu_is_exact_and_copies_only_from_page_locked_memory(cluster, partition, shm):
+    """The device route on a real GPU: a CUDA put read back with ``device="cuda"`` lands on the
+    device, bit-exact, every copy from pinned or registered host memory (the arena, on shm)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    data = {
+        "x": torch.randn(64, 1 << 16, device="cuda", generator=g).to(torch.bfloat16),
+        "ids": torch.randint(0, 151_936, (64, 1024), device="cuda", generator=g),
+        "resp": [torch.arange(n, device="cuda") for n in range(1, 65)],
+        "tag": [f"s{i}" for i in range(64)],
+    }
+    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=60)
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.put(partition, data)
+        copied = c.stats.copied_bytes
+        batch = c.get_data(partition, list(data), 64, task="t", device="cuda", timeout=60)
+        for k in ("x", "ids"):
+            assert batch[k].is_cuda and torch.equal(batch[k], data[k]), k
+        assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(batch["resp"], data["resp"]))
+        assert list(batch["tag"]) == data["tag"]
+        acc = c._inner._gets._devices.of("cuda")
+        assert acc.copies and all(locked for _, locked in acc.copies)
+        if shm:  # the arena was registered: its pages were copied from in place, nothing staged
+            dense = sum(data[k].numel() * data[k].element_size() for k in ("x", "ids"))
+            assert c.stats.copied_bytes - copied < dense

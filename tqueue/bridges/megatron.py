@@ -400,8 +400,11 @@ class StepReader:
                    dp_size=self.layout.dp_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                    balance_by=balance_by, lease_timeout=self.lease_timeout, micro_batch_size=micro_batch_size,
                    num_microbatches_multiple_of=num_microbatches_multiple_of, min_num_microbatches=min_num_microbatches)
+        # onto the device by the client's device route: from page-locked memory only, in chunks
+        on = None if self.device.type == "cpu" else self.device
+
         def get_data(meta: BatchMeta) -> dict[str, Any]:
-            return {k: _to(v, self.device) for k, v in dict(self.client.get_data(meta, jagged=jagged)).items()}
+            return dict(self.client.get_data(meta, jagged=jagged, device=on))
 
         if self._channel is None:
             meta = self.client.get_meta(partition, fields, batch_size, **ask)
@@ -453,14 +456,6 @@ class StepReader:
             return False
         self.client.update(step.meta, data)
         return True
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=device.type != "cpu")
-    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [v.to(device) for v in value]
-    return value
 
 
 def _split(meta: BatchMeta, values: dict[str, Any]) -> list[dict[str, Any]]:

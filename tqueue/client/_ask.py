@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    import torch
+
     from ..wire import BatchMeta, GroupId
 
 P = ParamSpec("P")
@@ -58,12 +60,14 @@ class PutAsk:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """How a read presents jagged fields: ``jagged`` is one mode or a per-field mapping (the
-    options of :meth:`AsyncClient.get_data`, and of every reader built on it)."""
+    """How a read presents its fields: ``jagged`` is one mode or a per-field mapping;
+    ``device`` where tensors land (None: host memory). The options of
+    :meth:`AsyncClient.get_data`, and of every reader built on it."""
 
     jagged: JaggedAs | Mapping[str, JaggedAs] = "list"
     pad_value: float | int | bool = 0
     padding_side: Literal["right", "left"] = "right"
+    device: str | torch.device | None = None
 
     def mode(self, field: str) -> JaggedAs:
         mode = self.jagged if isinstance(self.jagged, str) else self.jagged.get(field, "list")

@@ -333,6 +333,12 @@ class AsyncClient:
         per-sample tensors (zero-copy), ``padded`` (with ``pad_value`` on
         ``padding_side``; lengths via ``batch.lengths(field)``), or ``nested`` (a torch
         jagged nested tensor); one mode, or a mapping per field.
+
+        ``device`` (``"cuda"``, ``"cuda:1"``, ``"npu"``; None: host memory): the batch's
+        tensors land in that device's memory, copied from page-locked host memory only (a
+        registered arena, pinned buffers) in chunks that overlap the host's work; object
+        fields and ``batch.lengths`` stay on the host (tqueue/client/_routes/device.py).
+        ``"cpu"`` takes the same route into memory of the batch's own.
         """
         options = ask  # a DataAsk is the read's Options
         meta, fields, batch_size, task = ask.meta, ask.fields, ask.batch_size, ask.task

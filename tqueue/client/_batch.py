@@ -37,6 +37,10 @@ class Batch(Mapping[str, Any]):
     def meta(self) -> BatchMeta:
         return self._meta
 
+    def replaced(self, values: dict[str, Any]) -> Batch:
+        """This batch with ``values`` instead (the same meta, lengths and options)."""
+        return Batch(self._meta, values, self._lengths, self._options)
+
     @property
     def size(self) -> int:
         """Number of samples."""

@@ -36,8 +36,9 @@ class ClientStats:
     ``put_bytes`` and ``get_bytes`` count payload as the fields hold it; ``wire_bytes``
     what of it was sent or received, after integer fields were packed (tqueue/wire/_pack.py).
     ``copied_bytes`` counts copies tqueue made in this process (contiguous copies, joins
-    and narrowing on put, assembly and widening on get); kernel socket copies are not
-    included.
+    and narrowing on put, assembly and widening on get, staging into bounce buffers on a
+    read onto a device); kernel socket copies are not included. ``device_bytes`` counts what
+    reads copied to a device.
     """
 
     puts: int = 0
@@ -46,6 +47,7 @@ class ClientStats:
     get_bytes: int = 0
     copied_bytes: int = 0
     wire_bytes: int = 0
+    device_bytes: int = 0  # copied to a device by reads with get_data(device=...)
 
 
 class Connections:

@@ -25,6 +25,7 @@ from ._assemble import Part, assemble
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
+from ._routes.device import Accelerator, DeviceRoutes, deliver
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
@@ -63,6 +64,8 @@ class Gets:
         self._pool = pool
         self.stats = stats
         self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
+        config = conns.config
+        self._devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.register_arena)
 
     async def get_meta(self, ask: MetaAsk) -> BatchMeta:
         """:meth:`AsyncClient.get_meta`."""
@@ -138,6 +141,7 @@ class Gets:
         """:meth:`AsyncClient.get_data`: of ``meta``, or of what ``get_meta(ask)`` leases."""
         options = options or Options()
         options.check()
+        acc = None if options.device is None else self._devices.of(options.device)  # before a lease
         if isinstance(meta, MetaAsk):
             meta = await self.get_meta(meta)
         want = list(meta.fields if fields is None else ([fields] if isinstance(fields, str) else fields))
@@ -147,30 +151,42 @@ class Gets:
                     f"field {f!r} is not in the schema of this meta of partition "
                     f"{meta.partition!r}{did_you_mean(f, meta.schema)}; known: {sorted(meta.schema)}"
                 )
-        return await self._fetch(meta, want, options)
+        return await self._fetch(meta, want, options, acc)
 
-    async def _fetch(self, meta: BatchMeta, fields: list[str], options: Options) -> Batch:
+    async def _fetch(self, meta: BatchMeta, fields: list[str], options: Options, acc: Accelerator | None) -> Batch:
         """Fetch from every unit in parallel (one request each, or one per lane), each over
         the route its connections picked for it, then assemble.
 
         (Splitting the request per field, to copy one field while the next arrives, was
         slower on two cores: the copy competes with ZeroMQ's receive for the CPU.)"""
         positions = _by_unit(meta)
+        pool = self._pool if acc is None else acc.pool()  # page-locked for a device
         if not positions:  # nothing to fetch: an empty batch, or pad rows only
-            return assemble(meta, fields, [], options, self._pool)[0]
+            return self._delivered(assemble(meta, fields, [], options, pool)[0], acc)
         routes = {u: await self._conns.route(u) for u in positions}
-        rows = Rows(meta, self._pool)
+        if acc is not None:
+            self._devices.prepare(acc, list(routes.values()))
+        rows = Rows(meta, pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
         parts = await all_or_none(
             *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows) for route, p in jobs)
         )
-        batch, tally = assemble(meta, fields, parts, options, self._pool, rows.buffers)
+        batch, tally = assemble(meta, fields, parts, options, pool, rows.buffers)
         self.stats.gets += 1
         self.stats.get_bytes += tally.logical
         self.stats.wire_bytes += tally.wire
         self.stats.copied_bytes += tally.copied
-        return batch
+        return self._delivered(batch, acc)
+
+    def _delivered(self, batch: Batch, acc: Accelerator | None) -> Batch:
+        """The batch on its device (the device route), or as it is."""
+        if acc is None:
+            return batch
+        moved, delivery = deliver(batch, acc, self._devices.chunk_bytes)
+        self.stats.copied_bytes += delivery.bounced
+        self.stats.device_bytes += delivery.direct + delivery.bounced
+        return moved
 
     async def _fetch_part(
         self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows

@@ -1,0 +1,203 @@
+"""The device route (tqueue/client/_routes/device.py), run on CPU: ``get_data(device="cpu")``
+takes the same code as a CUDA or NPU read, so its logic is tested here with real units on
+every payload route: exact bytes, only page-locked sources, chunks, the bounce buffers'
+turns, a registered arena and a refused registration. The CUDA copies themselves are tested
+in tests/client/test_cuda.py, on a host with a GPU."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tqueue
+from tqueue.client._routes import device as device_route
+from tqueue.client._routes.device import Accelerator, Delivery
+from tqueue.errors import InvalidArgumentError
+
+ROUTES = {
+    "inline": tqueue.ClientConfig(shm=False, bulk=False),
+    "bulk": tqueue.ClientConfig(shm=False, bulk_lanes=2, bulk_lane_min_bytes=1 << 16, bulk_put_min_bytes=1),
+    "arena": tqueue.ClientConfig(shm=True, shm_min_bytes=0),
+}
+
+
+def batch_data(n: int = 32, seed: int = 3) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 151_936, (n, 2048), generator=g),
+        "logp": torch.randn(n, 512, generator=g).to(torch.bfloat16),
+        "resp": [torch.randint(0, 1000, (int(k),), generator=g, dtype=torch.int32) for k in torch.randint(1, 700, (n,), generator=g)],
+        "prompt": [f"p{i}" for i in range(n)],
+    }
+
+
+def acc_of(client: tqueue.Client) -> Accelerator:
+    return client._inner._gets._devices.of("cpu")
+
+
+def same(batch: Any, data: dict[str, Any]) -> None:
+    for k in ("ids", "logp"):
+        assert batch[k].dtype == data[k].dtype and torch.equal(batch[k], data[k]), k
+    assert len(batch["resp"]) == len(data["resp"])
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(batch["resp"], data["resp"]))
+    assert list(batch["prompt"]) == data["prompt"]
+
+
+@pytest.mark.parametrize("route", list(ROUTES), ids=list(ROUTES))
+def test_a_device_read_is_exact_on_every_route_and_copies_only_from_locked_memory(cluster, partition, route):
+    data = batch_data()
+    config = ROUTES[route]
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.put(partition, data)
+        host = c.get_data(partition, list(data), 32, task="host", timeout=10)
+        moved = c.get_data(partition, list(data), 32, task="dev", device="cpu", timeout=10)
+        same(host, data)
+        same(moved, data)
+        acc = acc_of(c)
+        assert acc.copies and all(locked for _, locked in acc.copies)
+        assert sum(n for n, _ in acc.copies) >= sum(data[k].numel() * data[k].element_size() for k in ("ids", "logp"))
+        assert c.stats.device_bytes >= data["ids"].numel() * 8
+        # the batch owns its memory: none of it is a view of the pool's or the arena's
+        for k in ("ids", "logp"):
+            assert not acc.locked(moved[k].view(torch.uint8).reshape(-1).numpy()), k
+
+
+@pytest.mark.parametrize("mode", ["padded", "nested"])
+def test_padded_and_nested_fields_land_whole(cluster, partition, mode):
+    data = batch_data(16, seed=4)
+    with tqueue.Client(cluster.address, config=ROUTES["bulk"]) as c:
+        c.put(partition, data)
+        host = c.get_data(partition, ["resp"], 16, task="host", jagged=mode, pad_value=-1, timeout=10)
+        moved = c.get_data(partition, ["resp"], 16, task="dev", jagged=mode, pad_value=-1, device="cpu", timeout=10)
+        if mode == "nested":
+            assert moved["resp"].is_nested
+            assert torch.equal(moved["resp"].values(), host["resp"].values())
+            assert torch.equal(moved["resp"].offsets(), host["resp"].offsets())
+        else:
+            assert torch.equal(moved["resp"], host["resp"])
+            assert torch.equal(moved.lengths("resp"), host.lengths("resp"))
+
+
+def test_a_registered_arena_is_copied_from_in_place(cluster, partition):
+    data = batch_data()
+    with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
+        c.put(partition, data)
+        acc, copied = acc_of(c), c.stats.copied_bytes
+        batch = c.get_data(partition, ["ids"], 32, task="t", device="cpu", timeout=10)
+        assert torch.equal(batch["ids"], data["ids"])
+        [arena] = {id(r.arena): r.arena for r in c._inner._conns.routes.values()}.values()
+        assert acc.locked(arena.array[: arena.size])  # registered, for the client's life
+        assert c.stats.copied_bytes == copied  # read in place from the arena: nothing staged
+        assert c.stats.device_bytes == data["ids"].numel() * 8
+
+
+def test_a_refused_registration_is_said_once_and_reads_go_through_bounce_buffers(cluster, partition, monkeypatch, caplog):
+    monkeypatch.setattr(device_route, "_said", set())
+    monkeypatch.setattr(Accelerator, "register", lambda self, arena: "registration refused by this test")
+    data = batch_data()
+    dense = data["ids"].numel() * 8
+    with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
+        c.put(partition, data)
+        copied = c.stats.copied_bytes
+        with caplog.at_level(logging.WARNING, logger=device_route.__name__):
+            for task in ("a", "b"):
+                batch = c.get_data(partition, ["ids"], 32, task=task, device="cpu", timeout=10)
+                assert torch.equal(batch["ids"], data["ids"])
+        said = [r for r in caplog.records if "registration refused by this test" in r.getMessage()]
+        assert len(said) == 1 and "bounce buffers" in said[0].getMessage()
+        assert c.stats.copied_bytes - copied >= 2 * dense  # staged: the arena's pages were not locked
+        assert all(locked for _, locked in acc_of(c).copies)
+
+
+def test_register_arena_off_registers_nothing(cluster, partition, monkeypatch):
+    asked: list[Any] = []
+    monkeypatch.setattr(Accelerator, "register", lambda self, arena: asked.append(arena) or "")
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, register_arena=False)
+    with tqueue.Client(cluster.address, config=config) as c:
+        c.put(partition, {"x": torch.arange(1 << 16).reshape(1, -1)})
+        assert torch.equal(c.get_data(partition, ["x"], 1, task="t", device="cpu", timeout=10)["x"][0], torch.arange(1 << 16))
+    assert asked == []
+
+
+class Recorder(Accelerator):
+    """The cpu accelerator, recording the order of copies, fences and waits."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), 1 << 20)
+        self.log: list[tuple[str, int]] = []
+        self._fences = 0
+
+    def copy(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        self.log.append(("copy", src.nbytes))
+        super().copy(dst, src)
+
+    def fence(self) -> Any:
+        self._fences += 1
+        self.log.append(("fence", self._fences))
+        return self._fences
+
+    def wait(self, fence: Any) -> None:
+        self.log.append(("wait", fence or 0))
+
+
+def test_pageable_bytes_go_through_two_bounce_buffers_that_take_turns():
+    """Each buffer is refilled only after the copy that last drained it is waited for, so the
+    host fills one while the device drains the other; every chunk at most the chunk size."""
+    acc = Recorder()
+    chunk = 1 << 16
+    src = np.random.default_rng(0).integers(0, 255, 5 * chunk + 123, dtype=np.uint8)  # pageable
+    dst = acc.empty(src.nbytes)
+    d = Delivery(acc, chunk)
+    d.write(dst, 0, src)
+    d.finish()
+    assert np.array_equal(dst.numpy(), src)
+    copies = [n for kind, n in acc.log if kind == "copy"]
+    assert copies == [chunk] * 5 + [123]
+    waits = [n for kind, n in acc.log if kind == "wait"]
+    assert waits == [0, 0, 1, 2, 3, 4]  # buffer k's turn waits for the copy two before it
+    assert d.bounced == src.nbytes and d.direct == 0
+
+
+def test_small_samples_are_packed_into_one_copy_and_big_locked_ones_copied_in_place():
+    acc = Recorder()
+    d = Delivery(acc, 1 << 20)
+    small = [np.full(100 + i, i, dtype=np.uint8) for i in range(200)]
+    big = acc.locked_alloc(3 << 20)
+    big[:] = 7
+    total = sum(s.nbytes for s in small)
+    dst = acc.empty(total + big.nbytes)
+    at = 0
+    for s in small:
+        d.write(dst, at, s)
+        at += s.nbytes
+    d.write(dst, at, big)
+    d.finish()
+    copies = [n for kind, n in acc.log if kind == "copy"]
+    assert copies == [total, 1 << 20, 1 << 20, 1 << 20]  # the samples in one, the big one in chunks
+    assert d.direct == big.nbytes and d.bounced == total
+    assert np.array_equal(dst.numpy()[:total], np.concatenate(small)) and (dst.numpy()[total:] == 7).all()
+
+
+def test_a_copy_from_pageable_memory_is_refused():
+    acc = Accelerator(torch.device("cpu"), 0)
+    with pytest.raises(AssertionError, match="pageable"):
+        acc.copy(acc.empty(8), np.zeros(8, dtype=np.uint8))
+
+
+@pytest.mark.parametrize(
+    "device, match",
+    [("tpu", r"device='tpu'.*cuda, npu or cpu"), ("cuda:0", r"torch sees no CUDA device")],
+    ids=["unknown", "no-cuda"],
+)
+def test_a_device_that_cannot_be_had_is_a_clear_error(cluster, partition, device, match):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with tqueue.Client(cluster.address) as c:
+        c.put(partition, {"x": torch.arange(4).reshape(1, 4)})
+        with pytest.raises((InvalidArgumentError, RuntimeError), match=match):
+            c.get_data(partition, ["x"], 1, task="t", device=device, timeout=10)
+        assert torch.equal(c.get_data(partition, ["x"], 1, task="t", timeout=10)["x"], torch.tensor([[0, 1, 2, 3]]))

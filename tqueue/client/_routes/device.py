@@ -1,0 +1,372 @@
+"""The device route: a read delivered into accelerator memory, ``get_data(..., device=...)``.
+
+Whichever route brought a unit's bytes to this host, the last leg is host to device, and its
+speed depends on the host memory it starts from. From page-locked memory (pinned, or host
+memory registered with the driver) a copy runs by DMA at the copy engines' speed and does not
+block the host; from pageable memory the driver stages it through a bounce buffer of its own,
+synchronously, at a fraction of that (ANCHORS.md; benchmarks/cuda.py measures both). So a
+device read never hands the driver pageable memory:
+
+* the batch's host buffers (the dense rows a bulk stream receives in place, what assembly
+  copies) come from a page-locked pool of the accelerator's (:meth:`Accelerator.pool`);
+* a unit's arena, where it is on this host, is registered with the driver once per client
+  (``cudaHostRegister``; ``ClientConfig.register_arena``), so its views are copied from in
+  place. Registering locks the whole mapping: as many bytes of locked memory as the unit's
+  arena (``StorageConfig.arena_bytes``), once per unit on this host, for the client's life;
+  it is bounded by the arenas' sizes and by the process's memlock limit. Where the driver
+  refuses (a memlock limit, an accelerator without host registration), that is said once in
+  the log and those views go through the bounce buffers below;
+* any other bytes (ZeroMQ frames, views of an unregistered arena, small jagged samples) are
+  packed back to back into two page-locked bounce buffers of ``ClientConfig.device_chunk_bytes``
+  that take turns: the host fills one while the copy engine drains the other.
+
+Big locked ranges go in chunks of ``device_chunk_bytes`` as well, queued without waiting, so
+the copy of one field overlaps the host's work on the next. A dense field becomes one device
+tensor; a jagged field one device buffer with per-sample views (or a padded / nested tensor,
+moved whole); object fields and per-sample lengths stay on the host. :func:`deliver` returns
+once every copy is done, so the batch may be used on any stream.
+
+``cuda`` and ``npu`` (Ascend, through ``torch_npu``) are accelerators. ``cpu`` takes the same
+route into memory of the batch's own (no views of the unit's arena or of the client's pool):
+the tests run every branch of this module that way, with registration allowed or refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..._extras import require
+from ..._memory import BufferPool
+from ..._threads import copy_bytes
+from ...errors import InvalidArgumentError
+from ...transport._arena import ArenaMap
+from .._batch import Batch
+from .arena import ArenaRoute
+from .base import Route
+
+log = logging.getLogger(__name__)
+_said: set[tuple[str, str]] = set()  # (device type, refusal) already logged: each once per process
+SMALL = 64 * 1024  # locked ranges below this are packed into a bounce buffer with their neighbours
+
+
+def _say_once(kind: str, what: str) -> None:
+    if (kind, what) not in _said:
+        _said.add((kind, what))
+        log.warning("%s", what)
+
+
+class Accelerator:
+    """What a device read needs of one device: memory there, page-locked host memory, copies
+    queued without waiting, fences, and registration of host ranges with the driver.
+
+    The base class is the ``cpu`` device, where nothing is queued: copies happen at once, a
+    fence is always passed, and "page-locked" is what this object handed out or registered.
+    Subclasses override the device's own calls."""
+
+    def __init__(self, device: torch.device, pool_bytes: int) -> None:
+        self.device = device
+        self._ranges: dict[int, int] = {}  # start address -> end: host memory known to be locked
+        self._pool = _LockedPool(self, pool_bytes)
+        self.copies: list[tuple[int, bool]] = []  # (bytes, source locked): what the tests check
+
+    # --- host memory --------------------------------------------------------------------
+
+    def pool(self) -> BufferPool:
+        """Page-locked host buffers for the batch (pooled, as the client's)."""
+        return self._pool
+
+    def locked_alloc(self, nbytes: int) -> np.ndarray:
+        """A fresh page-locked host buffer (the pool's allocator)."""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        self._track(buf)
+        return buf
+
+    def _track(self, buf: np.ndarray) -> None:
+        start = buf.ctypes.data
+        self._ranges[start] = start + buf.nbytes
+        weakref.finalize(buf, self._ranges.pop, start, None)
+
+    def register(self, arena: ArenaMap) -> str:
+        """Register ``arena``'s mapping with the driver: "" once done, else why not."""
+        start = arena.array.ctypes.data
+        self._ranges[start] = start + arena.size
+        return ""
+
+    def locked(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` lies in host memory the device copies from by DMA."""
+        start = buf.ctypes.data
+        end = start + buf.nbytes
+        return any(lo <= start and end <= hi for lo, hi in self._ranges.items())
+
+    # --- the device ---------------------------------------------------------------------
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Queue ``dst[:] = src`` (host to device) without waiting; ``src`` must be locked and
+        must stay untouched until a later fence is passed."""
+        locked = self.locked(src)
+        self.copies.append((src.nbytes, locked))
+        if not locked:
+            raise AssertionError("a device copy from pageable memory")  # a bug of this module
+        self._queue(dst, src)
+
+    def _queue(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        dst.copy_(torch.from_numpy(src))
+
+    def fence(self) -> Any:
+        """A mark after every copy queued so far."""
+        return None
+
+    def wait(self, fence: Any) -> None:
+        """Block until the copies before ``fence`` are done."""
+
+    def synchronize(self) -> None:
+        """Block until every queued copy is done."""
+
+
+class CudaAccelerator(Accelerator):
+    def locked_alloc(self, nbytes: int) -> np.ndarray:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    def register(self, arena: ArenaMap) -> str:
+        start = arena.array.ctypes.data
+        rc = torch.cuda.cudart().cudaHostRegister(start, arena.size, 0)
+        if int(rc) != 0:
+            return f"cudaHostRegister of {arena.size} bytes refused (CUDA error {int(rc)})"
+        self._ranges[start] = start + arena.size
+        return ""
+
+    def locked(self, buf: np.ndarray) -> bool:
+        return super().locked(buf) or torch.from_numpy(buf).is_pinned()
+
+    def _queue(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        dst.copy_(torch.from_numpy(src), non_blocking=True)
+
+    def fence(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, fence: Any) -> None:
+        if fence is not None:
+            fence.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class NpuAccelerator(CudaAccelerator):
+    """An Ascend NPU through ``torch_npu``, which offers pinned memory but no registration of
+    host memory it did not allocate: arena views go through the bounce buffers."""
+
+    def __init__(self, device: torch.device, pool_bytes: int) -> None:
+        require("torch_npu", "npu")
+        super().__init__(device, pool_bytes)
+
+    def register(self, arena: ArenaMap) -> str:
+        return "torch_npu cannot register host memory it did not allocate"
+
+    def fence(self) -> Any:
+        event = torch.npu.Event()  # type: ignore[attr-defined]
+        event.record(torch.npu.current_stream(self.device))  # type: ignore[attr-defined]
+        return event
+
+    def synchronize(self) -> None:
+        torch.npu.current_stream(self.device).synchronize()  # type: ignore[attr-defined]
+
+    def locked(self, buf: np.ndarray) -> bool:
+        return Accelerator.locked(self, buf) or torch.from_numpy(buf).is_pinned()
+
+
+class _LockedPool(BufferPool):
+    """The client's buffer pool over an accelerator's page-locked memory."""
+
+    def __init__(self, acc: Accelerator, max_idle_bytes: int) -> None:
+        super().__init__(max_idle_bytes)
+        self._acc = acc
+
+    def _alloc(self, nbytes: int) -> np.ndarray:
+        return self._acc.locked_alloc(nbytes)
+
+
+_KINDS: dict[str, type[Accelerator]] = {"cpu": Accelerator, "cuda": CudaAccelerator, "npu": NpuAccelerator}
+
+
+def accelerator(device: str | torch.device, pool_bytes: int) -> Accelerator:
+    """The :class:`Accelerator` for ``device`` (``cuda``, ``cuda:1``, ``npu``, ``cpu``)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    kind = _KINDS.get(dev.type) if dev is not None else None
+    if kind is None:
+        raise InvalidArgumentError(f"get_data(device={str(device)!r}): a device is cuda, npu or cpu")
+    assert dev is not None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"get_data(device={str(device)!r}): torch sees no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return kind(dev, pool_bytes)
+
+
+class DeviceRoutes:
+    """A client's device reads: one accelerator per device, made on first use, and the arenas
+    registered with each (or refused, said once)."""
+
+    def __init__(self, pool_bytes: int, chunk_bytes: int, register_arena: bool) -> None:
+        self._pool_bytes = pool_bytes
+        self.chunk_bytes = chunk_bytes
+        self._register = register_arena
+        self._by_device: dict[str, Accelerator] = {}
+        self._arenas: dict[tuple[str, int], bool] = {}  # (device, id(arena)) -> registered
+
+    def of(self, device: str | torch.device) -> Accelerator:
+        key = str(device)
+        acc = self._by_device.get(key)
+        if acc is None:
+            acc = self._by_device[key] = accelerator(device, self._pool_bytes)
+        return acc
+
+    def prepare(self, acc: Accelerator, routes: Sequence[Route]) -> None:
+        """Register the arena of each arena route with ``acc`` the first time it is read."""
+        if not self._register:
+            return
+        for route in routes:
+            if not isinstance(route, ArenaRoute):
+                continue
+            key = (str(acc.device), id(route.arena))
+            if key in self._arenas:
+                continue
+            why = acc.register(route.arena)
+            self._arenas[key] = not why
+            if why:
+                _say_once(acc.device.type, f"{why}: reads from the arena of storage unit {route.info.unit_id} onto "
+                          f"{acc.device.type} go through page-locked bounce buffers")
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A bounce buffer being filled: the device range its bytes go to."""
+
+    dst: torch.Tensor | None = None
+    at: int = 0  # device offset of the buffer's first byte
+    fill: int = 0
+
+
+class Delivery:
+    """The copies of one read to the device: big locked ranges straight, everything else
+    packed into two bounce buffers that take turns."""
+
+    def __init__(self, acc: Accelerator, chunk_bytes: int) -> None:
+        self.acc = acc
+        self.chunk = max(4096, chunk_bytes)
+        self._bounce: list[np.ndarray] = []
+        self._fences: list[Any] = [None, None]
+        self._turn = 0
+        self._staged = _Staged()
+        self.direct = self.bounced = 0  # bytes copied from locked memory in place / through the bounce buffers
+
+    def write(self, dst: torch.Tensor, at: int, src: np.ndarray) -> None:
+        """Queue ``dst[at : at + len(src)] = src``."""
+        n = src.nbytes
+        if n >= SMALL and self.acc.locked(src):
+            self._flush()  # what is staged goes first, while the host goes on
+            for off in range(0, n, self.chunk):
+                self.acc.copy(dst[at + off : at + min(n, off + self.chunk)], src[off : off + self.chunk])
+            self.direct += n
+            return
+        st = self._staged
+        if st.dst is not dst or st.at + st.fill != at:
+            self._flush()
+        off = 0
+        while off < n:
+            buf = self._buffer()
+            if st.dst is None:
+                st.dst, st.at, st.fill = dst, at + off, 0
+            k = min(n - off, self.chunk - st.fill)
+            copy_bytes(buf[st.fill : st.fill + k], src[off : off + k])
+            st.fill += k
+            off += k
+            if st.fill == self.chunk:
+                self._flush()
+        self.bounced += n
+
+    def _buffer(self) -> np.ndarray:
+        if len(self._bounce) < 2:
+            self._bounce = [self.acc.locked_alloc(self.chunk) for _ in range(2)]
+        if self._staged.dst is None:  # a buffer's turn starts: its last copy must be done
+            self.acc.wait(self._fences[self._turn])
+        return self._bounce[self._turn]
+
+    def _flush(self) -> None:
+        st = self._staged
+        if st.dst is None:
+            return
+        if st.fill:
+            self.acc.copy(st.dst[st.at : st.at + st.fill], self._bounce[self._turn][: st.fill])
+            self._fences[self._turn] = self.acc.fence()
+            self._turn ^= 1
+        st.dst, st.at, st.fill = None, 0, 0
+
+    def finish(self) -> None:
+        """Queue what is staged and wait for every copy (the host memory may then go)."""
+        self._flush()
+        self.acc.synchronize()
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a flat uint8 array (no copy; contiguous tensors only)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dense(d: Delivery, t: torch.Tensor) -> torch.Tensor:
+    src = _bytes(t)
+    out = d.acc.empty(src.nbytes)
+    d.write(out, 0, src)
+    return out.view(t.dtype).reshape(t.shape)
+
+
+def _samples(d: Delivery, samples: Sequence[Any]) -> list[torch.Tensor]:
+    """Per-sample tensors in one device buffer, back to back; views of it come back."""
+    srcs = [_bytes(s) for s in samples]
+    out = d.acc.empty(sum(s.nbytes for s in srcs))
+    views, at = [], 0
+    for s, src in zip(samples, srcs):
+        d.write(out, at, src)
+        views.append(out[at : at + src.nbytes].view(s.dtype).reshape(s.shape))
+        at += src.nbytes
+    return views
+
+
+def _value(d: Delivery, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            offsets = value.offsets()  # type: ignore[attr-defined]
+            return torch.nested.nested_tensor_from_jagged(_dense(d, value.values()), _dense(d, offsets))
+        return _dense(d, value)
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return _samples(d, value)
+    return value  # object fields stay on the host
+
+
+def deliver(batch: Batch, acc: Accelerator, chunk_bytes: int) -> tuple[Batch, Delivery]:
+    """``batch`` with its tensors in ``acc``'s memory, every copy done; and what was copied how."""
+    d = Delivery(acc, chunk_bytes)
+    values = {name: _value(d, value) for name, value in _items(batch)}
+    d.finish()
+    return batch.replaced(values), d
+
+
+def _items(batch: Batch) -> Iterator[tuple[str, Any]]:
+    for name in batch:
+        yield name, batch[name]
