@@ -83,8 +83,6 @@ def test_data_parser_is_refused_by_design(shim: Any) -> None:
 def test_missing_features_name_what_they_wait_for(shim: Any) -> None:
     from transfer_queue._errors import NotYetSupportedError
 
-    with pytest.raises(NotYetSupportedError, match="kv_batch_put .* key index"):
-        shim.kv_batch_put(keys=["a"], partition_id="p", tags=[{}])
     with pytest.raises(NotYetSupportedError, match="force_fetch"):
         shim.get_client().get_meta(["x"], 1, "p", mode="force_fetch", task_name="t")
 
@@ -119,12 +117,70 @@ def test_a_child_process_attaches_with_init(shim: Any) -> None:
     assert torch.equal(shim.get_client().get_data(meta)["v"], torch.ones(4))
 
 
-def test_polling_mode_returns_an_empty_meta(monkeypatch: pytest.MonkeyPatch, shim: Any) -> None:
-    from transfer_queue.client import POLLING_ENV
+def test_polling_mode_is_the_jobs_in_every_process(tmp_path: Any) -> None:
+    """An under-supplied get_meta returns an empty meta in polling mode, also in a process
+    that attached without a config: the mode is kept in the cluster."""
+    child = (
+        "import transfer_queue as tq\n"
+        "conf = tq.init()\n"
+        "meta = tq.get_client().get_meta(['never'], 2, 'empty-partition', task_name='t')\n"
+        "print(conf.controller.polling_mode, meta.size, meta.global_indexes, meta.is_ready)\n"
+    )
+    parent = (
+        "import subprocess, sys, transfer_queue as tq\n"
+        "tq.init({'controller': {'polling_mode': True}})\n"
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, timeout=60).stdout)\n"
+        "tq.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120, env=env)
+    assert "True 0 [] False" in done.stdout, done.stdout + done.stderr
 
-    monkeypatch.setenv(POLLING_ENV, "1")
-    meta = shim.get_client().get_meta(["never"], 2, "empty-partition", task_name="t")
-    assert meta.size == 0 and meta.global_indexes == [] and not meta.is_ready
+
+def test_kv_round_trip(shim: Any) -> None:
+    shim.kv_batch_put(keys=["u1", "u2"], partition_id="kv", tags=[{"status": "running"}, {"status": "running"}])
+    assert shim.kv_list("kv") == {"kv": {"u1": {"status": "running"}, "u2": {"status": "running"}}}
+    meta = shim.kv_batch_put(
+        keys=["u2", "u1"],
+        partition_id="kv",
+        fields=TensorDict({"ids": torch.nested.as_nested_tensor([torch.ones(2), torch.ones(5)], layout=torch.jagged)}, batch_size=[2]),
+    )
+    assert meta.fields == ["ids"] and meta.tags == [{"status": "running"}, {"status": "running"}]
+    shim.kv_put(key="u1", partition_id="kv", fields={"reward": torch.tensor(1.5)}, tag={"status": "finished"})
+    got = shim.kv_batch_get(keys=["u1", "u2"], partition_id="kv", select_fields="ids")
+    assert [t.shape[0] for t in got["ids"].unbind()] == [5, 2]
+    with pytest.raises(ValueError, match="Some fields are not ready .*reward"):
+        shim.kv_batch_get(keys=["u1", "u2"], partition_id="kv", select_fields=["reward"])
+    assert shim.kv_batch_get(keys="u1", partition_id="kv", select_fields=["reward"])["reward"].tolist() == [1.5]
+    with pytest.raises(ValueError, match="keys or partition were not found"):
+        shim.kv_batch_get(keys=["u1", "nope"], partition_id="kv")
+    client = shim.get_client()
+    bm = client.kv_retrieve_meta(["u2"], "kv")
+    assert client.kv_retrieve_keys(bm.global_indexes, "kv") == ["u2"]
+    shim.kv_clear(keys=["u1", "missing"], partition_id="kv")
+    assert list(shim.kv_list()["kv"]) == ["u2"]
+
+
+def test_custom_meta_is_kept_in_the_cluster(shim: Any) -> None:
+    client = shim.get_client()
+    meta = client.put(TensorDict({"x": torch.zeros(2)}, batch_size=[2]), partition_id="cm")
+    meta.update_custom_meta([{"total_lengths": 3}, {"total_lengths": 9}])
+    client.set_custom_meta(meta)
+    fetched = client.get_meta(["x"], 2, "cm", task_name="t")
+    assert fetched.get_all_custom_meta() == [{"total_lengths": 3}, {"total_lengths": 9}]
+
+
+def test_async_twins(shim: Any) -> None:
+    import asyncio
+
+    async def run() -> Any:
+        await shim.async_kv_put(key="a", partition_id="tw", fields={"v": torch.tensor([1, 2])}, tag={"n": 1})
+        got = await shim.async_kv_batch_get(keys="a", partition_id="tw")
+        listed = await shim.get_client().async_kv_list("tw")
+        return got, listed
+
+    got, listed = asyncio.run(run())
+    assert got["v"].unbind()[0].tolist() == [1, 2] and listed == {"tw": {"a": {"n": 1}}}
 
 
 def test_checkpoint_round_trip_with_user_metadata(tmp_path: Any) -> None:
@@ -155,3 +211,14 @@ def test_transfer_queue_checkpoints_are_refused(shim: Any, tmp_path: Any) -> Non
     (tmp_path / "controller_state.pkl").write_bytes(b"")
     with pytest.raises(NotImplementedError, match="TransferQueue checkpoint .pickle.* refused"):
         shim.load_checkpoint(tmp_path)
+
+
+def test_a_dtype_that_converts_exactly_is_tolerated(shim: Any, caplog: pytest.LogCaptureFixture) -> None:
+    shim.kv_put(key="a", partition_id="drift", fields={"mask": torch.ones(3)})
+    with caplog.at_level("WARNING", logger="transfer_queue"):
+        shim.kv_put(key="b", partition_id="drift", fields={"mask": torch.ones(2, dtype=torch.int64)})
+    assert "convert exactly" in caplog.text
+    got = shim.kv_batch_get(keys=["a", "b"], partition_id="drift")["mask"]
+    assert got.dtype == torch.float32 and [t.tolist() for t in got.unbind()] == [[1.0] * 3, [1.0] * 2]
+    with pytest.raises(tqueue.SchemaError, match="dtype"):
+        shim.kv_put(key="c", partition_id="drift", fields={"mask": torch.tensor([2**40 + 1])})

@@ -10,6 +10,7 @@ objects at ``put`` with ``FieldTypeError`` naming the field).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import tqueue
 from transfer_queue.metadata import BatchMeta
+
+logger = logging.getLogger(__name__)
 
 _WHERE = "_tq"  # per-sample backend meta: [partition uid, storage unit]
 
@@ -146,3 +149,38 @@ def from_meta(meta: BatchMeta) -> list[tqueue.BatchMeta]:
             )
         )
     return out
+
+
+def tolerant_put(client: tqueue.Client, partition: str, data: dict[str, Any], write: Any) -> Any:
+    """``write(data)``; if tqueue refuses it because a tensor field's dtype differs from the
+    partition's, and every value converts to the partition's dtype and back unchanged, write
+    the converted values (TransferQueue lets a field's dtype drift; a tqueue field has one)."""
+    try:
+        return write(data)
+    except tqueue.SchemaError as exc:
+        status = client.status()
+        part = next((p for p in status.partitions if p.name == partition), None)
+        cast = None if part is None else _cast_exactly(data, part.fields)
+        if cast is None:
+            raise
+        logger.warning("transfer_queue: %s; the values convert exactly, so they are written as the field's dtype", exc)
+        return write(cast)
+
+
+def _cast_exactly(data: dict[str, Any], specs: dict[str, tqueue.FieldSpec]) -> dict[str, Any] | None:
+    out = dict(data)
+    changed = False
+    for name, value in data.items():
+        spec = specs.get(name)
+        dtype = getattr(torch, spec.dtype, None) if spec is not None and spec.kind == "tensor" else None
+        if not isinstance(dtype, torch.dtype):
+            continue
+        parts = [value] if isinstance(value, torch.Tensor) else value
+        if not all(isinstance(p, torch.Tensor) for p in parts) or all(p.dtype == dtype for p in parts):
+            continue
+        converted = [p.to(dtype) for p in parts]
+        if not all(torch.equal(c.to(p.dtype), p) for c, p in zip(converted, parts)):
+            return None
+        out[name] = converted[0] if isinstance(value, torch.Tensor) else converted
+        changed = True
+    return out if changed else None

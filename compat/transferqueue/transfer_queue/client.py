@@ -1,15 +1,17 @@
-"""``TransferQueueClient`` and ``AsyncTransferQueueClient`` over tqueue's ``Client`` and
-``AsyncClient``: the same methods (the async client's are ``async_<name>``), one tqueue call
-each, with the conversions of ``transfer_queue._convert``.
+"""``TransferQueueClient`` and ``AsyncTransferQueueClient`` over tqueue's ``Client``.
 
-``get_meta(mode="fetch")`` marks the samples consumed at once, as TransferQueue does: the
-shim acks tqueue's lease before it returns. Calls that need tqueue features not built yet
-raise ``NotYetSupportedError`` naming the feature; ``data_parser`` is refused by design.
+The blocking client carries out each call with tqueue's; its async twin runs the same call in
+a worker thread (``async_<name>``), so both behave alike by construction. ``get_meta`` in
+``fetch`` mode marks the samples consumed at once, as TransferQueue does: the shim acks tqueue's
+lease before it returns. Per-sample ``custom_meta`` is tqueue's sample tags. Calls that need
+tqueue features not built yet raise ``NotYetSupportedError`` naming the feature; ``data_parser``
+is refused by design.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,11 +19,11 @@ import msgspec
 from tensordict import TensorDict
 
 import tqueue
-from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tensordict
-from transfer_queue._errors import KEY_INDEX, not_yet, refused
+from transfer_queue import _kv
+from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tensordict, tolerant_put
+from transfer_queue._errors import not_yet, refused
 from transfer_queue.metadata import BatchMeta
 
-POLLING_ENV = "TQUEUE_TRANSFER_QUEUE_POLLING"  # "1": an under-supplied get_meta returns an empty meta
 STATUS = "tqueue's per-sample production and consumption status (issue 27)"
 
 
@@ -44,29 +46,7 @@ def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
         raise refused("data_parser (a callable pickled into the storage units)", "apply it to the data before the put")
 
 
-def _put_target(data: TensorDict, metadata: BatchMeta | None, partition_id: str | None) -> str | None:
-    """The partition of a put of new samples, or None for an update of ``metadata``'s samples."""
-    if not isinstance(data, TensorDict):
-        raise TypeError(f"put takes a TensorDict, got {type(data).__name__}")
-    if rows(data) == 0:
-        raise ValueError("put of an empty TensorDict")
-    if metadata is not None:
-        if rows(data) != metadata.size:
-            raise ValueError(f"put: data has {rows(data)} rows, metadata {metadata.size} samples")
-        return None
-    if partition_id is None:
-        raise ValueError("put needs partition_id (or metadata)")
-    return partition_id
-
-
-def _updated(metadata: BatchMeta, meta: tqueue.BatchMeta, status: Any, data: TensorDict) -> BatchMeta:
-    """``metadata`` with the fields ``data`` wrote to its samples (their specs from ``status``)."""
-    specs = _partition(status, meta.partition).fields
-    written = to_meta(msgspec.structs.replace(meta, fields=list(data.keys()), schema=specs), list(data.keys()))
-    return metadata.union(written)
-
-
-def _task_and_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> str:
+def _check_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> str:
     if mode in ("force_fetch", "insert"):
         need = "reads that do not lease (force_fetch)" if mode == "force_fetch" else "puts that allocate rows (insert)"
         raise not_yet(f"get_meta(mode={mode!r})", f"tqueue's {need} (issue 27)")
@@ -74,26 +54,10 @@ def _task_and_mode(mode: str, task_name: str | None, sampling_config: dict[str, 
         raise ValueError(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
     if task_name is None:
         raise ValueError("get_meta(mode='fetch') needs task_name")
-    config = dict(sampling_config or {})
-    config.pop("task_name", None)
-    config.pop("partition_id", None)
-    config.pop("batch_index", None)
-    config.pop("dp_rank", None)
-    if config:
-        raise not_yet(f"get_meta(sampling_config={sorted(config)})", "arguments passed to tqueue policies (issue 27)")
+    extra = sorted(set(sampling_config or {}) - {"task_name", "partition_id", "batch_index", "dp_rank"})
+    if extra:
+        raise not_yet(f"get_meta(sampling_config={extra})", "arguments passed to tqueue policies (issue 27)")
     return task_name
-
-
-def _whole(call: str) -> NotImplementedError:
-    return refused(
-        f"{call} (a checkpoint of the controller or of the storage alone)",
-        "tqueue checkpoints the controller and every unit together, consistently: use transfer_queue.save_checkpoint "
-        "and load_checkpoint",
-    )
-
-
-def _polling() -> bool:
-    return os.environ.get(POLLING_ENV, "") == "1"
 
 
 def _one(metas: list[tqueue.BatchMeta]) -> tqueue.BatchMeta:
@@ -106,21 +70,19 @@ def _partition(status: Any, partition_id: str) -> Any:
     return next((p for p in status.partitions if p.name == partition_id), None)
 
 
-def _produced(status: Any, data_fields: list[str], partition_id: str) -> bool:
-    p = _partition(status, partition_id)
-    return p is not None and p.samples > 0 and set(data_fields) <= set(p.fields) and p.in_flight == 0
+def _whole(call: str) -> NotImplementedError:
+    return refused(
+        f"{call} (a checkpoint of the controller or of the storage alone)",
+        "tqueue checkpoints the controller and every unit together, consistently: use transfer_queue.save_checkpoint "
+        "and load_checkpoint",
+    )
 
 
-def _consumed(status: Any, task_name: str, partition_id: str) -> bool:
-    p = _partition(status, partition_id)
-    if p is None or p.samples == 0:
-        return False
-    task = p.tasks.get(task_name)
-    return task is not None and task.consumed >= p.ready
-
-
-class _Refusals:
-    """The calls both twins refuse or defer, written once."""
+class TransferQueueClient:
+    def __init__(self, client_id: str, controller_info: Any, zmq_io_threads: int | None = None, zmq_max_sockets: int | None = None):
+        self.client_id = client_id
+        self._client = tqueue.Client(_address(controller_info))
+        self._polling: bool | None = None
 
     def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: Any = None) -> None:
         """Accepted for TransferQueue code: tqueue's client finds the storage units through the
@@ -128,102 +90,20 @@ class _Refusals:
         if manager_type not in ("SimpleStorage", "AsyncSimpleStorageManager"):
             raise refused(f"storage backend {manager_type!r}", "tqueue has its own storage units; use SimpleStorage")
 
-    def _kv(self, call: str) -> Any:
-        raise not_yet(f"TransferQueueClient.{call}", KEY_INDEX)
+    def polling_mode(self) -> bool:
+        """The job's ``controller.polling_mode``, as ``init`` recorded it in the cluster."""
+        if self._polling is None:
+            tags = self._client.lookup_keys(_kv.SHIM_PARTITION, ["config"]).tags[0] or {}
+            self._polling = bool(tags.get("polling_mode", False))
+        return self._polling
 
+    def _with_tags(self, meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
+        out = to_meta(meta, fields)
+        if len(meta):
+            out.custom_meta = [dict(t or {}) for t in self._client.keys_of(meta.partition, meta.indexes, fields=[]).tags]
+        return out
 
-class AsyncTransferQueueClient(_Refusals):
-    def __init__(self, client_id: str, controller_info: Any, zmq_io_threads: int | None = None, zmq_max_sockets: int | None = None):
-        self.client_id = client_id
-        self._client = tqueue.AsyncClient(_address(controller_info))
-
-    async def async_put(
-        self,
-        data: TensorDict,
-        metadata: BatchMeta | None = None,
-        partition_id: str | None = None,
-        data_parser: Callable[[Any], Any] | None = None,
-    ) -> BatchMeta:
-        _no_parser(data_parser)
-        partition = _put_target(data, metadata, partition_id)
-        if partition is not None:
-            return to_meta(await self._client.put(partition, to_fields(data)))
-        assert metadata is not None  # _put_target returns None only for an update
-        meta = _one(from_meta(metadata))
-        await self._client.update(meta, to_fields(data))
-        return _updated(metadata, meta, await self._client.status(), data)
-
-    async def async_get_meta(
-        self,
-        data_fields: list[str],
-        batch_size: int,
-        partition_id: str,
-        mode: str = "fetch",
-        task_name: str | None = None,
-        sampling_config: dict[str, Any] | None = None,
-    ) -> BatchMeta:
-        task = _task_and_mode(mode, task_name, sampling_config)
-        try:
-            meta = await self._client.get_meta(partition_id, list(data_fields), batch_size, task=task, timeout=0 if _polling() else None)
-        except tqueue.WaitTimeoutError:
-            if _polling():
-                return BatchMeta.empty()
-            raise
-        await self._client.ack(meta)
-        return to_meta(meta, list(data_fields))
-
-    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
-        if metadata.size == 0:
-            return TensorDict({}, batch_size=[0])
-        meta = _one(from_meta(metadata))
-        batch = await self._client.get_data(meta, meta.fields)
-        return to_tensordict(batch, meta.fields, len(meta))
-
-    async def async_clear_partition(self, partition_id: str) -> None:
-        await self._client.clear(partition_id)
-
-    async def async_clear_samples(self, metadata: BatchMeta) -> None:
-        for meta in from_meta(metadata):
-            await self._client.clear(meta)
-
-    async def async_get_partition_list(self) -> list[str]:
-        return [p.name for p in (await self._client.status()).partitions]
-
-    async def async_check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
-        return _produced(await self._client.status(), data_fields, partition_id)
-
-    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
-        return _consumed(await self._client.status(), task_name, partition_id)
-
-    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        raise not_yet("set_custom_meta", KEY_INDEX)
-
-    async def async_get_production_status(self, data_fields: list[str], partition_id: str) -> Any:
-        raise not_yet("get_production_status", STATUS)
-
-    async def async_get_consumption_status(self, task_name: str, partition_id: str) -> Any:
-        raise not_yet("get_consumption_status", STATUS)
-
-    async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        raise not_yet("reset_consumption", STATUS)
-
-    async def async_kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
-        return self._kv("kv_retrieve_meta")
-
-    async def async_kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str]:
-        return self._kv("kv_retrieve_keys")
-
-    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        return self._kv("kv_list")
-
-    async def async_close(self) -> None:
-        await self._client.close()
-
-
-class TransferQueueClient(_Refusals):
-    def __init__(self, client_id: str, controller_info: Any, zmq_io_threads: int | None = None, zmq_max_sockets: int | None = None):
-        self.client_id = client_id
-        self._client = tqueue.Client(_address(controller_info))
+    # --- writing and reading ----------------------------------------------------------
 
     def put(
         self,
@@ -233,13 +113,22 @@ class TransferQueueClient(_Refusals):
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
         _no_parser(data_parser)
-        partition = _put_target(data, metadata, partition_id)
-        if partition is not None:
-            return to_meta(self._client.put(partition, to_fields(data)))
-        assert metadata is not None  # _put_target returns None only for an update
+        if not isinstance(data, TensorDict):
+            raise TypeError(f"put takes a TensorDict, got {type(data).__name__}")
+        if rows(data) == 0:
+            raise ValueError("put of an empty TensorDict")
+        if metadata is None:
+            if partition_id is None:
+                raise ValueError("put needs partition_id (or metadata)")
+            partition = partition_id
+            return to_meta(tolerant_put(self._client, partition, to_fields(data), lambda d: self._client.put(partition, d)))
+        if rows(data) != metadata.size:
+            raise ValueError(f"put: data has {rows(data)} rows, metadata {metadata.size} samples")
         meta = _one(from_meta(metadata))
-        self._client.update(meta, to_fields(data))
-        return _updated(metadata, meta, self._client.status(), data)
+        tolerant_put(self._client, meta.partition, to_fields(data), lambda d: self._client.update(meta, d))
+        specs = _partition(self._client.status(), meta.partition).fields
+        written = to_meta(msgspec.structs.replace(meta, fields=list(data.keys()), schema=specs), list(data.keys()))
+        return metadata.union(written)
 
     def get_meta(
         self,
@@ -250,21 +139,30 @@ class TransferQueueClient(_Refusals):
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
     ) -> BatchMeta:
-        task = _task_and_mode(mode, task_name, sampling_config)
+        task = _check_mode(mode, task_name, sampling_config)
+        polling = self.polling_mode()
         try:
-            meta = self._client.get_meta(partition_id, list(data_fields), batch_size, task=task, timeout=0 if _polling() else None)
-        except tqueue.WaitTimeoutError:
-            if _polling():
+            meta = self._client.get_meta(partition_id, list(data_fields), batch_size, task=task, timeout=0 if polling else None)
+        except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
+            if polling:
                 return BatchMeta.empty()
             raise
         self._client.ack(meta)
-        return to_meta(meta, list(data_fields))
+        return self._with_tags(meta, list(data_fields))
 
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         if metadata.size == 0:
             return TensorDict({}, batch_size=[0])
         meta = _one(from_meta(metadata))
         return to_tensordict(self._client.get_data(meta, meta.fields), meta.fields, len(meta))
+
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Keep each sample's ``custom_meta`` in the cluster (tqueue's sample tags)."""
+        for meta in from_meta(metadata):
+            where = {i: r for r, i in enumerate(metadata.global_indexes)}
+            self._client.set_tags(meta, [metadata.custom_meta[where[i]] for i in meta.indexes])
+
+    # --- partitions and status --------------------------------------------------------
 
     def clear_partition(self, partition_id: str) -> None:
         self._client.clear(partition_id)
@@ -274,16 +172,18 @@ class TransferQueueClient(_Refusals):
             self._client.clear(meta)
 
     def get_partition_list(self) -> list[str]:
-        return [p.name for p in self._client.status().partitions]
+        return [p.name for p in self._client.status().partitions if p.name != _kv.SHIM_PARTITION]
 
     def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
-        return _produced(self._client.status(), data_fields, partition_id)
+        p = _partition(self._client.status(), partition_id)
+        return p is not None and p.samples > 0 and set(data_fields) <= set(p.fields) and p.in_flight == 0
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
-        return _consumed(self._client.status(), task_name, partition_id)
-
-    def set_custom_meta(self, metadata: BatchMeta) -> None:
-        raise not_yet("set_custom_meta", KEY_INDEX)
+        p = _partition(self._client.status(), partition_id)
+        if p is None or p.samples == 0:
+            return False
+        task = p.tasks.get(task_name)
+        return task is not None and task.consumed >= p.ready
 
     def get_production_status(self, data_fields: list[str], partition_id: str) -> Any:
         raise not_yet("get_production_status", STATUS)
@@ -294,14 +194,29 @@ class TransferQueueClient(_Refusals):
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         raise not_yet("reset_consumption", STATUS)
 
+    # --- keys -------------------------------------------------------------------------
+
     def kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
-        return self._kv("kv_retrieve_meta")
+        """The ``BatchMeta`` of ``keys`` (in order), for ``get_data`` and ``put(metadata=)``."""
+        found = self._client.lookup_keys(partition_id, list(keys))
+        missing = [k for k, i in zip(found.keys, found.indexes) if i < 0]
+        if missing and create:
+            raise not_yet("kv_retrieve_meta(create=True) of new keys", "puts that allocate rows (insert, issue 27)")
+        if missing or found.meta is None:
+            raise ValueError(f"keys {missing[:8]} were not found in partition {partition_id!r}")
+        return self._with_tags(found.meta)
 
     def kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str]:
-        return self._kv("kv_retrieve_keys")
+        found = self._client.keys_of(partition_id, list(global_indexes), fields=[])
+        missing = [i for i, k in zip(global_indexes, found.keys) if k is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} of partition {partition_id!r} have no key")
+        return [k for k in found.keys if k is not None]
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        return self._kv("kv_list")
+        return _kv.listing(self._client, partition_id)
+
+    # --- checkpoints and the end ------------------------------------------------------
 
     def save_controller_checkpoint(self, path: str) -> None:
         raise _whole("save_controller_checkpoint")
@@ -317,6 +232,42 @@ class TransferQueueClient(_Refusals):
 
     def close(self) -> None:
         self._client.close()
+
+
+_ASYNC = [
+    "put", "get_meta", "get_data", "set_custom_meta", "clear_partition", "clear_samples", "get_partition_list",
+    "check_production_status", "check_consumption_status", "get_production_status", "get_consumption_status",
+    "reset_consumption", "kv_retrieve_meta", "kv_retrieve_keys", "kv_list", "save_controller_checkpoint",
+    "load_controller_checkpoint", "save_storage_checkpoint", "load_storage_checkpoint", "close",
+]
+
+
+def _in_thread(name: str) -> Callable[..., Any]:
+    method = getattr(TransferQueueClient, name)
+
+    @functools.wraps(method)
+    async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(method, getattr(self, "_sync", self), *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"async_{name}"
+    return call
+
+
+class AsyncTransferQueueClient:
+    """``async_<name>`` for each method of :class:`TransferQueueClient`, run in a worker thread
+    on a blocking client of its own."""
+
+    def __init__(self, client_id: str, controller_info: Any, zmq_io_threads: int | None = None, zmq_max_sockets: int | None = None):
+        self.client_id = client_id
+        self._sync = TransferQueueClient(client_id, controller_info)
+
+    def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: Any = None) -> None:
+        self._sync.initialize_storage_manager(manager_type, config)
+
+
+for _name in _ASYNC:
+    setattr(AsyncTransferQueueClient, f"async_{_name}", _in_thread(_name))
+    setattr(TransferQueueClient, f"async_{_name}", getattr(AsyncTransferQueueClient, f"async_{_name}"))
 
 
 __all__ = ["AsyncTransferQueueClient", "TransferQueueClient"]

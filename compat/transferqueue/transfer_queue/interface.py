@@ -24,8 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 import tqueue
-from transfer_queue._errors import KEY_INDEX, not_yet, refused
-from transfer_queue.client import POLLING_ENV, TransferQueueClient
+from transfer_queue import _kv
+from transfer_queue._errors import not_yet, refused
+from transfer_queue._kv import SHIM_PARTITION
+from transfer_queue.client import TransferQueueClient, _no_parser
 from transfer_queue.metadata import KVBatchMeta
 from transfer_queue.sampler import BaseSampler, SequentialSampler
 
@@ -81,15 +83,16 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
                 controller={"metrics_port": int(config.metrics.port)} if config.metrics.enabled else None,
             ).start()
             _state["cluster"] = cluster
-            address = cluster.address
-            os.environ[ADDRESS_ENV] = address
-            if config.controller.polling_mode:
-                os.environ[POLLING_ENV] = "1"
+            address = os.environ[ADDRESS_ENV] = cluster.address
             logger.info("transfer_queue: started a tqueue cluster at %s", address)
         config.controller.zmq_info = address
-        if config.controller.polling_mode:
-            os.environ[POLLING_ENV] = "1"
-        _state["config"] = config
+        client = TransferQueueClient("transfer_queue", address)
+        if conf is not None or _state["cluster"] is not None:
+            # the job's settings, kept in the cluster for every process that attaches
+            client._client.tag_keys(SHIM_PARTITION, ["config"], [{"polling_mode": bool(config.controller.polling_mode)}])
+        else:
+            config.controller.polling_mode = client.polling_mode()
+        _state.update(config=config, client=client)
         return config
 
 
@@ -113,7 +116,6 @@ def close() -> None:
         if cluster is not None:
             if os.environ.get(ADDRESS_ENV) == cluster.address:
                 del os.environ[ADDRESS_ENV]
-            os.environ.pop(POLLING_ENV, None)
             cluster.close()
 
 
@@ -123,28 +125,53 @@ def get_metrics_endpoint() -> str | None:
     return url or None
 
 
-def kv_put(key: str, partition_id: str, fields: TensorDict | dict[str, Any] | None = None, tag: dict[str, Any] | None = None, data_parser: Any = None) -> KVBatchMeta:
-    raise not_yet("kv_put", KEY_INDEX)
+def _kv_client() -> tqueue.Client:
+    return get_client()._client
 
 
-def kv_batch_put(keys: list[str], partition_id: str, fields: TensorDict | None = None, tags: list[dict[str, Any]] | None = None, data_parser: Any = None) -> KVBatchMeta:
-    raise not_yet("kv_batch_put", KEY_INDEX)
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | dict[str, Any] | None = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
+    """Put one key's fields (a dict's tensors get a leading dimension of 1) and/or its tag."""
+    _no_parser(data_parser)
+    rows = None if fields is None else _kv.one_row(fields)
+    return _kv.batch_put(_kv_client(), [key], partition_id, rows, None if tag is None else [tag])
+
+
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
+    """Put the fields (one row per key) and/or tags of ``keys``: existing keys are written in
+    place, new ones become samples; with tags only, the keys exist without samples."""
+    _no_parser(data_parser)
+    return _kv.batch_put(_kv_client(), keys, partition_id, fields, tags)
 
 
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> TensorDict:
-    raise not_yet("kv_batch_get", KEY_INDEX)
+    """The fields of ``keys`` (all that every key has, or ``select_fields``), without lease."""
+    return _kv.batch_get(_kv_client(), keys, partition_id, select_fields)
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
-    raise not_yet("kv_batch_get_by_meta", KEY_INDEX)
+    return _kv.get_by_meta(_kv_client(), meta, select_fields)
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    raise not_yet("kv_list", KEY_INDEX)
+    """``{partition: {key: tag}}``, of one partition or of all."""
+    return _kv.listing(_kv_client(), partition_id)
 
 
 def kv_clear(keys: list[str] | str, partition_id: str) -> None:
-    raise not_yet("kv_clear", KEY_INDEX)
+    """Forget ``keys`` and free their samples; unknown keys and partitions are ignored."""
+    _kv.clear(_kv_client(), keys, partition_id)
 
 
 async def async_kv_put(*args: Any, **kwargs: Any) -> KVBatchMeta:
@@ -197,4 +224,12 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     directory = Path(checkpoint_dir).absolute()
     if not (directory / "manifest.json").exists() and (directory / "controller_state.pkl").exists():
         raise refused(f"{directory} is a TransferQueue checkpoint (pickle)", "tqueue reads only its own checkpoints")
-    get_client()._client.load_checkpoint(directory)
+    client = get_client()._client
+    # the shim's own partition (the job's settings) is not data: it steps aside for the load
+    settings = client.lookup_keys(SHIM_PARTITION, ["config"]).tags[0]
+    client.clear(SHIM_PARTITION)
+    try:
+        client.load_checkpoint(directory)
+    finally:
+        if settings is not None:
+            client.tag_keys(SHIM_PARTITION, ["config"], [settings])
