@@ -139,10 +139,12 @@ class CudaAccelerator(Accelerator):
 
     def register(self, arena: ArenaMap) -> str:
         start = arena.array.ctypes.data
-        rc = torch.cuda.cudart().cudaHostRegister(start, arena.size, 0)
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(start, arena.size, 0)
         if int(rc) != 0:
             return f"cudaHostRegister of {arena.size} bytes refused (CUDA error {int(rc)})"
         self._ranges[start] = start + arena.size
+        weakref.finalize(arena, cudart.cudaHostUnregister, start)  # unlocked when the map goes
         return ""
 
     def locked(self, buf: np.ndarray) -> bool:
@@ -228,7 +230,7 @@ class DeviceRoutes:
         self.chunk_bytes = chunk_bytes
         self._register = register_arena
         self._by_device: dict[str, Accelerator] = {}
-        self._arenas: dict[tuple[str, int], bool] = {}  # (device, id(arena)) -> registered
+        self._arenas: dict[str, weakref.WeakSet[ArenaMap]] = {}  # per device: registered, or refused
 
     def of(self, device: str | torch.device) -> Accelerator:
         key = str(device)
@@ -244,11 +246,11 @@ class DeviceRoutes:
         for route in routes:
             if not isinstance(route, ArenaRoute):
                 continue
-            key = (str(acc.device), id(route.arena))
-            if key in self._arenas:
+            seen = self._arenas.setdefault(str(acc.device), weakref.WeakSet())
+            if route.arena in seen:
                 continue
+            seen.add(route.arena)
             why = acc.register(route.arena)
-            self._arenas[key] = not why
             if why:
                 _say_once(acc.device.type, f"{why}: reads from the arena of storage unit {route.info.unit_id} onto "
                           f"{acc.device.type} go through page-locked bounce buffers")
