@@ -16,6 +16,7 @@ import tqueue.bridges
 import tqueue.ray
 from tqueue._extras import optional, require
 from tqueue.client import Batch
+from tqueue.client._routes.device import accelerator
 from tqueue.wire import BatchMeta
 
 
@@ -73,8 +74,9 @@ def tiny_model(tmp_path: pathlib.Path) -> None:
         (["ray"], lambda tmp_path: tqueue.ray.start(1), needs("tqueue.ray", "ray", "ray")),
         (["tensordict"], to_tensordict, needs("Batch.to_tensordict", "tensordict", "tensordict")),
         (["tokenizers", "transformers"], tiny_model, needs("tqueue.demos.tiny_model", "tokenizers", "vllm")),
+        (["torch_npu"], lambda tmp_path: accelerator("npu", 0), needs("get_data(device='npu')", "torch_npu", "npu")),
     ],
-    ids=["VLLMEngine", "tqueue.ray.start", "Batch.to_tensordict", "tiny_model.make"],
+    ids=["VLLMEngine", "tqueue.ray.start", "Batch.to_tensordict", "tiny_model.make", "get_data-npu"],
 )
 def test_each_use_of_an_extra_names_its_install_command(monkeypatch, tmp_path, modules, call, message):
     absent(monkeypatch, *modules)

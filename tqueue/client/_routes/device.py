@@ -170,10 +170,6 @@ class NpuAccelerator(CudaAccelerator):
     """An Ascend NPU through ``torch_npu``, which offers pinned memory but no registration of
     host memory it did not allocate: arena views go through the bounce buffers."""
 
-    def __init__(self, device: torch.device, pool_bytes: int) -> None:
-        require("torch_npu", "npu")
-        super().__init__(device, pool_bytes)
-
     def register(self, arena: ArenaMap) -> str:
         return "torch_npu cannot register host memory it did not allocate"
 
@@ -205,6 +201,8 @@ _KINDS: dict[str, type[Accelerator]] = {"cpu": Accelerator, "cuda": CudaAccelera
 
 def accelerator(device: str | torch.device, pool_bytes: int) -> Accelerator:
     """The :class:`Accelerator` for ``device`` (``cuda``, ``cuda:1``, ``npu``, ``cpu``)."""
+    if str(device).split(":")[0] == "npu":  # a device type torch knows once torch_npu is imported
+        require("torch_npu", "npu", by="get_data(device='npu')")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
