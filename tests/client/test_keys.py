@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,19 @@ def test_async_twin(async_client: str, partition: str) -> None:
             return await client.list_keys(partition)
 
     assert asyncio.run(run()) == {partition: {"only": {"ok": True}}}
+
+
+def test_keys_and_tags_survive_a_checkpoint(tmp_path: Path) -> None:
+    with tqueue.LocalCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address) as client:
+        meta = _values(client, "kv", 2)
+        client.bind_keys(meta, ["a", "b"], tags=[{"n": 1, "raw": b"\x00\xff"}, {"n": 2}])
+        client.tag_keys("kv", ["later"], [{"status": "pending"}])
+        client.save_checkpoint(tmp_path)
+    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as client:
+        client.load_checkpoint(tmp_path)
+        assert client.list_keys() == {
+            "kv": {"a": {"n": 1, "raw": b"\x00\xff"}, "b": {"n": 2}, "later": {"status": "pending"}}
+        }
+        found = client.lookup_keys("kv", ["b", "a"])
+        assert found.indexes == [meta.indexes[1], meta.indexes[0]]
+        assert client.get_data(found.meta)["x"].tolist() == [1.0, 0.0]

@@ -5,10 +5,10 @@ put of tags only) and gets one with ``BindKeys``. Tags are a small dict per samp
 key without a sample), replaced as a whole when written. Nothing here leases: a lookup returns
 a meta of the samples found, as ``Select`` does.
 
-The index of a partition belongs to that partition's uid: once the partition is freed or
-cleared (a put to its name starts a new uid), its keys go with it. A sample cleared on its own
-keeps its key until the key is dropped, but is never returned: a lookup finds only committed,
-live samples.
+The index is the partition's own (``Partition.keys``, ``_keyindex.py``): it goes with the
+partition when that is cleared or frees itself, and into checkpoints with it. A sample cleared
+on its own keeps its key until the key is dropped, but is never returned: a lookup finds only
+committed, live samples.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError
 from ..wire import BatchMeta, BindKeys, DropKeys, KeyListing, KeysFound, ListKeys, LookupKeys, Ok, SetTags, TagKeys, Tags
+from ._keyindex import KeyIndex
 from ._partition import Partition
 from ._samples import COMMITTED, EXCLUDED
 from ._state import ControllerState
@@ -30,24 +31,6 @@ MetaOf = Callable[[Partition, np.ndarray, list[str], str | None, int, float], Ba
 MAX_KEY_CHARS = 4096
 
 
-class KeyIndex:
-    """One partition's keys (key -> sample index, -1 before its sample) and tags (per sample
-    index, and per key that has no sample yet)."""
-
-    def __init__(self, uid: int) -> None:
-        self.uid = uid
-        self.index: dict[str, int] = {}
-        self.key_of: dict[int, str] = {}
-        self.sample_tags: dict[int, Tags] = {}
-        self.key_tags: dict[str, Tags] = {}  # keys without a sample
-
-    def tags_of_key(self, key: str) -> Tags | None:
-        if key not in self.index:
-            return None
-        i = self.index[key]
-        return self.key_tags.get(key, {}) if i < 0 else self.sample_tags.get(i, {})
-
-
 class Keys:
     """The controller's part that owns every partition's ``KeyIndex``."""
 
@@ -55,23 +38,18 @@ class Keys:
         self.state = state
         self.config: ControllerConfig = state.config
         self._meta_of = meta_of
-        self._indexes: dict[str, KeyIndex] = {}
 
     # --- the index of a partition ------------------------------------------------------
 
     def _of(self, part: Partition) -> KeyIndex:
-        """``part``'s index; a stale one (of an older partition of that name) is dropped."""
-        keys = self._indexes.get(part.name)
-        if keys is None or keys.uid != part.uid:
-            keys = self._indexes[part.name] = KeyIndex(part.uid)
-        return keys
+        """``part``'s index, made on first use."""
+        if part.keys is None:
+            part.keys = KeyIndex()
+        return part.keys
 
     def _existing(self, name: str) -> tuple[Partition | None, KeyIndex | None]:
         part = self.state.partitions.get(name)
-        if part is None:
-            self._indexes.pop(name, None)
-            return None, None
-        return part, self._of(part)
+        return (part, part.keys) if part is not None else (None, None)
 
     def _live(self, part: Partition, indexes: np.ndarray) -> np.ndarray:
         """Which of ``indexes`` are committed samples of ``part`` that were not cleared, failed
@@ -227,9 +205,3 @@ class Keys:
                     keys.sample_tags.pop(i, None)
         return found
 
-    def tags_of(self, part: Partition, indexes: list[int]) -> list[Tags]:
-        """The tags of samples of ``part`` (``{}`` where none), e.g. for a meta's readers."""
-        keys = self._indexes.get(part.name)
-        if keys is None or keys.uid != part.uid:
-            return [{} for _ in indexes]
-        return [keys.sample_tags.get(i, {}) for i in indexes]

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..wire import FieldBlock, FieldSpec, Grant, GroupId
+from ._keyindex import KeyIndex
 from ._records import GrantRecord
 from ._samples import COMMITTED, EXCLUDED, PARTIAL, Groups, Moved, Samples
 from ._schema import Schema
@@ -73,6 +74,7 @@ class Partition:
     __slots__ = (
         "name", "uid", "options", "step", "max_samples", "max_tasks", "schema", "samples", "tasks", "unit_bytes",
         "committed", "excluded", "lost", "reasons", "in_flight", "sealed", "complete", "promised", "groups_done",
+        "keys",
     )
 
     def __init__(
@@ -97,6 +99,7 @@ class Partition:
         self.complete = 0  # committed, finished and not excluded
         self.promised = 0  # target places held by puts granted but not yet committed
         self.groups_done = 0  # complete groups counted toward target_groups
+        self.keys: KeyIndex | None = None  # user keys and sample tags, made on first use (_keys.py)
 
     @property
     def n(self) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..wire import FieldSpec
+from ._keyindex import KeyIndex
 from ._partition import Options, Partition
 from ._samples import COMMITTED, EXCLUDED, Groups
 from ._serving import AVAILABLE, LEASED
@@ -85,6 +86,7 @@ def capture(part: Partition) -> Image:
             "aborted": list(g.aborted), "complete": list(g.complete), "order": list(g.order),
         },
         "segments": [[i, [list(seg) for seg in segs]] for i, segs in s.segments.items()],
+        "keys": part.keys.encode() if part.keys is not None else None,
     }
     return Image(header, arrays)
 
@@ -174,6 +176,8 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
     part.committed, part.excluded, part.lost = h["committed"], h["excluded"], h["lost"]
     part.reasons.update(h["reasons"])
     part.sealed, part.complete, part.groups_done = h["sealed"], h["complete"], h["groups_done"]
+    if h.get("keys"):
+        part.keys = KeyIndex.decode(h["keys"])
     return part
 
 
