@@ -59,8 +59,10 @@ def test_a_device_read_is_exact_on_every_route_and_copies_only_from_locked_memor
         same(moved, data)
         acc = acc_of(c)
         assert acc.copies and all(locked for _, locked in acc.copies)
-        assert sum(n for n, _ in acc.copies) >= sum(data[k].numel() * data[k].element_size() for k in ("ids", "logp"))
-        assert c.stats.device_bytes >= data["ids"].numel() * 8
+        # ids (int64 values under 2**31) cross narrowed to int32 where the wire packed them,
+        # and are widened on the device
+        least = data["ids"].numel() * 4 + data["logp"].numel() * 2
+        assert sum(n for n, _ in acc.copies) >= least and c.stats.device_bytes >= least
         # the batch owns its memory: none of it is a view of the pool's or the arena's
         for k in ("ids", "logp"):
             assert not acc.locked(moved[k].view(torch.uint8).reshape(-1).numpy()), k
@@ -201,3 +203,80 @@ def test_a_device_that_cannot_be_had_is_a_clear_error(cluster, partition, device
         with pytest.raises((InvalidArgumentError, RuntimeError), match=match):
             c.get_data(partition, ["x"], 1, task="t", device=device, timeout=10)
         assert torch.equal(c.get_data(partition, ["x"], 1, task="t", timeout=10)["x"], torch.tensor([[0, 1, 2, 3]]))
+
+
+@pytest.fixture
+def empty_pair() -> Any:
+    """Two empty units: two equal puts are placed one on each (the least loaded unit)."""
+    with tqueue.LocalCluster(num_storage_units=2) as c:
+        yield c
+
+
+def two_unit_meta(c: tqueue.Client, partition: str) -> tuple[Any, dict[str, Any]]:
+    """64 samples over both units of the cluster, read back as one meta."""
+    a, b = batch_data(32, seed=7), batch_data(32, seed=8)
+    c.put(partition, a)
+    c.put(partition, b)
+    meta = c.get_meta(partition, ["ids", "logp"], 64, task="meta", timeout=10)
+    assert len(set(meta.units)) == 2
+    return meta, {k: torch.cat([a[k], b[k]]) for k in ("ids", "logp")}
+
+
+@pytest.mark.parametrize("route", ["arena", "inline"])
+def test_scattered_rows_of_two_units_and_pad_rows_are_assembled_on_the_device(empty_pair, partition, route):
+    """Rows of two units interleaved in the batch (a reordered meta) and a pad row: dense
+    fields are placed on the device, each frame copied once, from locked memory only."""
+    import msgspec
+
+    with tqueue.Client(empty_pair.address, config=ROUTES[route]) as c:
+        meta, want = two_unit_meta(c, partition)
+        order = np.random.default_rng(1).permutation(64).tolist()
+        mixed = msgspec.structs.replace(
+            meta, indexes=[meta.indexes[i] for i in order] + [-1], units=[meta.units[i] for i in order] + [-1]
+        )
+        batch = c.get_data(mixed, device="cpu")
+        for k in ("ids", "logp"):
+            assert torch.equal(batch[k][:64], want[k][order]), k
+            assert not batch[k][64].any(), k  # the pad row
+        assert all(locked for _, locked in acc_of(c).copies)
+
+
+def test_each_units_part_is_copied_to_the_device_while_the_others_are_still_arriving(empty_pair, partition):
+    """The second unit's fetch does not end until the first unit's rows were queued for the
+    device: a read that copied only after every part had arrived would never finish."""
+    import asyncio
+
+    from tqueue.client._routes import device as dev
+
+    async def main() -> None:
+        async with tqueue.AsyncClient(empty_pair.address, config=ROUTES["inline"]) as c:
+            a, b = batch_data(16, seed=9), batch_data(16, seed=10)
+            await c.put(partition, a)
+            await c.put(partition, b)
+            meta = await c.get_meta(partition, ["ids"], 32, task="t", timeout=10)
+            assert len(set(meta.units)) == 2
+            first_queued = asyncio.Event()
+            real_add = dev.DenseOnDevice.add
+
+            def add(self: Any, part: Any) -> None:
+                real_add(self, part)
+                first_queued.set()
+
+            slow_unit = meta.units[-1]
+            route = await c._conns.route(slow_unit)
+            real_fetch = route.fetch
+
+            async def fetch(*args: Any) -> Any:
+                part = await real_fetch(*args)
+                await asyncio.wait_for(first_queued.wait(), 10)  # the other unit's rows are on their way
+                return part
+
+            route.fetch = fetch  # type: ignore[method-assign]
+            dev.DenseOnDevice.add = add  # type: ignore[method-assign]
+            try:
+                batch = await c.get_data(meta, device="cpu")
+            finally:
+                dev.DenseOnDevice.add = real_add  # type: ignore[method-assign]
+            assert torch.equal(batch["ids"], torch.cat([a["ids"], b["ids"]]))
+
+    asyncio.run(main())

@@ -25,7 +25,7 @@ from ._assemble import Part, assemble
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
-from ._routes.device import Accelerator, DeviceRoutes, deliver
+from ._routes.device import Accelerator, Delivery, DenseOnDevice, DeviceRoutes, deliver
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
@@ -164,36 +164,48 @@ class Gets:
         if not positions:  # nothing to fetch: an empty batch, or pad rows only
             return self._delivered(assemble(meta, fields, [], options, pool)[0], acc)
         routes = {u: await self._conns.route(u) for u in positions}
-        if acc is not None:
+        delivery = dense = None
+        if acc is not None:  # the device route: dense fields assembled there as parts arrive
             self._devices.prepare(acc, list(routes.values()))
+            delivery = Delivery(acc, self._devices.chunk_bytes)
+            dense = DenseOnDevice(meta, fields, delivery)
         rows = Rows(meta, pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
         parts = await all_or_none(
-            *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows) for route, p in jobs)
+            *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows, dense) for route, p in jobs)
         )
-        batch, tally = assemble(meta, fields, parts, options, pool, rows.buffers)
+        on_device = dense.finish() if dense is not None else {}
+        on_host = [f for f in fields if f not in on_device]
+        batch, tally = assemble(meta, on_host, parts, options, pool, rows.buffers)
         self.stats.gets += 1
         self.stats.get_bytes += tally.logical
         self.stats.wire_bytes += tally.wire
         self.stats.copied_bytes += tally.copied
-        return self._delivered(batch, acc)
-
-    def _delivered(self, batch: Batch, acc: Accelerator | None) -> Batch:
-        """The batch on its device (the device route), or as it is."""
-        if acc is None:
+        if delivery is None:
             return batch
-        moved, delivery = deliver(batch, acc, self._devices.chunk_bytes)
+        moved = deliver(batch, delivery, fields, on_device)
         self.stats.copied_bytes += delivery.bounced
         self.stats.device_bytes += delivery.direct + delivery.bounced
         return moved
 
+    def _delivered(self, batch: Batch, acc: Accelerator | None) -> Batch:
+        """An empty batch on its device (the device route), or as it is."""
+        if acc is None:
+            return batch
+        return deliver(batch, Delivery(acc, self._devices.chunk_bytes), list(batch), {})
+
     async def _fetch_part(
-        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows
+        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows,
+        dense: DenseOnDevice | None = None,
     ) -> Part:
-        """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit."""
+        """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit;
+        its dense fields' copies to the device queued at once, for a device read."""
         try:
-            return await route.fetch(meta, pos, idx, fields, rows)
+            part = await route.fetch(meta, pos, idx, fields, rows)
+            if dense is not None:
+                dense.add(part)
+            return part
         except StorageUnitUnavailableError as exc:
             peer = self._conns.unit_peers.get(route.info.unit_id)
             if peer is None or not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there

@@ -20,11 +20,15 @@ device read never hands the driver pageable memory:
   packed back to back into two page-locked bounce buffers of ``ClientConfig.device_chunk_bytes``
   that take turns: the host fills one while the copy engine drains the other.
 
-Big locked ranges go in chunks of ``device_chunk_bytes`` as well, queued without waiting, so
-the copy of one field overlaps the host's work on the next. A dense field becomes one device
-tensor; a jagged field one device buffer with per-sample views (or a padded / nested tensor,
-moved whole); object fields and per-sample lengths stay on the host. :func:`deliver` returns
-once every copy is done, so the batch may be used on any stream.
+Dense tensor fields are assembled on the device (:class:`DenseOnDevice`): as each unit's part
+arrives, while the others are still on their way, each of its frames is copied once into its
+rows of the field's device tensor (from a registered arena's pages, or the pinned rows a bulk
+stream filled in place); integers the wire packed cross narrow and are widened on the device;
+scattered rows are scattered there. Big locked ranges go in chunks of ``device_chunk_bytes``,
+queued without waiting. The other fields are assembled on the host as for any read and then
+moved (:func:`deliver`): a jagged field becomes one device buffer with per-sample views (or a
+padded / nested tensor, moved whole); object fields, numpy fields and per-sample lengths stay
+on the host. The read returns once every copy is done, so the batch may be used on any stream.
 
 ``cuda`` and ``npu`` (Ascend, through ``torch_npu``) are accelerators. ``cpu`` takes the same
 route into memory of the batch's own (no views of the unit's arena or of the client's pool):
@@ -36,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,9 +49,15 @@ import torch
 from ..._extras import require
 from ..._memory import BufferPool
 from ..._threads import copy_bytes
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, ProtocolError
 from ...transport._arena import ArenaMap
+from ...wire import BatchMeta, FieldSpec
+from ...wire._layout import int_dtype, itemsize, sample_sizes
+from ...wire._messages import PackedType
+from ...wire._pack import PACKED
+from .._assemble import Part, pad_rows
 from .._batch import Batch
+from .._encode import TORCH_DTYPES
 from .arena import ArenaRoute
 from .base import Route
 
@@ -318,10 +328,95 @@ class Delivery:
             self._turn ^= 1
         st.dst, st.at, st.fill = None, 0, 0
 
+    def flush(self) -> None:
+        """Queue what is staged, so that device work queued next sees those bytes."""
+        self._flush()
+
     def finish(self) -> None:
         """Queue what is staged and wait for every copy (the host memory may then go)."""
         self._flush()
         self.acc.synchronize()
+
+
+class DenseOnDevice:
+    """The dense tensor fields of one device read, assembled on the device as each unit's
+    part arrives (while the other units' parts are still on their way): each frame is
+    copied once, host to device, into its rows of the field's device tensor (a registered
+    arena's pages or the pinned rows a bulk stream filled, in place); a frame of packed
+    integers crosses narrow and is widened on the device; a frame of scattered rows is
+    scattered there. A field some unit sent in another layout is left to host assembly."""
+
+    def __init__(self, meta: BatchMeta, fields: Sequence[str], delivery: Delivery) -> None:
+        self.d = delivery
+        self.size = len(meta.indexes)
+        self.meta = meta
+        self.out: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        for f in fields:
+            spec = meta.schema[f]
+            if spec.kind == "tensor" and spec.layout == "dense" and spec.dtype in TORCH_DTYPES:
+                self.rows[f] = int(np.prod(spec.shape, dtype=np.int64)) * itemsize(spec)
+                self.out[f] = delivery.acc.empty(self.size * self.rows[f])
+        self.fallback: set[str] = set()
+
+    def add(self, part: Part) -> None:
+        """Queue the copies of one unit's part."""
+        for f in list(self.out):
+            block, frames = part.blocks.get(f, (None, []))
+            spec = self.meta.schema[f]
+            if (
+                block is None or f in self.fallback or block.spec.layout != "dense"
+                or block.spec.dtype != spec.dtype or tuple(block.spec.shape) != tuple(spec.shape)
+            ):
+                self.fallback.add(f)
+                continue
+            self._frames(f, spec, block, frames, part.positions)
+
+    def _frames(self, f: str, spec: FieldSpec, block: Any, frames: list[Any], positions: np.ndarray) -> None:
+        row, out, d = self.rows[f], self.out[f], self.d
+        sizes = sample_sizes(block)  # checks the header, packed names included
+        if len(frames) != len(block.counts) or sum(block.counts) != len(positions):
+            raise ProtocolError(f"field {f!r}: the frames do not match their header")
+        at = 0
+        for i, (frame, c) in enumerate(zip(frames, block.counts)):
+            buf = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+            if buf.nbytes != int(sizes[at]) * c if c else buf.nbytes:
+                raise ProtocolError(f"field {f!r}: frame {i} has {buf.nbytes} bytes, the header declares more or less")
+            pos = positions[at : at + c]
+            at += c
+            if not c:
+                continue
+            narrow: PackedType = block.packed[i] if block.packed else ""
+            if not narrow and pos[-1] - pos[0] == c - 1:  # rows in order: straight into place
+                d.write(out, int(pos[0]) * row, buf)
+                continue
+            tmp = d.acc.empty(buf.nbytes)
+            d.write(tmp, 0, buf)
+            d.flush()  # the device work below reads tmp
+            if narrow:
+                wide = int_dtype(spec)
+                assert wide is not None
+                narrow_t = torch.from_numpy(np.empty(0, PACKED[narrow])).dtype
+                wide_t = torch.from_numpy(np.empty(0, wide)).dtype
+                tmp = tmp.view(narrow_t).to(wide_t).view(torch.uint8)
+            if pos[-1] - pos[0] == c - 1:
+                out[int(pos[0]) * row : (int(pos[-1]) + 1) * row].copy_(tmp)
+            else:
+                index = torch.from_numpy(pos).to(out.device)
+                out.view(self.size, row).index_copy_(0, index, tmp.view(c, row))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The fields assembled here (pad rows zero); the caller waits for the copies."""
+        pads = pad_rows(self.meta)
+        done = {}
+        for f, out in self.out.items():
+            if f in self.fallback:
+                continue
+            spec = self.meta.schema[f]
+            if len(pads):
+                out.view(self.size, self.rows[f])[torch.from_numpy(pads).to(out.device)] = 0
+            done[f] = out.view(TORCH_DTYPES[spec.dtype]).reshape(self.size, *spec.shape)
+        return done
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -359,12 +454,14 @@ def _value(d: Delivery, value: Any) -> Any:
     return value  # object fields stay on the host
 
 
-def deliver(batch: Batch, acc: Accelerator, chunk_bytes: int) -> tuple[Batch, Delivery]:
-    """``batch`` with its tensors in ``acc``'s memory, every copy done; and what was copied how."""
-    d = Delivery(acc, chunk_bytes)
-    values = {name: _value(d, value) for name, value in _items(batch)}
+def deliver(
+    batch: Batch, d: Delivery, fields: Sequence[str], on_device: Mapping[str, torch.Tensor]
+) -> Batch:
+    """``batch`` with its tensors in ``d``'s device memory, every copy done, its fields in the
+    order of ``fields``: those in ``on_device`` assembled there already, the others moved."""
+    moved = {name: _value(d, value) for name, value in _items(batch)}
     d.finish()
-    return batch.replaced(values), d
+    return batch.replaced({f: on_device[f] if f in on_device else moved[f] for f in fields})
 
 
 def _items(batch: Batch) -> Iterator[tuple[str, Any]]:
