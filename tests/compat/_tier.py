@@ -3,24 +3,56 @@
 TransferQueue's own files are downloaded at test time (``pip download --no-deps
 transferqueue==0.1.11``, cached under ``$TQUEUE_COMPAT_CACHE`` or ``~/.cache/tqueue-compat``),
 and only their ``tests/`` and ``tutorial/`` are unpacked: never its ``transfer_queue`` package,
-so that ``import transfer_queue`` is the shim.
+so that ``import transfer_queue`` is the shim. ``tq_conftest.py`` goes beside their tests.
 """
 
 from __future__ import annotations
 
 VERSION = "0.1.11"
 
-# TransferQueue's unit tests that run against the shim and must pass, except the tests of
-# NOT_APPLICABLE (each must still fail: a test that starts passing is taken off the list).
-UNIT_FILES = ["tests/test_metadata.py", "tests/test_samplers.py", "tests/test_streaming_dataset.py"]
+# Run in one pytest session against the shim: every test passes but those listed below, which
+# must fail (a listed test that starts passing fails the tier until it is taken off the list).
+TEST_FILES = [
+    "tests/test_metadata.py",
+    "tests/test_samplers.py",
+    "tests/test_streaming_dataset.py",
+    "tests/e2e/test_kv_interface_e2e.py",
+    "tests/e2e/test_checkpoint_e2e.py",
+    "tests/e2e/test_e2e_lifecycle_consistency.py",
+]
+
+_LAYOUT = "asserts TransferQueue's checkpoint file names (controller_state.pkl, simple_storage/)"
+_PRIVATE = "sets transfer_queue.interface._TQ_CONTROLLER, a private attribute of TransferQueue"
 
 NOT_APPLICABLE = {
     "tests/test_metadata.py::TestStorageUnitDataStrict::test_put_data_length_mismatch_raises": (
         "tests TransferQueue's private storage unit (transfer_queue.storage.simple_storage.StorageUnitData)"
     ),
+    "tests/e2e/test_checkpoint_e2e.py::TestCheckpointRoundtrip::test_tensor_fields": _LAYOUT,
+    "tests/e2e/test_checkpoint_e2e.py::TestIncludeStorageFalse::test_storage_saved_is_true": _LAYOUT,
+    "tests/e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_load_raises_on_storage_unit_count_mismatch": (
+        "edits TransferQueue's simple_storage/storage_unit_info.json; tqueue loads a checkpoint into any number of units"
+    ),
+    "tests/e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_save_raises_if_not_initialized": _PRIVATE,
+    "tests/e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_load_raises_if_not_initialized": _PRIVATE,
+    "tests/e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_no_partial_state_on_failed_save": (
+        "makes a step of TransferQueue's own save sequence fail (save_storage_checkpoint); tqueue's checkpoint "
+        "is atomic by its manifest rename (tests/client/test_checkpoint.py)"
+    ),
 }
 
-# Files and tutorials that run against the shim and must pass (exit 0).
+_LIFE = "tests/e2e/test_e2e_lifecycle_consistency.py::"
+NOT_YET = {
+    _LIFE + "test_cross_shard_complex_update": "get_meta(mode='insert'): puts that allocate rows",
+    _LIFE + "test_production_status_lifecycle": "get_meta(mode='insert') and per-sample status vectors",
+    _LIFE + "test_custom_metadata_persistence": "get_meta(mode='force_fetch'): reads that do not lease",
+    _LIFE + "test_reset_consumption": "reset_consumption",
+    _LIFE + "test_clear_partition": "get_meta(mode='force_fetch')",
+    _LIFE + "test_dynamic_tensor_shape_nested_transition": "get_meta(mode='force_fetch')",
+    _LIFE + "test_retrieved_data_writability_and_memory_safety": "get_meta(mode='force_fetch')",
+}
+
+# Tutorials that run against the shim and must exit 0 without an error line.
 TUTORIALS_PASSING = [
     "tutorial/01_core_components.py",
     "tutorial/02_kv_interface.py",
@@ -28,12 +60,8 @@ TUTORIALS_PASSING = [
     "tutorial/04_understanding_controller.py",
 ]
 
-# Not yet: they need tqueue features that issue 27 still has to add; each is run and must
-# fail (strict), so that a file that starts passing moves to the lists above.
-NOT_YET = {
-    "tests/e2e/test_kv_interface_e2e.py": "the Ray actor TransferQueueController it inspects (a harness stub)",
-    "tests/e2e/test_e2e_lifecycle_consistency.py": "get_meta modes force_fetch and insert, per-sample status, reset_consumption",
-    "tests/e2e/test_checkpoint_e2e.py": "keys and tags in tqueue's checkpoints, and the Ray actor it inspects",
+# Tutorials that must still fail (strict), with why.
+TUTORIALS_NOT_YET = {
     "tutorial/05_custom_sampler.py": "user samplers as tqueue policies loaded by name",
     "tutorial/06_streaming_dataloader.py": "RankAwareSampler mapped onto tqueue's DP rounds",
 }

@@ -222,3 +222,23 @@ def test_a_dtype_that_converts_exactly_is_tolerated(shim: Any, caplog: pytest.Lo
     assert got.dtype == torch.float32 and [t.tolist() for t in got.unbind()] == [[1.0] * 3, [1.0] * 2]
     with pytest.raises(tqueue.SchemaError, match="dtype"):
         shim.kv_put(key="c", partition_id="drift", fields={"mask": torch.tensor([2**40 + 1])})
+
+
+def test_load_names_what_is_missing(shim: Any, tmp_path: Any) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        shim.load_checkpoint(tmp_path / "nonexistent")
+    with pytest.raises(FileNotFoundError, match="holds no metadata.json"):
+        shim.load_checkpoint(tmp_path)
+
+
+def test_non_tensor_data_of_one_value_per_row_is_per_sample(shim: Any) -> None:
+    import numpy as np
+    from tensordict import NonTensorData
+
+    td = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
+    td["raw"] = NonTensorData(data=np.array([b"a", b"bc"], dtype="|S4"), batch_size=[2])
+    td["same"] = NonTensorData(data="all", batch_size=[2])
+    client = shim.get_client()
+    meta = client.get_meta(["raw", "same"], 2, client.put(td, partition_id="ntd").partition_ids[0], task_name="t")
+    got = client.get_data(meta)
+    assert got.get("raw").tolist() == [b"a", b"bc"] and got.get("same").tolist() == ["all", "all"]

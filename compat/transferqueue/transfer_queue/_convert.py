@@ -42,7 +42,11 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
         elif isinstance(value, NonTensorStack):
             out[name] = [_plain(v) for v in value.tolist()]
         elif isinstance(value, NonTensorData):
-            out[name] = [_plain(value.data)] * n
+            data = value.data
+            # a sequence of one value per row is per sample, as TransferQueue reads it; else one
+            # value for every row
+            per_row = isinstance(data, list | tuple | np.ndarray) and len(data) == n
+            out[name] = [_plain(v) for v in data] if per_row else [_plain(data)] * n
         elif isinstance(value, TensorDict):
             raise tqueue.FieldTypeError(
                 f"field {name!r} is a nested TensorDict: tqueue fields are flat; put its keys as "

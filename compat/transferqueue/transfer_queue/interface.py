@@ -100,7 +100,7 @@ def get_client() -> TransferQueueClient:
     """The client of this process (made on first use, after ``init``)."""
     with _lock:
         if _state["config"] is None:
-            raise RuntimeError("transfer_queue.init() has not been called in this process")
+            raise RuntimeError("transfer_queue is not initialized in this process: call transfer_queue.init() first")
         if _state["client"] is None:
             _state["client"] = TransferQueueClient("transfer_queue", _state["config"].controller.zmq_info)
         return _state["client"]
@@ -224,6 +224,11 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     directory = Path(checkpoint_dir).absolute()
     if not (directory / "manifest.json").exists() and (directory / "controller_state.pkl").exists():
         raise refused(f"{directory} is a TransferQueue checkpoint (pickle)", "tqueue reads only its own checkpoints")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {directory}")
+    for name in ("metadata.json", "manifest.json"):
+        if not (directory / name).exists():
+            raise FileNotFoundError(f"{directory} holds no {name}: not a checkpoint of transfer_queue.save_checkpoint")
     client = get_client()._client
     # the shim's own partition (the job's settings) is not data: it steps aside for the load
     settings = client.lookup_keys(SHIM_PARTITION, ["config"]).tags[0]
