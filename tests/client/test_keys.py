@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +133,58 @@ def test_keys_and_tags_survive_a_checkpoint(tmp_path: Path) -> None:
         found = client.lookup_keys("kv", ["b", "a"])
         assert found.indexes == [meta.indexes[1], meta.indexes[0]]
         assert client.get_data(found.meta)["x"].tolist() == [1.0, 0.0]
+
+
+def test_select_reads_live_samples_without_a_lease(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 4)
+    taken = client.get_meta(partition, ["x"], 2, task="train", timeout=10)
+    client.ack(taken)
+    client.clear(meta.select([3]))
+    every = client.select(partition, ["x"])
+    assert every is not None and every.indexes == meta.indexes[:3] and every.lease == 0
+    assert client.get_data(client.select(partition, ["x"], limit=2))["x"].tolist() == [0.0, 1.0]
+    assert client.select(partition, ["x", "never-written"]).indexes == []
+    assert client.select("no-such-partition", ["x"]) is None
+    # nothing was consumed: the task still has the other two, another task all three
+    assert len(client.get_meta(partition, ["x"], 1, task="train", timeout=10)) == 1
+    assert len(client.get_meta(partition, ["x"], 3, task="other", timeout=10)) == 3
+    with pytest.raises(tqueue.InvalidArgumentError, match="limit must be >= 0"):
+        client.select(partition, ["x"], limit=-1)
+
+
+def test_reset_consumption_lets_a_task_read_again(client: tqueue.Client, partition: str) -> None:
+    meta = _values(client, partition, 3)
+    first = client.get_meta(partition, ["x"], 2, task="train", timeout=10)
+    client.ack(first)
+    held = client.get_meta(partition, ["x"], 1, task="train", timeout=10)  # leased, not acked
+    other = client.get_meta(partition, ["x"], 3, task="eval", timeout=10)
+    client.ack(other)
+    client.reset_consumption(partition, "train")
+    again = client.get_meta(partition, ["x"], 2, task="train", timeout=10)
+    assert sorted(again.indexes) == sorted(first.indexes)
+    with pytest.raises(tqueue.WaitTimeoutError):  # the leased one stays leased; eval was not reset
+        client.get_meta(partition, ["x"], 1, task="train", timeout=0)
+    with pytest.raises(tqueue.WaitTimeoutError):
+        client.get_meta(partition, ["x"], 1, task="eval", timeout=0)
+    client.ack(held)
+    client.ack(again)
+    client.reset_consumption(partition)  # every task
+    status = next(p for p in client.status().partitions if p.name == partition)
+    assert {t: s.consumed for t, s in status.tasks.items()} == {"train": 0, "eval": 0}
+    assert len(client.get_meta(partition, ["x"], 3, task="eval", timeout=10)) == len(meta)
+    client.reset_consumption("no-such-partition")
+
+
+def test_reset_consumption_wakes_a_parked_reader(cluster: tqueue.LocalCluster, partition: str) -> None:
+    from tests.faults._proc import until
+
+    with tqueue.Client(cluster.address) as client, tqueue.Client(cluster.address) as reader:
+        meta = _values(client, partition, 2)
+        client.ack(client.get_meta(partition, ["x"], 2, task="t", timeout=10))
+        got: dict[str, tqueue.BatchMeta] = {}
+        thread = threading.Thread(target=lambda: got.update(meta=reader.get_meta(partition, ["x"], 2, task="t", timeout=30)))
+        thread.start()
+        until(lambda: any(w.task == "t" for w in client.status().waiting), 10, "the read parked")
+        client.reset_consumption(partition, "t")
+        thread.join(30)
+        assert sorted(got["meta"].indexes) == sorted(meta.indexes)

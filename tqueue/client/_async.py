@@ -367,7 +367,7 @@ class AsyncClient:
     sealed = _handed_on(Lifecycle.sealed)
     field_stats = _handed_on(Lifecycle.field_stats)
 
-    # --- keys and tags: handed to KeyCalls, which documents them
+    # --- keys, tags and reads without a lease: handed to KeyCalls, which documents them
 
     bind_keys = _keyed(KeyCalls.bind_keys)
     tag_keys = _keyed(KeyCalls.tag_keys)
@@ -376,3 +376,5 @@ class AsyncClient:
     keys_of = _keyed(KeyCalls.keys_of)
     list_keys = _keyed(KeyCalls.list_keys)
     drop_keys = _keyed(KeyCalls.drop_keys)
+    select = _keyed(KeyCalls.select)
+    reset_consumption = _keyed(KeyCalls.reset_consumption)

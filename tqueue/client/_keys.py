@@ -1,14 +1,30 @@
-"""Keys and tags, as a client asks for them: a partition's index from user keys to samples,
-and each sample's tags (``tqueue/controller/_keys.py`` keeps them). The calls neither lease
-nor consume: a lookup's meta can be read by anyone, any number of times."""
+"""Keys, tags and reads without a lease, as a client asks for them: a partition's index from
+user keys to samples, each sample's tags (``tqueue/controller/_keys.py`` keeps them), and the
+meta of every live sample (``select``). The calls neither lease nor consume: their metas can
+be read by anyone, any number of times."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidArgumentError
-from ..wire import BatchMeta, BindKeys, Clear, DropKeys, KeyListing, KeysFound, ListKeys, LookupKeys, Ok, SetTags, TagKeys
+from ..errors import InvalidArgumentError, PartitionClearedError
+from ..wire import (
+    BatchMeta,
+    BindKeys,
+    Clear,
+    DropKeys,
+    KeyListing,
+    KeysFound,
+    ListKeys,
+    LookupKeys,
+    Meta,
+    Ok,
+    ResetConsumption,
+    Select,
+    SetTags,
+    TagKeys,
+)
 from ._connections import Connections
 
 
@@ -96,3 +112,23 @@ class KeyCalls:
         if found.meta is not None:
             meta = found.meta
             await ctl.request(Clear(partition=meta.partition, partition_uid=meta.partition_uid, indexes=list(meta.indexes)), expect=Ok)
+
+    async def select(self, partition: str, fields: Sequence[str], *, limit: int | None = None) -> BatchMeta | None:
+        """The meta of the live samples of ``partition`` that have every field of ``fields``
+        (committed; not partial, failed, aborted or cleared), in index order, at most
+        ``limit`` of them: no lease is taken and nothing is consumed, whatever any task did
+        with them. None where the partition does not exist."""
+        if limit is not None and limit < 0:
+            raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
+        try:
+            reply, _ = await (await self._conns.ctl()).request(Select(partition=partition, fields=list(fields)), expect=Meta)
+        except PartitionClearedError:
+            return None
+        meta = reply.meta
+        return meta if limit is None or limit >= len(meta) else meta.select(range(limit))
+
+    async def reset_consumption(self, partition: str, task: str | None = None) -> None:
+        """Make every sample of ``partition`` that ``task`` (None: every task) consumed
+        available to it again, to be read once more; samples it holds under a lease stay
+        leased. A partition that does not exist is left alone."""
+        await (await self._conns.ctl()).request(ResetConsumption(partition=partition, task=task), expect=Ok)

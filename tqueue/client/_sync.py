@@ -202,6 +202,8 @@ class Client:
     keys_of = _twin(AsyncClient.keys_of)
     list_keys = _twin(AsyncClient.list_keys)
     drop_keys = _twin(AsyncClient.drop_keys)
+    select = _twin(AsyncClient.select)
+    reset_consumption = _twin(AsyncClient.reset_consumption)
 
 
 def _forked(parent: int) -> ForkedClientError:

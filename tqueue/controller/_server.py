@@ -55,6 +55,7 @@ from ..wire import (
     RegisterUnit,
     Renew,
     Reserve,
+    ResetConsumption,
     Restore,
     Seal,
     Sealed,
@@ -78,6 +79,7 @@ from ._moves import Moves
 from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
+from ._resets import Resets
 from ._state import ControllerState
 from ._writes import Writes
 
@@ -110,6 +112,7 @@ class Controller:
         )
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
+        self.resets = Resets(self.state, wake_soon=self._wake_soon)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -146,6 +149,7 @@ class Controller:
             (LookupKeys, self.keys.lookup),
             (ListKeys, self.keys.list_keys),
             (DropKeys, self.keys.drop),
+            (ResetConsumption, self.resets.reset),
         )
         for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))

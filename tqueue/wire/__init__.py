@@ -18,7 +18,18 @@ from ._durable import (
     UnitLoaded,
     UnitSaved,
 )
-from ._keys import BindKeys, DropKeys, KeyListing, KeysFound, ListKeys, LookupKeys, SetTags, TagKeys, Tags
+from ._keys import (
+    BindKeys,
+    DropKeys,
+    KeyListing,
+    KeysFound,
+    ListKeys,
+    LookupKeys,
+    ResetConsumption,
+    SetTags,
+    TagKeys,
+    Tags,
+)
 from ._messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -141,6 +152,7 @@ __all__ = [
     "Release",
     "Renew",
     "Reserve",
+    "ResetConsumption",
     "Restore",
     "Restored",
     "salvage_rid",

@@ -1,6 +1,8 @@
 """Keys and tags on the wire: a partition's index from user keys to samples, and each sample's
 tags (a small dict of MessagePack values, replaced as a whole when written).
 
+``ResetConsumption`` lets a task read again what it consumed.
+
 A key names at most one sample of a partition; a key may also exist before its sample does
 (written with tags only). Tags belong to a sample (``SetTags``) or to a key (``TagKeys``),
 which are the same once the key has its sample. Nothing here leases: lookups return metas
@@ -91,6 +93,15 @@ class DropKeys(Message):
     KIND = Kind.DROP_KEYS
     partition: str
     keys: list[str]
+
+
+class ResetConsumption(Message):
+    """Make every sample of ``partition`` that ``task`` (None: every task) consumed available
+    to it again; leased samples stay leased. Answered with ``Ok``."""
+
+    KIND = Kind.RESET_CONSUMPTION
+    partition: str
+    task: str | None = None
 
 
 register(globals())

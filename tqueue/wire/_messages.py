@@ -109,6 +109,7 @@ class Kind(enum.IntEnum):
     LIST_KEYS = 65
     KEY_LISTING = 66
     DROP_KEYS = 67
+    RESET_CONSUMPTION = 68
 
 
 class Message(msgspec.Struct, kw_only=True):
