@@ -112,7 +112,7 @@ def test_a_unit_joins_late_and_status_and_top_show_the_cluster():
 # --- the command line as a new user meets it --------------------------------------------------
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-COMMANDS = ["controller", "storage-unit", "status", "top", "ingest", "demo", "bench"]
+COMMANDS = ["controller", "storage-unit", "status", "top", "checkpoint", "restore", "ingest", "demo", "bench"]
 
 
 def _run(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
