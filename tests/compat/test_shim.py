@@ -83,8 +83,24 @@ def test_data_parser_is_refused_by_design(shim: Any) -> None:
 def test_missing_features_name_what_they_wait_for(shim: Any) -> None:
     from transfer_queue._errors import NotYetSupportedError
 
-    with pytest.raises(NotYetSupportedError, match="force_fetch"):
-        shim.get_client().get_meta(["x"], 1, "p", mode="force_fetch", task_name="t")
+    with pytest.raises(NotYetSupportedError, match="insert.* allocate rows"):
+        shim.get_client().get_meta(["x"], 1, "p", mode="insert", task_name="t")
+    with pytest.raises(NotYetSupportedError, match="get_consumption_status"):
+        shim.get_client().get_consumption_status("t", "p")
+
+
+def test_force_fetch_neither_leases_nor_consumes(shim: Any) -> None:
+    client = shim.get_client()
+    client.put(TensorDict({"x": torch.arange(3.0)}, batch_size=[3]), partition_id="ff")
+    client.get_meta(["x"], 2, "ff", task_name="t")  # fetch: consumed at once
+    peek = client.get_meta(["x"], 3, "ff", mode="force_fetch")
+    assert client.get_data(peek)["x"].tolist() == [0.0, 1.0, 2.0]
+    assert client.get_meta(["x"], 1, "ff", task_name="t").size == 1  # the third is still there for t
+    with pytest.raises(tqueue.WaitTimeoutError, match="force_fetch.* has 3 samples .* 4 were asked for"):
+        client.get_meta(["x"], 4, "ff", mode="force_fetch")
+    indexes, status = client.get_production_status(["x"], "ff")
+    assert indexes.tolist() == peek.global_indexes and status.tolist() == [1, 1, 1]
+    assert client.reset_consumption("ff", "t") and not client.check_consumption_status("t", "ff")
 
 
 def test_init_refuses_sampler_objects_and_other_backends() -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 from tensordict import TensorDict
 
 import tqueue
@@ -24,7 +25,7 @@ from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tens
 from transfer_queue._errors import not_yet, refused
 from transfer_queue.metadata import BatchMeta
 
-STATUS = "tqueue's per-sample production and consumption status (issue 27)"
+STATUS = "per-sample consumption status from tqueue (issue 27)"
 
 
 def _address(controller_info: Any) -> str:
@@ -46,18 +47,16 @@ def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
         raise refused("data_parser (a callable pickled into the storage units)", "apply it to the data before the put")
 
 
-def _check_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> str:
-    if mode in ("force_fetch", "insert"):
-        need = "reads that do not lease (force_fetch)" if mode == "force_fetch" else "puts that allocate rows (insert)"
-        raise not_yet(f"get_meta(mode={mode!r})", f"tqueue's {need} (issue 27)")
-    if mode != "fetch":
+def _check_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> None:
+    if mode == "insert":
+        raise not_yet("get_meta(mode='insert')", "tqueue's puts that allocate rows to be filled later (issue 27)")
+    if mode not in ("fetch", "force_fetch"):
         raise ValueError(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
-    if task_name is None:
+    if mode == "fetch" and task_name is None:
         raise ValueError("get_meta(mode='fetch') needs task_name")
     extra = sorted(set(sampling_config or {}) - {"task_name", "partition_id", "batch_index", "dp_rank"})
     if extra:
         raise not_yet(f"get_meta(sampling_config={extra})", "arguments passed to tqueue policies (issue 27)")
-    return task_name
 
 
 def _one(metas: list[tqueue.BatchMeta]) -> tqueue.BatchMeta:
@@ -139,16 +138,36 @@ class TransferQueueClient:
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
     ) -> BatchMeta:
-        task = _check_mode(mode, task_name, sampling_config)
+        _check_mode(mode, task_name, sampling_config)
         polling = self.polling_mode()
+        if mode == "force_fetch":
+            return self._force_fetch(list(data_fields), batch_size, partition_id, polling)
+        assert task_name is not None  # _check_mode refuses fetch without a task
         try:
-            meta = self._client.get_meta(partition_id, list(data_fields), batch_size, task=task, timeout=0 if polling else None)
+            meta = self._client.get_meta(
+                partition_id, list(data_fields), batch_size, task=task_name, timeout=0 if polling else None
+            )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
             if polling:
                 return BatchMeta.empty()
             raise
         self._client.ack(meta)
         return self._with_tags(meta, list(data_fields))
+
+    def _force_fetch(self, fields: list[str], batch_size: int, partition_id: str, polling: bool) -> BatchMeta:
+        """The first ``batch_size`` live samples that have ``fields``, whoever consumed them,
+        without a lease (tqueue's ``select``). Too few: an empty meta in polling mode, else
+        ``WaitTimeoutError`` at once (a force_fetch that waits is not supported)."""
+        meta = self._client.select(partition_id, fields, limit=batch_size)
+        if meta is not None and len(meta) == batch_size:
+            return self._with_tags(meta, fields)
+        if polling:
+            return BatchMeta.empty()
+        have = 0 if meta is None else len(meta)
+        raise tqueue.WaitTimeoutError(
+            f"get_meta(mode='force_fetch'): partition {partition_id!r} has {have} samples with fields {fields}, "
+            f"{batch_size} were asked for (over tqueue a force_fetch does not wait)"
+        )
 
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         if metadata.size == 0:
@@ -174,9 +193,27 @@ class TransferQueueClient:
     def get_partition_list(self) -> list[str]:
         return [p.name for p in self._client.status().partitions if p.name != _kv.SHIM_PARTITION]
 
+    def _produced(self, data_fields: list[str], partition_id: str) -> tuple[list[int], list[int]] | None:
+        """The live samples of the partition, and those of them that have every field."""
+        every = self._client.select(partition_id, [])
+        if every is None:
+            return None
+        have = self._client.select(partition_id, list(data_fields))
+        return list(every.indexes), [] if have is None else list(have.indexes)
+
     def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
-        p = _partition(self._client.status(), partition_id)
-        return p is not None and p.samples > 0 and set(data_fields) <= set(p.fields) and p.in_flight == 0
+        """Whether every live sample of the partition has every field (False: no samples)."""
+        found = self._produced(data_fields, partition_id)
+        return found is not None and len(found[0]) > 0 and len(found[1]) == len(found[0])
+
+    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
+        """``(global indexes, status)``: per live sample, 1 where it has every field, else 0;
+        ``(None, None)`` for a partition that does not exist."""
+        found = self._produced(data_fields, partition_id)
+        if found is None:
+            return None, None
+        have = set(found[1])
+        return torch.tensor(found[0], dtype=torch.long), torch.tensor([int(i in have) for i in found[0]], dtype=torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         p = _partition(self._client.status(), partition_id)
@@ -185,14 +222,13 @@ class TransferQueueClient:
         task = p.tasks.get(task_name)
         return task is not None and task.consumed >= p.ready
 
-    def get_production_status(self, data_fields: list[str], partition_id: str) -> Any:
-        raise not_yet("get_production_status", STATUS)
-
     def get_consumption_status(self, task_name: str, partition_id: str) -> Any:
         raise not_yet("get_consumption_status", STATUS)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        raise not_yet("reset_consumption", STATUS)
+        """Let ``task_name`` (None: every task) read again what it consumed."""
+        self._client.reset_consumption(partition_id, task_name)
+        return True
 
     # --- keys -------------------------------------------------------------------------
 
