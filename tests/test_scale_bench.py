@@ -1,0 +1,31 @@
+"""benchmarks/scale.py runs end to end at a tiny size: both kinds of load complete cycles
+against a real controller and unit, the controller's CPU is read from its process, and a
+filled partition serves get_meta (figures are not asserted: targets live in benchmarks/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import scale
+
+
+@pytest.mark.parametrize("role", ["raw", "real"], ids=["raw-generator", "async-clients"])
+def test_load_runs_cycles_and_reads_controller_cpu(role: str) -> None:
+    r = scale.load(role, clients=4, procs=1, seconds=0.3)
+    assert r["ops"] >= 3 * 4 and r["ops"] % 3 == 0  # whole cycles: put, get_meta, ack
+    assert r["ctl_cpu_s"] > 0 and r["ctl_us_per_op"] > 0
+    assert 0 < r["put_p50"] <= r["put_p99"]
+
+
+def test_fill_reports_memory_and_get_meta() -> None:
+    (row,) = scale.fill([20_000], calls=5)
+    assert row["samples"] == 20_000 and row["ctl_rss"] > row["ctl_base"]
+    assert row["get_meta_1_p50_ms"] > 0 and row["get_meta_256_p50_ms"] > 0
+
+
+def test_profile_top_reads_collapsed_stacks(tmp_path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("main (a.py:1);f (b/c.py:3) 3\nmain (a.py:1);g (d.py:9);f (b/c.py:4) 1\n")
+    top = scale.profile_top(str(path))
+    assert top[0] == ("f (c.py)", 100.0, 100.0)
+    assert [name for name, _, _ in top] == ["f (c.py)"]
