@@ -258,3 +258,25 @@ def test_non_tensor_data_of_one_value_per_row_is_per_sample(shim: Any) -> None:
     meta = client.get_meta(["raw", "same"], 2, client.put(td, partition_id="ntd").partition_ids[0], task_name="t")
     got = client.get_data(meta)
     assert got.get("raw").tolist() == [b"a", b"bc"] and got.get("same").tolist() == ["all", "all"]
+
+
+def test_grpo_sampler_releases_whole_groups_of_each_put() -> None:
+    code = (
+        "import torch, transfer_queue as tq\n"
+        "from tensordict import TensorDict\n"
+        "tq.init({'controller': {'sampler': tq.GRPOGroupNSampler(n_samples_per_prompt=2)}})\n"
+        "c = tq.get_client()\n"
+        "c.put(TensorDict({'r': torch.arange(4.0)}, batch_size=[4]), partition_id='g')\n"
+        "print(sorted(c.get_meta(['r'], 2, 'g', task_name='t').global_indexes))\n"
+        "print(sorted(c.get_meta(['r'], 2, 'g', task_name='t').global_indexes))\n"
+        "try:\n"
+        "    c.put(TensorDict({'r': torch.arange(3.0)}, batch_size=[3]), partition_id='g')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+        "tq.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stdout.splitlines()
+    assert sorted(lines[:2]) == ["[0, 1]", "[2, 3]"], done.stdout + done.stderr
+    assert "refused: put of 3 rows under GRPOGroupNSampler(n_samples_per_prompt=2): whole groups only" in done.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +82,8 @@ class TransferQueueClient:
     def __init__(self, client_id: str, controller_info: Any, zmq_io_threads: int | None = None, zmq_max_sockets: int | None = None):
         self.client_id = client_id
         self._client = tqueue.Client(_address(controller_info))
-        self._polling: bool | None = None
+        self._settings: dict[str, Any] | None = None
+        self._grouped: set[str] = set()  # partitions this client made with their group size
 
     def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: Any = None) -> None:
         """Accepted for TransferQueue code: tqueue's client finds the storage units through the
@@ -89,12 +91,32 @@ class TransferQueueClient:
         if manager_type not in ("SimpleStorage", "AsyncSimpleStorageManager"):
             raise refused(f"storage backend {manager_type!r}", "tqueue has its own storage units; use SimpleStorage")
 
-    def polling_mode(self) -> bool:
-        """The job's ``controller.polling_mode``, as ``init`` recorded it in the cluster."""
-        if self._polling is None:
-            tags = self._client.lookup_keys(_kv.SHIM_PARTITION, ["config"]).tags[0] or {}
-            self._polling = bool(tags.get("polling_mode", False))
-        return self._polling
+    def settings(self) -> dict[str, Any]:
+        """The job's settings as ``init`` recorded them in the cluster: ``polling_mode``, and
+        ``sampler`` (``first_ready`` or ``groups`` with ``group_size``)."""
+        if self._settings is None:
+            self._settings = dict(self._client.lookup_keys(_kv.SHIM_PARTITION, ["config"]).tags[0] or {})
+        return self._settings
+
+    def _put_new(self, partition: str, data: TensorDict) -> tqueue.BatchMeta:
+        """A put of new samples; under GRPOGroupNSampler(n) each n consecutive rows of the put
+        are one group, named so (tqueue's ``groups`` policy releases whole groups by id)."""
+        fields = to_fields(data)
+        settings = self.settings()
+        if settings.get("sampler") != "groups":
+            return tolerant_put(self._client, partition, fields, lambda d: self._client.put(partition, d))
+        n = int(settings["group_size"])
+        if rows(data) % n:
+            raise ValueError(f"put of {rows(data)} rows under GRPOGroupNSampler(n_samples_per_prompt={n}): whole groups only")
+        if partition not in self._grouped:
+            try:
+                self._client.create_partition(partition, group_size=n)
+            except tqueue.InvalidArgumentError:
+                pass  # made already, by another put of this job
+            self._grouped.add(partition)
+        tag = uuid.uuid4().hex
+        groups = [f"{tag}-{r // n}" for r in range(rows(data))]
+        return tolerant_put(self._client, partition, fields, lambda d: self._client.put(partition, d, groups=groups))
 
     def _with_tags(self, meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
         out = to_meta(meta, fields)
@@ -119,8 +141,7 @@ class TransferQueueClient:
         if metadata is None:
             if partition_id is None:
                 raise ValueError("put needs partition_id (or metadata)")
-            partition = partition_id
-            return to_meta(tolerant_put(self._client, partition, to_fields(data), lambda d: self._client.put(partition, d)))
+            return to_meta(self._put_new(partition_id, data))
         if rows(data) != metadata.size:
             raise ValueError(f"put: data has {rows(data)} rows, metadata {metadata.size} samples")
         meta = _one(from_meta(metadata))
@@ -139,13 +160,19 @@ class TransferQueueClient:
         sampling_config: dict[str, Any] | None = None,
     ) -> BatchMeta:
         _check_mode(mode, task_name, sampling_config)
-        polling = self.polling_mode()
+        settings = self.settings()
+        polling = bool(settings.get("polling_mode", False))
         if mode == "force_fetch":
             return self._force_fetch(list(data_fields), batch_size, partition_id, polling)
         assert task_name is not None  # _check_mode refuses fetch without a task
         try:
             meta = self._client.get_meta(
-                partition_id, list(data_fields), batch_size, task=task_name, timeout=0 if polling else None
+                partition_id,
+                list(data_fields),
+                batch_size,
+                task=task_name,
+                timeout=0 if polling else None,
+                policy="groups" if settings.get("sampler") == "groups" else "first_ready",
             )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
             if polling:

@@ -29,7 +29,7 @@ from transfer_queue._errors import not_yet, refused
 from transfer_queue._kv import SHIM_PARTITION
 from transfer_queue.client import TransferQueueClient, _no_parser
 from transfer_queue.metadata import KVBatchMeta
-from transfer_queue.sampler import BaseSampler, SequentialSampler
+from transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +46,22 @@ def _defaults() -> DictConfig:
     return conf
 
 
-def _sampler_policy(sampler: Any) -> str:
-    """The tqueue policy that carries out ``controller.sampler``."""
+def _sampler_settings(sampler: Any) -> dict[str, Any]:
+    """How the controller carries out ``controller.sampler`` (a built-in sampler's name, class
+    or instance: its arguments are read, nothing is pickled), kept in the cluster's settings."""
     name = sampler if isinstance(sampler, str) else getattr(sampler, "__name__", type(sampler).__name__)
     if name == SequentialSampler.__name__:
-        return "first_ready"
-    if name in ("GRPOGroupNSampler", "RankAwareSampler", "SeqlenBalancedSampler"):
-        raise not_yet(f"init(controller.sampler={name})", "the mapping of this sampler onto tqueue's policies (issue 27)")
+        return {"sampler": "first_ready"}
+    if name == GRPOGroupNSampler.__name__:
+        n = int(getattr(sampler, "n_samples_per_prompt", 0) or 0) if isinstance(sampler, GRPOGroupNSampler) else 0
+        if n <= 0:
+            raise ValueError(
+                "controller.sampler GRPOGroupNSampler needs its group size: give an instance, "
+                "GRPOGroupNSampler(n_samples_per_prompt=n)"
+            )
+        return {"sampler": "groups", "group_size": n}
+    if name in ("RankAwareSampler", "SeqlenBalancedSampler"):
+        raise not_yet(f"init(controller.sampler={name})", "the mapping of this sampler onto tqueue's data-parallel rounds")
     if isinstance(sampler, BaseSampler) or (isinstance(sampler, type) and issubclass(sampler, BaseSampler)):
         raise refused(
             f"a sampler object ({name}) pickled into the controller",
@@ -75,7 +84,8 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
         backend = config.backend.storage_backend
         if backend != "SimpleStorage":
             raise refused(f"storage backend {backend!r}", "tqueue stores payload in its own storage units (SimpleStorage)")
-        _sampler_policy(sampler if sampler is not None else config.controller.sampler)
+        settings = _sampler_settings(sampler if sampler is not None else config.controller.sampler)
+        settings["polling_mode"] = bool(config.controller.polling_mode)
         address = config.controller.zmq_info or os.environ.get(ADDRESS_ENV)
         if not address:
             cluster = tqueue.LocalCluster(
@@ -89,9 +99,9 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
         client = TransferQueueClient("transfer_queue", address)
         if conf is not None or _state["cluster"] is not None:
             # the job's settings, kept in the cluster for every process that attaches
-            client._client.tag_keys(SHIM_PARTITION, ["config"], [{"polling_mode": bool(config.controller.polling_mode)}])
+            client._client.tag_keys(SHIM_PARTITION, ["config"], [settings])
         else:
-            config.controller.polling_mode = client.polling_mode()
+            config.controller.polling_mode = client.settings().get("polling_mode", False)
         _state.update(config=config, client=client)
         return config
 
