@@ -280,3 +280,28 @@ def test_grpo_sampler_releases_whole_groups_of_each_put() -> None:
     lines = done.stdout.splitlines()
     assert sorted(lines[:2]) == ["[0, 1]", "[2, 3]"], done.stdout + done.stderr
     assert "refused: put of 3 rows under GRPOGroupNSampler(n_samples_per_prompt=2): whole groups only" in done.stdout
+
+
+def test_a_key_named_meanwhile_is_written_in_place(shim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes putting the same new key: the one whose bind is refused drops its sample
+    and writes into the one the key names."""
+    import msgspec
+
+    client = shim.get_client()._client
+    shim.kv_put(key="k", partition_id="race", fields={"v": torch.tensor([1])})
+    real = client.lookup_keys
+    stale: list[int] = []
+
+    def as_before_the_other_put(partition: str, keys: Any = None, **kw: Any) -> Any:
+        found = real(partition, keys, **kw)
+        if not stale:  # the first lookup sees the partition as it was before the other put
+            stale.append(1)
+            return msgspec.structs.replace(found, indexes=[-1] * len(found.indexes), meta=None)
+        return found
+
+    monkeypatch.setattr(client, "lookup_keys", as_before_the_other_put)
+    shim.kv_put(key="k", partition_id="race", fields={"v": torch.tensor([2])})
+    monkeypatch.undo()
+    assert stale == [1]
+    assert shim.kv_batch_get(keys="k", partition_id="race")["v"].unbind()[0].tolist() == [2]
+    assert len(client.select("race", ["v"])) == 1

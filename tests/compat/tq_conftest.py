@@ -88,7 +88,9 @@ def pytest_configure(config: Any) -> None:
         kwargs.setdefault("_node_ip_address", "127.0.0.1")
         kwargs.setdefault("include_dashboard", False)
         context = init(*args, **kwargs)
-        window = ray.remote(ControllerWindow).options(name="TransferQueueController", namespace="transfer_queue")
+        window = ray.remote(ControllerWindow).options(
+            name="TransferQueueController", namespace="transfer_queue", get_if_exists=True
+        )
         loopback_init.window = window.remote(_cluster.address)  # type: ignore[attr-defined]
         return context
 

@@ -49,7 +49,13 @@ def one_row(fields: TensorDict | dict[str, Any]) -> TensorDict:
 
 
 def batch_put(
-    client: tqueue.Client, keys: list[str], partition: str, fields: TensorDict | None, tags: list[dict[str, Any]] | None
+    client: tqueue.Client,
+    keys: list[str],
+    partition: str,
+    fields: TensorDict | None,
+    tags: list[dict[str, Any]] | None,
+    *,
+    again: bool = True,
 ) -> KVBatchMeta:
     names = _names(keys)
     if tags is not None and len(tags) != len(names):
@@ -72,7 +78,15 @@ def batch_put(
             client.set_tags(found.meta, [tags[r] for r in old])
     if new:
         meta = tolerant_put(client, partition, _take(data, new), lambda d: client.put(partition, d))
-        client.bind_keys(meta, [names[r] for r in new], tags=None if tags is None else [tags[r] for r in new])
+        try:
+            client.bind_keys(meta, [names[r] for r in new], tags=None if tags is None else [tags[r] for r in new])
+        except tqueue.InvalidArgumentError:
+            # another process named some of these keys meanwhile: drop these samples and write
+            # into the samples the keys name now (once; a second refusal is the caller's)
+            client.clear(meta)
+            if not again:
+                raise
+            return batch_put(client, keys, partition, fields, tags, again=False)
     return _meta(client, names, partition)
 
 
