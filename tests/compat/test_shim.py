@@ -305,3 +305,16 @@ def test_a_key_named_meanwhile_is_written_in_place(shim: Any, monkeypatch: pytes
     assert stale == [1]
     assert shim.kv_batch_get(keys="k", partition_id="race")["v"].unbind()[0].tolist() == [2]
     assert len(client.select("race", ["v"])) == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "two-workers"])
+def test_streaming_dataloader_reads_a_partition_once(shim: Any, workers: int) -> None:
+    client = shim.get_client()
+    partition = f"stream-{workers}"
+    client.put(TensorDict({"x": torch.arange(8.0)}, batch_size=[8]), partition_id=partition)
+    dataset = shim.StreamingDataset(
+        shim.init(), batch_size=2, micro_batch_size=1, data_fields=["x"], partition_id=partition,
+        task_name="train", dp_rank=0, should_check_consumption_status=True,
+    )
+    seen = [float(td["x"][0]) for td, meta in shim.StreamingDataLoader(dataset, num_workers=workers)]
+    assert sorted(seen) == [float(i) for i in range(8)]

@@ -158,7 +158,13 @@ class TransferQueueClient:
         mode: str = "fetch",
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
+        *,
+        wait: float | None = None,
     ) -> BatchMeta:
+        """TransferQueue's ``get_meta``. ``wait`` (the shim's own): in fetch mode, wait up to
+        that many seconds at the controller for the samples, then return an empty meta, in
+        polling mode or not (the streaming dataset waits so rather than asking again and
+        again)."""
         _check_mode(mode, task_name, sampling_config)
         settings = self.settings()
         polling = bool(settings.get("polling_mode", False))
@@ -171,11 +177,11 @@ class TransferQueueClient:
                 list(data_fields),
                 batch_size,
                 task=task_name,
-                timeout=0 if polling else None,
+                timeout=wait if wait is not None else 0 if polling else None,
                 policy="groups" if settings.get("sampler") == "groups" else "first_ready",
             )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
-            if polling:
+            if polling or wait is not None:
                 return BatchMeta.empty()
             raise
         self._client.ack(meta)

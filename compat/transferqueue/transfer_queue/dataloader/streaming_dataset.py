@@ -3,8 +3,9 @@ read from one partition for one task and data-parallel rank, as TransferQueue's.
 
 The client is made lazily in the process that iterates (a ``DataLoader`` worker makes its
 own), from ``config.controller.zmq_info``: the tqueue controller's address that ``init``
-recorded. An empty batch (``polling_mode``) is waited out by tqueue itself: the dataset asks
-again with a blocking ``get_meta`` instead of sleeping.
+recorded. The default fetch waits for its samples at the controller (a parked request, up to
+``STREAM_WAIT`` seconds, polling mode or not), then checks again whether it is done: no
+sleeping, and no asking again and again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
+from transfer_queue.client import TransferQueueClient
 from transfer_queue.metadata import BatchMeta
 
 logger = logging.getLogger(__name__)
+
+STREAM_WAIT = 5.0  # seconds a fetch waits at the controller before the dataset checks again whether it is done
 
 
 class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
@@ -61,8 +65,6 @@ class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
 
     def _client(self) -> Any:
         if self._tq_client is None:
-            from transfer_queue.client import TransferQueueClient
-
             self._tq_client = TransferQueueClient(f"StreamingDataset_{uuid.uuid4().hex[:8]}", self.config.controller.zmq_info)
         return self._tq_client
 
@@ -115,12 +117,16 @@ def default_fetch_batch_fn(
 ) -> tuple[TensorDict | None, BatchMeta]:
     """One batch of ``batch_size`` samples, or ``(None, empty meta)`` when none is ready."""
     config = {**sampling_config, "batch_index": batch_index, "partition_id": partition_id}
+    # the shim's client waits for the samples at the controller (a parked request), up to
+    # STREAM_WAIT seconds, instead of being asked again and again
+    wait = {"wait": STREAM_WAIT} if isinstance(tq_client, TransferQueueClient) else {}
     meta = tq_client.get_meta(
         data_fields=data_fields,
         batch_size=batch_size,
         partition_id=partition_id,
         task_name=task_name,
         sampling_config=config,
+        **wait,
     )
     if meta.size == 0:
         return None, meta
