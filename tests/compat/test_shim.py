@@ -318,3 +318,19 @@ def test_streaming_dataloader_reads_a_partition_once(shim: Any, workers: int) ->
     )
     seen = [float(td["x"][0]) for td, meta in shim.StreamingDataLoader(dataset, num_workers=workers)]
     assert sorted(seen) == [float(i) for i in range(8)]
+
+
+def test_metrics_endpoint_is_the_controllers() -> None:
+    code = (
+        "import urllib.request, transfer_queue as tq\n"
+        "tq.init()\n"
+        "print(tq.get_metrics_endpoint())\n"
+        "tq.close()\n"
+        "tq.init({'metrics': {'enabled': True, 'port': 0}})\n"
+        "url = tq.get_metrics_endpoint()\n"
+        "print(url.startswith('http://127.0.0.1:'), b'tqueue' in urllib.request.urlopen(url, timeout=10).read())\n"
+        "tq.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.splitlines() == ["None", "True True"], done.stdout + done.stderr
