@@ -217,10 +217,11 @@ class ClientConfig:
     device_chunk_bytes: int = _setting(
         4 * MiB, "a read onto a device (get_data(device=...)) copies in chunks of this size, and stages bytes "
         "that are not page-locked through two page-locked bounce buffers of this size that take turns")
-    register_arena: bool = _setting(
-        True, "register the arena of a unit on this host with the device driver (cudaHostRegister) on the first "
-        "device read, so reads copy from it by DMA in place; it locks as many bytes as the arena holds, for the "
-        "client's life (where the driver refuses, a log line says so once and reads go through bounce buffers)")
+    device_lock_bytes: int = _setting(
+        4096 * MiB, "most bytes of same-host arena pages a client registers with the device driver (cudaHostRegister, "
+        "in 64 MiB blocks as device reads first touch them), so those reads copy to the device by DMA in place; "
+        "the pages stay locked for the client's life (0: never register; past the budget, or where the driver "
+        "refuses, a log line says so once and reads go through page-locked bounce buffers)")
     bulk_put_min_bytes: int = _setting(
         8 * MiB, "puts from this size up (as the caller's values hold them) send their frames over the unit's bulk "
         "streams (parallel lanes); smaller ones go inline on ZeroMQ, whose frames the unit keeps as they arrived")

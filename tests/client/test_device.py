@@ -84,22 +84,33 @@ def test_padded_and_nested_fields_land_whole(cluster, partition, mode):
             assert torch.equal(moved.lengths("resp"), host.lengths("resp"))
 
 
-def test_a_registered_arena_is_copied_from_in_place(cluster, partition):
+def test_arena_pages_are_registered_block_by_block_as_reads_touch_them(cluster, partition, monkeypatch):
+    """The read's arena views are copied from in place, nothing staged; only the blocks they
+    lie in are registered (not the arena's whole mapping), each once, for the client's life."""
+    registered: list[tuple[int, int]] = []
+    real = Accelerator.register_range
+    monkeypatch.setattr(
+        Accelerator, "register_range", lambda self, arena, at, n: registered.append((at, n)) or real(self, arena, at, n)
+    )
     data = batch_data()
     with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
         c.put(partition, data)
         acc, copied = acc_of(c), c.stats.copied_bytes
-        batch = c.get_data(partition, ["ids"], 32, task="t", device="cpu", timeout=10)
-        assert torch.equal(batch["ids"], data["ids"])
+        for task in ("a", "b"):
+            batch = c.get_data(partition, ["ids"], 32, task=task, device="cpu", timeout=10)
+            assert torch.equal(batch["ids"], data["ids"])
         [arena] = {id(r.arena): r.arena for r in c._inner._conns.routes.values()}.values()
-        assert acc.locked(arena.array[: arena.size])  # registered, for the client's life
         assert c.stats.copied_bytes == copied  # read in place from the arena: nothing staged
-        assert c.stats.device_bytes == data["ids"].numel() * 8
+        assert c.stats.device_bytes == 2 * data["ids"].numel() * 8
+        assert 1 <= len(registered) == len(set(registered)) <= 2  # the blocks of one read, once
+        assert acc.locked_bytes == sum(n for _, n in registered) <= 2 * device_route.LOCK_BLOCK < arena.size
+        base = arena.array.ctypes.data
+        assert all((at - base) % device_route.LOCK_BLOCK == 0 for at, _ in registered)
 
 
 def test_a_refused_registration_is_said_once_and_reads_go_through_bounce_buffers(cluster, partition, monkeypatch, caplog):
     monkeypatch.setattr(device_route, "_said", set())
-    monkeypatch.setattr(Accelerator, "register", lambda self, arena: "registration refused by this test")
+    monkeypatch.setattr(Accelerator, "register_range", lambda self, arena, at, n: "registration refused by this test")
     data = batch_data()
     dense = data["ids"].numel() * 8
     with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
@@ -112,17 +123,26 @@ def test_a_refused_registration_is_said_once_and_reads_go_through_bounce_buffers
         said = [r for r in caplog.records if "registration refused by this test" in r.getMessage()]
         assert len(said) == 1 and "bounce buffers" in said[0].getMessage()
         assert c.stats.copied_bytes - copied >= 2 * dense  # staged: the arena's pages were not locked
-        assert all(locked for _, locked in acc_of(c).copies)
+        assert all(locked for _, locked in acc_of(c).copies) and acc_of(c).locked_bytes == 0
 
 
-def test_register_arena_off_registers_nothing(cluster, partition, monkeypatch):
+@pytest.mark.parametrize("budget", [0, 1 << 20], ids=["off", "too-small"])
+def test_the_lock_budget_bounds_what_is_registered(cluster, partition, monkeypatch, caplog, budget):
+    """``device_lock_bytes=0`` registers nothing; a budget smaller than a block registers
+    nothing either and says so once; reads stay exact through the bounce buffers."""
+    monkeypatch.setattr(device_route, "_said", set())
     asked: list[Any] = []
-    monkeypatch.setattr(Accelerator, "register", lambda self, arena: asked.append(arena) or "")
-    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, register_arena=False)
+    monkeypatch.setattr(Accelerator, "register_range", lambda self, arena, at, n: asked.append(n) or "")
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, device_lock_bytes=budget)
+    x = torch.arange(1 << 16).reshape(1, -1)
     with tqueue.Client(cluster.address, config=config) as c:
-        c.put(partition, {"x": torch.arange(1 << 16).reshape(1, -1)})
-        assert torch.equal(c.get_data(partition, ["x"], 1, task="t", device="cpu", timeout=10)["x"][0], torch.arange(1 << 16))
+        c.put(partition, {"x": x})
+        with caplog.at_level(logging.WARNING, logger=device_route.__name__):
+            for task in ("a", "b"):
+                assert torch.equal(c.get_data(partition, ["x"], 1, task=task, device="cpu", timeout=10)["x"], x)
     assert asked == []
+    said = [r for r in caplog.records if "device_lock_bytes" in r.getMessage()]
+    assert len(said) == (1 if budget else 0)
 
 
 class Recorder(Accelerator):

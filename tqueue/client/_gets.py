@@ -65,7 +65,7 @@ class Gets:
         self.stats = stats
         self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
         config = conns.config
-        self._devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.register_arena)
+        self._devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.device_lock_bytes)
 
     async def get_meta(self, ask: MetaAsk) -> BatchMeta:
         """:meth:`AsyncClient.get_meta`."""

@@ -9,11 +9,13 @@ device read never hands the driver pageable memory:
 
 * the batch's host buffers (the dense rows a bulk stream receives in place, what assembly
   copies) come from a page-locked pool of the accelerator's (:meth:`Accelerator.pool`);
-* a unit's arena, where it is on this host, is registered with the driver once per client
-  (``cudaHostRegister``; ``ClientConfig.register_arena``), so its views are copied from in
-  place. Registering locks the whole mapping: as many bytes of locked memory as the unit's
-  arena (``StorageConfig.arena_bytes``), once per unit on this host, for the client's life;
-  it is bounded by the arenas' sizes and by the process's memlock limit. Where the driver
+* the pages of a unit's arena, where it is on this host, are registered with the driver
+  (``cudaHostRegister``) in blocks of :data:`LOCK_BLOCK` (64 MiB) as reads first touch them,
+  so its views are copied from in place. Each registered block stays locked for the client's
+  life (the arena reuses its ranges, so the same blocks serve later reads); the total is
+  bounded by ``ClientConfig.device_lock_bytes`` (default 4 GiB; 0: never register) and by
+  the process's memlock limit, never by the arena's whole size (``StorageConfig.shm_bytes``,
+  8 GiB of address space by default, mostly untouched). Past the budget, or where the driver
   refuses (a memlock limit, an accelerator without host registration), that is said once in
   the log and those views go through the bounce buffers below;
 * any other bytes (ZeroMQ frames, views of an unregistered arena, small jagged samples) are
@@ -62,14 +64,15 @@ from .arena import ArenaRoute
 from .base import Route
 
 log = logging.getLogger(__name__)
-_said: set[tuple[str, str]] = set()  # (device type, refusal) already logged: each once per process
+_said: set[tuple[str, str]] = set()  # (device type, what) already logged: each once per process
 SMALL = 64 * 1024  # locked ranges below this are packed into a bounce buffer with their neighbours
+LOCK_BLOCK = 64 << 20  # an arena's pages are registered with the driver in blocks of this size
 
 
-def _say_once(kind: str, what: str) -> None:
+def _say_once(kind: str, what: str, message: str) -> None:
     if (kind, what) not in _said:
         _said.add((kind, what))
-        log.warning("%s", what)
+        log.warning("%s", message)
 
 
 class Accelerator:
@@ -80,11 +83,15 @@ class Accelerator:
     fence is always passed, and "page-locked" is what this object handed out or registered.
     Subclasses override the device's own calls."""
 
-    def __init__(self, device: torch.device, pool_bytes: int) -> None:
+    def __init__(self, device: torch.device, pool_bytes: int, lock_budget: int = 0) -> None:
         self.device = device
         self._ranges: dict[int, int] = {}  # start address -> end: host memory known to be locked
         self._pool = _LockedPool(self, pool_bytes)
         self.copies: list[tuple[int, bool]] = []  # (bytes, source locked): what the tests check
+        self.lock_budget = lock_budget  # most bytes of arenas this accelerator registers
+        self.locked_bytes = 0  # of arenas, registered so far
+        self._arenas: list[tuple[int, int, ArenaMap]] = []  # (start, end, map) that may be registered
+        self._refused = False  # the driver refused once: no more tries
 
     # --- host memory --------------------------------------------------------------------
 
@@ -103,17 +110,53 @@ class Accelerator:
         self._ranges[start] = start + buf.nbytes
         weakref.finalize(buf, self._ranges.pop, start, None)
 
-    def register(self, arena: ArenaMap) -> str:
-        """Register ``arena``'s mapping with the driver: "" once done, else why not."""
+    def add_arena(self, arena: ArenaMap) -> None:
+        """An arena whose pages :meth:`locked` registers, block by block, as reads touch them."""
         start = arena.array.ctypes.data
-        self._ranges[start] = start + arena.size
+        if all(a is not arena for _, _, a in self._arenas):
+            self._arenas.append((start, start + arena.size, arena))
+
+    def register_range(self, arena: ArenaMap, start: int, nbytes: int) -> str:
+        """Register ``nbytes`` of host memory at address ``start`` (inside ``arena``'s mapping)
+        with the driver: "" once done, else why not."""
         return ""
 
     def locked(self, buf: np.ndarray) -> bool:
-        """Whether ``buf`` lies in host memory the device copies from by DMA."""
+        """Whether ``buf`` lies in host memory the device copies from by DMA; a buffer in an
+        arena's pages is made so, its blocks registered, while the budget lasts."""
         start = buf.ctypes.data
         end = start + buf.nbytes
-        return any(lo <= start and end <= hi for lo, hi in self._ranges.items())
+        if any(lo <= start and end <= hi for lo, hi in self._ranges.items()):
+            return True
+        return self._register_blocks(start, end)
+
+    def _register_blocks(self, start: int, end: int) -> bool:
+        if self._refused:
+            return False
+        for lo, hi, arena in self._arenas:
+            if not (lo <= start and end <= hi):
+                continue
+            first, last = (start - lo) // LOCK_BLOCK, (end - 1 - lo) // LOCK_BLOCK
+            for block in range(first, last + 1):
+                at = lo + block * LOCK_BLOCK
+                if at in self._ranges:
+                    continue
+                n = min(LOCK_BLOCK, hi - at)
+                if self.locked_bytes + n > self.lock_budget:
+                    _say_once(self.device.type, "budget", f"registering {n} more bytes of arena pages would pass "
+                              f"ClientConfig.device_lock_bytes ({self.lock_budget}): further reads from arena "
+                              f"pages go through page-locked bounce buffers")
+                    return False
+                why = self.register_range(arena, at, n)
+                if why:
+                    self._refused = True
+                    _say_once(self.device.type, "refused", f"{why}: reads from storage units' arenas onto {self.device.type} "
+                              "go through page-locked bounce buffers")
+                    return False
+                self._ranges[at] = at + n
+                self.locked_bytes += n
+            return True
+        return False
 
     # --- the device ---------------------------------------------------------------------
 
@@ -147,13 +190,11 @@ class CudaAccelerator(Accelerator):
     def locked_alloc(self, nbytes: int) -> np.ndarray:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
-    def register(self, arena: ArenaMap) -> str:
-        start = arena.array.ctypes.data
+    def register_range(self, arena: ArenaMap, start: int, nbytes: int) -> str:
         cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(start, arena.size, 0)
+        rc = cudart.cudaHostRegister(start, nbytes, 0)
         if int(rc) != 0:
-            return f"cudaHostRegister of {arena.size} bytes refused (CUDA error {int(rc)})"
-        self._ranges[start] = start + arena.size
+            return f"cudaHostRegister of {nbytes} bytes refused (CUDA error {int(rc)})"
         weakref.finalize(arena, cudart.cudaHostUnregister, start)  # unlocked when the map goes
         return ""
 
@@ -180,7 +221,7 @@ class NpuAccelerator(CudaAccelerator):
     """An Ascend NPU through ``torch_npu``, which offers pinned memory but no registration of
     host memory it did not allocate: arena views go through the bounce buffers."""
 
-    def register(self, arena: ArenaMap) -> str:
+    def register_range(self, arena: ArenaMap, start: int, nbytes: int) -> str:
         return "torch_npu cannot register host memory it did not allocate"
 
     def fence(self) -> Any:
@@ -209,7 +250,7 @@ class _LockedPool(BufferPool):
 _KINDS: dict[str, type[Accelerator]] = {"cpu": Accelerator, "cuda": CudaAccelerator, "npu": NpuAccelerator}
 
 
-def accelerator(device: str | torch.device, pool_bytes: int) -> Accelerator:
+def accelerator(device: str | torch.device, pool_bytes: int, lock_budget: int = 0) -> Accelerator:
     """The :class:`Accelerator` for ``device`` (``cuda``, ``cuda:1``, ``npu``, ``cpu``)."""
     if str(device).split(":")[0] == "npu":  # a device type torch knows once torch_npu is imported
         require("torch_npu", "npu", by="get_data(device='npu')")
@@ -226,42 +267,33 @@ def accelerator(device: str | torch.device, pool_bytes: int) -> Accelerator:
             raise InvalidArgumentError(f"get_data(device={str(device)!r}): torch sees no CUDA device")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-    return kind(dev, pool_bytes)
+    return kind(dev, pool_bytes, lock_budget)
 
 
 class DeviceRoutes:
-    """A client's device reads: one accelerator per device, made on first use, and the arenas
-    registered with each (or refused, said once)."""
+    """A client's device reads: one accelerator per device, made on first use, told of the
+    arenas its reads go through (whose pages it registers as reads touch them)."""
 
-    def __init__(self, pool_bytes: int, chunk_bytes: int, register_arena: bool) -> None:
+    def __init__(self, pool_bytes: int, chunk_bytes: int, lock_budget: int) -> None:
         self._pool_bytes = pool_bytes
         self.chunk_bytes = chunk_bytes
-        self._register = register_arena
+        self._lock_budget = lock_budget
         self._by_device: dict[str, Accelerator] = {}
-        self._arenas: dict[str, weakref.WeakSet[ArenaMap]] = {}  # per device: registered, or refused
 
     def of(self, device: str | torch.device) -> Accelerator:
         key = str(device)
         acc = self._by_device.get(key)
         if acc is None:
-            acc = self._by_device[key] = accelerator(device, self._pool_bytes)
+            acc = self._by_device[key] = accelerator(device, self._pool_bytes, self._lock_budget)
         return acc
 
     def prepare(self, acc: Accelerator, routes: Sequence[Route]) -> None:
-        """Register the arena of each arena route with ``acc`` the first time it is read."""
-        if not self._register:
+        """Tell ``acc`` of the arena of each arena route of a read."""
+        if self._lock_budget <= 0:
             return
         for route in routes:
-            if not isinstance(route, ArenaRoute):
-                continue
-            seen = self._arenas.setdefault(str(acc.device), weakref.WeakSet())
-            if route.arena in seen:
-                continue
-            seen.add(route.arena)
-            why = acc.register(route.arena)
-            if why:
-                _say_once(acc.device.type, f"{why}: reads from the arena of storage unit {route.info.unit_id} onto "
-                          f"{acc.device.type} go through page-locked bounce buffers")
+            if isinstance(route, ArenaRoute):
+                acc.add_arena(route.arena)
 
 
 @dataclasses.dataclass
