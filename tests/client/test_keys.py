@@ -102,6 +102,10 @@ def test_bounds_of_a_request() -> None:
             client.tag_keys("p", list("abcd"), [{}] * 4)
         with pytest.raises(tqueue.InvalidArgumentError, match="a key of 5000 characters"):
             client.tag_keys("p", ["k" * 5000], [{}])
+        with pytest.raises(tqueue.InvalidArgumentError, match="4 samples in one request, more than max_samples_per_request=3"):
+            client.keys_of("p", [0, 1, 2, 3])
+        with pytest.raises(tqueue.InvalidArgumentError, match="4 keys in one request"):
+            client.lookup_keys("p", list("abcd"))
 
 
 @pytest.fixture

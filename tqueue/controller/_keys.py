@@ -148,6 +148,11 @@ class Keys:
     def lookup(self, ident: bytes, msg: LookupKeys, bufs: list[Any]) -> KeysFound:
         part, keys = self._existing(msg.partition)
         if msg.indexes is not None:
+            if len(msg.indexes) > self.config.max_samples_per_request:
+                raise InvalidArgumentError(
+                    f"{len(msg.indexes)} samples in one request, more than max_samples_per_request="
+                    f"{self.config.max_samples_per_request}"
+                )
             asked: list[str | None] = [None if keys is None else keys.key_of.get(i) for i in msg.indexes]
             indexes = np.asarray(msg.indexes, dtype=np.int64)
         else:
