@@ -112,8 +112,9 @@ class Hosts:
                 self.shape(name, self.rate[name])
 
     def close(self) -> None:
-        """Stop every process started here (by pid), then delete the namespaces."""
-        for proc in self.procs:
+        """Stop every process started here (by pid, the last started first: units before
+        their controller), then delete the namespaces."""
+        for proc in reversed(self.procs):
             stop(proc)
         self.procs.clear()
         for ns in reversed(self._made):
