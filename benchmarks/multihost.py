@@ -202,15 +202,15 @@ def start_cluster(hosts: Any, ctl: str = "ctl", units: tuple[str, ...] = ("u0", 
     return address
 
 
-def placement(hosts: Any, address: str, puts: int = 12) -> dict[str, dict[str, int]]:
-    """Which unit's host small puts from each producer host landed on."""
-    out: dict[str, dict[str, int]] = {}
+def placement(hosts: Any, address: str, puts: int = 12) -> dict[str, list[str]]:
+    """The host of the unit each of ``puts`` small puts from each producer host landed on."""
+    out: dict[str, list[str]] = {}
     for i, name in enumerate(("prod", "u0", "u1")):
         res = run_worker(hosts, name, "produce", {
             "address": address, "partition": f"place-{name}", "puts": puts, "samples": 4, "row": 4096,
             "concurrency": 1, "first": i * 10_000,
         })
-        out[name] = {h: res["units"].count(h) for h in ("u0", "u1")}
+        out[name] = res["units"]
     return out
 
 
@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raw TCP prod -> u0: {raw / 1e9:.3f} GB/s = {raw / link:.0%} of the link")
         address = start_cluster(hosts)
         place = results["placement"] = placement(hosts, address)
-        for name, counts in place.items():
-            print(f"placement: 12 puts from {name:4s} -> u0 {counts['u0']:2d}, u1 {counts['u1']:2d}")
+        for name, landed in place.items():
+            print(f"placement: 12 puts from {name:4s} -> u0 {landed.count('u0'):2d}, u1 {landed.count('u1'):2d}"
+                  f" ({' '.join(landed)})")
         fast = results["fast"] = transfer(hosts, address, "fast", args)
         print(f"cross-host put  prod -> units: {fast['put_Bps'] / 1e9:.3f} GB/s = {fast['put_Bps'] / link:.0%} "
               f"of the link (p50 {fast['put_p50_ms']:.1f} ms a {args.put_mb:g} MB put; placed {fast['units']})")

@@ -13,7 +13,15 @@ import pytest
 from benchmarks import multihost, netns
 
 WHY = netns.unavailable()
-pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "namespaces can be made")
+needs_namespaces = pytest.mark.skipif(bool(WHY), reason=WHY or "namespaces can be made")
+
+
+def test_without_root_the_reason_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == "network namespaces need root (ip netns add)"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/" + tool)
+    assert netns.unavailable() == "'tc' (iproute2) is not installed"
 
 
 def _namespaces() -> list[str]:
@@ -27,6 +35,7 @@ def hosts() -> Iterator[netns.Hosts]:
         yield made
 
 
+@needs_namespaces
 def test_puts_and_gets_cross_namespaces(hosts: netns.Hosts) -> None:
     address = multihost.start_cluster(hosts, ctl="c", units=("u0", "u1"))
     assert address.startswith(f"tcp://{hosts.ip['c']}:")
@@ -50,6 +59,7 @@ def test_puts_and_gets_cross_namespaces(hosts: netns.Hosts) -> None:
     assert got["from"] == {"u0": 12, "u1": 20}
 
 
+@needs_namespaces
 def test_teardown_leaves_nothing() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     names: list[str] = []
