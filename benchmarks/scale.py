@@ -17,10 +17,11 @@ partition: put one small sample (one float32 field of 16 values), get_meta of 1,
 
 The controller's CPU time comes from ``/proc/<pid>/stat`` between the start signal and the
 last worker's report. Per metadata operation counts put, get_meta and ack as one each (as issue
-28 did); the controller also handles each put's commit from the unit, the partition's
-creation and its freeing (``auto_free``: a partition whose every sample is acked frees
-itself, and its drop goes to the unit). ``--profile-s`` samples the controller with py-spy
-(where installed) during one more raw run at the largest count.
+28 did); the controller also handles each put's commit from the unit: four messages a cycle.
+The partitions are never sealed, so they do not free themselves: each grows by one sample a
+cycle (created in the warm-up cycle, before the clock starts). ``--profile-s`` samples the controller with py-spy
+(where installed: ``pip install py-spy``) during one more raw run at the largest count, with
+the controller launched through ``gc-controller`` here, which times its cyclic collector.
 
 Then ``--fill``: a fresh controller and unit, one partition filled to each size (puts of up to
 10^6 one-byte samples), the controller's RSS per sample, and the p50 of get_meta (1 and 256
@@ -292,13 +293,39 @@ def worker(role: str, cfg: dict[str, Any]) -> None:
     print(json.dumps(out), flush=True)
 
 
+def gc_controller(path: str, args: list[str]) -> int:
+    """``tqueue controller ARGS`` in this process, with the cyclic collector's CPU time (and
+    the process's) written to ``path`` as JSON at exit: the benchmark's own launch, tqueue
+    unchanged."""
+    import atexit
+    import gc
+
+    from tqueue.cli import main as tqueue_main
+
+    state = {"start": 0.0, "gc_cpu_s": 0.0, "collections": [0, 0, 0]}
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            state["start"] = time.thread_time()
+        else:
+            state["gc_cpu_s"] += time.thread_time() - state["start"]
+            state["collections"][info["generation"]] += 1
+
+    def write() -> None:
+        pathlib.Path(path).write_text(json.dumps({**state, "cpu_s": time.process_time()}))
+
+    gc.callbacks.append(timed)
+    atexit.register(write)
+    return tqueue_main(["controller", *args])
+
+
 # --- the driver -------------------------------------------------------------------------
 
 
 class Servers:
     """A controller and one unit on 127.0.0.1, stopped by pid on leaving."""
 
-    def __init__(self, *controller_args: str, echo: bool = False) -> None:
+    def __init__(self, *controller_args: str, echo: bool = False, gc_file: str = "") -> None:
         from benchmarks.netns import read_line
 
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -312,7 +339,11 @@ class Servers:
                 self.ctl_pid = ctl.pid
                 self.address = json.loads(read_line(ctl.stdout, 60, what="echo")[len("TQUEUE-READY "):])["address"]  # type: ignore[arg-type]
                 return
-            ctl = self._start("controller", *controller_args)
+            if gc_file:  # the controller through gc_controller
+                ctl = self._start("controller", *controller_args,
+                                  prefix=["-m", "benchmarks.scale", "gc-controller", gc_file])
+            else:
+                ctl = self._start("controller", *controller_args)
             self.ctl_pid = ctl.pid
             self.address = json.loads(read_line(ctl.stdout, 60, what="controller")[len("TQUEUE-READY "):])["address"]  # type: ignore[arg-type]
             unit = self._start("storage-unit", "--controller", self.address, "--host", "unit-host")
@@ -322,9 +353,11 @@ class Servers:
             self.close()
             raise
 
-    def _start(self, *args: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "tqueue", *args, "--watch-stdin"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+    def _start(self, *args: str, prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
+        if prefix is not None:  # gc-controller takes the arguments after "controller"
+            args = args[1:]
+        proc = subprocess.Popen([sys.executable, *(prefix or ["-m", "tqueue"]), *args, "--watch-stdin"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=REPO)
         self.procs.append(proc)
         return proc
 
@@ -355,14 +388,15 @@ def _pct(values: list[int], q: float) -> float:
 
 
 def load(
-    role: str, clients: int, procs: int, seconds: float, profile_s: float = 0.0, heartbeat: float = 1.0
+    role: str, clients: int, procs: int, seconds: float, profile_s: float = 0.0, heartbeat: float = 1.0,
+    gc_file: str = "",
 ) -> dict[str, Any]:
     """One run: ``clients`` connections of kind ``role`` over ``procs`` processes; the
     cluster's heartbeat every ``heartbeat`` seconds (a client gives the controller 3 of them,
     the controller a unit 5)."""
     from benchmarks.netns import read_line, stop
 
-    with Servers("--heartbeat-interval", str(heartbeat), echo=role == "ping") as servers:
+    with Servers("--heartbeat-interval", str(heartbeat), echo=role == "ping", gc_file=gc_file) as servers:
         workers = []
         try:
             for p in range(procs):
@@ -494,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         worker(argv[1], json.loads(argv[2]))
         return 0
+    if argv[:1] == ["gc-controller"]:
+        return gc_controller(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="100,400,1000")
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -536,7 +572,12 @@ def main(argv: list[str] | None = None) -> int:
                 _row({"clients": clients, **med}, f"{role} m{len(runs)}")
     if args.profile_s and py_spy():
         clients = max(int(c) for c in args.clients.split(","))
-        load("raw", clients, args.gen_procs, args.profile_s + 2, profile_s=args.profile_s, heartbeat=args.heartbeat)
+        gc_file = "/tmp/tqueue-scale-gc.json"
+        load("raw", clients, args.gen_procs, args.profile_s + 2, profile_s=args.profile_s, heartbeat=args.heartbeat,
+             gc_file=gc_file)
+        gcs = results["gc"] = json.loads(pathlib.Path(gc_file).read_text())
+        print(f"controller's cyclic GC: {gcs['gc_cpu_s']:.2f} s of its {gcs['cpu_s']:.2f} s of CPU "
+              f"({gcs['gc_cpu_s'] / gcs['cpu_s']:.0%}); collections by generation {gcs['collections']}")
         top = results["profile"] = profile_top("/tmp/tqueue-scale-profile.txt")
         print("controller profile (py-spy, raw load), by own time: own %  total %  function")
         for f, own, total in top:

@@ -4,6 +4,8 @@ filled partition serves get_meta (figures are not asserted: targets live in benc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import scale
@@ -29,3 +31,13 @@ def test_profile_top_reads_collapsed_stacks(tmp_path) -> None:
     top = scale.profile_top(str(path))
     assert top[0] == ("f (c.py)", 100.0, 100.0)
     assert [name for name, _, _ in top] == ["f (c.py)"]
+
+
+def test_gc_controller_reports_its_collector(tmp_path) -> None:
+    """The controller launched through the benchmark's wrapper serves as usual and writes what
+    its cyclic collector cost when it stops."""
+    path = tmp_path / "gc.json"
+    r = scale.load("raw", clients=2, procs=1, seconds=0.2, gc_file=str(path))
+    assert r["ops"] >= 6
+    gcs = json.loads(path.read_text())
+    assert 0 <= gcs["gc_cpu_s"] < gcs["cpu_s"] and len(gcs["collections"]) == 3
