@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shutil
 import signal
@@ -47,6 +48,21 @@ def unavailable() -> str:
         return f"ip netns add failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return ""
+
+
+def reap_stale() -> list[str]:
+    """Delete namespaces this module made for a process that is gone (one killed before its
+    ``finally`` ran); those of live processes are left alone. Returns what was deleted."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    gone = []
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = re.fullmatch(r"tq(\d+)-[a-z0-9]+", name)
+        if match is None or os.path.exists(f"/proc/{match.group(1)}"):
+            continue
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        gone.append(name)
+    return gone
 
 
 def _run(*argv: str) -> None:
@@ -82,6 +98,7 @@ class Hosts:
     # --- lifecycle ------------------------------------------------------------------
 
     def __enter__(self) -> Hosts:
+        reap_stale()
         try:
             self._make()
         except BaseException:

@@ -73,3 +73,18 @@ def test_teardown_leaves_nothing() -> None:
     for p in procs:
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
+
+
+@needs_namespaces
+def test_namespaces_of_a_dead_process_are_reaped() -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()  # a pid that is gone
+    stale, live = f"tq{child.pid}-x", f"tq{os.getpid()}-keep"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert stale in netns.reap_stale()
+        assert stale not in _namespaces() and live in _namespaces()
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
