@@ -154,6 +154,8 @@ def test_select_reads_live_samples_without_a_lease(client: tqueue.Client, partit
     assert len(client.get_meta(partition, ["x"], 3, task="other", timeout=10)) == 3
     with pytest.raises(tqueue.InvalidArgumentError, match="limit must be >= 0"):
         client.select(partition, ["x"], limit=-1)
+    assert client.select(partition, ["x"], consumed_by="train").indexes == sorted(taken.indexes)
+    assert client.select(partition, ["x"], consumed_by="nobody").indexes == []
 
 
 def test_reset_consumption_lets_a_task_read_again(client: tqueue.Client, partition: str) -> None:

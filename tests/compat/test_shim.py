@@ -85,8 +85,6 @@ def test_missing_features_name_what_they_wait_for(shim: Any) -> None:
 
     with pytest.raises(NotYetSupportedError, match="insert.* allocate rows"):
         shim.get_client().get_meta(["x"], 1, "p", mode="insert", task_name="t")
-    with pytest.raises(NotYetSupportedError, match="get_consumption_status"):
-        shim.get_client().get_consumption_status("t", "p")
 
 
 def test_force_fetch_neither_leases_nor_consumes(shim: Any) -> None:
@@ -100,7 +98,11 @@ def test_force_fetch_neither_leases_nor_consumes(shim: Any) -> None:
         client.get_meta(["x"], 4, "ff", mode="force_fetch")
     indexes, status = client.get_production_status(["x"], "ff")
     assert indexes.tolist() == peek.global_indexes and status.tolist() == [1, 1, 1]
+    indexes, consumed = client.get_consumption_status("t", "ff")
+    assert indexes.tolist() == peek.global_indexes and consumed.tolist() == [1, 1, 1]
+    assert client.get_consumption_status("t", "no-such-partition") == (None, None)
     assert client.reset_consumption("ff", "t") and not client.check_consumption_status("t", "ff")
+    assert client.get_consumption_status("t", "ff")[1].tolist() == [0, 0, 0]
 
 
 def test_init_refuses_sampler_objects_and_other_backends() -> None:

@@ -113,15 +113,19 @@ class KeyCalls:
             meta = found.meta
             await ctl.request(Clear(partition=meta.partition, partition_uid=meta.partition_uid, indexes=list(meta.indexes)), expect=Ok)
 
-    async def select(self, partition: str, fields: Sequence[str], *, limit: int | None = None) -> BatchMeta | None:
+    async def select(
+        self, partition: str, fields: Sequence[str], *, limit: int | None = None, consumed_by: str | None = None
+    ) -> BatchMeta | None:
         """The meta of the live samples of ``partition`` that have every field of ``fields``
         (committed; not partial, failed, aborted or cleared), in index order, at most
         ``limit`` of them: no lease is taken and nothing is consumed, whatever any task did
-        with them. None where the partition does not exist."""
+        with them. ``consumed_by``: only those that task consumed. None where the partition
+        does not exist."""
         if limit is not None and limit < 0:
             raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
+        msg = Select(partition=partition, fields=list(fields), consumed_by=consumed_by)
         try:
-            reply, _ = await (await self._conns.ctl()).request(Select(partition=partition, fields=list(fields)), expect=Meta)
+            reply, _ = await (await self._conns.ctl()).request(msg, expect=Meta)
         except PartitionClearedError:
             return None
         meta = reply.meta

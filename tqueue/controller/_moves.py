@@ -19,6 +19,7 @@ from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
 from ._partition import Partition
 from ._reads import Reads
 from ._samples import EXCLUDED, HIDDEN, Moved
+from ._serving import CONSUMED
 from ._state import ControllerState, Waiter
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class Moves:
             idx = np.zeros(0, dtype=np.int64)
         else:
             idx = np.flatnonzero((part.samples.mask[: part.n] & (mask | HIDDEN)) == mask)
+        if msg.consumed_by is not None:
+            task = part.tasks.get(msg.consumed_by)
+            idx = idx[task.state[idx] == CONSUMED] if task is not None else idx[:0]
         return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, math.inf))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:

@@ -549,11 +549,13 @@ class Sealed(Message):
 
 
 class Select(Message):
-    """The meta of every live sample with ``fields`` (no lease), e.g. to compute metrics."""
+    """The meta of every live sample with ``fields`` (no lease), e.g. to compute metrics;
+    with ``consumed_by``, only those that task consumed."""
 
     KIND = Kind.SELECT
     partition: str
     fields: list[str]
+    consumed_by: str | None = None
 
 
 class Cancel(Message):

@@ -26,8 +26,6 @@ from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tens
 from transfer_queue._errors import not_yet, refused
 from transfer_queue.metadata import BatchMeta
 
-STATUS = "per-sample consumption status from tqueue (issue 27)"
-
 
 def _address(controller_info: Any) -> str:
     if isinstance(controller_info, str):
@@ -255,8 +253,16 @@ class TransferQueueClient:
         task = p.tasks.get(task_name)
         return task is not None and task.consumed >= p.ready
 
-    def get_consumption_status(self, task_name: str, partition_id: str) -> Any:
-        raise not_yet("get_consumption_status", STATUS)
+    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
+        """``(global indexes, status)``: per live sample, 1 where ``task_name`` consumed it, else
+        0; ``(None, None)`` for a partition that does not exist."""
+        every = self._client.select(partition_id, [])
+        if every is None:
+            return None, None
+        done = self._client.select(partition_id, [], consumed_by=task_name)
+        consumed = set() if done is None else set(done.indexes)
+        status = [int(i in consumed) for i in every.indexes]
+        return torch.tensor(list(every.indexes), dtype=torch.long), torch.tensor(status, dtype=torch.int8)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Let ``task_name`` (None: every task) read again what it consumed."""
