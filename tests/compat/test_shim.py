@@ -336,3 +336,26 @@ def test_metrics_endpoint_is_the_controllers() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.stdout.splitlines() == ["None", "True True"], done.stdout + done.stderr
+
+
+def test_an_init_that_fails_leaves_no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transfer_queue.interface as iface
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise tqueue.ControllerUnavailableError("simulated: the controller went away")
+
+    monkeypatch.delenv("TQUEUE_ADDRESS", raising=False)
+    monkeypatch.setattr(iface, "_state", {"config": None, "cluster": None, "client": None})  # not the module's shim
+    started: list[tqueue.LocalCluster] = []
+    real_start = tqueue.LocalCluster.start
+
+    def start(self: tqueue.LocalCluster) -> tqueue.LocalCluster:
+        started.append(self)
+        return real_start(self)
+
+    monkeypatch.setattr(tqueue.LocalCluster, "start", start)
+    monkeypatch.setattr(iface.TransferQueueClient, "__init__", refuse)
+    with pytest.raises(tqueue.ControllerUnavailableError, match="simulated"):
+        iface.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    assert len(started) == 1 and all(p.poll() is not None for p in started[0]._procs)
+    assert iface._state["cluster"] is None and "TQUEUE_ADDRESS" not in os.environ

@@ -96,14 +96,27 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
             address = os.environ[ADDRESS_ENV] = cluster.address
             logger.info("transfer_queue: started a tqueue cluster at %s", address)
         config.controller.zmq_info = address
-        client = TransferQueueClient("transfer_queue", address)
-        if conf is not None or _state["cluster"] is not None:
-            # the job's settings, kept in the cluster for every process that attaches
-            client._client.tag_keys(SHIM_PARTITION, ["config"], [settings])
-        else:
-            config.controller.polling_mode = client.settings().get("polling_mode", False)
+        try:
+            client = TransferQueueClient("transfer_queue", address)
+            if conf is not None or _state["cluster"] is not None:
+                # the job's settings, kept in the cluster for every process that attaches
+                client._client.tag_keys(SHIM_PARTITION, ["config"], [settings])
+            else:
+                config.controller.polling_mode = client.settings().get("polling_mode", False)
+        except BaseException:
+            _stop_cluster()  # a failed init leaves nothing running
+            raise
         _state.update(config=config, client=client)
         return config
+
+
+def _stop_cluster() -> None:
+    cluster = _state["cluster"]
+    _state["cluster"] = None
+    if cluster is not None:
+        if os.environ.get(ADDRESS_ENV) == cluster.address:
+            del os.environ[ADDRESS_ENV]
+        cluster.close()
 
 
 def get_client() -> TransferQueueClient:
@@ -119,14 +132,11 @@ def get_client() -> TransferQueueClient:
 def close() -> None:
     """Close this process's client and, in the process that started it, the cluster."""
     with _lock:
-        client, cluster = _state["client"], _state["cluster"]
-        _state.update(config=None, cluster=None, client=None)
+        client = _state["client"]
+        _state.update(config=None, client=None)
         if client is not None:
             client.close()
-        if cluster is not None:
-            if os.environ.get(ADDRESS_ENV) == cluster.address:
-                del os.environ[ADDRESS_ENV]
-            cluster.close()
+        _stop_cluster()
 
 
 def get_metrics_endpoint() -> str | None:
