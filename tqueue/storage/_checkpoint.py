@@ -105,8 +105,9 @@ class UnitCheckpoints:
                 rows = col.row_of[indexes]
                 pieces = dict(col.pieces)  # each one holds a sample (no sort of a million piece ids)
                 for write in hidden:
-                    if write.uid == uid and field in write.fields:
-                        indexes, pids, rows = _before_write(write.fields[field], indexes, pids, rows, pieces)
+                    mine = write.field(field) if write.uid == uid else None
+                    if mine is not None:
+                        indexes, pids, rows = _before_write(mine, indexes, pids, rows, pieces)
                 if len(indexes):
                     out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces))
         return out
@@ -154,17 +155,21 @@ class UnitCheckpoints:
 
 
 def _before_write(
-    write: tuple[Piece, np.ndarray, np.ndarray, np.ndarray, dict[int, Piece]],
+    write: tuple[Piece, np.ndarray, tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None],
     indexes: np.ndarray, pids: np.ndarray, rows: np.ndarray, pieces: dict[int, Piece],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The snapshot's samples with an uncommitted write undone: those still pointing at its
     piece point where they did before it (or are left out, where nothing was there)."""
-    piece, at, old_pids, old_rows, olds = write
+    piece, at, before = write
     mine = [pid for pid, p in pieces.items() if p is piece]
     if not mine:
         return indexes, pids, rows  # overwritten since, or never installed here
     sel = pids == mine[0]
     del pieces[mine[0]]
+    if before is None:  # new samples: left out
+        keep = ~sel
+        return indexes[keep], pids[keep], rows[keep]
+    old_pids, old_rows, olds = before
     order = np.argsort(at, kind="stable")
     where = order[np.searchsorted(at[order], indexes[sel])]
     pids, rows = pids.copy(), rows.copy()

@@ -137,14 +137,29 @@ class PartitionData:
         self.nbytes = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Installed:
-    """A write installed and not committed yet, as a checkpoint's snapshot may need to see
-    through it: per field, its new piece, the samples it covers and what they pointed to
-    before (piece id 0: nothing), with those pieces."""
+    """An overwrite installed and not committed yet (an update, a completion), as a
+    checkpoint's snapshot must see through it: per field (``pieces``), its new piece, and the
+    samples it covers (``indexes``), with what they pointed to before (``befores``, per field:
+    piece ids, 0 for nothing, rows and those pieces; None where none held anything).
+
+    A write of new samples only (every put) leaves no record: recording each one kept about
+    100 bytes per put resident on a unit (tests/faults/test_accounting.py). A snapshot may
+    then hold new samples of a put the controller had not committed at its copy; the
+    restore never serves them, as the controller's copy does not know them, and a later put
+    of those indexes overwrites them."""
 
     uid: int
-    fields: dict[str, tuple[Piece, np.ndarray, np.ndarray, np.ndarray, dict[int, Piece]]]
+    pieces: list[tuple[str, Piece]]
+    indexes: np.ndarray
+    befores: list[tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None]
+
+    def field(self, name: str) -> tuple[Piece, np.ndarray, tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None] | None:
+        for (field, piece), before in zip(self.pieces, self.befores):
+            if field == name:
+                return piece, self.indexes, before
+        return None
 
 
 @dataclasses.dataclass
@@ -166,12 +181,16 @@ class ReadReply:
     held: list[Region]
 
 
-def _before(col: Column | None, indexes: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, Piece]]:
-    """What ``indexes`` of a column point to: piece ids (0: none), rows, and those pieces."""
+def _before(col: Column | None, indexes: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None:
+    """What ``indexes`` of a column point to: piece ids (0: none), rows, and those pieces;
+    None where none of them held anything (new samples, the usual write)."""
+    if col is None or not len(indexes) or int(indexes.min()) >= len(col.piece_of):
+        return None
+    inside = indexes[indexes < len(col.piece_of)]
+    if not col.piece_of[inside].any():
+        return None  # the column had grown past them, nothing written there yet
     pids = np.zeros(len(indexes), dtype=np.int64)
     rows = np.zeros(len(indexes), dtype=np.int64)
-    if col is None or not len(indexes) or int(indexes.min()) >= len(col.piece_of):
-        return pids, rows, {}  # new samples, the usual write
     inside = indexes < len(col.piece_of)
     pids[inside] = col.piece_of[indexes[inside]]
     rows[inside] = col.row_of[indexes[inside]]
@@ -257,10 +276,8 @@ class PayloadStore:
         top = int(indexes.max()) + 1 if len(indexes) else 0
         befores = [_before(part.columns.get(field), indexes) for field, _ in pieces] if grant else []
         steps = [self._install(part, field, piece, span, rows, top) for field, piece in pieces]
-        if grant:
-            self.installed[grant] = Installed(
-                uid, {field: (piece, indexes, *before) for (field, piece), before in zip(pieces, befores)}
-            )
+        if any(b is not None for b in befores):  # an overwrite: new samples need no record
+            self.installed[grant] = Installed(uid, pieces, indexes, befores)
 
         def commit() -> None:
             self.installed.pop(grant, None)
