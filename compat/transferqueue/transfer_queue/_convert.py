@@ -33,7 +33,7 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
     """A ``TensorDict`` of B rows as tqueue's per-field values."""
     n = rows(td)
     out: dict[str, Any] = {}
-    for name in td.keys():
+    for name in map(str, td.keys()):  # flat keys: a nested TensorDict is refused below
         value = td.get(name)
         if isinstance(value, torch.Tensor) and value.is_nested:
             out[name] = [t.contiguous() for t in value.unbind(0)]

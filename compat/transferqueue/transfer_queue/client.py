@@ -145,7 +145,8 @@ class TransferQueueClient:
         meta = _one(from_meta(metadata))
         tolerant_put(self._client, meta.partition, to_fields(data), lambda d: self._client.update(meta, d))
         specs = _partition(self._client.status(), meta.partition).fields
-        written = to_meta(msgspec.structs.replace(meta, fields=list(data.keys()), schema=specs), list(data.keys()))
+        names = [str(k) for k in data.keys()]
+        written = to_meta(msgspec.structs.replace(meta, fields=names, schema=specs), names)
         return metadata.union(written)
 
     def get_meta(

@@ -14,7 +14,7 @@ def _identity(item: Any) -> Any:
     return item
 
 
-class StreamingDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+class StreamingDataLoader(torch.utils.data.DataLoader):
     def __init__(
         self,
         dataset: StreamingDataset,

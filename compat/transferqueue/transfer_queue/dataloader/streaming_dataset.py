@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 STREAM_WAIT = 5.0  # seconds a fetch waits at the controller before the dataset checks again whether it is done
 
 
-class StreamingDataset(IterableDataset):  # type: ignore[type-arg]
+class StreamingDataset(IterableDataset):
     def __init__(
         self,
         config: Any,
