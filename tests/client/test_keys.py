@@ -6,6 +6,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,3 +195,17 @@ def test_reset_consumption_wakes_a_parked_reader(cluster: tqueue.LocalCluster, p
         client.reset_consumption(partition, "t")
         thread.join(30)
         assert sorted(got["meta"].indexes) == sorted(meta.indexes)
+
+
+def test_select_cuts_at_its_limit_at_the_controller(cluster: tqueue.LocalCluster, client: tqueue.Client, partition: str, raw: Any) -> None:
+    """A select of a few samples of a big partition gets a reply of that few: the controller
+    cuts, not the client (a force_fetch of 2 must not carry the meta of every sample)."""
+    from tqueue import wire
+
+    client.put(partition, {"x": torch.arange(1000.0).reshape(1000, 1)})
+    peer = raw(cluster.address)
+    peer.send(wire.encode(wire.Select(rid=1, partition=partition, fields=["x"], limit=2)))
+    reply, _ = peer.recv(timeout=10)
+    assert isinstance(reply, wire.Meta) and reply.meta.indexes == [0, 1]
+    peer.send(wire.encode(wire.Select(rid=2, partition=partition, fields=["x"])))
+    assert len(peer.recv(timeout=10)[0].meta.indexes) == 1000  # -1, the default: all

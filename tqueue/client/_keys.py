@@ -123,13 +123,12 @@ class KeyCalls:
         does not exist."""
         if limit is not None and limit < 0:
             raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
-        msg = Select(partition=partition, fields=list(fields), consumed_by=consumed_by)
+        msg = Select(partition=partition, fields=list(fields), consumed_by=consumed_by, limit=-1 if limit is None else limit)
         try:
             reply, _ = await (await self._conns.ctl()).request(msg, expect=Meta)
         except PartitionClearedError:
             return None
-        meta = reply.meta
-        return meta if limit is None or limit >= len(meta) else meta.select(range(limit))
+        return reply.meta
 
     async def reset_consumption(self, partition: str, task: str | None = None) -> None:
         """Make every sample of ``partition`` that ``task`` (None: every task) consumed

@@ -143,6 +143,8 @@ class Moves:
         if msg.consumed_by is not None:
             task = part.tasks.get(msg.consumed_by)
             idx = idx[task.state[idx] == CONSUMED] if task is not None else idx[:0]
+        if msg.limit >= 0:
+            idx = idx[: msg.limit]  # cut here: the reply carries only what was asked for
         return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, math.inf))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:

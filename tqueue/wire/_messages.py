@@ -550,12 +550,13 @@ class Sealed(Message):
 
 class Select(Message):
     """The meta of every live sample with ``fields`` (no lease), e.g. to compute metrics;
-    with ``consumed_by``, only those that task consumed."""
+    with ``consumed_by``, only those that task consumed; the first ``limit`` of them (-1: all)."""
 
     KIND = Kind.SELECT
     partition: str
     fields: list[str]
     consumed_by: str | None = None
+    limit: int = -1
 
 
 class Cancel(Message):
