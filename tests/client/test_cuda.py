@@ -101,7 +101,7 @@ def test_get_data_onto_the_gpu_is_exact_and_copies_only_from_page_locked_memory(
         assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(batch["resp"], data["resp"]))
         assert list(batch["tag"]) == data["tag"]
         acc = c._inner._gets._devices.of("cuda")
-        assert acc.copies and all(locked for _, locked in acc.copies)
+        assert acc.copied > 0  # a copy from pageable memory would have raised
         if shm:  # the arena was registered: its pages were copied from in place, nothing staged
             dense = sum(data[k].numel() * data[k].element_size() for k in ("x", "ids"))
             assert c.stats.copied_bytes - copied < dense

@@ -58,11 +58,11 @@ def test_a_device_read_is_exact_on_every_route_and_copies_only_from_locked_memor
         same(host, data)
         same(moved, data)
         acc = acc_of(c)
-        assert acc.copies and all(locked for _, locked in acc.copies)
+        assert acc.copied > 0  # a copy from pageable memory would have raised
         # ids (int64 values under 2**31) cross narrowed to int32 where the wire packed them,
         # and are widened on the device
         least = data["ids"].numel() * 4 + data["logp"].numel() * 2
-        assert sum(n for n, _ in acc.copies) >= least and c.stats.device_bytes >= least
+        assert acc.copied >= least and c.stats.device_bytes >= least
         # the batch owns its memory: none of it is a view of the pool's or the arena's
         for k in ("ids", "logp"):
             assert not acc.locked(moved[k].view(torch.uint8).reshape(-1).numpy()), k
@@ -123,7 +123,7 @@ def test_a_refused_registration_is_said_once_and_reads_go_through_bounce_buffers
         said = [r for r in caplog.records if "registration refused by this test" in r.getMessage()]
         assert len(said) == 1 and "bounce buffers" in said[0].getMessage()
         assert c.stats.copied_bytes - copied >= 2 * dense  # staged: the arena's pages were not locked
-        assert all(locked for _, locked in acc_of(c).copies) and acc_of(c).locked_bytes == 0
+        assert acc_of(c).copied > 0 and acc_of(c).locked_bytes == 0
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 20], ids=["off", "too-small"])
@@ -258,7 +258,7 @@ def test_scattered_rows_of_two_units_and_pad_rows_are_assembled_on_the_device(em
         for k in ("ids", "logp"):
             assert torch.equal(batch[k][:64], want[k][order]), k
             assert not batch[k][64].any(), k  # the pad row
-        assert all(locked for _, locked in acc_of(c).copies)
+        assert acc_of(c).copied > 0  # a copy from pageable memory would have raised
 
 
 def test_each_units_part_is_copied_to_the_device_while_the_others_are_still_arriving(empty_pair, partition):

@@ -163,7 +163,7 @@ def pad_rows(meta: BatchMeta) -> np.ndarray:
     return np.flatnonzero(np.asarray(meta.indexes, dtype=np.int64) < 0)
 
 
-def _dense_frames(
+def dense_frames(
     field: str,
     block: FieldBlock,
     frames: list[Any],
@@ -212,7 +212,7 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
             # a dense field is copied (or viewed) frame by frame: no per-sample layout needed
             # (a block kept jagged, of samples that all have the field's shape, takes the
             # general path below; _dense reads the same buffers, counts and positions)
-            seen = _dense_frames(field, block, frames, seen, buffers, packed, counts)
+            seen = dense_frames(field, block, frames, seen, buffers, packed, counts)
             positions.append(part.positions)
             continue
         if block.packed is not None:
