@@ -300,3 +300,50 @@ def test_each_units_part_is_copied_to_the_device_while_the_others_are_still_arri
             assert torch.equal(batch["ids"], torch.cat([a["ids"], b["ids"]]))
 
     asyncio.run(main())
+
+
+def test_a_unit_failing_mid_read_waits_for_the_copies_already_queued(empty_pair, partition, monkeypatch):
+    """One unit's rows are queued for the device, then the other unit fails: the read raises
+    the unit's typed error only after every queued copy is done (the page-locked host buffers
+    go back to the pool then), and the client reads again afterwards."""
+    import asyncio
+
+    from tqueue.client._routes import device as dev
+    from tqueue.errors import StorageUnitUnavailableError
+
+    events: list[str] = []
+    real_sync = Accelerator.synchronize
+    monkeypatch.setattr(Accelerator, "synchronize", lambda self: events.append("synchronized") or real_sync(self))
+
+    async def main() -> None:
+        async with tqueue.AsyncClient(empty_pair.address, config=ROUTES["inline"]) as c:
+            a, b = batch_data(16, seed=11), batch_data(16, seed=12)
+            await c.put(partition, a)
+            await c.put(partition, b)
+            meta = await c.get_meta(partition, ["ids"], 32, task="t", timeout=10)
+            assert len(set(meta.units)) == 2
+            first_queued = asyncio.Event()
+            real_add = dev.DenseOnDevice.add
+
+            def add(self: Any, part: Any) -> None:
+                real_add(self, part)
+                events.append("queued")
+                first_queued.set()
+
+            failing = await c._conns.route(meta.units[-1])
+            real_fetch = failing.fetch
+
+            async def fetch(*args: Any) -> Any:
+                await asyncio.wait_for(first_queued.wait(), 10)
+                raise StorageUnitUnavailableError("unit failed by this test")
+
+            monkeypatch.setattr(dev.DenseOnDevice, "add", add)
+            failing.fetch = fetch  # type: ignore[method-assign]
+            with pytest.raises(StorageUnitUnavailableError, match="failed by this test"):
+                await c.get_data(meta, device="cpu")
+            assert events == ["queued", "synchronized"]
+            failing.fetch = real_fetch  # type: ignore[method-assign]
+            batch = await c.get_data(meta, device="cpu")
+            assert torch.equal(batch["ids"], torch.cat([a["ids"], b["ids"]]))
+
+    asyncio.run(main())

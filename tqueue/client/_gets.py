@@ -172,9 +172,14 @@ class Gets:
         rows = Rows(meta, pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
-        parts = await all_or_none(
-            *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows, dense) for route, p in jobs)
-        )
+        try:
+            parts = await all_or_none(
+                *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows, dense) for route, p in jobs)
+            )
+        except BaseException:
+            if delivery is not None:  # a unit failed, or Ctrl-C: no copy may still read the host buffers
+                delivery.finish()
+            raise
         on_device = dense.finish() if dense is not None else {}
         on_host = [f for f in fields if f not in on_device]
         batch, tally = assemble(meta, on_host, parts, options, pool, rows.buffers)
