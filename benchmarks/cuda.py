@@ -42,16 +42,21 @@ import tqueue
 from benchmarks.workload import TENSOR_FIELDS, make_batch
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
-    """Median, min and max seconds of ``fn`` (the GPU synchronized after each call)."""
+def timed(
+    fn: Callable[[], Any], repeats: int, after: Callable[[], Any] = lambda: None
+) -> tuple[float, float, float]:
+    """Median, min and max seconds of ``fn`` (the GPU synchronized after each call); ``after``
+    runs untimed after each call (a put's partition cleared, so that the arena never fills)."""
     fn()
     torch.cuda.synchronize()
+    after()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
+        after()
     return statistics.median(runs), min(runs), max(runs)
 
 
@@ -100,8 +105,9 @@ def run(size: int, repeats: int, field_mib: int = 0) -> list[dict[str, Any]]:
             )
             with tqueue.Client(cluster.address, config=config) as client:
                 prefix = transport.replace(", ", "-")
+                put, clear = _putter(client, prefix, dev)
                 row(f"tqueue put of the CUDA batch ({transport})", "device to host once, then as CPU tensors",
-                    timed(_putter(client, prefix, dev), repeats))
+                    timed(put, repeats, clear))
                 client.put(f"{prefix}-last", dev)
                 row(f"tqueue get, then .to('cuda') ({transport})", "as CPU tensors, then host to device",
                     timed(_getter(client, f"{prefix}-last", list(host), names, size), repeats))
@@ -115,9 +121,16 @@ def run(size: int, repeats: int, field_mib: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-def _putter(client: Any, prefix: str, batch: dict[str, Any]) -> Callable[[], None]:
+def _putter(client: Any, prefix: str, batch: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A put to a new partition each time, and the clear of the last one."""
     names = iter(range(1 << 30))
-    return lambda: client.put(f"{prefix}-{next(names)}", batch)
+    last: list[str] = []
+
+    def put() -> None:
+        last[:] = [f"{prefix}-{next(names)}"]
+        client.put(last[0], batch)
+
+    return put, lambda: client.clear(last[0])
 
 
 def _getter(
