@@ -138,8 +138,8 @@ def _getter(
 ) -> Callable[[], None]:
     tasks = iter(range(1 << 30))
 
-    def get() -> None:  # a new task each time: the same samples again
-        meta = client.get_meta(partition, every, size, task=f"t{next(tasks)}", timeout=60)
+    def get() -> None:  # a new task each time (one of its own per getter): the same samples again
+        meta = client.get_meta(partition, every, size, task=f"{device or 'host'}-{next(tasks)}", timeout=60)
         batch = client.get_data(meta, device=device)
         if device is None:
             for k in tensors:

@@ -105,3 +105,46 @@ def test_get_data_onto_the_gpu_is_exact_and_copies_only_from_page_locked_memory(
         if shm:  # the arena was registered: its pages were copied from in place, nothing staged
             dense = sum(data[k].numel() * data[k].element_size() for k in ("x", "ids"))
             assert c.stats.copied_bytes - copied < dense
+
+
+def test_a_cuda_put_to_a_same_host_unit_crosses_once_into_the_arena_pages(cluster, partition):
+    """A dense CUDA field put to a unit on this host is copied by DMA straight into the unit's
+    arena (its pages registered with the driver): one crossing, no pinned staging and no host
+    copy after it; a jagged CUDA field still goes through pinned memory."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    data = {
+        "x": torch.randn(64, 1 << 16, device="cuda", generator=g).to(torch.bfloat16),
+        "ids": torch.randint(0, 151_936, (64, 4096), device="cuda", generator=g)[:, ::2],  # not contiguous
+        "resp": [torch.arange(n, device="cuda") for n in range(1, 65)],
+    }
+    dense = sum(data[k].numel() * data[k].element_size() for k in ("x", "ids"))
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60)
+    with tqueue.Client(cluster.address, config=config) as c:
+        copied = c.stats.copied_bytes
+        c.put(partition, data)
+        assert dense <= c.stats.copied_bytes - copied < 2 * dense  # dense: the crossing alone
+        assert c._inner._conns.devices.of("cuda").registrations > 0
+        batch = c.get_data(partition, list(data), 64, task="t", device="cuda", timeout=60)
+        for k in ("x", "ids"):
+            assert batch[k].is_cuda and torch.equal(batch[k], data[k]), k
+        assert all(torch.equal(a, b) for a, b in zip(batch["resp"], data["resp"]))
+
+
+def test_after_a_unit_punches_its_arena_writes_and_reads_use_its_pages_not_locked_orphans(partition):
+    """A unit retaining nothing punches its arena's free pages on every free. Pages the driver
+    locked (registered) before are orphaned by the punch: the next write to that offset lands
+    in a fresh page. The client registers the arena again under the unit's new epoch, so each
+    put's DMA lands in the unit's pages (a read through the host sees it) and each device read
+    copies from them (not from the locked orphans)."""
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60)
+    with tqueue.LocalCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
+        with tqueue.Client(cluster.address, config=config) as c:
+            for round_ in range(3):
+                part = f"{partition}-{round_}"
+                x = torch.full((64, 1 << 16), round_ + 1, dtype=torch.int32, device="cuda")
+                c.put(part, {"x": x})
+                host = c.get_data(part, ["x"], 64, task="h", timeout=60)["x"]
+                assert torch.equal(host, x.cpu()), f"round {round_}: the unit holds {host.flatten()[:4].tolist()}"
+                got = c.get_data(part, ["x"], 64, task="t", device="cuda", timeout=60)["x"]
+                assert torch.equal(got, x), f"round {round_}: read {got.flatten()[:4].tolist()}"
+                c.clear(part)

@@ -121,7 +121,7 @@ def test_a_refused_registration_is_said_once_and_reads_go_through_bounce_buffers
                 batch = c.get_data(partition, ["ids"], 32, task=task, device="cpu", timeout=10)
                 assert torch.equal(batch["ids"], data["ids"])
         said = [r for r in caplog.records if "registration refused by this test" in r.getMessage()]
-        assert len(said) == 1 and "bounce buffers" in said[0].getMessage()
+        assert len(said) == 1 and "page-locked buffers" in said[0].getMessage()
         assert c.stats.copied_bytes - copied >= 2 * dense  # staged: the arena's pages were not locked
         assert acc_of(c).copied > 0 and acc_of(c).locked_bytes == 0
 
@@ -347,3 +347,66 @@ def test_a_unit_failing_mid_read_waits_for_the_copies_already_queued(empty_pair,
             assert torch.equal(batch["ids"], torch.cat([a["ids"], b["ids"]]))
 
     asyncio.run(main())
+
+
+def test_a_punched_arena_is_registered_again_before_it_is_read(partition, monkeypatch):
+    """A unit that hands its arena's free pages back to the OS (here on every free:
+    ``retain_bytes=0``) moves its arena's epoch on. A page the driver locked before is no
+    longer the arena's (the next write there faults in a fresh one), so the client
+    unregisters every block of that arena, after its queued copies, and registers them again
+    as the next read touches them; that read sees the new bytes, not the orphaned pages."""
+    registered: list[int] = []
+    unregistered: list[int] = []
+    real = Accelerator.register_range
+    monkeypatch.setattr(
+        Accelerator, "register_range", lambda self, arena, at, n: registered.append(at) or real(self, arena, at, n)
+    )
+    monkeypatch.setattr(Accelerator, "unregister_range", lambda self, arena, at: unregistered.append(at))
+    first, second = batch_data(seed=5), batch_data(seed=6)
+    with tqueue.LocalCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
+        with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
+            c.put(partition, first)
+            assert torch.equal(c.get_data(partition, ["ids"], 32, task="t", device="cpu", timeout=10)["ids"], first["ids"])
+            before = sorted(registered)
+            acc = acc_of(c)
+            assert before and acc.locked_bytes > 0 and not unregistered
+            c.clear(partition)  # its range is freed and, retaining nothing, punched
+            c.put(f"{partition}-2", second)  # the reply to its allocation carries the new epoch
+            assert sorted(unregistered) == before and acc.locked_bytes == 0
+            got = c.get_data(f"{partition}-2", ["ids"], 32, task="t", device="cpu", timeout=10)["ids"]
+            assert torch.equal(got, second["ids"])
+            assert sorted(registered[len(before):]) == before  # the same blocks, registered again
+            [arena] = {id(r.arena): r.arena for r in c._inner._conns.routes.values()}.values()
+            assert arena.epoch >= 1
+
+
+@pytest.mark.parametrize("budget_blocks", [0, 2, 8], ids=["refused", "budget-2", "room"])
+def test_a_device_write_into_an_arena_goes_by_dma_where_blocks_lock_and_through_host_memory_elsewhere(
+    monkeypatch, budget_blocks
+):
+    """The one-copy put of a CUDA field (tqueue/client/_routes/arena.py) calls
+    ``DeviceRoutes.to_arena``: each piece of the range that lies in one registration block is
+    copied straight into the arena's pages where that block can be registered, and through a
+    page-locked buffer and a host copy where it cannot (budget spent, or refused: said once)."""
+    from tqueue.client._routes.device import DeviceRoutes
+    from tqueue.transport._arena import Arena, ArenaMap
+
+    block = 1 << 20
+    monkeypatch.setattr(device_route, "LOCK_BLOCK", block)
+    monkeypatch.setattr(device_route, "_said", set())
+    if budget_blocks == 0:
+        monkeypatch.setattr(Accelerator, "register_range", lambda self, arena, at, n: "refused by this test")
+    unit = Arena(16 * block)
+    try:
+        arena = ArenaMap(unit.path)
+        devices = DeviceRoutes(1 << 20, 1 << 20, max(1, budget_blocks) * block)
+        src = torch.randint(0, 256, (3 * block + 1000,), dtype=torch.uint8)
+        offset = block - 4096  # the pieces: 4096 bytes in block 0, then blocks 1 and 2, 5096 in block 3
+        acc, staged = devices.to_arena(arena, offset, src)
+        acc.synchronize()
+        assert np.array_equal(arena.array[offset : offset + src.numel()], src.numpy())
+        assert acc.copied == 0  # nothing went host to device
+        expected = {0: src.numel(), 2: src.numel() - 4096 - block, 8: 0}[budget_blocks]
+        assert staged == expected and acc.locked_bytes == min(budget_blocks, 4) * block
+    finally:
+        unit.close()

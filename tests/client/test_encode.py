@@ -152,3 +152,31 @@ def test_refused_pinned_memory_falls_back_to_pageable_copies_and_says_so_once(mo
     assert first.is_contiguous() and not out.cuda_devices
     warned = [r for r in caplog.records if "no pinned host memory" in r.getMessage()]
     assert len(warned) == 1
+
+
+def test_a_field_left_on_its_device_materializes_into_the_frames_an_eager_encode_makes(monkeypatch):
+    """``encode(defer_device=True)`` leaves a dense CUDA field's bytes on the device (frames
+    and ``whole`` None) until ``materialize()``, which must produce the very frames an eager
+    encode would. Run on CPU: the device is a CPU tensor and its copy to pinned memory a clone
+    (CUDA itself: tests/client/test_cuda.py)."""
+    from tqueue.client import _encode
+
+    g = torch.Generator().manual_seed(2)
+    data = {"a": torch.randn(10, 1000, generator=g), "s": [f"x{i}" for i in range(10)],
+            "b": torch.randint(0, 1 << 40, (10, 300), generator=g)[:, ::3]}
+    eager = encode(data, partition="p", chunk_bytes=12_000)
+    later = _encode.Encoded(count=10, blocks=[], buffers=[], defer_device=True)
+    for name, value in data.items():
+        ctx = _encode._Ctx("p", name)
+        if isinstance(value, torch.Tensor):
+            _encode._dense_on_device(value, ctx, 12_000, later)
+        else:
+            _encode._encode_field(value, ctx, 12_000, later)
+    assert set(later.on_device) == {0, 2} and later.whole[0] is None and later.buffers[0] is None
+    assert (later.nbytes, [b.counts for b in later.blocks]) == (eager.nbytes, [b.counts for b in eager.blocks])
+    monkeypatch.setattr(_encode, "_from_cuda", lambda t, out: t.clone())
+    later.materialize()
+    assert not later.on_device
+    assert [bytes(f) for f in later.buffers] == [bytes(f) for f in eager.buffers]
+    assert [bytes(w) if w is not None else None for w in later.whole] == [bytes(w) if w is not None else None for w in eager.whole]
+    later.materialize()  # nothing left to do

@@ -25,6 +25,7 @@ from ..transport._arena import ArenaMap, open_arena
 from ..transport._liveness import Session
 from ..wire import PROTOCOL_VERSION, Hello, HelloReply, Ok, Release, UnitInfo
 from ._routes import ArenaRoute, BulkRoute, InlineRoute, Route
+from ._routes.device import DeviceRoutes
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class Connections:
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.routes: dict[int, Route] = {}
         self.choose: Callable[[UnitInfo], Route] = self.pick
+        # device reads and device-to-arena writes: accelerators, the arena pages they registered
+        self.devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.device_lock_bytes)
         self._connecting: asyncio.Lock | None = None
         self._closed = False
         # every connection of this client shares one session id: a server frees what the
@@ -193,7 +196,7 @@ class Connections:
         peer = self.connect_unit(info)
         arena = self.arena(info)
         if arena is not None:
-            return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes)
+            return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes, self.devices)
         if self.config.bulk and info.bulk:
             return BulkRoute(info, peer, self.config)
         return InlineRoute(info, peer)

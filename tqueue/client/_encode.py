@@ -53,6 +53,29 @@ class Encoded:
     deferred: bool = False
     # CUDA devices whose copies to the host encode() waits for before it returns
     cuda_devices: set[Any] = dataclasses.field(default_factory=set)
+    # encode(defer_device=True): block index -> a dense CUDA field still on its device, whose
+    # frames (and ``whole``) are None until materialize() copies it to the host; the arena
+    # route copies it straight into the unit's pages instead
+    on_device: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    defer_device: bool = False
+
+    def materialize(self) -> None:
+        """Copy the fields still on a device to pinned host memory (as encode does without
+        ``defer_device``), so that every frame is host bytes; nothing to do when none is."""
+        if not self.on_device:
+            return
+        starts = np.cumsum([0] + [len(b.counts) for b in self.blocks])
+        try:
+            for i, t in self.on_device.items():
+                buf = memoryview(_from_cuda(t, self).reshape(-1).view(torch.uint8).numpy())
+                frames: list[Any] = []
+                _chunks(buf, self.count, _NO_CHUNK, frames, self.blocks[i].counts)
+                self.buffers[starts[i] : starts[i + 1]] = frames
+                self.whole[i] = buf
+        finally:
+            for device in self.cuda_devices:
+                torch.cuda.current_stream(device).synchronize()
+        self.on_device = {}
 
     def grant_blocks(self) -> list[FieldBlock]:
         """The blocks as the controller needs them: specs and shapes, not frame layout."""
@@ -121,13 +144,17 @@ def sample_count(data: Any, partition: str) -> tuple[dict[str, Any], int]:
     return cols, n
 
 
-def encode(data: Any, *, partition: str, chunk_bytes: int, count: int | None = None) -> Encoded:
+def encode(
+    data: Any, *, partition: str, chunk_bytes: int, count: int | None = None, defer_device: bool = False
+) -> Encoded:
+    """``data`` as blocks and frames. ``defer_device``: dense CUDA fields stay on their device
+    until :meth:`Encoded.materialize` (or the arena route) copies them."""
     cols, n = sample_count(data, partition)
     if count is not None and n != count:
         raise SchemaError(
             f"the write to partition {partition!r} has {n} samples, its meta has {count}"
         )
-    out = Encoded(count=n, blocks=[], buffers=[])
+    out = Encoded(count=n, blocks=[], buffers=[], defer_device=defer_device)
     try:
         for name, value in cols.items():
             _encode_field(value, _Ctx(partition, name), chunk_bytes, out)
@@ -163,6 +190,8 @@ def _encode_field(value: Any, ctx: _Ctx, chunk: int, out: Encoded) -> None:
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             _jagged(list(value.unbind()), ctx, chunk, out, "tensor")
+        elif out.defer_device and value.device.type == "cuda":
+            _dense_on_device(value, ctx, chunk, out)
         else:
             _dense(*_tensor_bytes(value, ctx, None, out), ctx, chunk, out, "tensor")
     elif isinstance(value, np.ndarray):
@@ -267,6 +296,23 @@ def _dense(buf: memoryview, dtype: str, shape: tuple[int, ...], copied: int, ctx
     out.copied += copied
 
 
+def _dense_on_device(t: torch.Tensor, ctx: _Ctx, chunk: int, out: Encoded) -> None:
+    """A dense CUDA field left on its device: its block and frame count now, its bytes later."""
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None or t.layout != torch.strided:
+        raise FieldTypeError(f"{ctx.where()}: tensors of dtype {t.dtype} and layout {t.layout} cannot travel")
+    t, passes = _plain_layout(t.detach())  # in device memory: not a host copy
+    nbytes = t.numel() * t.element_size()
+    spec = FieldSpec(kind="tensor", dtype=name, layout="dense", shape=tuple(t.shape[1:]))
+    runs = _row_runs(t.shape[0], nbytes // t.shape[0] if t.shape[0] else 0, chunk)
+    out.on_device[len(out.blocks)] = t
+    out.blocks.append(FieldBlock(name=ctx.field, spec=spec, counts=[b - a for a, b in runs]))
+    out.buffers.extend([None] * len(runs))
+    out.whole.append(None)
+    out.nbytes += nbytes
+    out.copied += nbytes  # it crosses to the host once, whichever way
+
+
 def _row_runs(n: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
     """``n`` rows of ``row_bytes`` cut into runs ``[a, b)`` of at most ``chunk`` bytes (at
     least one row each): the frames of a dense field."""
@@ -274,11 +320,18 @@ def _row_runs(n: int, row_bytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + per)) for a in range(0, n, per)]
 
 
-def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any]) -> list[int]:
-    """Cut the ``n`` equal rows of ``buf`` into frames of at most ``chunk`` bytes, appended
-    to ``into``; returns the rows in each."""
+_NO_CHUNK = 0  # _chunks with ``counts`` given: the rows per frame are known
+
+
+def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any], counts: list[int] | None = None) -> list[int]:
+    """Cut the ``n`` equal rows of ``buf`` into frames of at most ``chunk`` bytes (or of
+    ``counts`` rows each), appended to ``into``; returns the rows in each."""
     row_bytes = buf.nbytes // n if n else 0
-    runs = _row_runs(n, row_bytes, chunk)
+    if counts is None:
+        runs = _row_runs(n, row_bytes, chunk)
+    else:
+        ends = np.cumsum(counts).tolist()
+        runs = list(zip([0, *ends[:-1]], ends))
     into.extend(buf[a * row_bytes : b * row_bytes] for a, b in runs)
     return [b - a for a, b in runs]
 

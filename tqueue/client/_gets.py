@@ -25,7 +25,7 @@ from ._assemble import Part, assemble
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
-from ._routes.device import Accelerator, Delivery, DenseOnDevice, DeviceRoutes, deliver
+from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
@@ -64,8 +64,7 @@ class Gets:
         self._pool = pool
         self.stats = stats
         self._round_of: dict[tuple[Any, ...], tuple[int, int]] = {}  # DP rounds seen
-        config = conns.config
-        self._devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.device_lock_bytes)
+        self._devices = conns.devices
 
     async def get_meta(self, ask: MetaAsk) -> BatchMeta:
         """:meth:`AsyncClient.get_meta`."""

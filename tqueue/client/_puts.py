@@ -39,7 +39,7 @@ class Puts:
     async def put(self, ask: PutAsk) -> BatchMeta:
         """:meth:`AsyncClient.put`."""
         partition, data, timeout, partial = ask.partition, ask.data, ask.timeout, ask.partial
-        enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes)
+        enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes, defer_device=True)
         group_ids = _groups(ask.groups, enc.count, partition)
         versions = _versions(ask.version, enc.count, partition)
         wait = _wait(timeout, self.config.put_timeout)
@@ -115,6 +115,8 @@ class Puts:
         self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None
     ) -> Stored:
         route = self._conns.route_to(unit)
+        if not route.device_writes:
+            enc.materialize()
         store = Store(
             grant_id=grant.grant_id,
             partition=partition,

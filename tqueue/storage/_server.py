@@ -283,7 +283,7 @@ class StorageUnit:
         region = self.holds.alloc(msg.nbytes, session_of(ident))
         if region is None:
             return Allocated(offset=-1)
-        return Allocated(offset=region.offset, length=region.length)
+        return Allocated(offset=region.offset, length=region.length, epoch=self.arena.epoch if self.arena else 0)
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
@@ -296,7 +296,8 @@ class StorageUnit:
             total = sum(nbytes_of(f) for f in reply.frames)
             if total >= _bulk.MIN_BYTES and self.bulk.send(msg.bulk, reply.frames):
                 return Fetched(blocks=reply.blocks, bulk=total), []
-        return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold), reply.frames
+        epoch = self.arena.epoch if self.arena is not None else 0
+        return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold, epoch=epoch), reply.frames
 
     def _move(self, ident: bytes, msg: Move, bufs: list[Any]) -> Ok:
         src = np.asarray(msg.src_indexes, dtype=np.int64)

@@ -79,6 +79,10 @@ class Arena:
         self._punched = True  # nothing has been written yet
         self.used = 0
         self.touched = 0  # high-water mark of ranges handed out since the last punch
+        # punches that handed pages back: a client that locked (registered) pages with a device
+        # driver must register them again, since a punched page it locked is no longer the
+        # arena's (the next write to that offset gets a fresh page; the locked one is orphaned)
+        self.epoch = 0
 
     # --- allocation -----------------------------------------------------------------
 
@@ -154,6 +158,8 @@ class Arena:
                 freed += length
         self._punched = True
         self.touched = max((r.end for r in self._regions.values()), default=0)
+        if freed:
+            self.epoch += 1
         return freed
 
     def close(self) -> None:
@@ -185,6 +191,20 @@ class ArenaMap:
                 os.close(fd)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.path = path
+        self.epoch = 0  # the unit's arena epoch last seen in a reply (see Arena.epoch)
+        self._on_epoch: list[Callable[[], None]] = []
+
+    def on_epoch(self, forget: Callable[[], None]) -> None:
+        """Call ``forget`` each time the unit's arena epoch moves on: pages locked before it
+        are no longer the arena's (a device driver's registrations must be made again)."""
+        self._on_epoch.append(forget)
+
+    def seen(self, epoch: int) -> None:
+        """A reply of the unit carried ``epoch``; call it before using the ranges it names."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            for forget in self._on_epoch:
+                forget()
 
     def fill(self, offset: int, buffers: Sequence[Any]) -> int:
         """Copy ``buffers`` back to back from ``offset``; return the bytes copied."""

@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none)
+PROTOCOL_VERSION = 6  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -359,11 +359,15 @@ class Alloc(Message):
 
 
 class Allocated(Message):
-    """The arena range granted (``offset`` -1: the arena is full, send frames instead)."""
+    """The arena range granted (``offset`` -1: the arena is full, send frames instead).
+    ``epoch``: how many times the unit has handed the arena's free pages back to the OS; a
+    client that registered arena pages with a device driver under an older epoch registers
+    them again, since the pages it locked are no longer the arena's."""
 
     KIND = Kind.ALLOCATED
     offset: int
     length: int = 0
+    epoch: int = 0
 
 
 class Store(Message):
@@ -468,13 +472,14 @@ class Fetched(Message):
     """Blocks, then their frames. With ``shm``, each frame is an arena range or ``[]`` (the
     next raw frame); the ranges stay valid until the reader sends ``Release(hold)``.
     ``bulk`` > 0: no frames follow here; that many bytes, the frames back to back, follow on
-    the reader's bulk stream."""
+    the reader's bulk stream. ``epoch``: the arena's, as in :class:`Allocated`."""
 
     KIND = Kind.FETCHED
     blocks: list[FieldBlock]
     shm: list[list[int]] | None = None
     hold: int = 0
     bulk: int = 0
+    epoch: int = 0
 
 
 class Release(Message):

@@ -80,6 +80,10 @@ class Route(abc.ABC):
     """How the bytes of one storage unit travel. Subclasses: inline frames, bulk streams,
     the same-host arena (and in tests, memory)."""
 
+    # whether store() takes a put whose dense CUDA fields are still on their device
+    # (Encoded.on_device); for the other routes the put copies them to the host first
+    device_writes = False
+
     def __init__(self, info: UnitInfo) -> None:
         self.info = info
 

@@ -91,6 +91,8 @@ class Accelerator:
         self.lock_budget = lock_budget  # most bytes of arenas this accelerator registers
         self.locked_bytes = 0  # of arenas, registered so far
         self._arenas: list[tuple[int, int, ArenaMap]] = []  # (start, end, map) that may be registered
+        self._blocks: dict[int, int] = {}  # start -> bytes: the arena blocks registered now
+        self.registrations = 0  # blocks registered over the accelerator's life (again after a punch too)
         self._refused = False  # the driver refused once: no more tries
 
     # --- host memory --------------------------------------------------------------------
@@ -111,15 +113,42 @@ class Accelerator:
         weakref.finalize(buf, self._ranges.pop, start, None)
 
     def add_arena(self, arena: ArenaMap) -> None:
-        """An arena whose pages :meth:`locked` registers, block by block, as reads touch them."""
+        """An arena whose pages :meth:`locked` registers, block by block, as reads touch them.
+
+        When the unit hands the arena's free pages back to the OS (its epoch moves on), the
+        pages this registered may no longer be the arena's: a later write to that offset
+        faults in a fresh page while the driver keeps the locked one. So every block of the
+        arena is unregistered then (after the copies queued so far), and registered again as
+        reads and writes touch it."""
         start = arena.array.ctypes.data
         if all(a is not arena for _, _, a in self._arenas):
             self._arenas.append((start, start + arena.size, arena))
+            me, end = weakref.ref(self), start + arena.size
+
+            def forget() -> None:
+                acc = me()
+                if acc is not None:
+                    acc._forget(start, end, arena)
+
+            arena.on_epoch(forget)
+
+    def _forget(self, lo: int, hi: int, arena: ArenaMap) -> None:
+        stale = [at for at in self._blocks if lo <= at < hi]
+        if not stale:
+            return
+        self.synchronize()  # no queued copy may still read or write a block being unregistered
+        for at in stale:
+            self.unregister_range(arena, at)
+            self._ranges.pop(at, None)
+            self.locked_bytes -= self._blocks.pop(at)
 
     def register_range(self, arena: ArenaMap, start: int, nbytes: int) -> str:
         """Register ``nbytes`` of host memory at address ``start`` (inside ``arena``'s mapping)
         with the driver: "" once done, else why not."""
         return ""
+
+    def unregister_range(self, arena: ArenaMap, start: int) -> None:
+        """Undo :meth:`register_range` of the range at ``start``."""
 
     def locked(self, buf: np.ndarray) -> bool:
         """Whether ``buf`` lies in host memory the device copies from by DMA; a buffer in an
@@ -144,17 +173,19 @@ class Accelerator:
                 n = min(LOCK_BLOCK, hi - at)
                 if self.locked_bytes + n > self.lock_budget:
                     _say_once(self.device.type, "budget", f"registering {n} more bytes of arena pages would pass "
-                              f"ClientConfig.device_lock_bytes ({self.lock_budget}): further reads from arena "
-                              f"pages go through page-locked bounce buffers")
+                              f"ClientConfig.device_lock_bytes ({self.lock_budget}): further copies between arena "
+                              f"pages and {self.device.type} go through page-locked buffers")
                     return False
                 why = self.register_range(arena, at, n)
                 if why:
                     self._refused = True
-                    _say_once(self.device.type, "refused", f"{why}: reads from storage units' arenas onto {self.device.type} "
-                              "go through page-locked bounce buffers")
+                    _say_once(self.device.type, "refused", f"{why}: copies between storage units' arenas and "
+                              f"{self.device.type} go through page-locked buffers")
                     return False
                 self._ranges[at] = at + n
+                self._blocks[at] = n
                 self.locked_bytes += n
+                self.registrations += 1
             return True
         return False
 
@@ -174,6 +205,13 @@ class Accelerator:
     def _queue(self, dst: torch.Tensor, src: np.ndarray) -> None:
         dst.copy_(torch.from_numpy(src))
 
+    def to_host(self, dst: np.ndarray, src: torch.Tensor) -> None:
+        """Queue ``dst[:] = src`` (``src``: bytes on the device) without waiting; ``dst`` must
+        be locked and untouched until a later fence is passed."""
+        if not self.locked(dst):
+            raise AssertionError("a device copy into pageable memory")  # a bug of the caller
+        torch.from_numpy(dst).copy_(src, non_blocking=self.device.type != "cpu")
+
     def fence(self) -> Any:
         """A mark after every copy queued so far."""
         return None
@@ -186,6 +224,10 @@ class Accelerator:
 
 
 class CudaAccelerator(Accelerator):
+    def __init__(self, device: torch.device, pool_bytes: int, lock_budget: int = 0) -> None:
+        super().__init__(device, pool_bytes, lock_budget)
+        self._undo: dict[int, Any] = {}  # start -> the finalizer that unregisters it
+
     def locked_alloc(self, nbytes: int) -> np.ndarray:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
@@ -194,8 +236,13 @@ class CudaAccelerator(Accelerator):
         rc = cudart.cudaHostRegister(start, nbytes, 0)
         if int(rc) != 0:
             return f"cudaHostRegister of {nbytes} bytes refused (CUDA error {int(rc)})"
-        weakref.finalize(arena, cudart.cudaHostUnregister, start)  # unlocked when the map goes
+        self._undo[start] = weakref.finalize(arena, cudart.cudaHostUnregister, start)  # unlocked when the map goes
         return ""
+
+    def unregister_range(self, arena: ArenaMap, start: int) -> None:
+        undo = self._undo.pop(start, None)
+        if undo is not None:
+            undo()
 
     def locked(self, buf: np.ndarray) -> bool:
         return super().locked(buf) or torch.from_numpy(buf).is_pinned()
@@ -285,6 +332,31 @@ class DeviceRoutes:
         if acc is None:
             acc = self._by_device[key] = accelerator(device, self._pool_bytes, self._lock_budget)
         return acc
+
+    def to_arena(self, arena: ArenaMap, offset: int, src: torch.Tensor) -> tuple[Accelerator, int]:
+        """Queue the copy of ``src`` (a contiguous tensor on a device) into ``arena`` from
+        ``offset``: by DMA straight into the arena's pages, registered block by block while the
+        budget lasts and the driver allows; elsewhere through a page-locked buffer and a host
+        copy. Returns the accelerator whose copies to wait for before the arena's bytes may be
+        read, and the bytes that went the long way."""
+        acc = self.of(src.device)
+        if self._lock_budget > 0:
+            acc.add_arena(arena)
+        flat = src.reshape(-1).view(torch.uint8)
+        n, staged, at = flat.numel(), 0, 0
+        while at < n:  # one piece per registration block: each is locked, or not, as a whole
+            end = min(n, ((offset + at) // LOCK_BLOCK + 1) * LOCK_BLOCK - offset)
+            view = arena.array[offset + at : offset + end]
+            if acc.locked(view):
+                acc.to_host(view, flat[at:end])
+            else:
+                bounce = acc.locked_alloc(end - at)
+                acc.to_host(bounce, flat[at:end])
+                acc.synchronize()
+                copy_bytes(view, bounce)
+                staged += end - at
+            at = end
+        return acc, staged
 
     def prepare(self, acc: Accelerator, routes: Sequence[Route]) -> None:
         """Tell ``acc`` of the arena of each arena route of a read."""
