@@ -27,6 +27,8 @@ step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left), logs t
     summary+=("$name rc=$rc $(( $(date +%s) - t0 ))s")
 }
 summary=()
+steps=${GPU_STEPS:-native cuda_tests gpu_checks bench_1gib bench_4gib suite}  # a subset: GPU_STEPS="..."
+want() { [[ " $steps " == *" $1 "* ]]; }
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
@@ -35,12 +37,12 @@ else
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.log"
 python3 -c 'import torch, zmq, msgspec, pyarrow; print("torch", torch.__version__, "cuda", torch.version.cuda, "zmq", zmq.__version__, "msgspec", msgspec.__version__, "pyarrow", pyarrow.__version__)' | tee -a "$out/env.log"
-step native 60 python3 setup.py -q build_ext --inplace
-step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/client/test_cuda.py tests/client/test_device.py
-step gpu_checks 150 python3 .gpu/gpu_checks.py
-step bench_1gib 90 python3 benchmarks/cuda.py --size 1024 --field-mib 1 --repeats 3 --out "$out/b1"
-step bench_4gib 150 python3 benchmarks/cuda.py --size 256 --field-mib 16 --repeats 3 --out "$out/b4"
-step suite 600 python3 -m pytest -q -p no:cacheprovider --timeout 60
+want native && step native 60 python3 setup.py -q build_ext --inplace
+want cuda_tests && step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/client/test_cuda.py tests/client/test_device.py
+want gpu_checks && step gpu_checks 150 python3 .gpu/gpu_checks.py
+want bench_1gib && step bench_1gib 90 python3 benchmarks/cuda.py --size 1024 --field-mib 1 --repeats 3 --out "$out/b1"
+want bench_4gib && step bench_4gib 150 python3 benchmarks/cuda.py --size 256 --field-mib 16 --repeats 3 --out "$out/b4"
+want suite && step suite 600 python3 -m pytest -q -p no:cacheprovider --timeout 60
 echo "== summary"
 printf '%s\n' "${summary[@]}"
 grep -h '"check"' "$out/gpu_checks.log" 2>/dev/null | grep -v '"env"'
