@@ -218,11 +218,14 @@ class ClientConfig:
         4 * MiB, "a read onto a device (get_data(device=...)) copies in chunks of this size, and stages bytes "
         "that are not page-locked through two page-locked bounce buffers of this size that take turns")
     device_lock_bytes: int = _setting(
-        16384 * MiB, "most bytes of same-host arena pages a client registers with the device driver (cudaHostRegister, "
-        "in 64 MiB blocks as device reads and CUDA puts first touch them), so those copies run by DMA in place, "
-        "one crossing each way; they stay locked until the unit hands the arena's free pages back to the OS, then "
-        "are registered again as touched (default: two default arenas, 8 GiB each; 0: never register; past the "
-        "budget, or where the driver refuses, a log line says so once and copies go through page-locked buffers)")
+        0, "most bytes of same-host arena pages a client registers with the device driver (cudaHostRegister, in "
+        "64 MiB blocks as device reads and CUDA puts first touch them), so those copies run by DMA in place, one "
+        "crossing each way (0.85x of the pinned round trip at 1 GiB on an H100, against about 0.35x without); they "
+        "stay locked until the unit hands the arena's free pages back to the OS, then are registered again as "
+        "touched. Off by default: once pages are registered, the driver refuses a copy from a host tensor that "
+        "spans two registered blocks, such as .to('cuda') of a same-host batch's zero-copy view (read onto the "
+        "device with get_data(device=...) instead). 0: never register; past the budget, or where the driver "
+        "refuses, a log line says so once and copies go through page-locked buffers")
     bulk_put_min_bytes: int = _setting(
         8 * MiB, "puts from this size up (as the caller's values hold them) send their frames over the unit's bulk "
         "streams (parallel lanes); smaller ones go inline on ZeroMQ, whose frames the unit keeps as they arrived")

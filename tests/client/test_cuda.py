@@ -83,7 +83,8 @@ def test_pin_memory_assembles_socket_batches_in_pinned_memory(cluster, partition
 @pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
 def test_get_data_onto_the_gpu_is_exact_and_copies_only_from_page_locked_memory(cluster, partition, shm):
     """The device route on a real GPU: a CUDA put read back with ``device="cuda"`` lands on the
-    device, bit-exact, every copy from pinned or registered host memory (the arena, on shm)."""
+    device, bit-exact, every copy from pinned or registered host memory (the arena, on shm,
+    registration turned on)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     data = {
         "x": torch.randn(64, 1 << 16, device="cuda", generator=g).to(torch.bfloat16),
@@ -91,7 +92,7 @@ def test_get_data_onto_the_gpu_is_exact_and_copies_only_from_page_locked_memory(
         "resp": [torch.arange(n, device="cuda") for n in range(1, 65)],
         "tag": [f"s{i}" for i in range(64)],
     }
-    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=60)
+    config = tqueue.ClientConfig(shm=shm, shm_min_bytes=0, request_timeout=60, device_lock_bytes=1 << 34)
     with tqueue.Client(cluster.address, config=config) as c:
         c.put(partition, data)
         copied = c.stats.copied_bytes
@@ -118,12 +119,14 @@ def test_a_cuda_put_to_a_same_host_unit_crosses_once_into_the_arena_pages(cluste
         "resp": [torch.arange(n, device="cuda") for n in range(1, 65)],
     }
     dense = sum(data[k].numel() * data[k].element_size() for k in ("x", "ids"))
-    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60)
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60, device_lock_bytes=1 << 34)
     with tqueue.Client(cluster.address, config=config) as c:
         copied = c.stats.copied_bytes
         c.put(partition, data)
         assert dense <= c.stats.copied_bytes - copied < 2 * dense  # dense: the crossing alone
-        assert c._inner._conns.devices.of("cuda").registrations > 0
+        devices = c._inner._conns.devices
+        assert devices.of("cuda") is devices.of(f"cuda:{torch.cuda.current_device()}")  # one per device
+        assert devices.of("cuda").registrations > 0
         batch = c.get_data(partition, list(data), 64, task="t", device="cuda", timeout=60)
         for k in ("x", "ids"):
             assert batch[k].is_cuda and torch.equal(batch[k], data[k]), k
@@ -136,7 +139,7 @@ def test_after_a_unit_punches_its_arena_writes_and_reads_use_its_pages_not_locke
     in a fresh page. The client registers the arena again under the unit's new epoch, so each
     put's DMA lands in the unit's pages (a read through the host sees it) and each device read
     copies from them (not from the locked orphans)."""
-    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60)
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=60, device_lock_bytes=1 << 34)
     with tqueue.LocalCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
         with tqueue.Client(cluster.address, config=config) as c:
             for round_ in range(3):

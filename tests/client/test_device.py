@@ -21,7 +21,7 @@ from tqueue.errors import InvalidArgumentError
 ROUTES = {
     "inline": tqueue.ClientConfig(shm=False, bulk=False),
     "bulk": tqueue.ClientConfig(shm=False, bulk_lanes=2, bulk_lane_min_bytes=1 << 16, bulk_put_min_bytes=1),
-    "arena": tqueue.ClientConfig(shm=True, shm_min_bytes=0),
+    "arena": tqueue.ClientConfig(shm=True, shm_min_bytes=0, device_lock_bytes=1 << 34),  # registration on
 }
 
 

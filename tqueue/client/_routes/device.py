@@ -9,15 +9,17 @@ device read never hands the driver pageable memory:
 
 * the batch's host buffers (the dense rows a bulk stream receives in place, what assembly
   copies) come from a page-locked pool of the accelerator's (:meth:`Accelerator.pool`);
-* the pages of a unit's arena, where it is on this host, are registered with the driver
-  (``cudaHostRegister``) in blocks of :data:`LOCK_BLOCK` (64 MiB) as reads first touch them,
-  so its views are copied from in place. Each registered block stays locked for the client's
-  life (the arena reuses its ranges, so the same blocks serve later reads); the total is
-  bounded by ``ClientConfig.device_lock_bytes`` (default 4 GiB; 0: never register) and by
-  the process's memlock limit, never by the arena's whole size (``StorageConfig.shm_bytes``,
-  8 GiB of address space by default, mostly untouched). Past the budget, or where the driver
-  refuses (a memlock limit, an accelerator without host registration), that is said once in
-  the log and those views go through the bounce buffers below;
+* where ``ClientConfig.device_lock_bytes`` allows (off by default), the pages of a unit's
+  arena on this host are registered with the driver (``cudaHostRegister``) in blocks of
+  :data:`LOCK_BLOCK` (64 MiB) as reads (and CUDA puts, :meth:`DeviceRoutes.to_arena`) first
+  touch them, so its views are copied from in place. A registered block stays locked until the
+  unit punches the arena's free pages (its epoch moves on: the locked pages are orphans then)
+  and is registered again when touched; the total is bounded by the budget and the process's
+  memlock limit, never by the arena's whole size (``StorageConfig.shm_bytes``). Past the
+  budget, or where the driver refuses (a memlock limit, an accelerator without host
+  registration), that is said once in the log and those views go through the bounce buffers
+  below. Off by default because the driver then refuses a copy from a host tensor spanning two
+  registrations: ``.to("cuda")`` of a same-host batch's view (docs/performance.md);
 * any other bytes (ZeroMQ frames, views of an unregistered arena, small jagged samples) are
   packed back to back into two page-locked bounce buffers of ``ClientConfig.device_chunk_bytes``
   that take turns: the host fills one while the copy engine drains the other.
@@ -327,10 +329,16 @@ class DeviceRoutes:
         self._by_device: dict[str, Accelerator] = {}
 
     def of(self, device: str | torch.device) -> Accelerator:
+        """The accelerator of ``device``: one per device, whatever it is called (``cuda`` is
+        ``cuda:0`` where that is the current device). Registrations are the driver's, per
+        process: two accelerators of one device would register the same pages twice, and the
+        second be refused."""
         key = str(device)
         acc = self._by_device.get(key)
         if acc is None:
-            acc = self._by_device[key] = accelerator(device, self._pool_bytes, self._lock_budget)
+            made = accelerator(device, self._pool_bytes, self._lock_budget)
+            acc = self._by_device.setdefault(str(made.device), made)
+            self._by_device[key] = acc
         return acc
 
     def to_arena(self, arena: ArenaMap, offset: int, src: torch.Tensor) -> tuple[Accelerator, int]:
