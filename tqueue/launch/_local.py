@@ -115,20 +115,28 @@ class LocalCluster:
         try:
             ctl = self._spawn(["controller", "--bind", f"tcp://{self.host}:0", *self.controller_args])
             self.address = self._ready(ctl)["address"]
-            units = [
-                self._spawn(
-                    ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]
-                    + (["--host", self.unit_hosts[i]] if self.unit_hosts else [])
-                    + self.unit_args
-                )
-                for i in range(self.num_storage_units)
-            ]
+            units = [self._spawn_unit(self.unit_hosts[i] if self.unit_hosts else "") for i in range(self.num_storage_units)]
             self.unit_addresses = [self._ready(u)["address"] for u in units]
         except BaseException:
             self.close()
             raise
         log.info("local cluster up: controller %s, %d units", self.address, len(self.unit_addresses))
         return self
+
+    def start_unit(self, host: str = "") -> int:
+        """Start one more storage unit for this cluster (a replacement for one that died, say:
+        it registers under a new id, empty); its pid, once it is ready. Its address is
+        appended to ``unit_addresses``, and it is stopped with the cluster."""
+        proc = self._spawn_unit(host)
+        self.unit_addresses.append(self._ready(proc)["address"])
+        return proc.pid
+
+    def _spawn_unit(self, host: str) -> subprocess.Popen[bytes]:
+        return self._spawn(
+            ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]
+            + (["--host", host] if host else [])
+            + self.unit_args
+        )
 
     def _spawn(self, args: Sequence[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ if self.env is None else self.env)
