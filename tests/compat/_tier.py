@@ -43,11 +43,9 @@ NOT_APPLICABLE = {
 
 _LIFE = "tests/e2e/test_e2e_lifecycle_consistency.py::"
 NOT_YET = {
-    _LIFE + "test_cross_shard_complex_update": "get_meta(mode='insert'): puts that allocate rows to be filled later",
-    _LIFE + "test_production_status_lifecycle": "get_meta(mode='insert')",
     _LIFE + "test_dynamic_tensor_shape_nested_transition": (
-        "get_meta(mode='insert'); and it expects a meta to say is_nested False for a field put with one shape "
-        "(the shim stores every multi-dimensional tensor field jagged and says is_nested True)"
+        "it expects a meta to say is_nested False for a field put with one shape (the shim stores every "
+        "multi-dimensional tensor field jagged, so that a later put may change its shape, and says is_nested True)"
     ),
 }
 

@@ -80,11 +80,22 @@ def test_data_parser_is_refused_by_design(shim: Any) -> None:
         shim.get_client().put(td, partition_id="p", data_parser=lambda d: d)
 
 
-def test_missing_features_name_what_they_wait_for(shim: Any) -> None:
-    from transfer_queue._errors import NotYetSupportedError
-
-    with pytest.raises(NotYetSupportedError, match="insert.* allocate rows"):
-        shim.get_client().get_meta(["x"], 1, "p", mode="insert", task_name="t")
+def test_insert_allocates_rows_that_puts_fill_field_by_field(shim: Any) -> None:
+    """``get_meta(mode="insert")`` over tqueue's ``allocate``: rows with no data, production
+    status 0, filled by ``put(metadata=)`` in two rounds; readers see them once complete; and
+    ``kv_retrieve_meta(create=True)`` allocates rows for new keys."""
+    client = shim.get_client()
+    rows = client.get_meta(["x", "y"], 3, "ins", mode="insert")
+    assert rows.size == 3 and rows.production_status.tolist() == [0, 0, 0] and set(rows.field_schema) == {"x", "y"}
+    client.put(TensorDict({"x": torch.arange(3.0)}, batch_size=[3]), metadata=rows)
+    assert client.check_production_status(data_fields=["x"], partition_id="ins")
+    assert not client.check_production_status(data_fields=["x", "y"], partition_id="ins")
+    client.put(TensorDict({"y": torch.arange(3) * 2}, batch_size=[3]), metadata=rows)
+    got = client.get_data(client.get_meta(["x", "y"], 3, "ins", task_name="t"))
+    assert got["x"].tolist() == [0.0, 1.0, 2.0] and got["y"].tolist() == [0, 2, 4]
+    made = client.kv_retrieve_meta(["k1", "k2"], "kv-ins", create=True)
+    client.put(TensorDict({"x": torch.tensor([7.0, 8.0])}, batch_size=[2]), metadata=made)
+    assert client.get_data(client.kv_retrieve_meta(["k2", "k1"], "kv-ins"))["x"].tolist() == [8.0, 7.0]
 
 
 def test_force_fetch_neither_leases_nor_consumes(shim: Any) -> None:

@@ -378,3 +378,4 @@ class AsyncClient:
     drop_keys = _keyed(KeyCalls.drop_keys)
     select = _keyed(KeyCalls.select)
     reset_consumption = _keyed(KeyCalls.reset_consumption)
+    allocate = _keyed(KeyCalls.allocate)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, PartitionClearedError
 from ..wire import (
+    AllocateRows,
     BatchMeta,
     BindKeys,
     Clear,
@@ -128,6 +129,17 @@ class KeyCalls:
             reply, _ = await (await self._conns.ctl()).request(msg, expect=Meta)
         except PartitionClearedError:
             return None
+        return reply.meta
+
+    async def allocate(self, partition: str, count: int) -> BatchMeta:
+        """``count`` new samples of ``partition`` (made if need be) with no fields yet, to be
+        written later with :meth:`~tqueue.AsyncClient.update` (TransferQueue's
+        ``get_meta(mode="insert")``). Readers see a sample once it holds every field they ask
+        for; each sample is placed on a unit by its first write, and every later write of it
+        goes there. A partition with a target or groups takes none (``InvalidArgumentError``)."""
+        if count < 1:
+            raise InvalidArgumentError(f"allocate needs count >= 1, got {count}")
+        reply, _ = await (await self._conns.ctl()).request(AllocateRows(partition=partition, count=count), expect=Meta)
         return reply.meta
 
     async def reset_consumption(self, partition: str, task: str | None = None) -> None:

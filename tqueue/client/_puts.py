@@ -8,13 +8,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..errors import SchemaError, StorageUnitUnavailableError
-from ..wire import BatchMeta, Grant, Granted, Store, Stored, UnitInfo
+from ..wire import BatchMeta, Grant, Granted, Locate, Located, Store, Stored, UnitInfo
 from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
 from ._args import _by_unit, _groups, _versions, _wait, listed
@@ -152,7 +153,16 @@ class Puts:
     ) -> list[int]:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
         :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
-        would pass the partition's target (each unit's share is written whole or not at all)."""
+        would pass the partition's target (each unit's share is written whole or not at all).
+        Samples on no unit yet (allocated rows) are placed first (``Locate``)."""
+        if any(u < 0 for u in meta.units):
+            ctl = await self._conns.ctl()
+            located, _ = await ctl.request(
+                Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=list(meta.indexes),
+                       host=self._conns.host),
+                expect=Located,
+            )
+            meta = msgspec.structs.replace(meta, units=located.units)
         positions = _by_unit(meta)
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):

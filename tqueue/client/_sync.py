@@ -204,6 +204,7 @@ class Client:
     drop_keys = _twin(AsyncClient.drop_keys)
     select = _twin(AsyncClient.select)
     reset_consumption = _twin(AsyncClient.reset_consumption)
+    allocate = _twin(AsyncClient.allocate)
 
 
 def _forked(parent: int) -> ForkedClientError:

@@ -19,12 +19,14 @@ from ..errors import InvalidArgumentError
 from ..wire import (
     Ack,
     Admission,
+    AllocateRows,
     Clear,
     CreatePartition,
     Fail,
     FieldBlock,
     GetMeta,
     Grant,
+    Locate,
     Postpone,
     RegisterUnit,
     Renew,
@@ -196,6 +198,15 @@ def _create(msg: CreatePartition, config: ControllerConfig) -> None:
     count("target_groups", msg.target_groups, config.max_partition_samples)
 
 
+def _allocate_rows(msg: AllocateRows, config: ControllerConfig) -> None:
+    name("partition", msg.partition)
+    count("count", msg.count, config.max_samples_per_request, low=1)
+
+
+def _locate(msg: Locate, config: ControllerConfig) -> None:
+    indexes("indexes", msg.indexes, config)
+
+
 def _register(msg: RegisterUnit, config: ControllerConfig) -> None:
     count("capacity", msg.capacity, 1 << 62)
 
@@ -215,4 +226,6 @@ _CHECKS: dict[type, Callable[[Any, ControllerConfig], None]] = {
     Admission: _admission,
     CreatePartition: _create,
     RegisterUnit: _register,
+    AllocateRows: _allocate_rows,
+    Locate: _locate,
 }

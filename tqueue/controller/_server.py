@@ -29,6 +29,7 @@ from ..wire import (
     PROTOCOL_VERSION,
     Ack,
     Admission,
+    AllocateRows,
     BindKeys,
     Cancel,
     Checkpoint,
@@ -45,6 +46,7 @@ from ..wire import (
     Hello,
     HelloReply,
     ListKeys,
+    Locate,
     LookupKeys,
     Message,
     Meta,
@@ -80,6 +82,7 @@ from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
 from ._resets import Resets
+from ._rows import Rows
 from ._state import ControllerState
 from ._writes import Writes
 
@@ -113,6 +116,7 @@ class Controller:
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
+        self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -150,6 +154,8 @@ class Controller:
             (ListKeys, self.keys.list_keys),
             (DropKeys, self.keys.drop),
             (ResetConsumption, self.resets.reset),
+            (AllocateRows, self.rows.allocate),
+            (Locate, self.rows.locate),
         )
         for msg_type, handler in anyone:
             self._server.route(msg_type, self._bounded(handler))

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, WaitTimeoutError
+from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, StorageUnitUnavailableError, WaitTimeoutError
 from ..transport._liveness import session_of
 from ..wire import Admission, Commit, Committed, Grant, Granted, Ok, Reserve, SetVersion, VersionReply, VersionWait
 from ._cycles import Cycles
@@ -214,6 +214,14 @@ class Writes:
         # must not undo (or even delay) a commit the controller already recorded.
         self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
         return Committed(sealed=part.sealed)
+
+    def place(self, msg: Grant) -> Unit:
+        """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
+        where none can take it (no waiting: this is for samples that have their place)."""
+        try:
+            return self._place(msg)
+        except _Wait as wait:
+            raise StorageUnitUnavailableError(f"partition {msg.partition!r}: no unit can take samples: {wait.reason}") from None
 
     def _place(self, msg: Grant) -> Unit:
         """A unit on the producer's host with room, the least loaded among those."""

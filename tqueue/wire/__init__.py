@@ -1,7 +1,7 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags; ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags, ``_rows`` rows allocated ahead of their data; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
@@ -87,6 +87,7 @@ from ._messages import (
     error_reply,
     salvage_rid,
 )
+from ._rows import AllocateRows, Locate, Located
 from ._status import (
     PartitionStatus,
     StatusReply,
@@ -97,6 +98,9 @@ from ._status import (
 )
 
 __all__ = [
+    "AllocateRows",
+    "Locate",
+    "Located",
     "Ack",
     "Admission",
     "Alloc",

@@ -110,6 +110,10 @@ class Kind(enum.IntEnum):
     KEY_LISTING = 66
     DROP_KEYS = 67
     RESET_CONSUMPTION = 68
+    # 70-79: rows allocated ahead of their data (wire/_rows.py)
+    ALLOCATE_ROWS = 70
+    LOCATE = 71
+    LOCATED = 72
 
 
 class Message(msgspec.Struct, kw_only=True):

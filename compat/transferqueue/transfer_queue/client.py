@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -47,9 +48,7 @@ def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
 
 
 def _check_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> None:
-    if mode == "insert":
-        raise not_yet("get_meta(mode='insert')", "tqueue's puts that allocate rows to be filled later (issue 27)")
-    if mode not in ("fetch", "force_fetch"):
+    if mode not in ("fetch", "force_fetch", "insert"):
         raise ValueError(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
     if mode == "fetch" and task_name is None:
         raise ValueError("get_meta(mode='fetch') needs task_name")
@@ -165,6 +164,8 @@ class TransferQueueClient:
         polling mode or not (the streaming dataset waits so rather than asking again and
         again)."""
         _check_mode(mode, task_name, sampling_config)
+        if mode == "insert":
+            return self._insert(list(data_fields), batch_size, partition_id)
         settings = self.settings()
         polling = bool(settings.get("polling_mode", False))
         if mode == "force_fetch":
@@ -186,13 +187,28 @@ class TransferQueueClient:
         self._client.ack(meta)
         return self._with_tags(meta, list(data_fields))
 
+    def _insert(self, fields: list[str], batch_size: int, partition_id: str) -> BatchMeta:
+        """``batch_size`` rows of ``partition_id`` with no data yet (tqueue's ``allocate``), for
+        ``put(data, metadata=...)`` to fill, all at once or field by field."""
+        if not fields:
+            raise RuntimeError("Must provide data_fields for inserting new data")
+        out = to_meta(self._client.allocate(partition_id, batch_size), [])
+        out.field_schema = {n: {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False} for n in fields}
+        out.production_status = np.zeros(batch_size, dtype=np.int8)
+        return out
+
     def _force_fetch(self, fields: list[str], batch_size: int, partition_id: str, polling: bool) -> BatchMeta:
-        """The first ``batch_size`` live samples that have ``fields``, whoever consumed them,
-        without a lease (tqueue's ``select``). Too few: an empty meta in polling mode, else
+        """The first ``batch_size`` live samples, whoever consumed them and whether or not they
+        hold ``fields`` yet (``production_status`` says which do, as in TransferQueue), without
+        a lease (tqueue's ``select``). Too few: an empty meta in polling mode, else
         ``WaitTimeoutError`` at once (a force_fetch that waits is not supported)."""
-        meta = self._client.select(partition_id, fields, limit=batch_size)
+        meta = self._client.select(partition_id, [], limit=batch_size)
         if meta is not None and len(meta) == batch_size:
-            return self._with_tags(meta, fields)
+            ready = self._client.select(partition_id, fields)
+            produced = set(ready.indexes) if ready is not None else set()
+            out = self._with_tags(msgspec.structs.replace(meta, fields=fields), fields)
+            out.production_status = np.array([i in produced for i in meta.indexes], dtype=np.int8)
+            return out
         if polling:
             return BatchMeta.empty()
         have = 0 if meta is None else len(meta)
@@ -273,11 +289,14 @@ class TransferQueueClient:
     # --- keys -------------------------------------------------------------------------
 
     def kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
-        """The ``BatchMeta`` of ``keys`` (in order), for ``get_data`` and ``put(metadata=)``."""
+        """The ``BatchMeta`` of ``keys`` (in order), for ``get_data`` and ``put(metadata=)``;
+        ``create``: keys not found get new rows with no data yet (tqueue's ``allocate``)."""
         found = self._client.lookup_keys(partition_id, list(keys))
         missing = [k for k, i in zip(found.keys, found.indexes) if i < 0]
         if missing and create:
-            raise not_yet("kv_retrieve_meta(create=True) of new keys", "puts that allocate rows (insert, issue 27)")
+            self._client.bind_keys(self._client.allocate(partition_id, len(missing)), missing)
+            found = self._client.lookup_keys(partition_id, list(keys))
+            missing = [k for k, i in zip(found.keys, found.indexes) if i < 0]
         if missing or found.meta is None:
             raise ValueError(f"keys {missing[:8]} were not found in partition {partition_id!r}")
         return self._with_tags(found.meta)

@@ -1,0 +1,69 @@
+"""Rows allocated ahead of their data, and where samples live (``AllocateRows``, ``Locate``).
+
+An allocated row is a committed sample with no fields and no unit. Readers never see it until
+it holds the fields they ask for; its first write (a client's ``update``) asks ``Locate`` for
+its unit, which places it then, as a put would be placed, so that every field of a sample
+lives on one unit as always. Partitions with a target or with groups take no allocated rows:
+a row with no data counts toward neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..wire import AllocateRows, Grant, Locate, Located, Meta
+from ._partition import Partition
+from ._records import Unit
+from ._samples import COMMITTED
+from ._state import ControllerState
+
+MetaOf = Callable[..., Any]
+
+
+class Rows:
+    """The controller's part for allocated rows; ``place`` picks a unit as a put's grant does."""
+
+    def __init__(self, state: ControllerState, *, meta_of: MetaOf, place: Callable[[Grant], Unit]) -> None:
+        self.state = state
+        self._meta_of = meta_of
+        self._place = place
+
+    def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> Meta:
+        existing = self.state.partitions.get(msg.partition)
+        if existing is not None:
+            existing.check_put(msg.count, [])
+        part = self.state.partition(msg.partition)
+        if part.options.target or part.options.group_size:
+            raise InvalidArgumentError(
+                f"partition {msg.partition!r} has a target or groups: rows allocated ahead of their data "
+                "count toward neither, so it takes none"
+            )
+        if part.sealed:
+            raise InvalidArgumentError(f"partition {msg.partition!r} is sealed: it takes no new rows")
+        start = _allocate(part, msg.count)
+        indexes = np.arange(start, start + msg.count, dtype=np.int64)
+        return Meta(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
+
+    def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located:
+        part = self.state.live(msg.partition, msg.partition_uid)
+        idx = np.asarray(msg.indexes, dtype=np.int64)
+        part.samples.check_indexes(idx, part.name)
+        units = part.samples.unit[idx]
+        unplaced = idx[units < 0]
+        if len(unplaced):
+            unit = self._place(Grant(partition=part.name, count=len(unplaced), blocks=[], host=msg.host))
+            part.samples.unit[unplaced] = unit.info.unit_id
+        return Located(units=part.samples.unit[idx].tolist())
+
+
+def _allocate(part: Partition, count: int) -> int:
+    """``count`` committed samples with no fields and no unit; the first one's index."""
+    start = part.allocate(count, None, None)
+    part.samples.mask[start : start + count] |= COMMITTED
+    part.committed += count
+    part.in_flight -= 1  # allocate() counts a grant in flight: there is none
+    return start

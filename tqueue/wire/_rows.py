@@ -1,0 +1,35 @@
+"""Rows allocated ahead of their data (TransferQueue's ``get_meta(mode="insert")``): samples
+with no fields, on no unit, that writes fill later; and where samples live."""
+
+from __future__ import annotations
+
+from ._messages import Kind, Message, register
+
+
+class AllocateRows(Message):
+    """``count`` new samples of ``partition`` (made if need be) with no fields yet, on no unit
+    until their first write (an update) places them; readers see a sample once it holds the
+    fields they ask for. Answered with ``Meta``."""
+
+    KIND = Kind.ALLOCATE_ROWS
+    partition: str
+    count: int
+
+
+class Locate(Message):
+    """The unit of each of ``indexes``; samples on no unit yet (allocated rows) are placed
+    now, preferring units on ``host``. Answered with ``Located``."""
+
+    KIND = Kind.LOCATE
+    partition: str
+    partition_uid: int
+    indexes: list[int]
+    host: str = ""
+
+
+class Located(Message):
+    KIND = Kind.LOCATED
+    units: list[int]
+
+
+register(globals())
