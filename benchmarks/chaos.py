@@ -22,6 +22,9 @@ the controller reports (``select(consumed_by=task)`` lists the live samples a ta
 * every sample acknowledged to a producer was, for each task, consumed and recorded; or
   consumed by a consumer killed between its ack and its ledger line (the controller says
   consumed); or lost with its unit (no longer live, and the task's ``lost`` count covers it);
+  or, at most a batch per consumer killed, gone in a kill window: a consumer wrote that it was
+  acking them and was killed before it wrote that it had, and then their unit died, so that
+  neither the ledger nor the controller can tell consumed from lost;
 * every byte read matched its CRC and its generator, every reward its id;
 * the controller, never killed, ends with its fds and threads where they started and its
   resident memory within ``RSS_SLACK`` of the start.
@@ -59,6 +62,7 @@ TASKS = ("reward", "train")
 GROUP = 8  # samples per put, and per read
 LEASE = 3.0  # seconds a killed consumer's lease lasts
 INTERVAL = 0.5  # the cluster's heartbeat interval
+BACKLOG = 2048  # producers pause while the trainer has this many samples left to read
 RSS_SLACK = 64 << 20  # the controller's resident memory may end this much above its start
 # the errors a worker meets when a process it talks to is killed: counted, then it goes on
 EXPECTED = (errors.DataLostError, errors.StorageUnitUnavailableError, errors.WaitTimeoutError, errors.UnavailableError)
@@ -83,10 +87,29 @@ class Ledger:
         os.write(self._fd, (json.dumps(record) + "\n").encode())
 
 
+def _backlog(client: tqueue.Client) -> int:
+    """Samples the trainer has yet to read (or to learn lost)."""
+    part = next((p for p in client.status().partitions if p.name == PARTITION), None)
+    if part is None or "train" not in part.tasks:
+        return 0
+    train = part.tasks["train"]
+    return part.samples - train.consumed - train.lost
+
+
 def produce(address: str, incarnation: int, rows: int, ledger: Ledger, stop: pathlib.Path) -> None:
+    """Put groups until told to stop, pausing while the trainer is ``BACKLOG`` samples behind
+    (rollouts wait for the trainer in a real job too; without it the consumers never catch up)."""
     seq = 0
+    pace = threading.Event()  # never set: a pause that ends by its timeout
     with tqueue.Client(address, config=tqueue.ClientConfig(request_timeout=10.0)) as client:
         while not stop.exists():
+            try:
+                if seq % 16 == 0 and _backlog(client) > BACKLOG:
+                    pace.wait(0.05)
+                    continue
+            except EXPECTED as exc:
+                ledger.write(error=type(exc).__name__)
+                continue
             ids = [(incarnation << 32) | (seq * GROUP + k) for k in range(GROUP)]
             xs = torch.stack([payload(i, rows) for i in ids])
             crcs = [zlib.crc32(x.numpy().tobytes()) for x in xs]
@@ -105,12 +128,14 @@ def consume(address: str, task: str, rows: int, ledger: Ledger, stop: pathlib.Pa
     fields = ["x", "id", "crc"] + (["reward"] if task == "train" else [])
     draining = stop.with_name("draining")
     with tqueue.Client(address, config=tqueue.ClientConfig(request_timeout=10.0)) as client:
+        size = GROUP
         while not stop.exists():
-            size = 1 if draining.exists() else GROUP
             try:
                 batch = client.get_data(PARTITION, fields, size, task=task, timeout=1.0, lease_timeout=LEASE)
             except EXPECTED as exc:
                 ledger.write(error=type(exc).__name__)
+                # the tail (fewer than a batch, where some were lost) is read one by one
+                size = 1 if isinstance(exc, errors.WaitTimeoutError) and draining.exists() else GROUP
                 continue
             ids = batch["id"].tolist()
             for k, (ident, crc) in enumerate(zip(ids, batch["crc"].tolist())):
@@ -119,6 +144,7 @@ def consume(address: str, task: str, rows: int, ledger: Ledger, stop: pathlib.Pa
                     ledger.write(corrupt=ident, task=task)
                 if task == "train" and float(batch["reward"][k]) != reward_of(ident):
                     ledger.write(bad_reward=ident)
+            ledger.write(acking=ids, task=task)  # killed from here to "acked": acked or not, unknown
             try:
                 if task == "reward":
                     client.update(batch.meta, {"reward": torch.tensor([reward_of(i) for i in ids], dtype=torch.float64)})
@@ -265,7 +291,7 @@ def run(
             client.clear(PARTITION)
         wall = time.monotonic() - t0
         end = _server_use(cluster.pids[0])
-        result = _check(tmpdir, status, live, consumed, drained)
+        result = _check(tmpdir, status, live, consumed, drained, job.killed)
     result.update({
         "seconds": seconds, "wall_s": round(wall, 1), "units": units, "producers": producers, "kills": job.killed,
         "crashed": job.crashed, "controller_fds": [baseline["fds"], end["fds"]],
@@ -284,9 +310,12 @@ def run(
     return result
 
 
-def _check(tmp: pathlib.Path, status: Any, live_meta: Any, consumed_meta: dict[str, Any], drained: bool) -> dict[str, Any]:
+def _check(
+    tmp: pathlib.Path, status: Any, live_meta: Any, consumed_meta: dict[str, Any], drained: bool, killed: dict[str, int]
+) -> dict[str, Any]:
     put: dict[int, int] = {}  # id -> index, for puts acknowledged to a producer
     acked: dict[str, list[int]] = {t: [] for t in TASKS}
+    acking: dict[str, set[int]] = {t: set() for t in TASKS}
     errors_seen: dict[str, int] = {}
     corrupt, bad_reward = 0, 0
     for path in sorted(tmp.glob("ledger-*.jsonl")):
@@ -296,6 +325,8 @@ def _check(tmp: pathlib.Path, status: Any, live_meta: Any, consumed_meta: dict[s
                 put.update(zip(rec["put"], rec["idx"]))
             elif "acked" in rec:
                 acked[rec["task"]].extend(rec["acked"])
+            elif "acking" in rec:
+                acking[rec["task"]].update(rec["acking"])
             elif "error" in rec:
                 errors_seen[rec["error"]] = errors_seen.get(rec["error"], 0) + 1
             corrupt += "corrupt" in rec
@@ -310,10 +341,15 @@ def _check(tmp: pathlib.Path, status: Any, live_meta: Any, consumed_meta: dict[s
         server = set(consumed_meta[task].indexes) if consumed_meta[task] is not None else set()
         recorded = set(ids) & set(put)
         unrecorded = [i for i, idx in put.items() if i not in recorded and idx in server]
-        lost = [i for i, idx in put.items() if i not in recorded and idx not in live]
+        gone = [i for i, idx in put.items() if i not in recorded and idx not in live]
+        # a consumer killed between its ack and its ledger line, whose samples' unit then died:
+        # consumed, but neither the ledger nor the controller can say so any more
+        window = [i for i in gone if i in acking[task]]
+        lost = [i for i in gone if i not in acking[task]]
         missing = [i for i, idx in put.items() if i not in recorded and idx in live and idx not in server]
         task_lost = status.tasks[task].lost
         totals[task] = {"consumed": len(recorded), "consumed_unrecorded": len(unrecorded), "lost": len(lost),
+                        "gone_in_a_kill_window": len(window),
                         "lost_counted": task_lost, "twice": twice, "missing": len(missing),
                         "consumed_unacknowledged_puts": unacked}
         if twice:
@@ -322,6 +358,8 @@ def _check(tmp: pathlib.Path, status: Any, live_meta: Any, consumed_meta: dict[s
             breaches.append(f"{task}: {len(missing)} acknowledged samples neither consumed nor lost, e.g. {missing[:5]}")
         if len(lost) > task_lost:
             breaches.append(f"{task}: {len(lost)} acknowledged samples gone, only {task_lost} counted lost")
+        if len(window) > GROUP * killed.get(task, 0):  # a batch at most per consumer killed
+            breaches.append(f"{task}: {len(window)} samples gone in kill windows, more than {killed.get(task, 0)} kills explain")
     if corrupt or bad_reward:
         breaches.append(f"{corrupt} samples with bad bytes, {bad_reward} with a wrong reward")
     totals["partition_lost"] = status.lost
