@@ -3,6 +3,7 @@ Needs the shim installed (pip install -e compat/transferqueue), hence the integr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -370,3 +371,33 @@ def test_an_init_that_fails_leaves_no_cluster(monkeypatch: pytest.MonkeyPatch) -
         iface.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
     assert len(started) == 1 and all(p.poll() is not None for p in started[0]._procs)
     assert iface._state["cluster"] is None and "TQUEUE_ADDRESS" not in os.environ
+
+
+def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_own() -> None:
+    """``controller.sampler: RankAwareSampler`` over tqueue's rounds of a replica group: two
+    ranks of dp_rank 0 (two clients, as two processes would be) read identical samples batch
+    after batch, whichever asks first; dp_rank 1 reads others."""
+    code = (
+        "import os, torch, transfer_queue as tq\n"
+        "from tensordict import TensorDict\n"
+        "from transfer_queue.client import TransferQueueClient\n"
+        "tq.init({'controller': {'sampler': 'RankAwareSampler', 'polling_mode': True}})\n"
+        "address = os.environ['TQUEUE_ADDRESS']\n"
+        "tq.get_client().put(TensorDict({'x': torch.arange(16)}, batch_size=[16]), partition_id='train')\n"
+        "ranks = {(g, r): TransferQueueClient(f'rank{g}{r}', address) for g in (0, 1) for r in (0, 1)}\n"
+        "out = []\n"
+        "for step in range(3):\n"
+        "    for (g, r) in sorted(ranks, key=lambda k: (k[1] + step) % 2):\n"
+        "        m = ranks[(g, r)].get_meta(['x'], 2, 'train', task_name='t', sampling_config={'dp_rank': g, 'batch_index': step})\n"
+        "        out.append((step, g, r, m.global_indexes))\n"
+        "import json; print(json.dumps(out))\n"
+        "tq.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reads = json.loads(done.stdout.strip().splitlines()[-1])
+    by = {(s, g, r): idx for s, g, r, idx in reads}
+    for step in range(3):
+        assert by[(step, 0, 0)] == by[(step, 0, 1)] and by[(step, 1, 0)] == by[(step, 1, 1)]
+        assert not set(by[(step, 0, 0)]) & set(by[(step, 1, 0)])
+    assert len({i for idx in by.values() for i in idx}) == 12  # 3 steps x 2 groups x 2 samples

@@ -41,3 +41,35 @@ def test_short_group_round_without_a_plan_is_an_invalid_argument(client, partiti
         ask(client, partition, 0)
     with pytest.raises(InvalidArgumentError, match=r"cannot plan a round of 4 whole groups over 2 ranks"):
         ask(client, partition, 1)  # the controller still answers, and the same way
+
+
+def test_replica_groups_read_disjoint_samples_and_the_ranks_of_a_group_the_same(cluster, partition):
+    """TransferQueue's RankAwareSampler over rounds: each data-parallel replica group (two
+    ranks each, separate clients) forms and counts its own rounds (``dp_size=1``), so groups
+    take disjoint samples of the task, and both ranks of a group the identical meta, round
+    after round, whichever rank asks first."""
+    import tqueue
+
+    with tqueue.Client(cluster.address) as producer:
+        producer.put(partition, {"x": torch.arange(32)})
+    ranks = {(g, r): tqueue.Client(cluster.address) for g in ("0", "1") for r in range(2)}
+    try:
+        seen: dict[str, list[list[int]]] = {"0": [], "1": []}
+        for step in range(4):
+            order = sorted(ranks, key=lambda k: (k[1] + step) % 2)  # the first to ask changes
+            metas = {k: ranks[k].get_meta(partition, ["x"], 4, task="train", dp_rank=0, dp_size=1,
+                                          replica_group=k[0], timeout=5) for k in order}
+            for g in ("0", "1"):
+                assert metas[(g, 0)].indexes == metas[(g, 1)].indexes and metas[(g, 0)].round == step
+                seen[g].append(metas[(g, 0)].indexes)
+        every = [i for g in seen.values() for batch in g for i in batch]
+        assert sorted(every) == list(range(32))  # disjoint, and all of them
+    finally:
+        for c in ranks.values():
+            c.close()
+
+
+def test_a_replica_group_needs_rounds(client, partition):
+    client.put(partition, {"x": torch.arange(4)})
+    with pytest.raises(InvalidArgumentError, match="replica_group needs dp_size"):
+        client.get_meta(partition, ["x"], 2, task="t", replica_group="0", timeout=1)

@@ -97,6 +97,7 @@ class LeaseOptions:
     min_num_microbatches: int = 1
     max_staleness: int | None = None
     pad: bool = False
+    replica_group: str | None = None
 
 
 # bases in this order put ``task`` first among the keyword-only parameters

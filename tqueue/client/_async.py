@@ -308,6 +308,10 @@ class AsyncClient:
         ``pad``: once the partition is sealed and has fewer samples left than asked, return
         them with pad rows (index -1; all-zero tensors, ``batch.is_pad``) instead of waiting,
         so that a batch still divides evenly across ranks and micro-batches.
+        ``replica_group`` (with ``dp_size``): rounds are formed and counted for this group
+        alone, so that groups of ranks that do not share one ``dp_size`` (TransferQueue's
+        ``RankAwareSampler``: each data-parallel replica group reads on its own) take disjoint
+        samples of the task, and the ranks of one group the identical meta of each round.
         """
         return await self._gets.get_meta(ask)
 

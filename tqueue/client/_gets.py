@@ -80,7 +80,8 @@ class Gets:
         wait = _wait(ask.timeout, self.config.get_timeout)
         lease = _wait(ask.lease_timeout, self.config.lease_timeout, "lease_timeout")
         fields = [ask.fields] if isinstance(ask.fields, str) else list(ask.fields)
-        seen_uid, next_round = self._round_of.get((ask.partition, ask.task, ask.dp_rank, ask.dp_size), (0, 0))
+        group = ask.replica_group or ""
+        seen_uid, next_round = self._round_of.get((ask.partition, ask.task, ask.dp_rank, ask.dp_size, group), (0, 0))
         round = ask.round
         if ask.dp_size is not None:
             if ask.dp_rank is None:
@@ -107,13 +108,14 @@ class Gets:
             min_num_microbatches=ask.min_num_microbatches,
             max_staleness=ask.max_staleness,
             pad=ask.pad,
+            replica_group=group,
         )
         return msg, wait + self.config.request_timeout  # math.inf: no limit
 
     def got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
         meta = reply.meta
         if msg.dp_size:
-            key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size)
+            key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size, msg.replica_group)
             self._round_of[key] = (meta.partition_uid, meta.round + 1)
         return meta
 

@@ -125,6 +125,9 @@ def _get_meta(msg: GetMeta, config: ControllerConfig) -> None:
     most = config.max_samples_per_request
     name("partition", msg.partition)
     name("task", msg.task)
+    name("replica_group", msg.replica_group)
+    if msg.replica_group and not msg.dp_size:
+        raise InvalidArgumentError("replica_group needs dp_size (the group's own: 1 where each of its ranks reads the same)")
     count("batch_size", msg.batch_size, most, low=1)
     count("dp_size", msg.dp_size, most)
     if msg.dp_size and msg.dp_size * msg.batch_size > most:

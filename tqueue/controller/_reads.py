@@ -140,9 +140,14 @@ class Reads:
         return Meta(meta=self.meta(part, msg, indexes, lease))
 
     def serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
-        key = (part.uid, msg.task)
+        key = (part.uid, msg.task, msg.replica_group)
         book = self.state.rounds.get(key)
         if book is None:
+            if msg.replica_group and sum(k[0] == part.uid for k in self.state.rounds) >= self.state.config.max_tasks_per_partition:
+                raise InvalidArgumentError(
+                    f"partition {part.name!r}: rounds of more than max_tasks_per_partition="
+                    f"{self.state.config.max_tasks_per_partition} tasks and replica groups at once"
+                )
             book = self.state.rounds[key] = RoundBook.of(msg)
         book.check(msg, f"partition {part.name!r}, task {msg.task!r}")
         # a caller counting rounds of an earlier partition of this name starts over
@@ -360,7 +365,7 @@ class Reads:
         if msg.policy == "groups":
             note += f"; {len(part.groups.order)} groups complete"
         if msg.dp_size:
-            book = self.state.rounds.get((part.uid, msg.task))
+            book = self.state.rounds.get((part.uid, msg.task, msg.replica_group))
             formed = book.next if book else 0
             note += f"; round {msg.round} asked, {formed} rounds formed"
         return (

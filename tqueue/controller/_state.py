@@ -98,7 +98,7 @@ class ControllerState:
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
         self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
         self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
-        self.rounds: dict[tuple[int, str], RoundBook] = {}
+        self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
         self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self.moving = 0  # moves sent to units, not landed yet
         self.moved = asyncio.Event()  # set while no move is under way (a checkpoint waits for it)

@@ -452,6 +452,7 @@ class GetMeta(Message):
     micro_batch_size: int = 0
     num_microbatches_multiple_of: int = 1
     min_num_microbatches: int = 1
+    replica_group: str = ""  # with dp_size: rounds formed and counted for this group alone
 
 
 class Meta(Message):

@@ -171,6 +171,13 @@ class TransferQueueClient:
         if mode == "force_fetch":
             return self._force_fetch(list(data_fields), batch_size, partition_id, polling)
         assert task_name is not None  # _check_mode refuses fetch without a task
+        group = (sampling_config or {}).get("dp_rank")
+        # RankAwareSampler: the ranks of one dp_rank read the same samples, round after round
+        # (tqueue's rounds of a replica group, counted by this client), other dp_ranks others
+        rounds: dict[str, Any] = (
+            {"dp_rank": 0, "dp_size": 1, "replica_group": str(group)}
+            if settings.get("sampler") == "rank_aware" and group is not None else {}
+        )
         try:
             meta = self._client.get_meta(
                 partition_id,
@@ -179,6 +186,7 @@ class TransferQueueClient:
                 task=task_name,
                 timeout=wait if wait is not None else 0 if polling else None,
                 policy="groups" if settings.get("sampler") == "groups" else "first_ready",
+                **rounds,
             )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
             if polling or wait is not None:

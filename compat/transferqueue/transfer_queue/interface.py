@@ -60,7 +60,9 @@ def _sampler_settings(sampler: Any) -> dict[str, Any]:
                 "GRPOGroupNSampler(n_samples_per_prompt=n)"
             )
         return {"sampler": "groups", "group_size": n}
-    if name in ("RankAwareSampler", "SeqlenBalancedSampler"):
+    if name == "RankAwareSampler":  # each dp_rank's replica group reads its own rounds (replica_group)
+        return {"sampler": "rank_aware"}
+    if name == "SeqlenBalancedSampler":
         raise not_yet(f"init(controller.sampler={name})", "the mapping of this sampler onto tqueue's data-parallel rounds")
     if isinstance(sampler, BaseSampler) or (isinstance(sampler, type) and issubclass(sampler, BaseSampler)):
         raise refused(
