@@ -373,6 +373,11 @@ def test_an_init_that_fails_leaves_no_cluster(monkeypatch: pytest.MonkeyPatch) -
     assert iface._state["cluster"] is None and "TQUEUE_ADDRESS" not in os.environ
 
 
+def _fresh_env() -> dict[str, str]:
+    """The environment without the module's cluster: the child's init starts one of its own."""
+    return {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+
+
 def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_own() -> None:
     """``controller.sampler: RankAwareSampler`` over tqueue's rounds of a replica group: two
     ranks of dp_rank 0 (two clients, as two processes would be) read identical samples batch
@@ -393,7 +398,7 @@ def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_
         "import json; print(json.dumps(out))\n"
         "tq.close()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_fresh_env())
     assert done.returncode == 0, done.stdout + done.stderr
     reads = json.loads(done.stdout.strip().splitlines()[-1])
     by = {(s, g, r): idx for s, g, r, idx in reads}
@@ -401,3 +406,32 @@ def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_
         assert by[(step, 0, 0)] == by[(step, 0, 1)] and by[(step, 1, 0)] == by[(step, 1, 1)]
         assert not set(by[(step, 0, 0)]) & set(by[(step, 1, 0)])
     assert len({i for idx in by.values() for i in idx}) == 12  # 3 steps x 2 groups x 2 samples
+
+
+def test_seqlen_balanced_sampler_is_a_token_balanced_round_over_its_dp_size() -> None:
+    """``controller.sampler: SeqlenBalancedSampler(dp_size=2)`` over tqueue's rounds: the two
+    dp ranks split each batch by tokens (lengths 100 .. 10 into two halves of 220), and the
+    tensor-parallel peers of a rank get its identical meta."""
+    code = (
+        "import os, json, torch, transfer_queue as tq\n"
+        "from tensordict import TensorDict\n"
+        "from transfer_queue import SeqlenBalancedSampler\n"
+        "from transfer_queue.client import TransferQueueClient\n"
+        "tq.init({'controller': {'sampler': SeqlenBalancedSampler(dp_size=2), 'polling_mode': True}})\n"
+        "lengths = [100, 10, 90, 20, 80, 30, 70, 40]\n"
+        "ids = torch.nested.nested_tensor([torch.ones(n, dtype=torch.int64) for n in lengths], layout=torch.jagged)\n"
+        "tq.get_client().put(TensorDict({'input_ids': ids, 'n': torch.tensor(lengths)}, batch_size=[8]), partition_id='train')\n"
+        "ranks = {(dp, tp): TransferQueueClient(f'r{dp}{tp}', os.environ['TQUEUE_ADDRESS']) for dp in (0, 1) for tp in (0, 1)}\n"
+        "out = []\n"
+        "for (dp, tp), c in ranks.items():\n"
+        "    m = c.get_meta(['input_ids', 'n'], 4, 'train', task_name='t', sampling_config={'dp_rank': dp, 'batch_index': 0})\n"
+        "    out.append([dp, tp, m.global_indexes, c.get_data(m)['n'].tolist()])\n"
+        "print(json.dumps(out))\n"
+        "tq.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_fresh_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    reads = {(dp, tp): (idx, n) for dp, tp, idx, n in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert reads[(0, 0)] == reads[(0, 1)] and reads[(1, 0)] == reads[(1, 1)]
+    assert sorted(reads[(0, 0)][0] + reads[(1, 0)][0]) == list(range(8))
+    assert sum(reads[(0, 0)][1]) == sum(reads[(1, 0)][1]) == 220

@@ -100,7 +100,10 @@ class TransferQueueClient:
         are one group, named so (tqueue's ``groups`` policy releases whole groups by id)."""
         fields = to_fields(data)
         settings = self.settings()
-        if settings.get("sampler") != "groups":
+        grouped = settings.get("sampler") == "groups" or (
+            settings.get("sampler") == "seqlen_balanced" and int(settings.get("group_size", 1)) > 1
+        )
+        if not grouped:
             return tolerant_put(self._client, partition, fields, lambda d: self._client.put(partition, d))
         n = int(settings["group_size"])
         if rows(data) % n:
@@ -172,12 +175,15 @@ class TransferQueueClient:
             return self._force_fetch(list(data_fields), batch_size, partition_id, polling)
         assert task_name is not None  # _check_mode refuses fetch without a task
         group = (sampling_config or {}).get("dp_rank")
-        # RankAwareSampler: the ranks of one dp_rank read the same samples, round after round
-        # (tqueue's rounds of a replica group, counted by this client), other dp_ranks others
-        rounds: dict[str, Any] = (
-            {"dp_rank": 0, "dp_size": 1, "replica_group": str(group)}
-            if settings.get("sampler") == "rank_aware" and group is not None else {}
-        )
+        sampler = settings.get("sampler")
+        rounds: dict[str, Any] = {}
+        if sampler == "rank_aware" and group is not None:
+            # the ranks of one dp_rank read the same samples, round after round (tqueue's rounds
+            # of a replica group, counted by this client), other dp_ranks others
+            rounds = {"dp_rank": 0, "dp_size": 1, "replica_group": str(group)}
+        elif sampler == "seqlen_balanced":  # one token-balanced round over dp_size ranks per batch
+            rounds = {"dp_rank": int(group or 0), "dp_size": int(settings["dp_size"])}
+        grouped = sampler == "groups" or (sampler == "seqlen_balanced" and int(settings.get("group_size", 1)) > 1)
         try:
             meta = self._client.get_meta(
                 partition_id,
@@ -185,7 +191,7 @@ class TransferQueueClient:
                 batch_size,
                 task=task_name,
                 timeout=wait if wait is not None else 0 if polling else None,
-                policy="groups" if settings.get("sampler") == "groups" else "first_ready",
+                policy="groups" if grouped else "first_ready",
                 **rounds,
             )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):

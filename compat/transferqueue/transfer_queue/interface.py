@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 import tqueue
 from transfer_queue import _kv
-from transfer_queue._errors import not_yet, refused
+from transfer_queue._errors import refused
 from transfer_queue._kv import SHIM_PARTITION
 from transfer_queue.client import TransferQueueClient, _no_parser
 from transfer_queue.metadata import KVBatchMeta
@@ -62,8 +62,10 @@ def _sampler_settings(sampler: Any) -> dict[str, Any]:
         return {"sampler": "groups", "group_size": n}
     if name == "RankAwareSampler":  # each dp_rank's replica group reads its own rounds (replica_group)
         return {"sampler": "rank_aware"}
-    if name == "SeqlenBalancedSampler":
-        raise not_yet(f"init(controller.sampler={name})", "the mapping of this sampler onto tqueue's data-parallel rounds")
+    if name == "SeqlenBalancedSampler":  # tqueue's token-balanced rounds of dp_size ranks (whole groups if n > 1)
+        dp_size = int(getattr(sampler, "dp_size", 1)) if not isinstance(sampler, (str, type)) else 1
+        n = int(getattr(sampler, "n_samples_per_prompt", 1)) if not isinstance(sampler, (str, type)) else 1
+        return {"sampler": "seqlen_balanced", "dp_size": dp_size, "group_size": n}
     if isinstance(sampler, BaseSampler) or (isinstance(sampler, type) and issubclass(sampler, BaseSampler)):
         raise refused(
             f"a sampler object ({name}) pickled into the controller",
