@@ -373,9 +373,14 @@ def test_an_init_that_fails_leaves_no_cluster(monkeypatch: pytest.MonkeyPatch) -
     assert iface._state["cluster"] is None and "TQUEUE_ADDRESS" not in os.environ
 
 
-def _fresh_env() -> dict[str, str]:
-    """The environment without the module's cluster: the child's init starts one of its own."""
-    return {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+def _child_json(code: str) -> Any:
+    """Run ``code`` in a child whose init starts a cluster of its own (the module's address
+    left out of its environment); the JSON of its last line of output, with its tq.close()."""
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code + "print(json.dumps(out))\ntq.close()\n"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_own() -> None:
@@ -395,13 +400,9 @@ def test_rank_aware_sampler_gives_one_dp_rank_the_same_samples_and_others_their_
         "    for (g, r) in sorted(ranks, key=lambda k: (k[1] + step) % 2):\n"
         "        m = ranks[(g, r)].get_meta(['x'], 2, 'train', task_name='t', sampling_config={'dp_rank': g, 'batch_index': step})\n"
         "        out.append((step, g, r, m.global_indexes))\n"
-        "import json; print(json.dumps(out))\n"
-        "tq.close()\n"
+        "import json\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_fresh_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    reads = json.loads(done.stdout.strip().splitlines()[-1])
-    by = {(s, g, r): idx for s, g, r, idx in reads}
+    by = {(s, g, r): idx for s, g, r, idx in _child_json(code)}
     for step in range(3):
         assert by[(step, 0, 0)] == by[(step, 0, 1)] and by[(step, 1, 0)] == by[(step, 1, 1)]
         assert not set(by[(step, 0, 0)]) & set(by[(step, 1, 0)])
@@ -426,12 +427,8 @@ def test_seqlen_balanced_sampler_is_a_token_balanced_round_over_its_dp_size() ->
         "for (dp, tp), c in ranks.items():\n"
         "    m = c.get_meta(['input_ids', 'n'], 4, 'train', task_name='t', sampling_config={'dp_rank': dp, 'batch_index': 0})\n"
         "    out.append([dp, tp, m.global_indexes, c.get_data(m)['n'].tolist()])\n"
-        "print(json.dumps(out))\n"
-        "tq.close()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_fresh_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    reads = {(dp, tp): (idx, n) for dp, tp, idx, n in json.loads(done.stdout.strip().splitlines()[-1])}
+    reads = {(dp, tp): (idx, n) for dp, tp, idx, n in _child_json(code)}
     assert reads[(0, 0)] == reads[(0, 1)] and reads[(1, 0)] == reads[(1, 1)]
     assert sorted(reads[(0, 0)][0] + reads[(1, 0)][0]) == list(range(8))
     assert sum(reads[(0, 0)][1]) == sum(reads[(1, 0)][1]) == 220
