@@ -75,6 +75,9 @@ class ControllerConfig:
     max_partition_samples: int = _setting(
         100_000_000, "samples a partition may ever hold (its per-sample arrays take about 50 bytes each, plus 9 per task)")
     max_tasks_per_partition: int = _setting(1024, "distinct task names that may read one partition")
+    replicas: int = _setting(
+        1, "copies of each put, on as many storage units (on different hosts where there are): 1, or 2 so that one "
+        "unit's death loses no acknowledged sample; a partition's own (create_partition(replicas=)) overrides it")
     max_partitions: int = _setting(100_000, "partitions that may exist at once")
     max_parked: int = _setting(
         100_000, "requests parked at once (reads, writes, seal waits); past it a request that would wait is refused "

@@ -76,3 +76,14 @@ def test_a_half_filled_allocation_comes_back_from_a_checkpoint_and_fills_there(p
         assert c.select(partition, ["x"]).indexes == [0, 1, 2, 3]
         c.update(part_of(alloc, 4, 8), {"x": torch.arange(4.0, 8.0)})
         assert c.get_data(c.select(partition, ["x"]))["x"].tolist() == [float(i) for i in range(8)]
+
+
+def test_rows_postponed_before_their_data_move_and_fill_there(client, partition):
+    """A postpone moves rows that have no data yet with the rest (nothing to re-key on any
+    unit: they are on none); they are filled where they landed. Found by the controller fuzz."""
+    alloc = client.allocate(partition, 4)
+    client.update(part_of(alloc, 0, 2), {"x": torch.tensor([1.0, 2.0])})
+    moved = client.postpone(alloc, f"{partition}-later")
+    assert len(moved) == 4 and client.select(f"{partition}-later", ["x"]).indexes == moved.indexes[:2]
+    client.update(part_of(moved, 2, 4), {"x": torch.tensor([3.0, 4.0])})
+    assert client.get_data(client.select(f"{partition}-later", ["x"]))["x"].tolist() == [1.0, 2.0, 3.0, 4.0]

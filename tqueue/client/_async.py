@@ -132,6 +132,7 @@ class AsyncClient:
         recycle_to: str = "",
         prefetch: str = "",
         step: int | None = None,
+        replicas: int = 0,
     ) -> None:
         """Create ``partition`` now, with options; otherwise its first put creates it.
 
@@ -149,6 +150,9 @@ class AsyncClient:
         ``step``: the trainer version that reads this partition, for the staleness bound
         (:meth:`set_staleness`); None takes it from a name ending in ``step-N`` (``step_N``,
         ``stepN``), else the partition has no step.
+        ``replicas``: 2 stores each put on two units (on different hosts where there are) and
+        acknowledges it once both hold it, so that one unit's death loses no acknowledged
+        sample: its samples are served from the other copy (0: ``ControllerConfig.replicas``).
         """
         if step is not None and step < 0:
             raise InvalidArgumentError(f"partition {partition!r}: step must be >= 0 or None, got {step}")
@@ -168,6 +172,7 @@ class AsyncClient:
                 recycle_to=recycle_to,
                 prefetch=prefetch,
                 step=-1 if step is None else step,
+                replicas=replicas,
             ),
             expect=Ok,
         )

@@ -68,7 +68,7 @@ class Puts:
                 )
             assert reply.unit is not None
             try:
-                stored = await self._store(reply.unit, reply.partition or partition, reply, enc, None)
+                stored = await self._store_copies(reply, reply.partition or partition, enc)
                 break
             except StorageUnitUnavailableError as exc:
                 if first is not None and time.monotonic() >= deadline:
@@ -76,7 +76,7 @@ class Puts:
                 # another unit may have room: the controller places the write again and
                 # probes this one (a failed store is evidence that it died)
                 log.warning("%s; placing the put again", exc)
-                grant.replaces, grant.failed_unit, first = reply.grant_id, reply.unit.unit_id, reply
+                grant.replaces, grant.failed_unit, first = reply.grant_id, getattr(exc, "unit_id", reply.unit.unit_id), reply
                 left = max(0.0, deadline - time.monotonic())
         assert reply.unit is not None
         fields = [b.name for b in enc.blocks]
@@ -100,17 +100,30 @@ class Puts:
             fates=fates,
         )
 
+    async def _store_copies(self, grant: Granted, partition: str, enc: Encoded) -> Stored:
+        """Store a put on its unit, and on the unit of its second copy where the partition is
+        replicated: acknowledged once both hold it."""
+        if not grant.replicas:
+            assert grant.unit is not None
+            return await self._store(grant.unit, partition, grant, enc, None)
+        enc.materialize()  # two routes read it at once: host bytes, not fields left on a device
+        units = [grant.unit, *grant.replicas]
+        stored = await all_or_none(*(self._store(u, partition, grant, enc, None) for u in units if u is not None))
+        return stored[0]
+
     async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> Stored:
         """Store one put's bytes on its unit; a unit that went silent is named with the
-        partition and the samples the put would have written."""
+        partition and the samples the put would have written (and its id is on the error)."""
         try:
             return await self._store_on(unit, partition, grant, enc, indexes)
         except StorageUnitUnavailableError as exc:
             samples = indexes if indexes is not None else list(range(grant.start, grant.start + enc.count))
-            raise type(exc)(
+            failed = type(exc)(
                 f"partition {partition!r}: samples {listed(samples)} were not stored on storage unit "
                 f"{unit.unit_id} at {unit.address}: {exc}"
-            ) from exc
+            )
+            failed.unit_id = unit.unit_id  # type: ignore[attr-defined]
+            raise failed from exc
 
     async def _store_on(
         self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None

@@ -140,7 +140,12 @@ class Liveness:
         lapsed = self.writes.lapse_on(unit_id, f"was placed on storage unit {unit_id}, which died")
         self.cleanup.drops.forget_unit(unit_id)
         lost = 0
+        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
         for part in list(self.state.partitions.values()):
+            kept = part.promote(unit_id, alive)
+            if kept:
+                log.warning("partition %r: %d samples of storage unit %d are served from their copies now", part.name,
+                            kept, unit_id)
             n = part.lose(unit_id)
             part.unit_bytes.pop(unit_id, None)
             if n:

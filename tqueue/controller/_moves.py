@@ -67,13 +67,15 @@ class Moves:
 
     async def _landing(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
         try:
-            units = moved.units
             asked: list[tuple[int, np.ndarray]] = []
             calls = []
             failed: list[str] = []
             ok = np.ones(len(idx), dtype=bool)
-            for unit_id in np.unique(units).tolist():
-                sel = units == unit_id
+            # each copy is re-keyed on its unit (the first, and the second of replicated samples);
+            # rows allocated ahead of their data are on no unit: nothing to re-key
+            held = [(u, moved.units == u) for u in np.unique(moved.units).tolist() if u >= 0]
+            held += [(u, moved.replicas == u) for u in np.unique(moved.replicas).tolist() if u >= 0]
+            for unit_id, sel in held:
                 peer = self.state.unit_peers.get(unit_id)
                 if peer is None:
                     ok &= ~sel

@@ -49,7 +49,8 @@ class Options:
     arrive after the seal go to that partition as partial samples instead of being discarded.
     ``prefetch``: a consumer short of samples here may take ready ones from that partition.
     ``step``: the trainer's version at which it reads this partition, for the staleness
-    bound (NO_STEP: taken from a name ending in ``step-N``, else none).
+    bound (NO_STEP: taken from a name ending in ``step-N``, else none). ``replicas``: copies
+    of each put, on as many units (1 or 2; 0: ``ControllerConfig.replicas``).
     """
 
     fields: frozenset[str] | None = None
@@ -62,6 +63,7 @@ class Options:
     recycle_to: str = ""
     prefetch: str = ""
     step: int = NO_STEP
+    replicas: int = 0
 
 
 DEFAULT_OPTIONS = Options()
@@ -74,7 +76,7 @@ class Partition:
     __slots__ = (
         "name", "uid", "options", "step", "max_samples", "max_tasks", "schema", "samples", "tasks", "unit_bytes",
         "committed", "excluded", "lost", "reasons", "in_flight", "sealed", "complete", "promised", "groups_done",
-        "keys",
+        "keys", "single",
     )
 
     def __init__(
@@ -93,6 +95,7 @@ class Partition:
         self.committed = 0
         self.excluded = 0
         self.lost = 0  # samples whose storage unit died (excluded, reason "lost")
+        self.single = 0  # samples of a replicated partition left with one copy by a unit's death
         self.reasons: collections.Counter[str] = collections.Counter()
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
@@ -298,6 +301,12 @@ class Partition:
     def fail_samples(self, indexes: np.ndarray, reason: str) -> None:
         self.exclude(indexes, f"failed: {reason}")
         self._abort_groups_of(indexes, f"member failed: {reason}")
+
+    def promote(self, unit_id: int, alive: set[int]) -> int:
+        """Before :meth:`lose`: samples with a copy on a live unit are served from it."""
+        promoted, gone = self.samples.promote(unit_id, alive)
+        self.single += promoted + gone
+        return promoted
 
     def lose(self, unit_id: int) -> int:
         """The samples stored on a dead unit: excluded for good (reason ``lost``), counted

@@ -50,6 +50,8 @@ class GrantRecord:
     admitted: int = 0  # staleness admission it took, given back if it never commits
     owner: bytes = b""  # the client session that asked for it (freed when that session ends)
     timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
+    replica: int = -1  # a replicated put: the unit of its second copy
+    waiting: set[int] = dataclasses.field(default_factory=set)  # a put's units that have not committed yet
 
     def stop_timer(self) -> None:
         """The grant ended (committed, lapsed, cancelled, its partition gone)."""

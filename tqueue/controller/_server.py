@@ -265,6 +265,8 @@ class Controller:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
         if msg.target_groups and not msg.group_size:
             raise InvalidArgumentError("target_groups needs a group_size")
+        if msg.replicas not in (0, 1, 2):
+            raise InvalidArgumentError(f"replicas is 1 or 2 (0: the cluster's), got {msg.replicas}")
         self.state.tombstones.pop(msg.partition, None)  # an explicit new start
         if msg.partition in self.state.partitions:
             if not msg.exist_ok:
@@ -283,6 +285,7 @@ class Controller:
                 recycle_to=msg.recycle_to,
                 prefetch=msg.prefetch,
                 step=msg.step,
+                replicas=msg.replicas,
             ),
         )
         return Ok()
@@ -324,6 +327,8 @@ class Controller:
                 recycle_to=p.options.recycle_to,
                 sealed=p.sealed,
                 lost=p.lost,
+                replicas=p.options.replicas or self.config.replicas,
+                single=p.single,
             )
             for p in self.state.partitions.values()
         ]

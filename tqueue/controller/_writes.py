@@ -127,21 +127,42 @@ class Writes:
         else:
             added = part.check_put(msg.count, msg.blocks)
         unit = self._place(msg)
+        copies = (part.options.replicas if part is not None else 0) or self.state.config.replicas
+        second = self._place_copy(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.state.partition(msg.partition)
         start, kept = part.admit_put(msg, added)
         unit.reserved += msg.nbytes
+        if second is not None:
+            second.reserved += msg.nbytes
         grant_id = next(self.state.grant_ids)
         fields = frozenset(b.name for b in msg.blocks)
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept, admitted=admitted,
             timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
+            replica=second.info.unit_id if second is not None else -1,
+            waiting={unit.info.unit_id} | ({second.info.unit_id} if second is not None else set()),
         )
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
+            replicas=[second.info] if second is not None else [],
         )
+
+    def _place_copy(self, msg: Grant, first: Unit) -> Unit | None:
+        """A second unit for a replicated put: on another host where one has room, else
+        another unit; None where no other live unit has room (the put is stored once, and
+        said so: its samples count among the partition's single copies)."""
+        others = [u for u in self.state.units.values()
+                  if u.alive and not u.suspect and u is not first and u.fits(msg.nbytes)]
+        if not others:
+            log.warning("partition %r: no second live unit with room, a put of %d samples is stored once",
+                        msg.partition, msg.count)
+            return None
+        apart = [u for u in others if u.info.host != first.info.host]
+        pool = apart or others
+        return min(pool, key=lambda u: (u.load, u.info.unit_id))
 
     def _late_put(self, part: Partition, msg: Grant, via: frozenset[str]) -> Granted:
         """A put to a sealed partition, or one whose target earlier puts already hold:
@@ -182,10 +203,12 @@ class Writes:
         grant = self.state.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
-        if grant.indexes is None and msg.unit_id != grant.unit_id:  # the grant stays for its own unit
+        if grant.indexes is None and msg.unit_id not in (grant.unit_id, grant.replica):  # its own units only
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
+        if grant.indexes is None and grant.waiting - {msg.unit_id}:
+            return self._first_copy(grant, msg)
         del self.state.grants[msg.grant_id]
         grant.stop_timer()
         self.state.committed[msg.grant_id] = None
@@ -206,13 +229,33 @@ class Writes:
                 f"the unit stored {sorted(msg.fields)}"
             )
         was_sealed = part.sealed
-        part.commit(grant, msg.unit_id)
+        part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)
+        if grant.replica >= 0:  # both copies are stored: the samples are ready, each on two units
+            part.samples.replica[grant.start : grant.start + grant.count] = grant.replica
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
         self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
+        return Committed(sealed=part.sealed)
+
+    def _first_copy(self, grant: GrantRecord, msg: Commit) -> Committed:
+        """One unit of a replicated put holds its copy; the samples are ready once the other
+        does too (a reader never sees a sample held once that was meant to be held twice)."""
+        grant.waiting.discard(msg.unit_id)
+        part = self.state.by_uid.get(grant.partition_uid)
+        if part is None:
+            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its data was stored")
+        if set(msg.fields) != grant.fields:
+            raise InvalidArgumentError(
+                f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, the unit stored {sorted(msg.fields)}"
+            )
+        unit = self.state.units.get(msg.unit_id)
+        if unit is not None:
+            unit.reserved -= grant.nbytes
+            unit.nbytes = msg.unit_bytes
+        part.unit_bytes[msg.unit_id] = msg.partition_bytes
         return Committed(sealed=part.sealed)
 
     def place(self, msg: Grant) -> Unit:
@@ -399,9 +442,10 @@ class Writes:
             return  # committed (or its partition is gone)
         grant.stop_timer()
         log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
-        unit = self.state.units.get(grant.unit_id)
-        if unit is not None:
-            unit.reserved -= grant.nbytes
+        for unit_id in grant.waiting or {grant.unit_id}:  # the units that had not stored it
+            unit = self.state.units.get(unit_id)
+            if unit is not None:
+                unit.reserved -= grant.nbytes
         self.state.admitted -= grant.admitted  # its samples never came: the window is theirs again
         part = self.state.by_uid.get(grant.partition_uid)
         if part is not None:
@@ -423,7 +467,8 @@ class Writes:
 
     def lapse_on(self, unit_id: int, why: str) -> int:
         """Lapse every uncommitted grant placed on a unit that died."""
-        placed = [g.grant_id for g in self.state.grants.values() if g.unit_id == unit_id and g.indexes is None]
+        placed = [g.grant_id for g in self.state.grants.values()
+                  if unit_id in (g.unit_id, g.replica) and g.indexes is None]
         for grant_id in placed:
             self._lapse_grant(grant_id, why)
         return len(placed)

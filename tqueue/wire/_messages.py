@@ -312,6 +312,7 @@ class CreatePartition(Message):
     recycle_to: str = ""  # late puts go there as partial samples instead of being discarded
     prefetch: str = ""  # a consumer short of samples may take ready ones from this partition
     step: int = -1  # the trainer version that reads it, for the staleness bound (-1: from a name ending in step-N)
+    replicas: int = 0  # copies of each put on as many units (0: the cluster's ControllerConfig.replicas)
 
 
 class Grant(Message):
@@ -353,6 +354,7 @@ class Granted(Message):
     sealed: bool = False
     kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
     stored: bool = False  # the grant named by ``replaces`` was committed after all: nothing to send
+    replicas: list[UnitInfo] = []  # units to store the same bytes on too (the partition's replicas)
 
 
 class Alloc(Message):

@@ -39,6 +39,8 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     sealed: bool = False
     lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
     recycle_to: str = ""  # where puts after the seal go, as partial samples
+    replicas: int = 1  # copies of each put
+    single: int = 0  # samples held once after a unit's death (not copied again yet)
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):
