@@ -3,6 +3,7 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -13,12 +14,13 @@ from .._tasks import all_or_none
 from ..errors import (
     DataLostError,
     InvalidArgumentError,
+    PartitionClearedError,
     StorageUnitUnavailableError,
     UnknownFieldError,
     did_you_mean,
 )
 from ..transport import _zmq
-from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
+from ..wire import Ack, BatchMeta, GetMeta, Locate, Located, Meta, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
@@ -174,9 +176,10 @@ class Gets:
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
         try:
-            parts = await all_or_none(
+            fetched = await all_or_none(
                 *(self._fetch_part(route, meta, p, indexes[p].tolist(), fields, rows, dense) for route, p in jobs)
             )
+            parts = [part for some in fetched for part in some]
         except BaseException:
             if delivery is not None:  # a unit failed, or Ctrl-C: no copy may still read the host buffers
                 delivery.finish()
@@ -204,15 +207,19 @@ class Gets:
     async def _fetch_part(
         self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows,
         dense: DenseOnDevice | None = None,
-    ) -> Part:
+    ) -> list[Part]:
         """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit;
-        its dense fields' copies to the device queued at once, for a device read."""
+        its dense fields' copies to the device queued at once, for a device read. Where the
+        unit is gone and the partition keeps copies, from the units of the copies."""
         try:
             part = await route.fetch(meta, pos, idx, fields, rows)
             if dense is not None:
                 dense.add(part)
-            return part
+            return [part]
         except StorageUnitUnavailableError as exc:
+            units = await self._copies(meta, idx, route.info.unit_id)
+            if units is not None:
+                return await self._fetch_copies(meta, pos, np.asarray(idx, dtype=np.int64), units, fields, rows, dense)
             peer = self._conns.unit_peers.get(route.info.unit_id)
             if peer is None or not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there
                 raise
@@ -220,6 +227,43 @@ class Gets:
                 f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {route.info.unit_id} at "
                 f"{route.info.address} cannot be read: {exc}"
             ) from exc
+
+    async def _copies(self, meta: BatchMeta, idx: list[int], failed: int) -> np.ndarray | None:
+        """Where samples of a replicated partition live once the controller has declared
+        their unit dead and promoted their copies (asked again until then, within the
+        request timeout); None where the partition keeps one copy, or the samples are lost."""
+        ctl = await self._conns.ctl()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout
+        pause = 0.05
+        while True:
+            try:
+                where, _ = await ctl.request(
+                    Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=idx), expect=Located
+                )
+            except (PartitionClearedError, InvalidArgumentError):
+                return None
+            units = np.asarray(where.units, dtype=np.int64)
+            if not where.replicated or any(where.gone):
+                return None  # one copy, or no live copy left: the caller says what was lost
+            if not (units == failed).any():
+                return units
+            if loop.time() + pause > deadline:
+                return None
+            await asyncio.sleep(pause)  # the controller's liveness window, a heartbeat at a time
+            pause = min(2 * pause, 1.0)
+
+    async def _fetch_copies(
+        self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: Rows,
+        dense: DenseOnDevice | None,
+    ) -> list[Part]:
+        """The samples at ``pos`` from the units their copies are on now."""
+        jobs = []
+        for unit_id in np.unique(units).tolist():
+            sel = units == unit_id
+            route = await self._conns.route(unit_id)
+            jobs.append(self._fetch_part(route, meta, pos[sel], idx[sel].tolist(), fields, rows, dense))
+        return [part for some in await all_or_none(*jobs) for part in some]
 
     async def ack(self, meta: BatchMeta) -> None:
         """:meth:`AsyncClient.ack`."""

@@ -18,7 +18,7 @@ from ..errors import SchemaError, StorageUnitUnavailableError
 from ..wire import BatchMeta, Grant, Granted, Locate, Located, Store, Stored, UnitInfo
 from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
-from ._args import _by_unit, _groups, _versions, _wait, listed
+from ._args import _groups, _versions, _wait, listed
 from ._ask import PutAsk
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, pack, sample_count
@@ -167,30 +167,27 @@ class Puts:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
         :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
         would pass the partition's target (each unit's share is written whole or not at all).
-        Samples on no unit yet (allocated rows) are placed first (``Locate``)."""
-        if any(u < 0 for u in meta.units):
-            ctl = await self._conns.ctl()
-            located, _ = await ctl.request(
-                Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=list(meta.indexes),
-                       host=self._conns.host),
-                expect=Located,
-            )
-            meta = msgspec.structs.replace(meta, units=located.units)
-        positions = _by_unit(meta)
+        Samples on no unit yet (allocated rows) are placed first, and those of a replicated
+        partition are written on both units of their copies, where the controller says they
+        are now (``Locate``)."""
+        copies = [-1] * len(meta)
+        if meta.replicated or any(u < 0 for u, i in zip(meta.units, meta.indexes) if i >= 0):
+            meta, copies = await self._locate(meta)
+        positions = _by_pair(meta, copies)
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
             raise SchemaError(
                 f"the update of partition {meta.partition!r} has {n} samples, its meta has {len(meta)}"
             )
         writes = []
-        for unit_id, pos in positions.items():
+        for (unit_id, copy), pos in positions.items():
             sub = cols if len(positions) == 1 else _select(cols, pos)
             enc = encode(sub, partition=meta.partition, chunk_bytes=self.config.chunk_bytes)
-            writes.append((unit_id, [meta.indexes[i] for i in pos.tolist()], enc))
+            writes.append((unit_id, copy, [meta.indexes[i] for i in pos.tolist()], enc))
         ctl = await self._conns.ctl()
         refused: list[int] = []
 
-        async def write(unit_id: int, indexes: list[int], enc: Encoded) -> None:
+        async def write(unit_id: int, copy: int, indexes: list[int], enc: Encoded) -> None:
             reply, _ = await ctl.request(
                 Grant(
                     partition=meta.partition,
@@ -206,11 +203,39 @@ class Puts:
             if reply.status == "aborted":  # the target is full: these stay partial, untouched
                 refused.extend(indexes)
                 return
-            await self._conns.unit(unit_id)
-            await self._store(self._conns.units[unit_id], meta.partition, reply, enc, indexes)
+            targets = [unit_id] + ([copy] if copy >= 0 else [])
+            for u in targets:
+                await self._conns.unit(u)
+            if copy >= 0:
+                enc.materialize()  # two routes read it at once
+            await all_or_none(*(self._store(self._conns.units[u], meta.partition, reply, enc, indexes) for u in targets))
 
         await all_or_none(*(write(*w) for w in writes))
         return sorted(refused)
+
+    async def _locate(self, meta: BatchMeta) -> tuple[BatchMeta, list[int]]:
+        """``meta`` with its samples' units as the controller has them now (placing rows that
+        have none), and the unit of each one's second copy (-1: none; pad rows: -1 both)."""
+        real = [k for k, i in enumerate(meta.indexes) if i >= 0]
+        ctl = await self._conns.ctl()
+        where, _ = await ctl.request(
+            Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=[meta.indexes[k] for k in real],
+                   host=self._conns.host),
+            expect=Located,
+        )
+        units, copies = [-1] * len(meta), [-1] * len(meta)
+        for k, u, c in zip(real, where.units, where.replicas or [-1] * len(real)):
+            units[k], copies[k] = u, c
+        return msgspec.structs.replace(meta, units=units), copies
+
+
+def _by_pair(meta: BatchMeta, copies: list[int]) -> dict[tuple[int, int], np.ndarray]:
+    """Batch positions of a meta's samples per (unit, unit of the second copy) (pad rows left out)."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for k, (u, c) in enumerate(zip(meta.units, copies)):
+        if u >= 0:
+            out.setdefault((u, c), []).append(k)
+    return {pair: np.asarray(pos, dtype=np.int64) for pair, pos in out.items()}
 
 
 def _select(cols: dict[str, Any], pos: np.ndarray) -> dict[str, Any]:

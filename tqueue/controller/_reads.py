@@ -258,6 +258,7 @@ class Reads:
             revisions=per_sample(part.samples.revision, 0) if part.samples.revision[safe].any() else None,
             global_batch_size=len(indexes),
             sealed=part.sealed,
+            replicated=(part.options.replicas or self.state.config.replicas) > 1,
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:

@@ -57,7 +57,11 @@ class Rows:
         if len(unplaced):
             unit = self._place(Grant(partition=part.name, count=len(unplaced), blocks=[], host=msg.host))
             part.samples.unit[unplaced] = unit.info.unit_id
-        return Located(units=part.samples.unit[idx].tolist())
+        units = part.samples.unit[idx].tolist()
+        dead = {u.info.unit_id for u in self.state.units.values() if not u.alive}
+        copies = part.options.replicas or self.state.config.replicas
+        return Located(units=units, gone=[u in dead for u in units], replicated=copies > 1,
+                       replicas=part.samples.replica[idx].tolist())
 
 
 def _allocate(part: Partition, count: int) -> int:

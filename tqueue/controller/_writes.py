@@ -26,6 +26,21 @@ from ._state import MAX_SERVED, ControllerState, ParkedWrite, Waiter
 log = logging.getLogger(__name__)
 
 
+def _copies_of(part: Partition, indexes: np.ndarray) -> set[int]:
+    """The units an update of ``indexes`` of a replicated partition must reach (both copies,
+    one pair for all of them; the client groups by pair after a ``Locate``); empty otherwise."""
+    replicas = part.samples.replica[indexes]
+    if not len(indexes) or (replicas < 0).all():
+        return set()
+    pairs = set(zip(part.samples.unit[indexes].tolist(), replicas.tolist()))
+    if len(pairs) != 1:
+        raise InvalidArgumentError(
+            f"partition {part.name!r}: an update of samples held by different pairs of units {sorted(pairs)[:4]}; "
+            "write each pair's samples apart (the client does, after asking where they are)"
+        )
+    return {u for u in pairs.pop() if u >= 0}
+
+
 class _Wait(Exception):
     """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
 
@@ -195,7 +210,8 @@ class Writes:
         fields = frozenset(b.name for b in msg.blocks)
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
         self.state.grants[grant_id] = GrantRecord(
-            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept
+            grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept,
+            waiting=_copies_of(part, indexes),
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
@@ -207,7 +223,7 @@ class Writes:
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
-        if grant.indexes is None and grant.waiting - {msg.unit_id}:
+        if grant.waiting - {msg.unit_id}:  # a replicated put or update: one copy of two
             return self._first_copy(grant, msg)
         del self.state.grants[msg.grant_id]
         grant.stop_timer()
@@ -253,7 +269,8 @@ class Writes:
             )
         unit = self.state.units.get(msg.unit_id)
         if unit is not None:
-            unit.reserved -= grant.nbytes
+            if grant.indexes is None:
+                unit.reserved -= grant.nbytes
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         return Committed(sealed=part.sealed)

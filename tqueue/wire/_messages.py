@@ -204,6 +204,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     sealed: bool = False  # the partition takes no more samples (its target was reached)
     recycled_to: str = ""
     fates: list[SampleFate] | None = None  # a "trimmed" put's, per sample: "ok" (kept) or "aborted"
+    replicated: bool = False  # the partition keeps two copies of each sample: updates write both
 
     @property
     def pads(self) -> int:

@@ -1,0 +1,131 @@
+"""Replicated partitions (``create_partition(replicas=2)``): each put is acknowledged once two
+units hold it, a unit SIGKILLed in the middle of a put and get stream loses no acknowledged
+sample, readers holding metas of the dead unit switch to the copies within the liveness
+window, and updates reach both copies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import zlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import tqueue
+
+from ._proc import until
+
+INTERVAL = 0.5  # the clusters' heartbeat interval
+
+
+@pytest.fixture
+def cluster() -> Iterator[tqueue.LocalCluster]:
+    with tqueue.LocalCluster(num_storage_units=3, controller={"heartbeat_interval": INTERVAL}) as c:
+        yield c
+
+
+def kill_unit(cluster: tqueue.LocalCluster, client: tqueue.Client, unit_id: int) -> None:
+    address = next(u.address for u in client.status().units if u.unit_id == unit_id)
+    os.kill(cluster.pids[1 + cluster.unit_addresses.index(address)], signal.SIGKILL)
+
+
+def rows(first: int, n: int) -> torch.Tensor:
+    return torch.stack([torch.rand(64, generator=torch.Generator().manual_seed(first + i)) for i in range(n)])
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.numpy().tobytes())
+
+
+def status_of(client: tqueue.Client, partition: str) -> tqueue.wire.PartitionStatus:
+    return next(p for p in client.status().partitions if p.name == partition)
+
+
+def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(cluster, partition):
+    """A producer puts 4 samples at a time while a consumer reads and acks; one unit is
+    SIGKILLed after a few puts. Every put acknowledged, before or after, is read back with
+    its CRC; none is lost; the partition says which samples are held once now."""
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        acked: dict[int, int] = {}  # sample id -> CRC of its row, for acknowledged puts
+        read: dict[int, int] = {}
+        killed = threading.Event()
+
+        def consume() -> None:
+            with tqueue.Client(cluster.address) as reader:
+                while len(read) < 96:
+                    batch = reader.get_data(partition, ["x", "id"], 4, task="train", timeout=30)
+                    for row, ident in zip(batch["x"], batch["id"].tolist()):
+                        read[ident] = crc(row)
+                    reader.ack(batch.meta)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        for k in range(24):
+            x = rows(4 * k, 4)
+            meta = c.put(partition, {"x": x, "id": torch.arange(4 * k, 4 * k + 4)})
+            acked.update({4 * k + i: crc(x[i]) for i in range(4)})
+            if k == 6:
+                kill_unit(cluster, c, meta.units[0])
+                killed.set()
+        consumer.join(timeout=120)
+        assert not consumer.is_alive() and killed.is_set()
+        assert read == acked  # every acknowledged sample, exact
+        part = status_of(c, partition)
+        assert part.lost == 0 and part.replicas == 2 and part.single > 0
+        assert part.tasks["train"].consumed == 96 and part.tasks["train"].lost == 0
+
+
+def test_a_reader_holding_a_meta_of_the_dead_unit_reads_the_copies(cluster, partition):
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        x = rows(0, 16)
+        c.put(partition, {"x": x})
+        meta = c.get_meta(partition, ["x"], 16, task="t", timeout=10)
+        kill_unit(cluster, c, meta.units[0])
+        batch = c.get_data(meta)  # the unit is gone: the read waits for its copies to be served
+        assert torch.equal(batch["x"], x)
+        c.ack(meta)
+        assert status_of(c, partition).tasks["t"].consumed == 16
+
+
+def test_updates_reach_both_copies(cluster, partition):
+    """A reward worker's update, then the death of the unit each sample was read from: the
+    copies hold the update; an update after the death writes the copies left."""
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        for k in range(4):
+            c.put(partition, {"x": rows(4 * k, 4)})
+        meta = c.get_meta(partition, ["x"], 16, task="reward", timeout=10)
+        c.update(meta, {"r": torch.arange(16.0)})
+        c.ack(meta)
+        kill_unit(cluster, c, meta.units[0])
+        until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
+        every = c.select(partition, ["x", "r"])
+        assert sorted(c.get_data(every)["r"].tolist()) == [float(i) for i in range(16)]
+        c.update(every, {"r": torch.arange(16.0) + 100})
+        assert sorted(c.get_data(c.select(partition, ["r"]))["r"].tolist()) == [100.0 + i for i in range(16)]
+
+
+def test_a_put_with_no_second_unit_is_stored_once_and_three_copies_are_refused(partition):
+    with tqueue.LocalCluster(num_storage_units=1) as alone, tqueue.Client(alone.address) as c:
+        c.create_partition(partition, replicas=2)
+        c.put(partition, {"x": torch.ones(2, 3)})
+        assert torch.equal(c.get_data(partition, ["x"], 2, task="t", timeout=5)["x"], torch.ones(2, 3))
+    with pytest.raises(tqueue.errors.InvalidArgumentError, match="replicas is 1 or 2"):
+        with tqueue.LocalCluster(num_storage_units=1) as alone, tqueue.Client(alone.address) as c:
+            c.create_partition(partition, replicas=3)
+
+
+def test_both_units_hold_a_replicated_put_and_a_clear_frees_both(cluster, partition):
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        before = {u.unit_id: u.nbytes for u in c.status().units}
+        c.put(partition, {"x": torch.zeros(64, 1024)})  # 256 KiB
+        grown = {u.unit_id: u.nbytes - before[u.unit_id] for u in c.status().units}
+        assert sorted(grown.values())[-2:] == [sorted(grown.values())[-1]] * 2 and max(grown.values()) >= 64 * 1024 * 4
+        c.clear(partition)
+        until(lambda: {u.unit_id: u.nbytes for u in c.status().units} == before, 30, "both copies freed")
