@@ -87,9 +87,10 @@ class Cleanup:
         for grant_id in [g for g, r in self.state.grants.items() if r.partition_uid == part.uid]:
             grant = self.state.grants.pop(grant_id)
             grant.stop_timer()
-            unit = self.state.units.get(grant.unit_id)
-            if unit is not None and grant.indexes is None:
-                unit.reserved -= grant.nbytes  # its commit will find no grant to release it
+            for unit_id in (grant.waiting or {grant.unit_id}) if grant.indexes is None else ():
+                unit = self.state.units.get(unit_id)
+                if unit is not None:
+                    unit.reserved -= grant.nbytes  # its commit will find no grant to release it
         for lease_id in [i for i, r in self.state.leases.items() if r.partition_uid == part.uid]:
             record = self.state.leases.pop(lease_id)
             if record.timer is not None:
