@@ -1,7 +1,7 @@
 """Chaos: a streaming RL job whose processes are SIGKILLed and restarted, every sample ledgered.
 
     python benchmarks/chaos.py [--seconds 120] [--units 3] [--producers 3] [--kill-every 3]
-                               [--seed 1] [--rows 256]
+                               [--seed 1] [--rows 256] [--replicas 1]
 
 The job, on a local cluster (heartbeats every 0.5 s): producer processes put groups of
 ``GROUP`` samples (``x``: float32 rows drawn from a generator seeded by the sample's id; ``id``;
@@ -252,7 +252,7 @@ def _drained(client: tqueue.Client) -> bool:
 
 def run(
     *, seconds: float = 120.0, units: int = 3, producers: int = 3, kill_every: float = 3.0, seed: int = 1,
-    rows: int = 256, drain_timeout: float = 120.0,
+    rows: int = 256, drain_timeout: float = 120.0, replicas: int = 1,
 ) -> dict[str, Any]:
     """Run the job with its kills; the ledger's totals, checked (AssertionError on a breach)."""
     rng = random.Random(seed)
@@ -263,7 +263,7 @@ def run(
     ):
         tmpdir = pathlib.Path(tmp)
         with tqueue.Client(cluster.address) as client:
-            client.create_partition(PARTITION, tasks=list(TASKS))
+            client.create_partition(PARTITION, tasks=list(TASKS), replicas=replicas)
             baseline = _server_use(cluster.pids[0])
             job = Job(cluster, tmpdir, rows, rng)
             for _ in range(producers):
@@ -293,7 +293,8 @@ def run(
         end = _server_use(cluster.pids[0])
         result = _check(tmpdir, status, live, consumed, drained, job.killed)
     result.update({
-        "seconds": seconds, "wall_s": round(wall, 1), "units": units, "producers": producers, "kills": job.killed,
+        "seconds": seconds, "wall_s": round(wall, 1), "units": units, "producers": producers, "replicas": replicas,
+        "kills": job.killed,
         "crashed": job.crashed, "controller_fds": [baseline["fds"], end["fds"]],
         "controller_threads": [baseline["threads"], end["threads"]],
         "controller_rss_mb": [round(baseline["rss"] / 2**20, 1), round(end["rss"] / 2**20, 1)],
@@ -363,6 +364,7 @@ def _check(
     if corrupt or bad_reward:
         breaches.append(f"{corrupt} samples with bad bytes, {bad_reward} with a wrong reward")
     totals["partition_lost"] = status.lost
+    totals["held_once"] = status.single
     totals["breaches"] = breaches
     return totals
 
@@ -378,10 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--replicas", type=int, default=1, help="copies of each put (2: a unit's death alone loses nothing)")
     args = p.parse_args(argv)
     try:
         result = run(seconds=args.seconds, units=args.units, producers=args.producers, kill_every=args.kill_every,
-                     seed=args.seed, rows=args.rows)
+                     seed=args.seed, rows=args.rows, replicas=args.replicas)
     except AssertionError as exc:
         print(exc, file=sys.stderr)
         return 1

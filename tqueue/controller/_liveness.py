@@ -46,8 +46,10 @@ class Liveness:
         cleanup: Cleanup,
         wake: Callable[[str], None],
         release: Callable[[int, str], None],
+        copy_again: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
+        self._copy_again = copy_again  # re-replicate samples held once (a death, or a unit to copy onto)
         self._release = release  # (lease id, why): its samples are ready again for the task
         self.writes = writes
         self.cleanup = cleanup
@@ -87,6 +89,7 @@ class Liveness:
         )
         log.info("storage unit %d (%s) registered at %s (host %s)", unit_id, name, msg.address, msg.host)
         self.state.loop.call_soon(self.writes.retry_parked)
+        self.state.loop.call_soon(self._copy_again)  # samples held once may have a unit to go to now
         return Registered(unit_id=unit_id, heartbeat=self.interval)
 
     def suspect(self, unit_id: int, why: str) -> None:
@@ -162,6 +165,7 @@ class Liveness:
         if peer is not None:
             self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         self.writes.retry_parked()  # puts parked for room may fit on the live units
+        self._copy_again()
 
     # --- client sessions ------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class GrantRecord:
     timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
     replica: int = -1  # a replicated put: the unit of its second copy
     waiting: set[int] = dataclasses.field(default_factory=set)  # a put's units that have not committed yet
+    copy_of: np.ndarray | None = None  # a re-replication: the samples' revisions when they were read
 
     def stop_timer(self) -> None:
         """The grant ended (committed, lapsed, cancelled, its partition gone)."""

@@ -81,6 +81,7 @@ from ._moves import Moves
 from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
+from ._replicas import Replicas
 from ._resets import Resets
 from ._rows import Rows
 from ._state import ControllerState
@@ -109,9 +110,14 @@ class Controller:
         self.cleanup = Cleanup(self.state, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
         self.reads = Reads(self.state, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
         self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
-        self.writes = Writes(self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect)
+        self.replicas = Replicas(self.state)
+        self.writes = Writes(
+            self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect,
+            copy_again=self.replicas.wake,
+        )
         self.liveness = Liveness(
-            self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease
+            self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease,
+            copy_again=self.replicas.wake,
         )
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)

@@ -21,6 +21,7 @@ from ..wire import Admission, Commit, Committed, Grant, Granted, Ok, Reserve, Se
 from ._cycles import Cycles
 from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
+from ._replicas import copied
 from ._state import MAX_SERVED, ControllerState, ParkedWrite, Waiter
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,10 @@ class Writes:
         free: Callable[[Partition], None],
         committed: Callable[[Partition, bool], None],
         suspect: Callable[[int, str], None],
+        copy_again: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
+        self._copy_again = copy_again  # re-replicate samples held once (_replicas)
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
@@ -223,6 +226,8 @@ class Writes:
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
+        if grant.copy_of is not None:
+            return self._copied(grant, msg)
         if grant.waiting - {msg.unit_id}:  # a replicated put or update: one copy of two
             return self._first_copy(grant, msg)
         del self.state.grants[msg.grant_id]
@@ -248,12 +253,31 @@ class Writes:
         part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)
         if grant.replica >= 0:  # both copies are stored: the samples are ready, each on two units
             part.samples.replica[grant.start : grant.start + grant.count] = grant.replica
+        elif grant.indexes is None and (part.options.replicas or self.state.config.replicas) > 1:
+            part.single += grant.count  # no second unit had room: held once, copied when one has
+            self.state.loop.call_soon(self._copy_again)
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
         self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
+        return Committed(sealed=part.sealed)
+
+    def _copied(self, grant: GrantRecord, msg: Commit) -> Committed:
+        """A re-replication's copy is stored: recorded where still wanted (``_replicas``)."""
+        del self.state.grants[msg.grant_id]
+        part = self.state.by_uid.get(grant.partition_uid)
+        if part is None:
+            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its copy was stored")
+        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
+        n = copied(part, grant, msg.unit_id, alive)
+        log.info("partition %r: %d samples held once have a second copy on unit %d", part.name, n, msg.unit_id)
+        unit = self.state.units.get(msg.unit_id)
+        if unit is not None:
+            unit.nbytes = msg.unit_bytes
+        part.unit_bytes[msg.unit_id] = msg.partition_bytes
+        self.state.loop.call_soon(self._copy_again)  # the next batch
         return Committed(sealed=part.sealed)
 
     def _first_copy(self, grant: GrantRecord, msg: Commit) -> Committed:
