@@ -44,15 +44,18 @@ def status_of(client: tqueue.Client, partition: str) -> tqueue.wire.PartitionSta
     return next(p for p in client.status().partitions if p.name == partition)
 
 
-def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(cluster, partition):
-    """A producer puts 4 samples at a time while a consumer reads and acks; one unit is
-    SIGKILLed after a few puts. Every put acknowledged, before or after, is read back with
-    its CRC; none is lost."""
-    with tqueue.Client(cluster.address) as c:
+def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(partition):
+    """Two units. A producer puts 4 samples at a time while a consumer reads and acks; one
+    unit is SIGKILLed after a few puts. Every put acknowledged, before or after, is read back
+    with its CRC; none is lost. A replacement unit joins, and the samples held once since the
+    death are copied onto it (``status().single`` back to 0)."""
+    with (
+        tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": INTERVAL}) as cluster,
+        tqueue.Client(cluster.address) as c,
+    ):
         c.create_partition(partition, replicas=2)
         acked: dict[int, int] = {}  # sample id -> CRC of its row, for acknowledged puts
         read: dict[int, int] = {}
-        killed = threading.Event()
 
         def consume() -> None:
             with tqueue.Client(cluster.address) as reader:
@@ -70,13 +73,15 @@ def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(cluster, partitio
             acked.update({4 * k + i: crc(x[i]) for i in range(4)})
             if k == 6:
                 kill_unit(cluster, c, meta.units[0])
-                killed.set()
         consumer.join(timeout=120)
-        assert not consumer.is_alive() and killed.is_set()
+        assert not consumer.is_alive()
         assert read == acked  # every acknowledged sample, exact
+        until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
         part = status_of(c, partition)
-        assert part.lost == 0 and part.replicas == 2
+        assert part.lost == 0 and part.replicas == 2 and part.single > 0  # one unit left: held once
         assert part.tasks["train"].consumed == 96 and part.tasks["train"].lost == 0
+        cluster.start_unit()  # a replacement joins: the samples held once are copied onto it
+        until(lambda: status_of(c, partition).single == 0, 30, "re-replication onto the new unit")
 
 
 def test_a_reader_holding_a_meta_of_the_dead_unit_reads_the_copies(cluster, partition):
@@ -151,3 +156,23 @@ def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(clus
         assert part.lost == 0 and part.single == 32  # one unit left: held once, nowhere to copy to
         batch = c.get_data(c.select(partition, ["x", "j"]))
         assert torch.equal(batch["x"], x) and all(torch.equal(a, b) for a, b in zip(batch["j"], jag))
+
+
+def test_a_restored_replicated_partition_is_copied_again(partition, tmp_path):
+    """A checkpoint holds one copy of each sample; restored into 3 units, the samples are
+    copied again in the background, so that a death after the restore loses nothing."""
+    x = rows(0, 16)
+    with tqueue.LocalCluster(num_storage_units=2) as old, tqueue.Client(old.address) as c:
+        c.create_partition(partition, replicas=2)
+        c.put(partition, {"x": x})
+        c.save_checkpoint(str(tmp_path / "ck"))
+    with (
+        tqueue.LocalCluster(num_storage_units=3, controller={"heartbeat_interval": INTERVAL}) as new,
+        tqueue.Client(new.address) as c,
+    ):
+        c.load_checkpoint(str(tmp_path / "ck"))
+        until(lambda: status_of(c, partition).single == 0, 30, "the restored samples copied again")
+        kill_unit(new, c, c.select(partition, ["x"]).units[0])
+        until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
+        assert status_of(c, partition).lost == 0
+        assert torch.equal(c.get_data(c.select(partition, ["x"]))["x"], x)

@@ -74,7 +74,10 @@ class Checkpoints:
     """Handlers of ``Checkpoint`` and ``Restore`` over ``state``; ``wake`` serves readers
     parked on a partition that a restore brought back."""
 
-    def __init__(self, state: ControllerState, *, wake: Callable[[str], None]) -> None:
+    def __init__(
+        self, state: ControllerState, *, wake: Callable[[str], None], copy_again: Callable[[], None] = lambda: None
+    ) -> None:
+        self._copy_again = copy_again  # a restored replicated partition holds one copy: copy them again
         self.state = state
         self._wake = wake
         self._busy = ""  # "a checkpoint" or "a restore" while one runs
@@ -202,6 +205,8 @@ class Checkpoints:
         config = state.config
         for img in images:
             part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
+            if (part.options.replicas or config.replicas) > 1:  # a checkpoint holds one copy of each
+                part.single = int(((part.samples.mask[: part.n] & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
             state.partitions[part.name] = part
             state.by_uid[part.uid] = part
         for new, reply in zip(loads, replies):
@@ -217,6 +222,7 @@ class Checkpoints:
         state.admitted = int(trainer["admitted"])
         for part in list(state.partitions.values()):
             self._wake(part.name)
+        self._copy_again()
         log.info("restored %s: %d partitions, units %s", directory, len(images), mapping)
         return Restored(
             metadata=json.dumps(manifest["metadata"]), partitions=len(images),

@@ -119,7 +119,7 @@ class Controller:
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease,
             copy_again=self.replicas.wake,
         )
-        self.checkpoints = Checkpoints(self.state, wake=self._wake_soon)
+        self.checkpoints = Checkpoints(self.state, wake=self._wake_soon, copy_again=self.replicas.wake)
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
         self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
