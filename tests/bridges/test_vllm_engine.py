@@ -9,6 +9,7 @@ import asyncio
 import gc
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -193,6 +194,7 @@ def vllm_server(model_dir, tmp_path_factory):
          "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out",
          "--seed", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        start_new_session=True,  # its engine processes are in its group: stopped with it, by its id
     )
     lines: queue.Queue[str] = queue.Queue()
     tail: list[str] = []
@@ -216,11 +218,11 @@ def vllm_server(model_dir, tmp_path_factory):
                 break
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
+        _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
         # the pump reads to EOF, which comes once the server and the engine processes it started
         # are gone; closing the pipe under it made it raise in its thread, blamed on a later test
@@ -228,6 +230,14 @@ def vllm_server(model_dir, tmp_path_factory):
         assert proc.stdout is not None
         if not pumping.is_alive():
             proc.stdout.close()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal the server's process group (its engine processes too); gone already is fine."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def test_over_sampling_through_the_vllm_token_api(vllm_server):
