@@ -176,3 +176,49 @@ def test_a_restored_replicated_partition_is_copied_again(partition, tmp_path):
         until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
         assert status_of(c, partition).lost == 0
         assert torch.equal(c.get_data(c.select(partition, ["x"]))["x"], x)
+
+
+def test_a_read_waits_for_the_copies_no_longer_than_its_timeout(cluster, partition):
+    """A unit that stops answering but is not declared dead within the reader's request
+    timeout (SIGSTOP; heartbeats every 0.5 s, dead after 5 missed): the read's wait for the
+    copies, parked at the controller, ends at that timeout with the unit's error, not later."""
+    import time
+
+    with tqueue.Client(cluster.address, config=tqueue.ClientConfig(request_timeout=1.0)) as c:
+        c.create_partition(partition, replicas=2)
+        c.put(partition, {"x": rows(0, 4)})
+        meta = c.get_meta(partition, ["x"], 4, task="t", timeout=10)
+        address = next(u.address for u in c.status().units if u.unit_id == meta.units[0])
+        pid = cluster.pids[1 + cluster.unit_addresses.index(address)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(tqueue.errors.StorageUnitUnavailableError, match="samples"):
+                c.get_data(meta)
+            assert time.monotonic() - t0 < 8.0  # fetch (1 s), the parked Locate (1 s), the verdict
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
+    """Re-replication reads samples, then stores them elsewhere; an update of the holder in
+    between makes the copy stale: the commit records it for the unchanged samples only."""
+    import numpy as np
+
+    from tqueue.controller._partition import Partition
+    from tqueue.controller._records import GrantRecord
+    from tqueue.controller._replicas import record_copy
+    from tqueue.controller._samples import COMMITTED
+
+    part = Partition("p", 1)
+    part.allocate(4, None, None)
+    s = part.samples
+    s.mask[:4] |= COMMITTED
+    s.unit[:4] = 0
+    part.single = 4
+    idx = np.arange(4)
+    grant = GrantRecord(7, 1, 2, 0, 4, idx, frozenset({"x"}), copy_of=s.revision[idx].copy())
+    s.revision[1] += 1  # updated on the holder after the read
+    s.unit[3] = 1  # its holder died meanwhile (promoted elsewhere): unit 1 is not alive
+    assert record_copy(part, grant, 2, alive={0, 2}) == 2
+    assert s.replica[:4].tolist() == [2, -1, 2, -1] and part.single == 2

@@ -3,7 +3,6 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -230,28 +229,23 @@ class Gets:
 
     async def _copies(self, meta: BatchMeta, idx: list[int], failed: int) -> np.ndarray | None:
         """Where samples of a replicated partition live once the controller has declared
-        their unit dead and promoted their copies (asked again until then, within the
-        request timeout); None where the partition keeps one copy, or the samples are lost."""
+        their unit dead and promoted their copies: the controller answers then (a ``Locate``
+        parked there, within the request timeout). None where the partition keeps one copy,
+        the samples are lost, or the unit was not declared dead in time."""
         ctl = await self._conns.ctl()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout
-        pause = 0.05
-        while True:
-            try:
-                where, _ = await ctl.request(
-                    Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=idx), expect=Located
-                )
-            except (PartitionClearedError, InvalidArgumentError):
-                return None
-            units = np.asarray(where.units, dtype=np.int64)
-            if not where.replicated or any(where.gone):
-                return None  # one copy, or no live copy left: the caller says what was lost
-            if not (units == failed).any():
-                return units
-            if loop.time() + pause > deadline:
-                return None
-            await asyncio.sleep(pause)  # the controller's liveness window, a heartbeat at a time
-            pause = min(2 * pause, 1.0)
+        wait = self.config.request_timeout
+        try:
+            where, _ = await ctl.request(
+                Locate(partition=meta.partition, partition_uid=meta.partition_uid, indexes=idx, moved_from=failed,
+                       timeout=wait),
+                expect=Located, timeout=2 * wait,
+            )
+        except (PartitionClearedError, InvalidArgumentError):
+            return None
+        units = np.asarray(where.units, dtype=np.int64)
+        if not where.replicated or any(where.gone) or (units == failed).any():
+            return None  # one copy, no live copy left, or not declared dead: the caller says what it lost
+        return units
 
     async def _fetch_copies(
         self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: Rows,

@@ -208,6 +208,7 @@ def _allocate_rows(msg: AllocateRows, config: ControllerConfig) -> None:
 
 def _locate(msg: Locate, config: ControllerConfig) -> None:
     indexes("indexes", msg.indexes, config)
+    seconds("timeout", msg.timeout)
 
 
 def _register(msg: RegisterUnit, config: ControllerConfig) -> None:

@@ -47,8 +47,10 @@ class Liveness:
         wake: Callable[[str], None],
         release: Callable[[int, str], None],
         copy_again: Callable[[], None] = lambda: None,
+        unit_gone: Callable[[int], None] = lambda unit_id: None,
     ) -> None:
         self.state = state
+        self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_rows): answered
         self._copy_again = copy_again  # re-replicate samples held once (a death, or a unit to copy onto)
         self._release = release  # (lease id, why): its samples are ready again for the task
         self.writes = writes
@@ -165,6 +167,7 @@ class Liveness:
         if peer is not None:
             self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         self.writes.retry_parked()  # puts parked for room may fit on the live units
+        self._unit_gone(unit_id)
         self._copy_again()
 
     # --- client sessions ------------------------------------------------------------

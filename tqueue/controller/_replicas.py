@@ -13,10 +13,12 @@ given up on for this round; the next unit death or commit of a copy starts anoth
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
-from ..wire import Fetch, Fetched, Store, Stored
+from ..errors import InvalidArgumentError, PartitionClearedError
+from ..wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
 from ._partition import Partition
 from ._records import GrantRecord, Unit
 from ._samples import COMMITTED, EXCLUDED
@@ -113,7 +115,7 @@ class Replicas:
             self.state.grants.pop(grant_id, None)  # committed (see ``copied``), or given up on
 
 
-def copied(part: Partition, grant: GrantRecord, unit_id: int, alive: set[int]) -> int:
+def record_copy(part: Partition, grant: GrantRecord, unit_id: int, alive: set[int]) -> int:
     """The commit of a re-replication grant: record the new copy of each sample it holds whose
     revision is the one read and whose first copy still lives; how many."""
     assert grant.copy_of is not None and grant.indexes is not None
@@ -124,3 +126,76 @@ def copied(part: Partition, grant: GrantRecord, unit_id: int, alive: set[int]) -
     s.replica[idx[ok]] = unit_id
     part.single = max(0, part.single - int(ok.sum()))
     return int(ok.sum())
+
+
+class Copies:
+    """The second copies of a replicated partition's writes: where a put's goes, a first
+    commit of two, and the commit of a re-replication's copy."""
+
+    def __init__(self, state: ControllerState, copy_again: Callable[[], None]) -> None:
+        self.state = state
+        self._copy_again = copy_again
+
+    def place(self, msg: Grant, first: Unit) -> Unit | None:
+        """A second unit for a replicated put: on another host where one has room, else
+        another unit; None where no other live unit has room (the put is stored once, and
+        said so: its samples count among the partition's single copies)."""
+        others = [u for u in self.state.units.values()
+                  if u.alive and not u.suspect and u is not first and u.fits(msg.nbytes)]
+        if not others:
+            log.warning("partition %r: no second live unit with room, a put of %d samples is stored once",
+                        msg.partition, msg.count)
+            return None
+        apart = [u for u in others if u.info.host != first.info.host]
+        pool = apart or others
+        return min(pool, key=lambda u: (u.load, u.info.unit_id))
+
+    def copied(self, grant: GrantRecord, msg: Commit) -> Committed:
+        """A re-replication's copy is stored: recorded where still wanted (``_replicas``)."""
+        del self.state.grants[msg.grant_id]
+        part = self.state.by_uid.get(grant.partition_uid)
+        if part is None:
+            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its copy was stored")
+        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
+        n = record_copy(part, grant, msg.unit_id, alive)
+        log.info("partition %r: %d samples held once have a second copy on unit %d", part.name, n, msg.unit_id)
+        unit = self.state.units.get(msg.unit_id)
+        if unit is not None:
+            unit.nbytes = msg.unit_bytes
+        part.unit_bytes[msg.unit_id] = msg.partition_bytes
+        self.state.loop.call_soon(self._copy_again)  # the next batch
+        return Committed(sealed=part.sealed)
+
+    def first(self, grant: GrantRecord, msg: Commit) -> Committed:
+        """One unit of a replicated put holds its copy; the samples are ready once the other
+        does too (a reader never sees a sample held once that was meant to be held twice)."""
+        grant.waiting.discard(msg.unit_id)
+        part = self.state.by_uid.get(grant.partition_uid)
+        if part is None:
+            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its data was stored")
+        if set(msg.fields) != grant.fields:
+            raise InvalidArgumentError(
+                f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, the unit stored {sorted(msg.fields)}"
+            )
+        unit = self.state.units.get(msg.unit_id)
+        if unit is not None:
+            if grant.indexes is None:
+                unit.reserved -= grant.nbytes
+            unit.nbytes = msg.unit_bytes
+        part.unit_bytes[msg.unit_id] = msg.partition_bytes
+        return Committed(sealed=part.sealed)
+
+
+def copies_of(part: Partition, indexes: np.ndarray) -> set[int]:
+    """The units an update of ``indexes`` of a replicated partition must reach (both copies,
+    one pair for all of them; the client groups by pair after a ``Locate``); empty otherwise."""
+    replicas = part.samples.replica[indexes]
+    if not len(indexes) or (replicas < 0).all():
+        return set()
+    pairs = set(zip(part.samples.unit[indexes].tolist(), replicas.tolist()))
+    if len(pairs) != 1:
+        raise InvalidArgumentError(
+            f"partition {part.name!r}: an update of samples held by different pairs of units {sorted(pairs)[:4]}; "
+            "write each pair's samples apart (the client does, after asking where they are)"
+        )
+    return {u for u in pairs.pop() if u >= 0}

@@ -9,12 +9,13 @@ a row with no data counts toward neither.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TQueueError
 from ..wire import AllocateRows, Grant, Locate, Located, Meta
 from ._partition import Partition
 from ._records import Unit
@@ -29,6 +30,7 @@ class Rows:
 
     def __init__(self, state: ControllerState, *, meta_of: MetaOf, place: Callable[[Grant], Unit]) -> None:
         self.state = state
+        self._parked: dict[int, list[tuple[bytes, Locate, asyncio.TimerHandle]]] = {}  # unit id -> Locates waiting
         self._meta_of = meta_of
         self._place = place
 
@@ -48,7 +50,35 @@ class Rows:
         indexes = np.arange(start, start + msg.count, dtype=np.int64)
         return Meta(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
 
-    def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located:
+    def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located | None:
+        located = self._located(msg)
+        unit = self.state.units.get(msg.moved_from)
+        if (located.replicated and unit is not None and unit.alive and msg.moved_from in located.units
+                and msg.timeout > 0):
+            self.state.check_park(f"a read's wait for the copies of unit {msg.moved_from}")
+            timer = self.state.loop.call_later(msg.timeout, self._expire, msg.moved_from, ident, msg)
+            self._parked.setdefault(msg.moved_from, []).append((ident, msg, timer))
+            return None  # answered once the unit is declared dead (unit_gone), or at the timeout
+        return located
+
+    def unit_gone(self, unit_id: int) -> None:
+        """A unit was declared dead and its samples promoted: answer the reads waiting on it."""
+        for ident, msg, timer in self._parked.pop(unit_id, []):
+            timer.cancel()
+            self._answer(ident, msg)
+
+    def _expire(self, unit_id: int, ident: bytes, msg: Locate) -> None:
+        waiting = self._parked.get(unit_id, [])
+        self._parked[unit_id] = [w for w in waiting if w[1] is not msg]
+        self._answer(ident, msg)  # where the samples are still: the reader gives up on its copies
+
+    def _answer(self, ident: bytes, msg: Locate) -> None:
+        try:
+            self.state.server.reply(ident, msg.rid, self._located(msg))
+        except TQueueError as exc:  # the partition went meanwhile: the error is the answer
+            self.state.server.reply_error(ident, msg.rid, exc)
+
+    def _located(self, msg: Locate) -> Located:
         part = self.state.live(msg.partition, msg.partition_uid)
         idx = np.asarray(msg.indexes, dtype=np.int64)
         part.samples.check_indexes(idx, part.name)

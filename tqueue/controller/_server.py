@@ -85,6 +85,7 @@ from ._replicas import Replicas
 from ._resets import Resets
 from ._rows import Rows
 from ._state import ControllerState
+from ._versions import Versions
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
@@ -115,14 +116,15 @@ class Controller:
             self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect,
             copy_again=self.replicas.wake,
         )
+        self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
+        self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease,
-            copy_again=self.replicas.wake,
+            copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
         )
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon, copy_again=self.replicas.wake)
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
-        self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
         units: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
@@ -137,9 +139,9 @@ class Controller:
             (CreatePartition, self._create_partition),
             (Grant, self.writes.grant),
             (Reserve, self.writes.reserve),
-            (SetVersion, self.writes.set_version),
-            (VersionWait, self.writes.wait_version),
-            (Admission, self.writes.set_admission),
+            (SetVersion, self.versions.set_version),
+            (VersionWait, self.versions.wait_version),
+            (Admission, self.versions.set_admission),
             (GetMeta, self.reads.get_meta),
             (Ack, self.reads.ack),
             (Renew, self.reads.renew),

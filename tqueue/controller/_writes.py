@@ -17,29 +17,14 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, StorageUnitUnavailableError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Admission, Commit, Committed, Grant, Granted, Ok, Reserve, SetVersion, VersionReply, VersionWait
+from ..wire import Commit, Committed, Grant, Granted, Ok, Reserve
 from ._cycles import Cycles
 from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
-from ._replicas import copied
-from ._state import MAX_SERVED, ControllerState, ParkedWrite, Waiter
+from ._replicas import Copies, copies_of
+from ._state import MAX_SERVED, ControllerState, ParkedWrite
 
 log = logging.getLogger(__name__)
-
-
-def _copies_of(part: Partition, indexes: np.ndarray) -> set[int]:
-    """The units an update of ``indexes`` of a replicated partition must reach (both copies,
-    one pair for all of them; the client groups by pair after a ``Locate``); empty otherwise."""
-    replicas = part.samples.replica[indexes]
-    if not len(indexes) or (replicas < 0).all():
-        return set()
-    pairs = set(zip(part.samples.unit[indexes].tolist(), replicas.tolist()))
-    if len(pairs) != 1:
-        raise InvalidArgumentError(
-            f"partition {part.name!r}: an update of samples held by different pairs of units {sorted(pairs)[:4]}; "
-            "write each pair's samples apart (the client does, after asking where they are)"
-        )
-    return {u for u in pairs.pop() if u >= 0}
 
 
 class _Wait(Exception):
@@ -66,6 +51,7 @@ class Writes:
     ) -> None:
         self.state = state
         self._copy_again = copy_again  # re-replicate samples held once (_replicas)
+        self.copies = Copies(state, copy_again)  # the second copies of replicated writes
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
@@ -146,7 +132,7 @@ class Writes:
             added = part.check_put(msg.count, msg.blocks)
         unit = self._place(msg)
         copies = (part.options.replicas if part is not None else 0) or self.state.config.replicas
-        second = self._place_copy(msg, unit) if copies > 1 else None
+        second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.state.partition(msg.partition)
         start, kept = part.admit_put(msg, added)
@@ -167,20 +153,6 @@ class Writes:
             partition=part.name, kept=-1 if kept == msg.count else kept,
             replicas=[second.info] if second is not None else [],
         )
-
-    def _place_copy(self, msg: Grant, first: Unit) -> Unit | None:
-        """A second unit for a replicated put: on another host where one has room, else
-        another unit; None where no other live unit has room (the put is stored once, and
-        said so: its samples count among the partition's single copies)."""
-        others = [u for u in self.state.units.values()
-                  if u.alive and not u.suspect and u is not first and u.fits(msg.nbytes)]
-        if not others:
-            log.warning("partition %r: no second live unit with room, a put of %d samples is stored once",
-                        msg.partition, msg.count)
-            return None
-        apart = [u for u in others if u.info.host != first.info.host]
-        pool = apart or others
-        return min(pool, key=lambda u: (u.load, u.info.unit_id))
 
     def _late_put(self, part: Partition, msg: Grant, via: frozenset[str]) -> Granted:
         """A put to a sealed partition, or one whose target earlier puts already hold:
@@ -214,7 +186,7 @@ class Writes:
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept,
-            waiting=_copies_of(part, indexes),
+            waiting=copies_of(part, indexes),
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
 
@@ -227,9 +199,9 @@ class Writes:
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
         if grant.copy_of is not None:
-            return self._copied(grant, msg)
+            return self.copies.copied(grant, msg)
         if grant.waiting - {msg.unit_id}:  # a replicated put or update: one copy of two
-            return self._first_copy(grant, msg)
+            return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
         grant.stop_timer()
         self.state.committed[msg.grant_id] = None
@@ -262,41 +234,6 @@ class Writes:
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
         self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
-        return Committed(sealed=part.sealed)
-
-    def _copied(self, grant: GrantRecord, msg: Commit) -> Committed:
-        """A re-replication's copy is stored: recorded where still wanted (``_replicas``)."""
-        del self.state.grants[msg.grant_id]
-        part = self.state.by_uid.get(grant.partition_uid)
-        if part is None:
-            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its copy was stored")
-        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
-        n = copied(part, grant, msg.unit_id, alive)
-        log.info("partition %r: %d samples held once have a second copy on unit %d", part.name, n, msg.unit_id)
-        unit = self.state.units.get(msg.unit_id)
-        if unit is not None:
-            unit.nbytes = msg.unit_bytes
-        part.unit_bytes[msg.unit_id] = msg.partition_bytes
-        self.state.loop.call_soon(self._copy_again)  # the next batch
-        return Committed(sealed=part.sealed)
-
-    def _first_copy(self, grant: GrantRecord, msg: Commit) -> Committed:
-        """One unit of a replicated put holds its copy; the samples are ready once the other
-        does too (a reader never sees a sample held once that was meant to be held twice)."""
-        grant.waiting.discard(msg.unit_id)
-        part = self.state.by_uid.get(grant.partition_uid)
-        if part is None:
-            raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its data was stored")
-        if set(msg.fields) != grant.fields:
-            raise InvalidArgumentError(
-                f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, the unit stored {sorted(msg.fields)}"
-            )
-        unit = self.state.units.get(msg.unit_id)
-        if unit is not None:
-            if grant.indexes is None:
-                unit.reserved -= grant.nbytes
-            unit.nbytes = msg.unit_bytes
-        part.unit_bytes[msg.unit_id] = msg.partition_bytes
         return Committed(sealed=part.sealed)
 
     def place(self, msg: Grant) -> Unit:
@@ -432,49 +369,6 @@ class Writes:
         except _Wait as wait:
             self._park(ident, msg, wait)
             return None  # answered when it fits, or at its deadline
-        return Ok()
-
-    def set_version(self, ident: bytes, msg: SetVersion, bufs: list[Any]) -> Ok:
-        """A newer version replaces the version and its weights' pointer together (so that a
-        version and a pointer seen together always belong together); any other changes nothing."""
-        if msg.version > self.state.version:
-            self.state.version, self.state.weights = msg.version, msg.weights
-            log.info("trainer version %d (weights %s)", msg.version, msg.weights or "not said")
-            self.state.loop.call_soon(self.retry_parked)  # after this reply
-            self.state.loop.call_soon(self._answer_versions)
-        return Ok()
-
-    def wait_version(self, ident: bytes, msg: VersionWait, bufs: list[Any]) -> VersionReply | None:
-        """The version and its pointer once the version is past ``msg.after``: at once, or
-        parked (bounded by ``max_parked``) until ``set_version`` passes it or its timeout."""
-        if self.state.version > msg.after:
-            return VersionReply(version=self.state.version, weights=self.state.weights)
-        if msg.timeout <= 0:
-            raise WaitTimeoutError(f"the trainer's version is {self.state.version}, not past {msg.after}")
-        self.state.check_park(f"a wait for a version past {msg.after}")
-        self.state.version_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_version)
-        return None  # answered by set_version, at its deadline, or withdrawn by Cancel
-
-    def _answer_versions(self) -> None:
-        reply = VersionReply(version=self.state.version, weights=self.state.weights)
-        for waiter in [w for w in self.state.version_waiters if self.state.version > w.req.after]:
-            self.state.version_waiters.remove(waiter)
-            self.state.answer(waiter.ident, waiter.req.rid, reply)
-
-    def _expire_version(self, waiter: Waiter) -> None:
-        self.state.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
-            f"the trainer's version stayed at {self.state.version} for {waiter.req.timeout} s "
-            f"(waited for a version past {waiter.req.after})"
-        ))
-
-    def set_admission(self, ident: bytes, msg: Admission, bufs: list[Any]) -> Ok:
-        if msg.max_staleness < 0:
-            self.state.admission = None
-        else:
-            if msg.batch_size < 1:
-                raise InvalidArgumentError(f"batch_size must be at least 1, got {msg.batch_size}")
-            self.state.admission = (msg.max_staleness, msg.batch_size)
-        self.state.loop.call_soon(self.retry_parked)  # after this reply
         return Ok()
 
     def _lapse_grant(self, grant_id: int, why: str = "was never committed") -> None:

@@ -25,6 +25,11 @@ class Locate(Message):
     partition_uid: int
     indexes: list[int]
     host: str = ""
+    # a reader whose fetch from this unit failed: where the partition keeps copies and some of
+    # the samples are on it while it is alive, the answer waits (up to ``timeout`` s) until the
+    # controller declares it dead and promotes the copies
+    moved_from: int = -1
+    timeout: float = 0.0
 
 
 class Located(Message):
