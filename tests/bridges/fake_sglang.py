@@ -10,7 +10,11 @@ aborted (``/abort_request`` or a closed connection). Every other request runs to
 ``fail`` maps a request's arrival number (1 for the first) to how it fails, once the held
 requests have all arrived and the first ``hold[0]`` have finished: ``"500"`` or ``"503"``
 (an HTTP error), ``"drop"`` (one token streamed, then the connection closed) or ``"error"``
-(an error event in the stream, as SGLang sends one). ``running`` counts the requests on the
+(an error event in the stream, as SGLang sends one). As SGLang does, ``/abort_request`` drops
+an abort of a request not on the engine yet (``dropped``). ``admit``, if set to an unset event,
+keeps each request off the engine (no response opened) until it is set; such a request, once
+admitted, streams ``PARK_AFTER`` tokens and waits ``late_wait`` seconds for an abort before it
+runs to its end. ``running`` counts the requests on the
 engine; a request stops counting before its last event is sent, so that a client that has
 read every answer sees the count it left behind.
 """
@@ -58,6 +62,11 @@ class FakeSGLang:
         self.ignore_aborts = False  # /abort_request answers 200 and aborts nothing
         self.parked_rids: set[str] = set()
         self.aborted: set[str] = set()  # by /abort_request
+        self.dropped: set[str] = set()  # aborts of requests not on the engine yet
+        self.admit: asyncio.Event | None = None
+        self.late_wait = 10.0
+        self.waiting = 0  # requests kept off the engine by admit
+        self.waiting_event = asyncio.Event()
         self.disconnected: set[str] = set()  # client closed the stream
         self.abort_events: dict[str, asyncio.Event] = {}
         self.parked = 0
@@ -96,8 +105,11 @@ class FakeSGLang:
         rid = (await request.json())["rid"]
         if self.ignore_aborts:
             return web.Response()
+        if rid not in self.abort_events:  # not on the engine (yet): SGLang answers 200 and drops it
+            self.dropped.add(rid)
+            return web.Response()
         self.aborted.add(rid)
-        self.abort_events.setdefault(rid, asyncio.Event()).set()
+        self.abort_events[rid].set()
         return web.Response()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -150,6 +162,11 @@ class FakeSGLang:
     async def _generate(self, request: web.Request, body: dict[str, Any], order: int, ended: Any) -> web.StreamResponse:
         rid, ids = body["rid"], body["input_ids"]
         budget = body["sampling_params"]["max_new_tokens"]
+        late = self.admit is not None
+        if self.admit is not None:
+            self.waiting += 1
+            self.waiting_event.set()
+            await self.admit.wait()
         aborted = self.abort_events.setdefault(rid, asyncio.Event())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -161,6 +178,9 @@ class FakeSGLang:
             while finish is None:
                 if len(out) == budget:
                     finish = {"type": "length", "length": budget}
+                    break
+                if aborted.is_set() or (late and len(out) == PARK_AFTER and await _within(aborted, self.late_wait)):
+                    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
                     break
                 if self.hold is not None and len(out) == PARK_AFTER and order <= self.hold[1]:
                     if order > self.hold[0]:
@@ -210,3 +230,12 @@ class FakeSGLang:
                 meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
         event = {"text": "", "output_ids": list(out), "meta_info": meta}
         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+async def _within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether ``event`` is set within ``seconds``."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -270,6 +270,42 @@ def test_calls_the_engine_does_not_abort_are_cancelled_at_the_abort_bound(cluste
 
 
 @pytest.mark.parametrize("abort", ["request", "close"])
+def test_an_abort_asked_before_the_engine_holds_the_request_is_not_lost(abort):
+    """SGLang and vLLM drop an abort of a request they do not hold yet, and a request is theirs
+    only once its handler has added it, after the call was sent. An abort asked in that window
+    is asked again at the call's first event (``abort="request"``), or closes the stream as
+    it opens (``"close"``): the call ends aborted, not at its budget. (The real vLLM engine's
+    in-process form of the same race: tests/bridges/test_vllm_engine.py.)"""
+    from tqueue.bridges import Trajectory
+
+    async def main():
+        fake = FakeSGLang()
+        fake.admit = asyncio.Event()
+        url = await fake.start()
+        try:
+            async with SGLangEngine(url, abort=abort) as engine:
+                traj = Trajectory(prompt_ids=[5, 6, 7])
+                call = asyncio.ensure_future(engine.generate("r-1", traj, 1000))
+                await asyncio.wait_for(fake.waiting_event.wait(), 10)  # sent; not on the engine yet
+                await engine.abort(["r-1"])
+                assert fake.dropped == ({"r-1"} if abort == "request" else set())
+                fake.admit.set()
+                await asyncio.wait_for(call, 30)
+                await asyncio.wait_for(fake.idle.wait(), 10)
+                assert traj.finish == "abort"
+                if abort == "request":  # asked again at the first event: the engine aborts it there
+                    assert fake.aborted == {"r-1"} and fake.disconnected == set()
+                    assert traj.response_ids == [token(3 + i) for i in range(PARK_AFTER)]
+                else:  # closed as it opened: nothing streamed
+                    assert fake.disconnected == {"r-1"} and traj.response_ids == []
+                assert len(engine._early) == 0  # forgotten once the call ended
+        finally:
+            await fake.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("abort", ["request", "close"])
 def test_token_versions_of_routed_experts_are_those_of_the_calls_that_computed_them(cluster, partition, abort):
     """A rollout aborted after 3 tokens under version 0, resumed under version 1. With an
     abort request, the first call's rows are kept and the resumed call computes from the row

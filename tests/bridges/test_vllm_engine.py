@@ -6,6 +6,7 @@ nothing from a hub."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import re
@@ -13,13 +14,17 @@ import signal
 import time
 
 import pytest
+import torch
 
 import tqueue
-from tqueue.bridges import Rollouts, VLLMEngine
+from tqueue.bridges import Rollouts, Trajectory, VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones are the surplus
+# the HTTP test's surplus: about 2 s of the server's work, against the tenths of a second between
+# their first tokens and the abort
+HTTP_LONG, HTTP_MAX_LEN = 900, 1024
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +117,15 @@ def test_over_sampling_against_a_real_engine_aborts_the_surplus_and_resumes_it_u
                 assert sorted(versions.index(1) for versions in (batch.token_versions("response_ids")[i].tolist() for i in resumed)) == partial_lengths
                 print(f"step 1 took {time.monotonic() - started:.1f} s")
 
+                # an abort asked before the engine holds the request (AsyncLLM.abort drops an id
+                # it does not know) is asked again at the call's first output: the call ends aborted
+                early = Trajectory(prompt_ids=[7, 8, 9])
+                call = asyncio.ensure_future(engine.generate("early", early, LONG))
+                await engine.abort(["early"])  # runs before the call has started
+                await asyncio.wait_for(call, 60)
+                assert early.finish == "abort" and 0 < len(early.response_ids) < LONG, (early.finish, len(early.response_ids))
+                assert llm.output_processor.get_num_unfinished_requests() == 0 and len(engine._early) == 0
+
     async def with_engine():
         llm = start_engine(model_dir)  # in the loop that runs its output handler, and shut down there
         try:
@@ -191,7 +205,7 @@ def vllm_server(model_dir, tmp_path_factory):
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
-         "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out",
+         "--enforce-eager", "--max-model-len", str(HTTP_MAX_LEN), "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out",
          "--seed", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
         start_new_session=True,  # its engine processes are in its group: stopped with it, by its id
@@ -242,21 +256,47 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def test_over_sampling_through_the_vllm_token_api(vllm_server):
     """The same scenario over vLLM's token-in/token-out HTTP API: the surplus aborted on the
-    server by ``/inference/v1/abort_requests``, resumed under the next version."""
+    server by ``/inference/v1/abort_requests``, resumed under the next version.
+
+    The step is sealed by another worker's puts, made once each of this step's 4 calls has
+    streamed its first token: the calls are then on the engine, with HTTP_LONG tokens to go.
+    (Sealed by short calls of the same step, the test lost a race on a loaded machine: the
+    server had made all 160 tokens of the long calls, 0.35 s of work, before the shorts' puts
+    sealed the step.) The cluster's heartbeat is 5 s: a server on the same 2 cores stalled
+    every process here for over 3 s, the default window."""
     from tqueue.bridges import VLLMHTTPEngine
 
+    class Watched(VLLMHTTPEngine):
+        """Sets ``streaming`` once ``want`` calls have streamed an event."""
+
+        def __init__(self, *args, want: int, **kw):
+            super().__init__(*args, **kw)
+            self.want, self.started, self.streaming = want, set(), asyncio.Event()
+
+        async def stream(self, rid, path, body, what):
+            async with contextlib.aclosing(super().stream(rid, path, body, what)) as events:
+                async for event in events:
+                    self.started.add(rid)
+                    if len(self.started) >= self.want:
+                        self.streaming.set()
+                    yield event
+
     async def main():
-        with tqueue.LocalCluster(num_storage_units=1) as cluster:
-            async with tqueue.AsyncClient(cluster.address) as c, VLLMHTTPEngine(
-                vllm_server, sampling={"temperature": 1.0, "ignore_eos": True}
+        with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": 5.0}) as cluster:
+            async with tqueue.AsyncClient(cluster.address) as c, Watched(
+                vllm_server, sampling={"temperature": 1.0, "ignore_eos": True}, want=4
             ) as engine:
                 await c.create_partition("h-0", target=4, recycle_to="h-1")
-                driver = Rollouts(c, engine, max_new_tokens=LONG)
+                driver = Rollouts(c, engine, max_new_tokens=HTTP_LONG)
                 await driver.set_version(3)
-                report = await asyncio.wait_for(driver.step("h-0", [[5, 6, 7], [8, 9]], n=4, max_new_tokens=[SHORT, LONG]), 300)
-                assert (report.stored, report.aborted, report.recycled) == (4, 4, 4), report
+                step = asyncio.ensure_future(driver.step("h-0", [[8, 9]], n=4))
+                await asyncio.wait_for(engine.streaming.wait(), 300)
+                other = {"prompt_ids": torch.tensor([1, 2]), "response_ids": torch.tensor([3, 4]), "finish": "length"}
+                await c.put("h-0", [other] * 4, version=3)  # another worker fills the step: it seals
+                report = await asyncio.wait_for(step, 300)
+                assert report.sealed and (report.stored, report.aborted, report.recycled) == (0, 4, 4), report
                 lengths = sorted(len(p.trajectory.response_ids) for p in driver._partials)
-                assert all(0 < n < LONG for n in lengths), lengths
+                assert all(0 < n < HTTP_LONG for n in lengths), lengths
                 await driver.set_version(4)
                 report = await asyncio.wait_for(driver.step("h-1", [], n=1), 300)
                 assert (report.resumed, report.stored) == (4, 4), report
@@ -265,8 +305,8 @@ def test_over_sampling_through_the_vllm_token_api(vllm_server):
                 for i in range(4):
                     spans = batch["version_spans"][i].tolist()
                     k = spans[0][2]
-                    assert spans == [[3, 0, k], [4, k, LONG]] and len(batch["response_ids"][i]) == LONG
-                    assert batch.token_versions("response_ids")[i].tolist() == [3] * k + [4] * (LONG - k)
+                    assert spans == [[3, 0, k], [4, k, HTTP_LONG]] and len(batch["response_ids"][i]) == HTTP_LONG
+                    assert batch.token_versions("response_ids")[i].tolist() == [3] * k + [4] * (HTTP_LONG - k)
 
     asyncio.run(main())
 

@@ -5,28 +5,44 @@ routed-experts payload over a long sequence is large, but not without limit)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from ..errors import EngineError, InvalidArgumentError
+from ._aborts import EarlyAborts
 
 MAX_EVENT = 256 << 20
+
+log = logging.getLogger(__name__)
+
+
+#: events handed on from one received piece before the loop gets a turn (its timers: heartbeats)
+YIELD_EVERY = 256
 
 
 async def events(content: Any, what: str, max_bytes: int = MAX_EVENT) -> AsyncIterator[Any]:
     """The decoded JSON of each ``data:`` event of an aiohttp response body, until
-    ``[DONE]`` or the end of the stream. ``what`` names the request in errors."""
+    ``[DONE]`` or the end of the stream. ``what`` names the request in errors.
+
+    Linear in the bytes received: each byte is searched for a boundary once (a search that
+    started over at every event, or every piece, was quadratic: a resumed call's stream that
+    arrived as one piece of thousands of events held the loop for seconds, past the cluster's
+    liveness window). A piece of many events lets the loop run every ``YIELD_EVERY`` events."""
     buf = bytearray()
+    scanned = 0  # buf[:scanned] holds no boundary's start but in its last 3 bytes
     async for piece in content.iter_any():
         buf += piece
+        pos = 0  # where the next event starts
+        handed = 0
         while True:
-            end = _boundary(buf)
+            end = _boundary(buf, max(pos, scanned - 3))
             if end is None:
                 break
-            block, cut = bytes(buf[: end[0]]), end[1]
-            del buf[:cut]
+            block = bytes(buf[pos : end[0]])
+            pos = scanned = end[1]
             data = b"\n".join(
                 line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:")
             )
@@ -35,21 +51,30 @@ async def events(content: Any, what: str, max_bytes: int = MAX_EVENT) -> AsyncIt
             if data.strip() == b"[DONE]":
                 return
             try:
-                yield msgspec.json.decode(data)
+                event = msgspec.json.decode(data)
             except msgspec.DecodeError as exc:
                 raise EngineError(f"{what}: a streamed event is not JSON ({exc}): {data[:200]!r}") from None
+            yield event
+            handed += 1
+            if handed % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        del buf[:pos]
+        scanned = len(buf)
         if len(buf) > max_bytes:
             raise EngineError(f"{what}: a streamed event exceeds {max_bytes} bytes")
 
 
-def _boundary(buf: bytearray) -> tuple[int, int] | None:
-    """Where the first event ends and the next begins (``\\n\\n`` or ``\\r\\n\\r\\n``)."""
-    a, b = buf.find(b"\n\n"), buf.find(b"\r\n\r\n")
-    if a < 0 and b < 0:
-        return None
-    if b >= 0 and (a < 0 or b < a):
-        return b, b + 4
-    return a, a + 2
+def _boundary(buf: bytearray, start: int) -> tuple[int, int] | None:
+    """Where the first event from ``start`` ends and the next begins (``\\n\\n`` or
+    ``\\r\\n\\r\\n``): read line end by line end, no further than the boundary."""
+    i = buf.find(b"\n", start)
+    while i >= 0:
+        if buf[i + 1 : i + 2] == b"\n":
+            return i, i + 2
+        if i > start and buf[i - 1] == 0x0D and buf[i + 1 : i + 3] == b"\r\n":
+            return i - 1, i + 3
+        i = buf.find(b"\n", i + 1)
+    return None
 
 
 class HTTPEngine:
@@ -67,6 +92,7 @@ class HTTPEngine:
         self._session: Any = None
         self._streams: dict[str, Any] = {}
         self._closed: set[str] = set()
+        self._early = EarlyAborts(horizon=timeout)
 
     def _http(self) -> Any:
         if self._session is None:
@@ -103,9 +129,15 @@ class HTTPEngine:
                     text = (await resp.text())[:500]
                     raise EngineError(f"{what}: HTTP {resp.status}: {text}", retryable=resp.status >= 500)
                 self._streams[rid] = resp
+                if self.abort_by == "close" and self._early.asked(rid):  # asked before the stream opened
+                    self._closed.add(rid)
+                    resp.close()
                 async for event in events(resp.content, what):
+                    first = not started
                     started = True
                     yield event
+                    if first and self.abort_by == "request" and self._early.asked(rid):
+                        await self._abort_again(rid)
         except asyncio.TimeoutError:  # aiohttp's timeouts are asyncio's too
             if rid not in self._closed:
                 when = "after its first event" if started else "before any event"
@@ -118,6 +150,7 @@ class HTTPEngine:
                 raise EngineError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:
             self._streams.pop(rid, None)
+            self._early.forget(rid)
 
     async def post(self, path: str, body: Mapping[str, Any], what: str) -> None:
         """POST ``body`` to ``path``; anything but HTTP 200 is an :class:`EngineError` naming ``what``."""
@@ -130,6 +163,27 @@ class HTTPEngine:
                     raise EngineError(f"{what} at {self.url}: HTTP {resp.status}: {text}", retryable=resp.status >= 500)
         except (asyncio.TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise EngineError(f"{what} at {self.url}: {type(exc).__name__}: {exc}", retryable=True) from None
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        """:meth:`tqueue.bridges.Engine.abort`: close the streams, or ask the engine
+        (:meth:`abort_requests`); an abort asked before a call's first event is asked again at
+        that event (the engine drops an abort of a request it does not hold yet; see
+        ``_aborts``)."""
+        self._early.ask(rids)
+        if self.abort_by == "close":
+            self.abort_streams(rids)
+            return
+        await self.abort_requests(rids)
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """Ask the engine to abort these requests (its abort endpoint)."""
+        raise NotImplementedError
+
+    async def _abort_again(self, rid: str) -> None:
+        try:
+            await self.abort_requests([rid])
+        except EngineError as exc:  # the call then ends at the driver's abort bound
+            log.warning("aborting %s again at its first event failed: %s", rid, exc)
 
     def closed(self, rid: str) -> bool:
         """Whether the driver closed this call's stream (and forget it)."""

@@ -183,11 +183,8 @@ class SGLangEngine(HTTPEngine):
             routed_experts_start_len=start,
         )
 
-    async def abort(self, rids: Sequence[str]) -> None:
-        """:meth:`tqueue.bridges.Engine.abort`."""
-        if self.abort_by == "close":
-            self.abort_streams(rids)
-            return
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """``POST /abort_request`` for each request."""
         await asyncio.gather(*(self.post("/abort_request", {"rid": r}, f"aborting SGLang request {r}") for r in rids))
 
     async def set_version(self, version: int) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._extras import require
 from ..errors import EngineError, SchemaError
+from ._aborts import EarlyAborts
 from ._fields import Trajectory
 from ._http import HTTPEngine
 
@@ -91,21 +92,29 @@ class VLLMEngine:
         self.llm = llm
         self.sampling = dict(sampling or {})
         self._vllm = require("vllm", "vllm", by="VLLMEngine")
+        self._early = EarlyAborts(horizon=24 * 3600.0)
 
     async def generate(self, rid: str, trajectory: Trajectory, max_new_tokens: int) -> None:
         """:meth:`tqueue.bridges.Engine.generate`."""
         params = self._vllm.SamplingParams(**{**self.sampling, "max_tokens": max_new_tokens, "logprobs": 0})
         prompt = {"prompt_token_ids": trajectory.prompt_ids + trajectory.response_ids}
         final = None
-        async for out in self.llm.generate(prompt, params, request_id=rid):
-            final = out
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=rid):
+                if final is None and self._early.asked(rid):  # asked before the engine held it: again
+                    await self.llm.abort([rid])
+                final = out
+        finally:
+            self._early.forget(rid)
         if final is None or not final.outputs:
             raise EngineError(f"vLLM request {rid} ended without an output")
         start = trajectory.experts_start
         from_completion(final.outputs[0], trajectory.prompt_ids, trajectory=trajectory, routed_experts_prompt_start=start)
 
     async def abort(self, rids: Sequence[str]) -> None:
-        """:meth:`tqueue.bridges.Engine.abort`."""
+        """:meth:`tqueue.bridges.Engine.abort`; one asked before a call's first output is
+        asked again at that output (``AsyncLLM.abort`` drops an id it does not hold yet)."""
+        self._early.ask(rids)
         await self.llm.abort(list(rids))
 
     async def set_version(self, version: int) -> None:
@@ -166,11 +175,8 @@ class VLLMHTTPEngine(HTTPEngine):
         start = trajectory.experts_start
         from_completion(out, trajectory.prompt_ids, trajectory=trajectory, routed_experts_prompt_start=start)
 
-    async def abort(self, rids: Sequence[str]) -> None:
-        """:meth:`tqueue.bridges.Engine.abort`."""
-        if self.abort_by == "close":
-            self.abort_streams(rids)
-            return
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """``POST /inference/v1/abort_requests`` naming the server's ids."""
         # a request not yet streaming has no server id: vLLM 0.32 names it "generate-tokens-" + ours
         ids = [self._server_ids.get(rid, f"generate-tokens-{rid}") for rid in rids]
         async with self._http().post(f"{self.url}/inference/v1/abort_requests", json={"request_ids": ids}) as resp:

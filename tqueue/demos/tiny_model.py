@@ -32,7 +32,7 @@ def make(out: str | Path) -> Path:
     )
     config = hf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
         tie_word_embeddings=False,
     )
     hf.LlamaForCausalLM(config).save_pretrained(out)
