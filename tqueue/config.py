@@ -98,6 +98,13 @@ class ControllerConfig:
         "died between grant and store) and its memory, admission and target places return")
     unit_timeout: float = _setting(
         30.0, "seconds a storage unit may take to answer the controller's drop or move; a drop that fails is retried")
+    restore: str = _setting(
+        "", "a checkpoint directory (save_checkpoint) to load at start: a controller restarted after a crash resumes "
+        "from it once the units it names have registered again, or restore_wait seconds have passed; requests other "
+        "than status wait until then (empty: start without partitions)")
+    restore_wait: float = _setting(
+        30.0, "seconds a restoring controller waits for the checkpoint's units to register before it loads the "
+        "checkpoint into the units it has (at least one)")
     tombstone_seconds: float = _setting(
         600.0, "seconds puts to the name of a partition that sealed and freed itself are refused (stragglers start no "
         "partition nobody consumes); create_partition lifts it")

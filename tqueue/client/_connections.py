@@ -106,6 +106,7 @@ class Connections:
                 routing_id=self.session.routing_id(),
                 curve=self.curve,
                 watch=True,  # nothing listening, or a refused handshake, fails the Hello at once
+                restartable=True,  # a controller that restarts loses what was in flight: those calls fail
             )
             try:
                 reply, _ = await peer.request(
@@ -139,6 +140,7 @@ class Connections:
             routing_id=self.session.routing_id(),  # one session with the client's other connections
             heartbeat=self.heartbeat,
             curve=self.curve,
+            restartable=True,
         )
 
     async def unit(self, unit_id: int) -> _zmq.Peer:

@@ -29,6 +29,7 @@ as they were. Its reply carries the user metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
@@ -189,7 +190,9 @@ class Checkpoints:
         old_units = [(u["unit_id"], [msgspec.convert(f, UnitFile) for f in u["files"]]) for u in manifest["units"]]
         if not live and any(files for _, files in old_units):
             raise UnavailableError("load_checkpoint needs at least one live storage unit to take the payload")
-        mapping = _assign(old_units, live)
+        by_name = {state.units[uid].name: uid for uid in live}
+        same = {int(u["unit_id"]): by_name[u["name"]] for u in manifest["units"] if u["name"] in by_name}
+        mapping = _assign(old_units, live, same)
         loads: dict[int, list[UnitFile]] = {}
         for old, files in old_units:
             loads.setdefault(mapping[old], []).extend(files)
@@ -231,6 +234,36 @@ class Checkpoints:
             seconds=time.perf_counter() - started, units=mapping,
         )
 
+    async def resume(self, directory: str, manifest: dict[str, Any], registered: asyncio.Event, wait: float) -> None:
+        """A restarted controller's restore: once every unit the checkpoint names has
+        registered again (they keep their ids, see ``Liveness.known``), or ``wait`` seconds
+        have passed and at least one unit lives, load the checkpoint (``registered`` is set
+        at each registration)."""
+        names = {str(u["name"]) for u in manifest["units"]}
+        deadline = time.monotonic() + wait
+        while True:
+            live = {u.name for u in self.state.units.values() if u.alive and not u.suspect}
+            if names <= live or (live and time.monotonic() >= deadline):
+                break
+            registered.clear()
+            left = deadline - time.monotonic()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(registered.wait(), left if left > 0 else None)
+        if names - live:
+            log.warning(
+                "restoring %s without units %s (not back after %g s): their files go to the units that are",
+                directory, sorted(names - live), wait,
+            )
+        self._start("a restore")
+        try:
+            reply = await self._restore(directory)
+        finally:
+            self._busy = ""
+        log.info(
+            "resumed from %s: %d partitions, %d samples, %d payload bytes in %.2f s",
+            directory, reply.partitions, reply.samples, reply.payload_bytes, reply.seconds,
+        )
+
     async def _unload(self, units: list[int], uids: list[int]) -> None:
         """Drop what a failed restore may have loaded (best effort: the restore failed anyway)."""
         calls = [
@@ -267,12 +300,18 @@ def _live(img: Image) -> int:
     return int(((mask & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
 
 
-def _assign(old_units: list[tuple[int, list[UnitFile]]], live: list[int]) -> dict[int, int]:
-    """Each old unit's files to a live unit: the largest first, to the one given least."""
+def _assign(old_units: list[tuple[int, list[UnitFile]]], live: list[int], same: dict[int, int] | None = None) -> dict[int, int]:
+    """Each old unit's files to a live unit: to the unit of the same name (``same``: a
+    restarted controller's units, back), the others the largest first, to the one given least."""
     given = {uid: 0 for uid in live}
     mapping: dict[int, int] = {}
+    for old, files in old_units:
+        new = (same or {}).get(old)
+        if new is not None and new in given:
+            mapping[old] = new
+            given[new] += sum(f.payload for f in files)
     for old, files in sorted(old_units, key=lambda u: (-sum(f.payload for f in u[1]), u[0])):
-        if not live:
+        if not live or old in mapping:
             continue
         new = min(live, key=lambda uid: (given[uid], uid))
         mapping[old] = new
@@ -309,8 +348,9 @@ def _commit_manifest(directory: str, manifest: dict[str, Any]) -> str:
     return path
 
 
-def _read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
-    path = os.path.join(directory, MANIFEST)
+def read_manifest(directory: str) -> dict[str, Any]:
+    """The manifest of the checkpoint in ``directory``, checked for its format."""
+    path = os.path.join(_absolute(directory), MANIFEST)
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -324,6 +364,11 @@ def _read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
         raise ProtocolError(
             f"{path} is a checkpoint of format version {manifest.get('version')}; this controller reads version {FORMAT_VERSION}"
         )
+    return manifest
+
+
+def _read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
+    manifest = read_manifest(directory)
     gen_dir = os.path.join(directory, str(manifest["generation"]))
     images = []
     for entry in manifest["partitions"]:

@@ -9,6 +9,12 @@ placed on it lapse, drops and moves owed to it are forgotten, and every sample i
 samples were already reported, so a dead unit that comes back (its heartbeat is answered
 ``known=False``) registers again, gets its unit id back by name, and starts empty.
 
+A controller that restarted does not know the units: their heartbeats are answered
+``known=False``, and they register again (empty), each proposing the id it had. The id is
+given back where no other unit has it (a checkpoint the controller restores from names its
+units' ids, which are then theirs): clients, which know units by id, keep connections that
+stay right.
+
 A client session that ends (it said ``Bye``, or the server heard nothing from any of its
 connections for the liveness window, see :mod:`tqueue.transport._liveness`) loses at once
 what waits for it here: its parked ``get_meta`` (so no samples are leased to a dead
@@ -19,7 +25,6 @@ they expire at their lease timeout, or are acked by another process of the same 
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -33,6 +38,8 @@ from ._state import ControllerState
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
+
+MAX_UNIT_ID = (1 << 15) - 1  # a sample's unit is an int16
 
 
 class Liveness:
@@ -58,7 +65,6 @@ class Liveness:
         self._wake = wake  # serve parked reads of a partition (lost samples end their wait)
         self.interval = state.config.heartbeat_interval
         self._names: dict[str, int] = {}  # unit name -> unit id
-        self._ids = itertools.count(0)
         self._timer = state.loop.call_later(self.interval, self._sweep) if self.interval > 0 else None
         state.server.sessions.on_gone(self.session_gone)
 
@@ -69,11 +75,27 @@ class Liveness:
 
     # --- units ----------------------------------------------------------------------
 
+    def known(self, units: list[tuple[int, str]]) -> None:
+        """Units of a checkpoint (id, name): each gets its id back when it registers."""
+        for unit_id, name in units:
+            self._names.setdefault(name, unit_id)
+
+    def _new_id(self, proposed: int) -> int:
+        """``proposed`` (the id a unit had with this controller's predecessor) where no other
+        unit has it, else the lowest id never given."""
+        taken = set(self._names.values())
+        if 0 <= proposed <= MAX_UNIT_ID and proposed not in taken:
+            return proposed
+        unit_id = max(taken, default=-1) + 1
+        if unit_id > MAX_UNIT_ID:
+            raise UnavailableError(f"this controller has given out every storage unit id (0 to {MAX_UNIT_ID})")
+        return unit_id
+
     def register(self, msg: RegisterUnit) -> Registered:
         name = msg.name or msg.address
         unit_id = self._names.get(name)
         if unit_id is None:
-            unit_id = self._names[name] = next(self._ids)
+            unit_id = self._names[name] = self._new_id(msg.unit_id)
         else:
             old = self.state.units.get(unit_id)
             if old is not None and old.alive:  # it restarted before its silence was noticed

@@ -15,6 +15,7 @@ The state is one object (:class:`._state.ControllerState`); what acts on it is c
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -72,7 +73,7 @@ from ..wire import (
     VersionWait,
     WaiterStatus,
 )
-from ._checkpoint import Checkpoints
+from ._checkpoint import Checkpoints, read_manifest
 from ._cleanup import Cleanup
 from ._keys import Keys
 from ._limits import check as check_limits
@@ -123,6 +124,15 @@ class Controller:
             copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
         )
         self.checkpoints = Checkpoints(self.state, wake=self._wake_soon, copy_again=self.replicas.wake)
+        # a controller restarted from a checkpoint: its units get their ids back, and requests
+        # wait until the checkpoint is loaded (a missing or damaged one fails the start here)
+        self._manifest: dict[str, Any] | None = None
+        self._restored: asyncio.Event | None = None
+        self._registered = asyncio.Event()
+        if self.config.restore:
+            self._manifest = read_manifest(self.config.restore)
+            self.liveness.known([(int(u["unit_id"]), str(u["name"])) for u in self._manifest["units"]])
+            self._restored = asyncio.Event()
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
         self._server.on_undelivered = self._undelivered
@@ -165,8 +175,10 @@ class Controller:
             (AllocateRows, self.rows.allocate),
             (Locate, self.rows.locate),
         )
+        ungated = (Hello, StatusRequest, Cancel)
         for msg_type, handler in anyone:
-            self._server.route(msg_type, self._bounded(handler))
+            handler = self._bounded(handler)
+            self._server.route(msg_type, handler if msg_type in ungated else self._gated(handler))
 
     @property
     def s(self) -> ControllerState:
@@ -184,8 +196,45 @@ class Controller:
 
         return bounded
 
+    def _gated(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:
+        """``handler``, held until a restarting controller has loaded its checkpoint."""
+
+        def gated(ident: bytes, msg: Any, bufs: list[Any]) -> Any:
+            if self._restored is None or self._restored.is_set():
+                return handler(ident, msg, bufs)
+            return self._after_restore(handler, ident, msg, bufs)
+
+        return gated
+
+    async def _after_restore(self, handler: Callable[[bytes, Any, list[Any]], Any], ident: bytes, msg: Any, bufs: list[Any]) -> Any:
+        assert self._restored is not None
+        await self._restored.wait()
+        result = handler(ident, msg, bufs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def _resume(self) -> None:
+        assert self._manifest is not None and self._restored is not None
+        await self.checkpoints.resume(self.config.restore, self._manifest, self._registered, self.config.restore_wait)
+        self._restored.set()
+
     async def serve(self) -> None:
         log.info("controller serving at %s", self.address)
+        if self._restored is not None:
+            # a restore that fails stops the controller: it was asked to resume, not to start empty
+            resume = asyncio.get_running_loop().create_task(self._resume())
+            serving = asyncio.get_running_loop().create_task(self._serve())
+            try:
+                await resume
+            except BaseException:
+                serving.cancel()
+                raise
+            await serving
+            return
+        await self._serve()
+
+    async def _serve(self) -> None:
         if self.config.metrics_port >= 0:
             from ._metrics import families
 
@@ -256,7 +305,9 @@ class Controller:
 
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
         _check_protocol(msg.protocol, "controller")
-        return self.liveness.register(msg)
+        reply = self.liveness.register(msg)
+        self._registered.set()
+        return reply
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, bufs: list[Any]) -> HeartbeatReply:
         return self.liveness.heartbeat(msg)

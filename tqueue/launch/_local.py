@@ -8,6 +8,7 @@ import logging
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,25 @@ class LocalCluster:
         appended to ``unit_addresses``, and it is stopped with the cluster."""
         proc = self._spawn_unit(host)
         self.unit_addresses.append(self._ready(proc)["address"])
+        return proc.pid
+
+    def restart_controller(self, *, restore: str = "", kill: bool = True) -> int:
+        """Stop the controller (SIGKILL, or SIGTERM with ``kill=False``) and start a new one at
+        the same address; with ``restore``, it resumes from that checkpoint
+        (``ControllerConfig.restore``). The units and clients stay and rejoin it by
+        themselves. Returns the new controller's pid, once it is ready."""
+        old = self._procs[0]  # the controller is started first
+        old.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        old.wait()
+        if old.stdin is not None and not old.stdin.closed:
+            old.stdin.close()
+        args = ["controller", "--bind", self.address, *self.controller_args]
+        if restore:
+            args += ["--restore", restore]
+        proc = self._spawn(args)
+        self._procs.remove(proc)
+        self._procs[0] = proc
+        self._ready(proc)
         return proc.pid
 
     def _spawn_unit(self, host: str) -> subprocess.Popen[bytes]:

@@ -137,6 +137,7 @@ class StorageUnit:
             bulk=self.bulk.address if self.bulk is not None else "",
             name=self.config.name,
             metrics=self.metrics.url if self.metrics is not None else "",
+            unit_id=self.membership.unit_id,
         )
 
     def _beat(self, unit_id: int) -> Heartbeat:

@@ -26,6 +26,7 @@ import inspect
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ R = TypeVar("R", bound=Message)
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
 _PING = encode(Ping())
+_monitors = itertools.count()  # names of blocking peers' monitor sockets
 BYE_LINGER_MS = 500  # a closing peer's Bye may still leave this long after the close
 _BYE = encode(Bye())
 MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
@@ -162,7 +164,12 @@ class Peer:
     request with its ``unavailable`` error once it has been silent for the liveness window
     (see :mod:`._liveness`), whatever each request's own timeout. With ``watch``, a first
     connection that fails (nothing listens, the handshake is refused) fails what is pending
-    at once, as the error :class:`._connect.ConnectWatch` makes of it.
+    at once, as the error :class:`._connect.ConnectWatch` makes of it. With ``lasting``, a
+    connection closed later fails what is in flight on it at once, and while reconnects are
+    refused so does every new request. With ``restartable`` (a server that may restart at its
+    address: the controller), a closed connection fails what is in flight (a restarted server
+    never heard of it; a live one is told to withdraw it with a ``Cancel``), and new requests
+    wait for the reconnect, within the heartbeat window.
     """
 
     def __init__(
@@ -176,6 +183,7 @@ class Peer:
         curve: Curve | None = None,
         watch: bool = False,
         lasting: bool = False,
+        restartable: bool = False,
     ) -> None:
         self.address = address = endpoint(address)
         self.name = name
@@ -196,10 +204,12 @@ class Peer:
         self._down: TQueueError | None = None  # (lasting) the server stopped answering; None once it does
         self._verdict = asyncio.Event()  # (lasting) cleared while a closed connection awaits its reconnect
         self._verdict.set()
-        self._watch = None if not (watch or lasting) else ConnectWatch(  # before the connect: every event counts
+        self._restartable = restartable
+        watched = lasting or restartable
+        self._watch = None if not (watch or watched) else ConnectWatch(  # before the connect: every event counts
             self._socket.sock, name=name, address=address, keys=curve is not None,
             unavailable=unavailable, on_failure=self._refuse,
-            on_lost=self._lost if lasting else None, on_connected=self._connected if lasting else None,
+            on_lost=self._lost if watched else None, on_connected=self._connected if watched else None,
         )
         self._socket.sock.connect(address)
         self._loop = asyncio.get_running_loop()
@@ -250,6 +260,13 @@ class Peer:
         self._fail_pending(exc)
 
     def _lost(self, exc: TQueueError, gone: bool) -> None:
+        if self._restartable:
+            if not gone:
+                lost = [rid for rid, fut in self._pending.items() if not fut.done()]
+                self._fail_pending(exc)
+                for rid in lost:  # queued for the reconnect: a server that lives withdraws them
+                    self._withdraw(rid)
+            return
         if gone:
             self._down = exc
             self._verdict.set()
@@ -389,6 +406,8 @@ class BlockingPeer:
     For a blocking client's small control calls: the caller's thread sends and waits on the
     socket itself, which saves the two thread hand-offs of going through an event loop
     (about 0.4 ms of a 0.8 ms ``get_meta`` on two cores). Not thread-safe: one per thread.
+    ``restartable``: a connection closed while a request waits (the server died or
+    restarted at its address) fails the request at once, as :class:`Peer` does.
     """
 
     def __init__(
@@ -400,6 +419,7 @@ class BlockingPeer:
         routing_id: bytes | None = None,
         heartbeat: float = 0.0,
         curve: Curve | None = None,
+        restartable: bool = False,
     ) -> None:
         self.address = address = endpoint(address)
         self.name = name
@@ -414,9 +434,28 @@ class BlockingPeer:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if curve is not None:
             curve.connect(self.sock)
+        self._mon: zmq.Socket | None = None
+        if restartable:
+            self._mon = self.sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED, f"inproc://tqueue-blocking-{os.getpid()}-{next(_monitors)}"
+            )
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            self._poller.register(self._mon, zmq.POLLIN)
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self.closed = False
+
+    def _disconnected(self) -> bool:
+        """Whether the connection closed since the last look (events read and forgotten)."""
+        seen = False
+        while self._mon is not None:
+            try:
+                self._mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            seen = True  # the monitor hears only EVENT_DISCONNECTED
+        return seen
 
     def request(self, msg: Message, *, expect: type[R], timeout: float) -> R:
         """Send ``msg`` and wait up to ``timeout`` seconds (``math.inf``: no limit) for its
@@ -430,6 +469,7 @@ class BlockingPeer:
         if self.closed:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
         msg.rid = rid = next(self._ids)
+        self._disconnected()  # a close before this request does not concern it
         with self._io:
             self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
         try:
@@ -475,7 +515,17 @@ class BlockingPeer:
                         f"{self.name} at {self.address} did not answer {type(msg).__name__} "
                         f"within {timeout:.1f} s"
                     )
-                if not self.sock.poll(-1 if left == math.inf else max(1, int(left * 1000))):
+                wait_ms = -1 if left == math.inf else max(1, int(left * 1000))
+                if self._mon is not None:
+                    ready = dict(self._poller.poll(wait_ms))
+                    if self._mon in ready and self._disconnected():
+                        raise self._unavailable(
+                            f"{self.name} at {self.address} closed the connection (it died or restarted): "
+                            f"the {type(msg).__name__} request in flight on it is lost"
+                        )
+                    if self.sock not in ready:
+                        continue
+                elif not self.sock.poll(wait_ms):
                     continue
                 frames = self.sock.recv_multipart(copy=False)
                 heard = time.monotonic()
@@ -497,6 +547,9 @@ class BlockingPeer:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._mon is not None:
+                self.sock.disable_monitor()
+                self._mon.close(linger=0)
             self.sock.close(linger=0)
 
 

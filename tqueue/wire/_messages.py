@@ -274,7 +274,10 @@ class HelloReply(Message):
 
 class RegisterUnit(Message):
     """``name``: the unit's identity; a unit that registers again under a known name (it
-    restarted, or the controller had declared it dead) gets its ``unit_id`` back."""
+    restarted, or the controller had declared it dead) gets its ``unit_id`` back.
+    ``unit_id``: the id it had (-1: none yet); a controller that does not know the name (it
+    restarted) gives that id back where no other unit has it, so that clients' connections,
+    which know units by id, stay right."""
 
     KIND = Kind.REGISTER_UNIT
     protocol: int
@@ -285,6 +288,7 @@ class RegisterUnit(Message):
     bulk: str = ""
     name: str = ""
     metrics: str = ""  # its Prometheus endpoint, if it serves one
+    unit_id: int = -1
 
 
 class Registered(Message):

@@ -1,0 +1,145 @@
+"""One process restarted: the controller SIGKILLed (by pid) and started again at its address,
+from the last checkpoint (``ControllerConfig.restore``), while the storage units and the
+clients stay. The units rejoin under the ids they had; the clients, with no code of their
+own for it, go on: their calls wait until the checkpoint is loaded, then see it exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import ControllerUnavailableError, TQueueError, WaitTimeoutError
+
+from ._proc import until
+
+INTERVAL = 0.5
+
+
+def payload(first: int, count: int) -> dict[str, torch.Tensor]:
+    i = torch.arange(first, first + count)
+    return {"x": (i[:, None] * 1000 + torch.arange(256)[None, :]).to(torch.int32), "i": i}
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().numpy().tobytes())
+
+
+def check(batch: tqueue.Batch, want: set[int]) -> None:
+    """``batch`` holds exactly the samples numbered ``want``, each byte as put."""
+    got = [int(v) for v in batch["i"]]
+    assert sorted(got) == sorted(want), sorted(got)
+    expect = payload(0, max(want) + 1)["x"]
+    for row, i in enumerate(got):
+        assert crc(batch["x"][row]) == crc(expect[i]), i
+
+
+def test_a_controller_restarted_from_its_checkpoint_resumes_with_the_units_and_clients_it_had(tmp_path: pathlib.Path) -> None:
+    options = {"heartbeat_interval": INTERVAL}
+    with tqueue.LocalCluster(num_storage_units=2, controller=options) as cluster, cluster.client() as c, cluster.client() as waiter:
+        c.create_partition("roll")
+        c.create_partition("quiet")
+        c.put("roll", payload(0, 16))
+        c.ack(c.get_meta("roll", ["x", "i"], 6, task="train"))  # consumed before the checkpoint
+        c.get_meta("roll", ["x", "i"], 2, task="train")  # leased, not acked: ready again after
+        units = {(u.unit_id, u.address) for u in c.status().units}
+        c.save_checkpoint(tmp_path, metadata={"step": 3})
+        c.put("roll", payload(16, 4))  # after the checkpoint: gone with the controller
+        parked: list[BaseException] = []
+
+        def park() -> None:
+            try:
+                waiter.get_meta("quiet", ["x"], 1, task="t", timeout=120)
+            except TQueueError as exc:
+                parked.append(exc)
+
+        reader = threading.Thread(target=park)
+        reader.start()
+        until(lambda: any(w.partition == "quiet" for w in c.status().waiting), 10, "the read parks at the controller")
+        pid = cluster.restart_controller(restore=str(tmp_path))
+        ready = time.monotonic()
+        # the first call waits for the units and the load, then is served
+        batch = c.get_data("roll", ["x", "i"], 10, task="train", timeout=30)
+        served = time.monotonic() - ready
+        check(batch, set(range(6, 16)))  # the 6 acked stay consumed; the 2 leased came back
+        reader.join(30)
+        assert not reader.is_alive() and len(parked) == 1 and isinstance(parked[0], ControllerUnavailableError), parked
+        status = c.status()
+        assert {(u.unit_id, u.address) for u in status.units} == units and all(u.alive for u in status.units)
+        assert {p.name: p.samples for p in status.partitions} == {"roll": 16, "quiet": 0}
+        check(c.get_data("roll", ["x", "i"], 16, task="eval", timeout=10), set(range(16)))
+        # the clients' connections to the units are still right: a put and a read through them
+        c.put("roll", payload(20, 8))
+        check(c.get_data("roll", ["x", "i"], 8, task="train", timeout=10), set(range(20, 28)))
+        assert pid == cluster.pids[0]
+        print(f"restarted controller: first call served {served:.2f} s after it was ready (heartbeat {INTERVAL} s)")
+
+
+def test_an_async_clients_parked_call_fails_at_the_restart_and_its_next_call_is_served(tmp_path: pathlib.Path) -> None:
+    """The event-loop client's connection: what was parked at the old controller fails as the
+    connection closes (it would wait to its own timeout otherwise: the new controller never
+    heard of it, and answers the pings), the next call goes to the new one."""
+
+    async def main(cluster: tqueue.LocalCluster) -> None:
+        async with tqueue.AsyncClient(cluster.address) as c:
+            await c.create_partition("quiet")
+            await c.save_checkpoint(tmp_path)
+            parked = asyncio.ensure_future(c.get_meta("quiet", ["x"], 1, task="t", timeout=120))
+            deadline = time.monotonic() + 10
+            while not any(w.partition == "quiet" for w in (await c.status()).waiting):  # status shows it parked
+                assert time.monotonic() < deadline, "the read did not park"
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(cluster.restart_controller, restore=str(tmp_path))
+            with pytest.raises(ControllerUnavailableError, match="closed the connection .* in flight on it are lost"):
+                await asyncio.wait_for(parked, 30)
+            await c.put("quiet", payload(0, 2))
+            meta = await c.get_meta("quiet", ["x", "i"], 2, task="t", timeout=30)
+            assert sorted(meta.indexes) == [0, 1]
+
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": INTERVAL}) as cluster:
+        asyncio.run(main(cluster))
+
+
+def test_a_unit_that_does_not_come_back_leaves_its_files_to_the_others(tmp_path: pathlib.Path) -> None:
+    """The restarted controller waits ``restore_wait`` for the checkpoint's units, then loads
+    the files of a unit that did not come back into the ones that did."""
+    options = {"heartbeat_interval": INTERVAL, "restore_wait": 1.0}
+    with tqueue.LocalCluster(num_storage_units=2, controller=options) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 16))
+        c.save_checkpoint(tmp_path)
+        gone = cluster.pids[2]
+        os.kill(gone, signal.SIGKILL)
+        cluster.restart_controller(restore=str(tmp_path))
+        check(c.get_data("roll", ["x", "i"], 16, task="train", timeout=30), set(range(16)))
+        assert [u.alive for u in c.status().units] == [True]
+
+
+def test_a_restart_without_a_checkpoint_keeps_the_units_ids_and_starts_empty() -> None:
+    with tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": INTERVAL}) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 8))
+        units = {(u.unit_id, u.address) for u in c.status().units}
+        cluster.restart_controller()
+        c.put("fresh", payload(0, 8))  # placed on units that registered again
+        check(c.get_data("fresh", ["x", "i"], 8, task="t", timeout=30), set(range(8)))
+        assert {(u.unit_id, u.address) for u in c.status().units} == units
+        with pytest.raises(WaitTimeoutError, match="partition 'roll' .* does not exist yet"):
+            c.get_meta("roll", ["x"], 1, task="t", timeout=0.5)
+
+
+def test_a_controller_told_to_restore_a_missing_checkpoint_does_not_start(tmp_path: pathlib.Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tqueue", "controller", "--bind", "tcp://127.0.0.1:0", "--restore", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "TQUEUE-READY" not in out.stdout
+    assert f"no checkpoint in {tmp_path / 'none'}" in out.stderr, out.stderr[-2000:]
