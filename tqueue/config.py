@@ -174,6 +174,10 @@ class StorageConfig:
     name: str = _setting(
         "", "the unit's identity at the controller (empty: its ZeroMQ address); a unit that registers again under a "
         "known name (restarted, or back after it was declared dead) gets its old unit id back and starts empty")
+    restore: str = _setting(
+        "", "a checkpoint directory (save_checkpoint) whose payload of this unit (found by name) the unit loads "
+        "before it registers: restarted before the controller noticed its death, it keeps the samples the "
+        "checkpoint holds as they still are; what changed or came since is lost (empty: start empty)")
     auth_dir: str = _setting(
         "", "directory of the cluster's CurveZMQ keys (see tqueue/transport/_auth.py); empty: no authentication")
     advertise: str = _setting("", _ADVERTISE)

@@ -113,7 +113,8 @@ def test_a_killed_controller_fails_parked_calls_of_sync_and_async_clients_at_onc
             t.join(10)
         for name in done:
             assert isinstance(errors[name], ControllerUnavailableError), errors[name]
-            assert "has not been heard from" in str(errors[name])
+            # the connection closed with the process: at once, not at the end of the window
+            assert "closed the connection (it died or restarted)" in str(errors[name]), errors[name]
         with pytest.raises(ControllerUnavailableError, match="has not been heard from|did not answer"):
             sync_client.put("p", {"x": torch.ones(2, 2)})
         print(f"controller SIGKILL: both parked get_meta failed after {took:.2f} s (heartbeat {INTERVAL} s)")

@@ -131,6 +131,7 @@ def test_a_restart_without_a_checkpoint_keeps_the_units_ids_and_starts_empty() -
         cluster.restart_controller()
         c.put("fresh", payload(0, 8))  # placed on units that registered again
         check(c.get_data("fresh", ["x", "i"], 8, task="t", timeout=30), set(range(8)))
+        until(lambda: len(c.status().units) == 2, 30, "both units register again")  # each at its next heartbeat
         assert {(u.unit_id, u.address) for u in c.status().units} == units
         with pytest.raises(WaitTimeoutError, match="partition 'roll' .* does not exist yet"):
             c.get_meta("roll", ["x"], 1, task="t", timeout=0.5)
@@ -143,3 +144,44 @@ def test_a_controller_told_to_restore_a_missing_checkpoint_does_not_start(tmp_pa
     )
     assert out.returncode != 0 and "TQUEUE-READY" not in out.stdout
     assert f"no checkpoint in {tmp_path / 'none'}" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_unit_restarted_with_its_checkpointed_payload_keeps_what_did_not_change(tmp_path: pathlib.Path) -> None:
+    """Restarted (at its address, so under its name) before the controller noticed it was gone,
+    with ``StorageConfig.restore``: the samples the checkpoint holds as they still are stay,
+    readable byte for byte; what came after the checkpoint is lost and counted; the payload of
+    a partition cleared since is freed on the unit. The heartbeat is 2 s, so that the restart
+    is well inside the unit's liveness window (10 s)."""
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": 2.0}) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 16))
+        c.put("gone", payload(0, 4))
+        c.ack(c.get_meta("roll", ["x", "i"], 4, task="train"))
+        c.save_checkpoint(tmp_path)
+        c.put("late", payload(0, 8))  # after the checkpoint: lost with the restart
+        c.clear("gone")
+        before = c.status().units[0]
+        cluster.restart_unit(0, restore=str(tmp_path))
+        check(c.get_data("roll", ["x", "i"], 12, task="train", timeout=30), set(range(4, 16)))
+        check(c.get_data("roll", ["x", "i"], 16, task="eval", timeout=30), set(range(16)))
+        status = c.status()
+        parts = {p.name: p for p in status.partitions}
+        assert (parts["roll"].lost, parts["late"].lost) == (0, 8)
+        unit = status.units[0]
+        assert (unit.unit_id, unit.address, unit.alive) == (before.unit_id, before.address, True)
+        c.put("roll", payload(16, 4))  # the clients' connection to the unit (a new process) is right
+        check(c.get_data("roll", ["x", "i"], 4, task="train", timeout=30), set(range(16, 20)))
+
+
+def test_a_unit_back_after_it_was_declared_dead_keeps_nothing(tmp_path: pathlib.Path) -> None:
+    """Lost is final: the samples of a unit declared dead were reported lost, so the same
+    unit restarted from the checkpoint afterwards frees what it loaded and starts empty."""
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": INTERVAL}) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 8))
+        c.save_checkpoint(tmp_path)
+        os.kill(cluster.pids[1], signal.SIGKILL)
+        until(lambda: not c.status().units[0].alive, 30, "the unit is declared dead")
+        cluster.restart_unit(0, restore=str(tmp_path))
+        until(lambda: c.status().units[0].alive, 30, "the unit registers again")
+        assert {p.name: p.lost for p in c.status().partitions} == {"roll": 8}
+        c.put("fresh", payload(0, 2))
+        check(c.get_data("fresh", ["x", "i"], 2, task="t", timeout=30), {0, 1})

@@ -146,13 +146,13 @@ class Connections:
     async def unit(self, unit_id: int) -> _zmq.Peer:
         """The peer of a storage unit; asks the controller about units it does not know yet."""
         peer = self.unit_peers.get(unit_id)
-        if peer is not None:
+        if peer is not None and unit_id in self.units:
             return peer
         info = self.units.get(unit_id)
         if info is None:
             ctl = await self.ctl()
             reply, _ = await ctl.request(Hello(protocol=PROTOCOL_VERSION, host=self.host), expect=HelloReply)
-            self.units = {u.unit_id: u for u in reply.units}
+            self.units.update({u.unit_id: u for u in reply.units})
             info = self.units.get(unit_id)
             if info is None:
                 raise StorageUnitUnavailableError(f"storage unit {unit_id} is not registered")
@@ -170,9 +170,22 @@ class Connections:
                 routing_id=self.session.routing_id(),
                 curve=self.curve,
                 lasting=True,  # a unit that died fails what is in flight to it at once (a put goes elsewhere)
+                on_closed=lambda: self.forget_unit(info.unit_id),
             )
             peer.heartbeat(self.heartbeat)
         return peer
+
+    def forget_unit(self, unit_id: int) -> None:
+        """A unit's connection closed: it died, or restarted at its address with an arena and
+        a bulk port of its own. Its route, arena map and description are forgotten, so the
+        next call asks the controller and maps anew (an old map would read another process's
+        pages: bytes that are not the sample's). The connection itself stays: ZeroMQ
+        reconnects it, at the same address."""
+        route = self.routes.pop(unit_id, None)
+        if route is not None:
+            route.close()
+        self.arenas.pop(unit_id, None)
+        self.units.pop(unit_id, None)
 
     # --- routes ---------------------------------------------------------------------------
 

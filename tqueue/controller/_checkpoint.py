@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
+import numpy as np
 
 from .._tasks import all_or_none
 from ..errors import InvalidArgumentError, ProtocolError, UnavailableError
@@ -59,15 +60,13 @@ from ..wire import (
     UnitLoaded,
     UnitSaved,
 )
+from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
 from ._samples import COMMITTED, EXCLUDED
 from ._snapshot import Image, capture, read_image, rebuild, write_image
 from ._state import ControllerState
 
 log = logging.getLogger(__name__)
 
-FORMAT: Final = "tqueue-checkpoint"
-FORMAT_VERSION: Final = 1
-MANIFEST: Final = "manifest.json"
 MOVES_WAIT: Final = 30.0  # seconds a checkpoint waits for moves under way to land
 
 
@@ -181,7 +180,7 @@ class Checkpoints:
         started = time.perf_counter()
         state = self.state
         self._check_fresh()
-        manifest, images = await asyncio.to_thread(_read_checkpoint, directory)
+        manifest, images = await asyncio.to_thread(read_checkpoint, directory)
         gen_dir = os.path.join(directory, manifest["generation"])
         self._check_fresh()
         # partitions created from now on get uids past the restored ones
@@ -348,26 +347,28 @@ def _commit_manifest(directory: str, manifest: dict[str, Any]) -> str:
     return path
 
 
-def read_manifest(directory: str) -> dict[str, Any]:
-    """The manifest of the checkpoint in ``directory``, checked for its format."""
-    path = os.path.join(_absolute(directory), MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise InvalidArgumentError(f"no checkpoint in {directory}: {MANIFEST} is not there") from None
-    except ValueError as exc:
-        raise ProtocolError(f"{path} is not JSON: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ProtocolError(f"{path} is not a tqueue checkpoint manifest")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise ProtocolError(
-            f"{path} is a checkpoint of format version {manifest.get('version')}; this controller reads version {FORMAT_VERSION}"
-        )
-    return manifest
+def kept_on(unit_id: int, images: list[Image], by_uid: dict[int, Any]) -> dict[int, np.ndarray]:
+    """Per partition uid, the samples a unit restarted from these images holds as they are
+    now: on that unit in both, committed and not excluded in both, of the same revision and
+    the same fields. Partitions with none are left out."""
+    out: dict[int, np.ndarray] = {}
+    for img in images:
+        part = by_uid.get(img.uid)
+        if part is None:
+            continue
+        s, a = part.samples, img.arrays
+        n = min(part.n, int(img.header["n"]))
+        live = COMMITTED | EXCLUDED
+        sel = (a["unit"][:n] == unit_id) & ((a["mask"][:n] & live) == COMMITTED)
+        sel &= (s.unit[:n] == unit_id) & ((s.mask[:n] & live) == COMMITTED)
+        sel &= (s.revision[:n] == a["revision"][:n]) & (s.mask[:n] == a["mask"][:n])
+        idx = np.flatnonzero(sel)
+        if len(idx):
+            out[img.uid] = idx
+    return out
 
 
-def _read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
+def read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
     manifest = read_manifest(directory)
     gen_dir = os.path.join(directory, str(manifest["generation"]))
     images = []

@@ -25,13 +25,17 @@ they expire at their lease timeout, or are acked by another process of the same 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from ..errors import StorageUnitUnavailableError, UnavailableError
+import numpy as np
+
+from ..errors import StorageUnitUnavailableError, TQueueError, UnavailableError
 from ..transport import _zmq
 from ..transport._liveness import UNIT_LIVENESS, session_of, window
 from ..wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
+from ._checkpoint import kept_on, read_checkpoint
 from ._cleanup import Cleanup
 from ._records import Unit
 from ._state import ControllerState
@@ -91,15 +95,57 @@ class Liveness:
             raise UnavailableError(f"this controller has given out every storage unit id (0 to {MAX_UNIT_ID})")
         return unit_id
 
-    def register(self, msg: RegisterUnit) -> Registered:
+    def register(self, msg: RegisterUnit) -> Registered | Awaitable[Registered]:
+        """A unit registers (again). One that loaded its payload from a checkpoint and
+        restarted before its death was noticed keeps what the checkpoint holds of it as it
+        still is (:meth:`_rejoin`); otherwise it starts empty."""
         name = msg.name or msg.address
+        unit_id = self._names.get(name)
+        old = self.state.units.get(unit_id) if unit_id is not None else None
+        if msg.restored and old is not None and old.alive:
+            return self._rejoin(old, msg, name)
+        reply = self._admit(msg, name)
+        if msg.restored:  # declared dead while away, or unknown here: nothing it loaded is kept
+            reply.reset = True
+        return reply
+
+    async def _rejoin(self, old: Unit, msg: RegisterUnit, name: str) -> Registered:
+        unit_id = old.info.unit_id
+        old.suspect = True  # no placements while the checkpoint is read
+        images = None
+        try:
+            manifest, images = await asyncio.to_thread(read_checkpoint, msg.restored)
+            if manifest["generation"] != msg.generation:
+                log.warning("unit %d restored generation %s of %s, which now holds %s: it keeps nothing",
+                            unit_id, msg.generation, msg.restored, manifest["generation"])
+                images = None
+        except TQueueError as exc:
+            log.warning("unit %d restored from %s, which cannot be read now (%s): it keeps nothing", unit_id, msg.restored, exc)
+        if self.state.units.get(unit_id) is not old or not old.alive:  # declared dead meanwhile: lost is final
+            reply = self._admit(msg, name)
+            reply.reset = True
+            return reply
+        keep = kept_on(unit_id, images, self.state.by_uid) if images is not None else {}
+        reply = self._admit(msg, name, keep=keep)
+        reply.partitions = sorted(keep)
+        log.warning(
+            "storage unit %d rejoined with the payload of checkpoint %s: %d samples kept in %d partitions",
+            unit_id, msg.generation, sum(len(v) for v in keep.values()), len(keep),
+        )
+        return reply
+
+    def _admit(self, msg: RegisterUnit, name: str, keep: dict[int, np.ndarray] | None = None) -> Registered:
+        """Register the unit, ending the incarnation before it (``keep``: the samples of it,
+        per partition uid, that the new one holds as they are)."""
         unit_id = self._names.get(name)
         if unit_id is None:
             unit_id = self._names[name] = self._new_id(msg.unit_id)
         else:
             old = self.state.units.get(unit_id)
             if old is not None and old.alive:  # it restarted before its silence was noticed
-                self.unit_dead(old, "registered again (it restarted): what it held is gone")
+                why = "registered again (it restarted)"
+                why += ": what the checkpoint it loaded does not hold as it is now is gone" if keep else ": what it held is gone"
+                self.unit_dead(old, why, keep=keep)
             peer = self.state.unit_peers.pop(unit_id, None)
             if peer is not None:
                 self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
@@ -159,8 +205,9 @@ class Liveness:
                 self.unit_dead(unit, f"no heartbeat for {silent:.1f} s (one is due every {self.interval:g} s)")
         self._timer = self.state.loop.call_later(self.interval, self._sweep)
 
-    def unit_dead(self, unit: Unit, why: str) -> None:
-        """Declare ``unit`` dead: nothing new goes to it and what it held is lost."""
+    def unit_dead(self, unit: Unit, why: str, *, keep: dict[int, np.ndarray] | None = None) -> None:
+        """Declare ``unit`` dead: nothing new goes to it and what it held is lost (but the
+        samples in ``keep``, per partition uid: its next incarnation holds them)."""
         unit.alive = False
         unit_id = unit.info.unit_id
         unit.nbytes = unit.reserved = 0
@@ -173,7 +220,7 @@ class Liveness:
             if kept:
                 log.warning("partition %r: %d samples of storage unit %d are served from their copies now", part.name,
                             kept, unit_id)
-            n = part.lose(unit_id)
+            n = part.lose(unit_id, keep=(keep or {}).get(part.uid))
             part.unit_bytes.pop(unit_id, None)
             if n:
                 lost += n

@@ -308,12 +308,14 @@ class Partition:
         self.single += promoted + gone
         return promoted
 
-    def lose(self, unit_id: int) -> int:
+    def lose(self, unit_id: int, keep: np.ndarray | None = None) -> int:
         """The samples stored on a dead unit: excluded for good (reason ``lost``), counted
         per task that had not consumed them, and their groups treated as with failed
         members (``drop_group`` aborts them, ``mask_member`` serves them without). Leases
         on them end: their holders' reads fail, their acks count nothing."""
         idx = self.samples.on_unit(unit_id)
+        if keep is not None and len(keep):
+            idx = np.setdiff1d(idx, keep, assume_unique=True)
         if not len(idx):
             return 0
         for task in self.tasks.values():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -303,9 +303,16 @@ class Controller:
             heartbeat=self.config.heartbeat_interval,
         )
 
-    def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered:
+    def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered | Awaitable[Registered]:
         _check_protocol(msg.protocol, "controller")
         reply = self.liveness.register(msg)
+        if isinstance(reply, Registered):
+            self._registered.set()
+            return reply
+        return self._registered_after(reply)
+
+    async def _registered_after(self, pending: Awaitable[Registered]) -> Registered:
+        reply = await pending
         self._registered.set()
         return reply
 

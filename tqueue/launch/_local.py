@@ -151,6 +151,25 @@ class LocalCluster:
         self._ready(proc)
         return proc.pid
 
+    def restart_unit(self, i: int, *, restore: str = "", kill: bool = True) -> int:
+        """Stop storage unit ``i`` (in start order; SIGKILL, or SIGTERM with ``kill=False``) and
+        start a new one at its address, hence under its name; with ``restore``, it loads its
+        payload from that checkpoint first (``StorageConfig.restore``). Returns the new
+        unit's pid, once it is ready."""
+        old = self._procs[1 + i]
+        old.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        old.wait()
+        if old.stdin is not None and not old.stdin.closed:
+            old.stdin.close()
+        args = ["storage-unit", "--controller", self.address, "--bind", self.unit_addresses[i], *self.unit_args]
+        if restore:
+            args += ["--restore", restore]
+        proc = self._spawn(args)
+        self._procs.remove(proc)
+        self._procs[1 + i] = proc
+        self._ready(proc)
+        return proc.pid
+
     def _spawn_unit(self, host: str) -> subprocess.Popen[bytes]:
         return self._spawn(
             ["storage-unit", "--controller", self.address, "--bind", f"tcp://{self.host}:0"]

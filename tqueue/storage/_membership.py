@@ -31,6 +31,7 @@ class Membership:
         describe: Callable[[], RegisterUnit],
         beat: Callable[[int], Heartbeat],
         forgotten: Callable[[str], None],
+        keep_only: Callable[[set[int]], None] = lambda uids: None,
     ) -> None:
         self.config = config
         self._server = server
@@ -38,6 +39,7 @@ class Membership:
         self._describe = describe
         self._beat = beat
         self._forgotten = forgotten
+        self._keep_only = keep_only  # restored payload: the partitions the controller still has
         self._loop = asyncio.get_running_loop()
         self.unit_id = -1
         self.interval = 0.0  # the cluster's heartbeat interval, learned at registration
@@ -59,6 +61,10 @@ class Membership:
 
     async def register(self) -> None:
         reply, _ = await self.ctl().request(self._describe(), expect=Registered)
+        if reply.reset:
+            self._forgotten("the controller keeps nothing of this unit's restored payload")
+        elif reply.partitions is not None:
+            self._keep_only(set(reply.partitions))
         self.unit_id = reply.unit_id
         self.interval = reply.heartbeat
         self._server.sessions.set_interval(reply.heartbeat)

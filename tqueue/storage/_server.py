@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 
 from .. import _env, _memory
@@ -52,7 +53,9 @@ from ..wire import (
     SaveUnit,
     Store,
     Stored,
+    UnitFile,
 )
+from ..wire._durable import read_manifest
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
 from ._checkpoint import UnitCheckpoints
@@ -95,8 +98,10 @@ class StorageUnit:
         # (mallopt takes an int), so a 2 GB put freed and put again would fault every page
         self._buffers = BufferPool(config.retain_bytes)
         self.membership = Membership(
-            config, self._server, self.bulk, describe=self._describe, beat=self._beat, forgotten=self._forget_everything
+            config, self._server, self.bulk, describe=self._describe, beat=self._beat, forgotten=self._forget_everything,
+            keep_only=self._keep_only,
         )
+        self._restored = ("", "")  # (checkpoint directory, generation) of the payload loaded at start
         self.trim = Trimmer(config, self.arena, self._buffers, lambda: self.held_bytes)
         self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
         self.metrics: MetricsEndpoint | None = None
@@ -121,7 +126,28 @@ class StorageUnit:
             self.metrics = MetricsEndpoint(
                 self._loop, self._families, bind=self.config.bind, address=self.address, port=self.config.metrics_port
             )
+        if self.config.restore:
+            await self._restore(self.config.restore)
         await self.membership.start()
+
+    async def _restore(self, directory: str) -> None:
+        """Load this unit's payload (by name) from the checkpoint in ``directory``, before
+        registering: the id it had goes with the registration."""
+        manifest = read_manifest(directory)
+        name = self.config.name or self.address
+        mine = [u for u in manifest["units"] if u["name"] == name]
+        if not mine:
+            names = sorted(str(u["name"]) for u in manifest["units"])
+            raise InvalidArgumentError(
+                f"the checkpoint in {directory} holds no payload of a unit named {name!r} (it names {names}); "
+                "give the unit the name it had (StorageConfig.name)"
+            )
+        files = [msgspec.convert(f, UnitFile) for f in mine[0]["files"]]
+        gen_dir = os.path.join(os.path.normpath(directory), str(manifest["generation"]))
+        await self.checkpoints.load(LoadUnit(directory=gen_dir, files=files))
+        self.membership.unit_id = int(mine[0]["unit_id"])
+        self._restored = (os.path.normpath(directory), str(manifest["generation"]))
+        log.info("unit %s: loaded %d files of the checkpoint in %s", name, len(files), directory)
 
     @property
     def unit_id(self) -> int:
@@ -138,6 +164,8 @@ class StorageUnit:
             name=self.config.name,
             metrics=self.metrics.url if self.metrics is not None else "",
             unit_id=self.membership.unit_id,
+            restored=self._restored[0],
+            generation=self._restored[1],
         )
 
     def _beat(self, unit_id: int) -> Heartbeat:
@@ -147,8 +175,18 @@ class StorageUnit:
             arena_used=self.arena.used if self.arena is not None else 0, held_bytes=self.held_bytes,
         )
 
+    def _keep_only(self, uids: set[int]) -> None:
+        """Free the partitions of the restored payload that the controller no longer has."""
+        gone = [uid for uid in self.data.partitions if uid not in uids]
+        freed = sum(self.data.drop(uid) for uid in gone)
+        if gone:
+            log.info("unit %d: freed %d restored partitions the controller no longer has (%d bytes)", self.unit_id, len(gone), freed)
+            self.trim.forgot()
+        self._restored = ("", "")
+
     def _forget_everything(self, why: str) -> None:
         """Free every partition held: the controller declared them lost (or never knew them)."""
+        self._restored = ("", "")
         uids = list(self.data.partitions)
         freed = sum(self.data.drop(uid) for uid in uids)
         log.warning("unit %d: %s; freeing its %d partitions (%d bytes)", self.unit_id, why, len(uids), freed)

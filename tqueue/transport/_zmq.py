@@ -22,6 +22,7 @@ handlers that wait on another server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -51,6 +52,7 @@ R = TypeVar("R", bound=Message)
 
 _CANCEL_KIND = bytes([Kind.CANCEL])
 _PING = encode(Ping())
+RECONNECT_GRACE = 0.3  # seconds a request to a server whose reconnects were refused waits for one that succeeds
 _monitors = itertools.count()  # names of blocking peers' monitor sockets
 BYE_LINGER_MS = 500  # a closing peer's Bye may still leave this long after the close
 _BYE = encode(Bye())
@@ -169,7 +171,8 @@ class Peer:
     refused so does every new request. With ``restartable`` (a server that may restart at its
     address: the controller), a closed connection fails what is in flight (a restarted server
     never heard of it; a live one is told to withdraw it with a ``Cancel``), and new requests
-    wait for the reconnect, within the heartbeat window.
+    wait for the reconnect, within the heartbeat window. ``on_closed`` hears each such close
+    (a server that restarted at its address may not be the one it was: its arena, say).
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class Peer:
         watch: bool = False,
         lasting: bool = False,
         restartable: bool = False,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.address = address = endpoint(address)
         self.name = name
@@ -204,7 +208,9 @@ class Peer:
         self._down: TQueueError | None = None  # (lasting) the server stopped answering; None once it does
         self._verdict = asyncio.Event()  # (lasting) cleared while a closed connection awaits its reconnect
         self._verdict.set()
+        self._up = asyncio.Event()  # (lasting) set by each handshake, cleared when reconnects are refused
         self._restartable = restartable
+        self._on_closed = on_closed  # (watched) each connection closed after it was up
         watched = lasting or restartable
         self._watch = None if not (watch or watched) else ConnectWatch(  # before the connect: every event counts
             self._socket.sock, name=name, address=address, keys=curve is not None,
@@ -260,6 +266,8 @@ class Peer:
         self._fail_pending(exc)
 
     def _lost(self, exc: TQueueError, gone: bool) -> None:
+        if not gone and self._on_closed is not None:
+            self._on_closed()
         if self._restartable:
             if not gone:
                 lost = [rid for rid, fut in self._pending.items() if not fut.done()]
@@ -268,6 +276,7 @@ class Peer:
                     self._withdraw(rid)
             return
         if gone:
+            self._up.clear()
             self._down = exc
             self._verdict.set()
         else:  # closed: ZeroMQ reconnects at once, and the attempt says whether it lives
@@ -275,6 +284,7 @@ class Peer:
         self._fail_pending(exc)
 
     def _connected(self) -> None:
+        self._up.set()
         self._down = None
         self._verdict.set()
 
@@ -314,7 +324,12 @@ class Peer:
         if self._refused is not None:
             raise self._refused
         if self._down is not None:
-            raise self._down
+            # a server restarted at its address is back within ZeroMQ's reconnect interval
+            # (0.1 s) of listening; one that stays down fails the request after this grace
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up.wait(), RECONNECT_GRACE)
+            if self._down is not None:
+                raise self._down
         rid = next(self._ids)
         msg.rid = rid
         fut: asyncio.Future[tuple[Message, list[Any]]] = asyncio.get_running_loop().create_future()

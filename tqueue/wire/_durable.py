@@ -8,9 +8,40 @@ shared filesystem). User metadata travels as JSON text: nothing in a checkpoint 
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any, Final
+
 import msgspec
 
+from ..errors import InvalidArgumentError, ProtocolError
 from ._messages import Kind, Message, register
+
+FORMAT: Final = "tqueue-checkpoint"
+FORMAT_VERSION: Final = 1
+MANIFEST: Final = "manifest.json"
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    """The manifest of the checkpoint in ``directory`` (absolute), checked for its format."""
+    if not isinstance(directory, str) or not os.path.isabs(directory):
+        raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {directory!r}")
+    path = os.path.join(os.path.normpath(directory), MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"no checkpoint in {directory}: {MANIFEST} is not there") from None
+    except ValueError as exc:
+        raise ProtocolError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ProtocolError(f"{path} is not a tqueue checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ProtocolError(
+            f"{path} is a checkpoint of format version {manifest.get('version')}; this version of tqueue reads "
+            f"version {FORMAT_VERSION}"
+        )
+    return manifest
 
 
 class Checkpoint(Message):

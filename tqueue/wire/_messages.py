@@ -274,7 +274,9 @@ class HelloReply(Message):
 
 class RegisterUnit(Message):
     """``name``: the unit's identity; a unit that registers again under a known name (it
-    restarted, or the controller had declared it dead) gets its ``unit_id`` back.
+    restarted, or the controller had declared it dead) gets its ``unit_id`` back. A unit that
+    loaded its payload from a checkpoint (``restored``, ``generation``) keeps what of it the
+    controller still has as it was; ``Registered.reset`` tells it to free the rest or all.
     ``unit_id``: the id it had (-1: none yet); a controller that does not know the name (it
     restarted) gives that id back where no other unit has it, so that clients' connections,
     which know units by id, stay right."""
@@ -289,16 +291,20 @@ class RegisterUnit(Message):
     name: str = ""
     metrics: str = ""  # its Prometheus endpoint, if it serves one
     unit_id: int = -1
+    restored: str = ""  # the checkpoint (directory) whose payload of this unit it loaded before registering
+    generation: str = ""  # that checkpoint's generation
 
 
 class Registered(Message):
     """``reset``: the controller declared this unit's samples lost while it was away; the
-    unit frees everything it holds. ``heartbeat``: seconds between the unit's heartbeats."""
+    unit frees everything it holds. ``partitions``: the uids whose restored payload the unit
+    keeps (None: all it holds). ``heartbeat``: seconds between the unit's heartbeats."""
 
     KIND = Kind.REGISTERED
     unit_id: int
     reset: bool = False
     heartbeat: float = 0.0
+    partitions: list[int] | None = None
 
 
 class CreatePartition(Message):
