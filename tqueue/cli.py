@@ -71,7 +71,7 @@ class _Formatter(argparse.HelpFormatter):
         return f"{help} (default: {shown.replace('%', '%%')})" if shown else help
 
 
-_METAVARS = {"bind": "ENDPOINT", "host": "HOST", "advertise": "HOST", "auth_dir": "DIR", "name": "NAME"}
+_METAVARS = {"bind": "ENDPOINT", "host": "HOST", "advertise": "HOST", "auth_dir": "DIR", "name": "NAME", "restore": "DIR"}
 
 
 def _metavar(name: str, default: Any) -> str:
