@@ -164,7 +164,7 @@ def test_loading_refuses_what_is_not_a_fresh_cluster_or_a_checkpoint(tmp_path: p
             c.load_checkpoint(tmp_path)
         unit_file.write_bytes(data)
         (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
-        with pytest.raises(ProtocolError, match="a checkpoint of format version 99; this controller reads version 1"):
+        with pytest.raises(ProtocolError, match="a checkpoint of format version 99; this version of tqueue reads version 1"):
             c.load_checkpoint(tmp_path)
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
         assert c.load_checkpoint(tmp_path) == [1]
