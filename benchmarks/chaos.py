@@ -31,7 +31,7 @@ the controller reports (``select(consumed_by=task)`` lists the live samples a ta
 * the controller, never killed, ends with its fds and threads where they started and its
   resident memory within ``RSS_SLACK`` of the start.
 
-Prints the ledger's totals as JSON; exits non-zero on any breach. ``run()`` is what
+Prints the ledger's totals as JSON (with the fds, threads and RSS of the controller and of the units alive at the end, at their start and at the end); exits non-zero on any breach. ``run()`` is what
 tests/faults/test_chaos.py calls (a short run); docs/reliability.md keeps a long run's totals.
 """
 
@@ -185,6 +185,7 @@ class Job:
         self.unit_addresses = list(cluster.unit_addresses)  # theirs, in the same order
         self.dying: list[str] = []  # addresses of units killed, until the controller knows
         self.replicas = replicas
+        self.unit_baseline = {pid: _server_use(pid) for pid in self.units}  # fds, threads, RSS at its start
         self._next = 1
         script = pathlib.Path(__file__).resolve()
         self._cmd = [sys.executable, str(script), "--worker"]
@@ -226,6 +227,7 @@ class Job:
             self.dying.append(self.unit_addresses.pop(i))
             self.units.remove(which)
             self.units.append(self.cluster.start_unit())
+            self.unit_baseline[self.units[-1]] = _server_use(self.units[-1])
             self.unit_addresses.append(self.cluster.unit_addresses[-1])
             victim = "unit"
         else:
@@ -315,6 +317,8 @@ def run(
             client.clear(PARTITION)
         wall = time.monotonic() - t0
         end = _server_use(cluster.pids[0])
+        # the units alive at the end, their partition cleared: (start, end) of each
+        unit_use = {pid: (job.unit_baseline[pid], _server_use(pid)) for pid in job.units}
         result = _check(tmpdir, status, live, consumed, drained, job.killed)
         if replicas > 1 and status.lost:
             result["breaches"].append(f"{status.lost} samples lost with replicas={replicas}, one unit killed at a time")
@@ -324,6 +328,9 @@ def run(
         "crashed": job.crashed, "controller_fds": [baseline["fds"], end["fds"]],
         "controller_threads": [baseline["threads"], end["threads"]],
         "controller_rss_mb": [round(baseline["rss"] / 2**20, 1), round(end["rss"] / 2**20, 1)],
+        "unit_fds": [[a["fds"], b["fds"]] for a, b in unit_use.values()],
+        "unit_threads": [[a["threads"], b["threads"]] for a, b in unit_use.values()],
+        "unit_rss_mb": [[round(a["rss"] / 2**20, 1), round(b["rss"] / 2**20, 1)] for a, b in unit_use.values()],
     })
     breaches = result["breaches"]
     if job.crashed:
