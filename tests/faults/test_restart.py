@@ -185,3 +185,17 @@ def test_a_unit_back_after_it_was_declared_dead_keeps_nothing(tmp_path: pathlib.
         assert {p.name: p.lost for p in c.status().partitions} == {"roll": 8}
         c.put("fresh", payload(0, 2))
         check(c.get_data("fresh", ["x", "i"], 2, task="t", timeout=30), {0, 1})
+
+
+def test_a_unit_told_to_restore_a_checkpoint_without_its_name_does_not_start(tmp_path: pathlib.Path) -> None:
+    with tqueue.LocalCluster(num_storage_units=1) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 2))
+        c.save_checkpoint(tmp_path)
+        named = cluster.unit_addresses[0]
+        out = subprocess.run(
+            [sys.executable, "-m", "tqueue", "storage-unit", "--controller", cluster.address, "--bind", "tcp://127.0.0.1:0",
+             "--name", "other", "--restore", str(tmp_path)],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert out.returncode != 0 and "TQUEUE-READY" not in out.stdout
+    assert f"holds no payload of a unit named 'other' (it names ['{named}'])" in out.stderr, out.stderr[-2000:]
