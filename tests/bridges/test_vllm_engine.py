@@ -259,10 +259,11 @@ def test_over_sampling_through_the_vllm_token_api(vllm_server):
     server by ``/inference/v1/abort_requests``, resumed under the next version.
 
     The step is sealed by another worker's puts, made once each of this step's 4 calls has
-    streamed its first token: the calls are then on the engine, with HTTP_LONG tokens to go.
-    (Sealed by short calls of the same step, the test lost a race on a loaded machine: the
-    server had made all 160 tokens of the long calls, 0.35 s of work, before the shorts' puts
-    sealed the step.) The cluster's heartbeat is 5 s: a server on the same 2 cores stalled
+    streamed its first token and the server's generation is paused (``/pause?mode=keep``):
+    the calls are then on the engine and cannot end first. (Sealed by short calls of the same
+    step, the test lost a race on a loaded machine: the server had made all 160 tokens of the
+    long calls, 0.35 s of work, before the shorts' puts sealed the step; and with 900 tokens
+    and no pause, the server had made them all before this process had read the first ones.) The cluster's heartbeat is 5 s: a server on the same 2 cores stalled
     every process here for over 3 s, the default window."""
     from tqueue.bridges import VLLMHTTPEngine
 
@@ -291,10 +292,19 @@ def test_over_sampling_through_the_vllm_token_api(vllm_server):
                 await driver.set_version(3)
                 step = asyncio.ensure_future(driver.step("h-0", [[8, 9]], n=4))
                 await asyncio.wait_for(engine.streaming.wait(), 300)
+                # the server's generation frozen (vLLM's RL API, dev mode): the calls cannot end
+                # before the seal, however fast the server is against this process
+                async with engine._http().post(f"{vllm_server}/pause", params={"mode": "keep"}) as resp:
+                    assert resp.status == 200, await resp.text()
                 other = {"prompt_ids": torch.tensor([1, 2]), "response_ids": torch.tensor([3, 4]), "finish": "length"}
-                await c.put("h-0", [other] * 4, version=3)  # another worker fills the step: it seals
-                report = await asyncio.wait_for(step, 300)
+                try:
+                    await c.put("h-0", [other] * 4, version=3)  # another worker fills the step: it seals
+                    report = await asyncio.wait_for(step, 300)
+                finally:
+                    async with engine._http().post(f"{vllm_server}/resume") as resp:
+                        assert resp.status == 200, await resp.text()
                 assert report.sealed and (report.stored, report.aborted, report.recycled) == (0, 4, 4), report
+                assert report.abort_seconds is not None and report.abort_seconds < 10, report  # aborted, not cut at the bound
                 lengths = sorted(len(p.trajectory.response_ids) for p in driver._partials)
                 assert all(0 < n < HTTP_LONG for n in lengths), lengths
                 await driver.set_version(4)
