@@ -11,6 +11,7 @@ import threading
 import zlib
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -134,6 +135,69 @@ def test_both_units_hold_a_replicated_put_and_a_clear_frees_both(cluster, partit
         assert sorted(grown.values())[-2:] == [sorted(grown.values())[-1]] * 2 and max(grown.values()) >= 64 * 1024 * 4
         c.clear(partition)
         until(lambda: {u.unit_id: u.nbytes for u in c.status().units} == before, 30, "both copies freed")
+
+
+def test_an_update_located_before_a_copy_was_made_reaches_both_copies(cluster, partition, monkeypatch):
+    """A writer located its samples while they were held once (after a unit's death), and a
+    copy was made on another unit before its grant. The grant names where the copies are now,
+    and the update reaches both. (Before, the writer wrote the one unit it knew, the controller
+    waited for the other's commit, and the update was acknowledged but never became visible: a
+    reader of its field waited without end. A chaos run showed it as a group the trainer never
+    got.) The stale ``Locate`` is the writer's view a moment earlier, given back as it was."""
+    from tqueue.client._puts import Puts
+
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        x = rows(0, 8)
+        c.put(partition, {"x": x})
+        kill_unit(cluster, c, c.select(partition, ["x"]).units[0])
+        until(lambda: any(not u.alive for u in c.status().units)
+              and status_of(c, partition).single == 0, 30, "the samples held once copied again")
+        meta = c.select(partition, ["x"])
+        holder = meta.units[0]
+
+        async def stale(self, m):  # where the samples were before the copy: held once, on the holder
+            return msgspec.structs.replace(m, units=[holder] * len(m.indexes)), [-1] * len(m.indexes)
+
+        monkeypatch.setattr(Puts, "_locate", stale)
+        c.update(meta, {"r": torch.arange(8.0)})
+        monkeypatch.undo()
+        got = c.get_data(partition, ["x", "r"], 8, task="t", timeout=10)
+        assert sorted(got["r"].tolist()) == list(map(float, range(8)))
+        kill_unit(cluster, c, holder)  # the copy alone now: it has the update too
+        until(lambda: sum(not u.alive for u in c.status().units) == 2, 30, "the holder declared dead")
+        every = c.select(partition, ["x", "r"])
+        batch = c.get_data(every)
+        assert batch["r"].tolist() == [float(i) for i in every.indexes] and torch.equal(batch["x"], x[every.indexes])
+        assert status_of(c, partition).lost == 0
+
+
+def test_an_update_whose_samples_are_on_two_pairs_now_is_located_again(cluster, partition, monkeypatch):
+    """The writer's view put all 8 samples on one unit; the controller has them on two pairs
+    of units: the grant says ``moved``, the writer locates them again and writes each pair's."""
+    from tqueue.client._puts import Puts
+
+    real = Puts._locate
+    calls = []
+
+    async def stale_once(self, m):
+        calls.append(len(m.indexes))
+        if len(calls) > 1:
+            return await real(self, m)
+        return msgspec.structs.replace(m, units=[m.units[0]] * len(m.indexes)), [-1] * len(m.indexes)
+
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(partition, replicas=2)
+        x = rows(0, 8)
+        c.put(partition, {"x": x[:4]})
+        c.put(partition, {"x": x[4:]})  # the least loaded units: another pair
+        meta = c.select(partition, ["x"])
+        monkeypatch.setattr(Puts, "_locate", stale_once)
+        c.update(meta, {"r": torch.arange(8.0)})
+        monkeypatch.undo()
+        assert calls[0] == 8 and len(calls) >= 2  # located again after the grant said moved
+        batch = c.get_data(c.select(partition, ["x", "r"]))
+        assert sorted(batch["r"].tolist()) == [float(i) for i in range(8)]
 
 
 def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(cluster, partition):

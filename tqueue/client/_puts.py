@@ -14,7 +14,7 @@ import torch
 
 from .._memory import BufferPool
 from .._tasks import all_or_none
-from ..errors import SchemaError, StorageUnitUnavailableError
+from ..errors import SchemaError, StorageUnitUnavailableError, UnavailableError
 from ..wire import BatchMeta, Grant, Granted, Locate, Located, Store, Stored, UnitInfo
 from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
@@ -183,11 +183,11 @@ class Puts:
         for (unit_id, copy), pos in positions.items():
             sub = cols if len(positions) == 1 else _select(cols, pos)
             enc = encode(sub, partition=meta.partition, chunk_bytes=self.config.chunk_bytes)
-            writes.append((unit_id, copy, [meta.indexes[i] for i in pos.tolist()], enc))
+            writes.append((unit_id, copy, [meta.indexes[i] for i in pos.tolist()], enc, sub))
         ctl = await self._conns.ctl()
         refused: list[int] = []
 
-        async def write(unit_id: int, copy: int, indexes: list[int], enc: Encoded) -> None:
+        async def write(unit_id: int, copy: int, indexes: list[int], enc: Encoded, sub: Any, tries: int = 3) -> None:
             reply, _ = await ctl.request(
                 Grant(
                     partition=meta.partition,
@@ -203,15 +203,42 @@ class Puts:
             if reply.status == "aborted":  # the target is full: these stay partial, untouched
                 refused.extend(indexes)
                 return
-            targets = [unit_id] + ([copy] if copy >= 0 else [])
-            for u in targets:
-                await self._conns.unit(u)
+            if reply.status == "moved":  # their copies split between units since they were located
+                if tries <= 1:
+                    raise UnavailableError(
+                        f"partition {meta.partition!r}: the copies of samples {indexes[:8]} kept moving while "
+                        "they were being updated; try again"
+                    )
+                await self._rewrite(meta, indexes, sub, write, tries - 1)
+                return
+            if reply.unit is not None:  # replicated: the copies' units now, as the controller has them
+                targets = [reply.unit.unit_id, *(r.unit_id for r in reply.replicas)]
+                for info in (reply.unit, *reply.replicas):
+                    self._conns.units[info.unit_id] = info
+                    self._conns.connect_unit(info)
+                copy = targets[1] if len(targets) > 1 else -1
+            else:
+                targets = [unit_id] + ([copy] if copy >= 0 else [])
+                for u in targets:
+                    await self._conns.unit(u)
             if copy >= 0:
                 enc.materialize()  # two routes read it at once
             await all_or_none(*(self._store(self._conns.units[u], meta.partition, reply, enc, indexes) for u in targets))
 
         await all_or_none(*(write(*w) for w in writes))
         return sorted(refused)
+
+    async def _rewrite(self, meta: BatchMeta, indexes: list[int], cols: Any, write: Any, tries: int) -> None:
+        """Write again, per pair of units as the controller has them now, samples whose copies
+        moved between their ``Locate`` and their grant (``cols``: their data, in order)."""
+        located, copies = await self._locate(msgspec.structs.replace(meta, indexes=list(indexes), units=[-1] * len(indexes)))
+        positions = _by_pair(located, copies)
+        calls = []
+        for (u, c), pos in positions.items():
+            sub = cols if len(positions) == 1 else _select(cols, pos)
+            enc = encode(sub, partition=meta.partition, chunk_bytes=self.config.chunk_bytes)
+            calls.append(write(u, c, [indexes[i] for i in pos.tolist()], enc, sub, tries))
+        await all_or_none(*calls)
 
     async def _locate(self, meta: BatchMeta) -> tuple[BatchMeta, list[int]]:
         """``meta`` with its samples' units as the controller has them now (placing rows that

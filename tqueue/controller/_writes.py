@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, StorageUnitUnavailableError, WaitTimeoutError
 from ..transport._liveness import session_of
-from ..wire import Commit, Committed, Grant, Granted, Ok, Reserve
+from ..wire import Commit, Committed, Grant, Granted, Ok, Reserve, UnitInfo
 from ._cycles import Cycles
 from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
@@ -177,6 +177,18 @@ class Writes:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
+        # a replicated partition: the units to write are those of the copies now, which may
+        # differ from where the writer located them (a death promoted a copy, a copy was made)
+        unit: UnitInfo | None = None
+        replicas: list[UnitInfo] = []
+        if (part.options.replicas or self.state.config.replicas) > 1 and len(indexes) and 0 <= indexes.min() and indexes.max() < part.n:
+            pairs = set(zip(part.samples.unit[indexes].tolist(), part.samples.replica[indexes].tolist()))
+            if len(pairs) != 1:
+                return Granted(grant_id=0, partition_uid=part.uid, start=0, status="moved", partition=part.name)
+            first, second = pairs.pop()
+            units = self.state.units
+            unit = units[first].info if first in units else None
+            replicas = [units[second].info] if second in units else []
         kept = part.admit_update(msg, indexes)
         if kept is None:
             return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
@@ -188,7 +200,7 @@ class Writes:
             grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept,
             waiting=copies_of(part, indexes),
         )
-        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs))
+        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit, replicas=replicas)
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Committed:
         grant = self.state.grants.get(msg.grant_id)

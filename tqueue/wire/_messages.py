@@ -37,7 +37,7 @@ GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
 FieldLayout = Literal["dense", "jagged"]
 PackedType = Literal["", "int8", "int16", "int32"]  # "": the field's own dtype
-PutStatus = Literal["ok", "aborted", "recycled", "trimmed"]  # trimmed: some samples kept, see fates
+PutStatus = Literal["ok", "aborted", "recycled", "trimmed", "moved"]  # trimmed: some samples kept, see fates
 SampleFate = Literal["ok", "aborted"]
 MemberFailure = Literal["drop_group", "mask_member"]
 MEMBER_FAILURES: tuple[MemberFailure, ...] = get_args(MemberFailure)  # to check a caller's argument
@@ -352,7 +352,10 @@ class Granted(Message):
     """Where to write; ``status`` "aborted": the partition is sealed (or its target is
     promised to earlier puts), nothing is to be sent; "recycled": the samples go to
     ``partition`` (the recycle partition) as partial; ``kept`` >= 0: the put crosses the
-    target, only its first ``kept`` samples are kept, the others are stored and never served."""
+    target, only its first ``kept`` samples are kept, the others are stored and never served.
+    An update of a replicated partition: ``unit`` and ``replicas`` are where its samples' copies
+    are now, the units to write; "moved": they are no longer on one pair of units (locate
+    them again)."""
 
     KIND = Kind.GRANTED
     grant_id: int
