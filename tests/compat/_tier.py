@@ -41,13 +41,7 @@ NOT_APPLICABLE = {
     ),
 }
 
-_LIFE = "tests/e2e/test_e2e_lifecycle_consistency.py::"
-NOT_YET = {
-    _LIFE + "test_dynamic_tensor_shape_nested_transition": (
-        "it expects a meta to say is_nested False for a field put with one shape (the shim stores every "
-        "multi-dimensional tensor field jagged, so that a later put may change its shape, and says is_nested True)"
-    ),
-}
+NOT_YET: dict[str, str] = {}
 
 # Tutorials that run against the shim and must exit 0 without an error line.
 TUTORIALS_PASSING = [

@@ -432,3 +432,50 @@ def test_seqlen_balanced_sampler_is_a_token_balanced_round_over_its_dp_size() ->
     assert reads[(0, 0)] == reads[(0, 1)] and reads[(1, 0)] == reads[(1, 1)]
     assert sorted(reads[(0, 0)][0] + reads[(1, 0)][0]) == list(range(8))
     assert sum(reads[(0, 0)][1]) == sum(reads[(1, 0)][1]) == 220
+
+
+def test_a_meta_of_several_partitions_is_read_and_written_in_its_order(shim: Any) -> None:
+    """BatchMeta.concat of two partitions' metas, reordered: get_data returns its rows in the
+    meta's order, and put(metadata=) writes each row to its own partition."""
+    client = shim.get_client()
+    a = client.put(TensorDict({"r": torch.tensor([1.0, 2.0]), "ids": torch.ones(2, 3)}, batch_size=[2]), partition_id="mp-a")
+    b = client.put(
+        TensorDict({"r": torch.tensor([3.0]), "ids": torch.nested.as_nested_tensor([torch.zeros(5)], layout=torch.jagged)}, batch_size=[1]),
+        partition_id="mp-b",
+    )
+    both = tq.BatchMeta.concat([a, b])
+    both.reorder([2, 0, 1])  # b's sample first, then a's
+    assert both.partition_ids == ["mp-b", "mp-a", "mp-a"]
+    got = client.get_data(both)
+    assert got["r"].tolist() == [3.0, 1.0, 2.0]
+    assert got["ids"].is_nested and [tuple(t.shape) for t in got["ids"].unbind()] == [(5,), (3,), (3,)]
+    written = client.put(TensorDict({"adv": torch.tensor([30.0, 10.0, 20.0])}, batch_size=[3]), metadata=both)
+    assert written.partition_ids == both.partition_ids and written.global_indexes == both.global_indexes
+    assert "adv" in written.field_names
+    assert client.get_data(written.select_fields(["adv"]))["adv"].tolist() == [30.0, 10.0, 20.0]
+    assert client.get_data(a.select_fields(["r"]))["r"].tolist() == [1.0, 2.0]
+    assert torch.equal(
+        client.get_data(client.get_meta(["adv"], 2, "mp-a", task_name="t"))["adv"], torch.tensor([10.0, 20.0])
+    )
+    assert client.get_data(client.get_meta(["adv"], 1, "mp-b", task_name="t"))["adv"].tolist() == [30.0]
+    client.clear_partition("mp-a")
+    client.clear_partition("mp-b")
+
+
+def test_sampling_config_reaches_a_tqueue_policy_named_as_the_sampler() -> None:
+    """controller.sampler 'tqueue:NAME' reads with that policy (controller.policies loads it
+    into the cluster init starts); every sampling_config key reaches it as candidates.args."""
+    code = (
+        "import torch, numpy as np, transfer_queue as tq\n"
+        "from tensordict import TensorDict\n"
+        "tq.init({'controller': {'sampler': 'tqueue:skip', 'policies': ['skip=tests.controller.custom_policy:Skip']}})\n"
+        "c = tq.get_client()\n"
+        "c.put(TensorDict({'r': torch.arange(8.0)}, batch_size=[8]), partition_id='p')\n"
+        "print(c.get_meta(['r'], 2, 'p', task_name='t', sampling_config={'skip': np.int64(3), 'dp_rank': 0}).global_indexes)\n"
+        "print(c.get_meta(['r'], 2, 'p', task_name='t').global_indexes)\n"
+        "tq.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.splitlines() == ["[3, 4]", "[0, 1]"], done.stdout + done.stderr

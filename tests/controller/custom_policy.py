@@ -34,3 +34,15 @@ class Exploding:
         if len(candidates.ready()) < count:
             return None
         raise RuntimeError("exploding policy: a bug in the policy")
+
+
+class Skip:
+    """Reads its reader's arguments: the ready samples from position ``skip`` on (0 if
+    not given), at most ``count``; waits while there are fewer."""
+
+    name = "skip"
+
+    def select(self, candidates, count):
+        skip = int(candidates.args.get("skip", 0))
+        ready = candidates.ready()[skip:]
+        return ready[:count] if len(ready) >= count else None

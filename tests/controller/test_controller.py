@@ -168,6 +168,30 @@ def test_later_writes_must_match_the_field(client, partition, second, match):
         client.put(partition, second)
 
 
+def test_a_jagged_fields_spec_keeps_its_one_shape_until_two_samples_differ(client, partition):
+    """A jagged field says whether its shapes have varied: ``shape`` is the one shape of every
+    sample so far, ``()`` once a put or an update gives another (and it stays so)."""
+    first = client.put(partition, {"x": [torch.zeros(4, 2), torch.ones(4, 2)], "o": ["a", "bb"]})
+    assert first.schema["x"] == tqueue.FieldSpec(kind="tensor", dtype="float32", layout="jagged", shape=(4, 2), ndim=2)
+    assert first.schema["o"].shape == ()
+    same = client.put(partition, {"x": torch.zeros(3, 4, 2)})  # dense, the same shape
+    assert same.schema["x"].shape == (4, 2)
+    client.update(first, {"x": [torch.zeros(4, 2), torch.zeros(4, 2)]})
+    assert _spec(client, partition, "x").shape == (4, 2)
+    client.update(first, {"x": [torch.zeros(4, 2), torch.zeros(5, 2)]})
+    varied = _spec(client, partition, "x")
+    assert (varied.layout, varied.shape, varied.ndim) == ("jagged", (), 2)
+    assert client.put(partition, {"x": torch.zeros(1, 4, 2)}).schema["x"].shape == ()  # for good
+    got = client.get_data(client.get_meta(partition, ["x"], 6, task="t", timeout=0), ["x"])
+    assert [tuple(t.shape) for t in got["x"]] == [(4, 2), (5, 2), (4, 2), (4, 2), (4, 2), (4, 2)]
+    other = client.put(partition, {"y": [torch.zeros(2), torch.zeros(3)]})
+    assert other.schema["y"].shape == ()
+
+
+def _spec(client, partition, field):
+    return next(p for p in client.status().partitions if p.name == partition).fields[field]
+
+
 def test_a_put_is_placed_whole_on_one_unit_and_visible_at_once(client, partition):
     metas = [client.put(partition, {"x": torch.zeros(64, 1024)}) for _ in range(4)]
     for m in metas:

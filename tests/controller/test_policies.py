@@ -15,6 +15,7 @@ POLICIES = [
     "newest_first=tests.controller.custom_policy:NewestFirst",
     "greedy=tests.controller.custom_policy:Greedy",
     "exploding=tests.controller.custom_policy:Exploding",
+    "skip=tests.controller.custom_policy:Skip",
 ]
 
 
@@ -34,11 +35,41 @@ def test_a_loaded_policy_chooses_the_batch(client, partition):
     assert rest.indexes == [0, 2, 4, 5]  # a task's samples are shared by its policies
 
 
+def test_a_readers_policy_args_reach_the_policy(cluster, client, partition, raw):
+    client.put(partition, {"x": torch.arange(8)})
+    assert client.get_meta(partition, ["x"], 2, task="t", policy="skip", policy_args={"skip": 3}, timeout=5).indexes == [3, 4]
+    assert client.get_meta(partition, ["x"], 2, task="t", policy="skip", timeout=5).indexes == [0, 1]
+    # the built-in policies take and ignore them
+    assert client.get_meta(partition, ["x"], 1, task="t", policy_args={"skip": 3}, timeout=5).indexes == [2]
+    # a parked request keeps its arguments until samples come (5, 6, 7 are ready: too few)
+    peer = raw(cluster.address)
+    ask = GetMeta(rid=1, partition=partition, fields=["x"], batch_size=2, task="t", policy="skip", policy_args={"skip": 4}, timeout=60)
+    assert waiting(park(peer, ask), partition) == ["get_meta"]
+    client.put(partition, {"x": torch.arange(3)})
+    got = replies(peer, 1)[1]
+    assert isinstance(got, Meta) and got.meta.indexes == [9, 10]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        pytest.param({"skip": object()}, r"policy_args\['skip'\] is a object, not a MessagePack value", id="value"),
+        pytest.param({1: 2}, r"policy_args: names are strings, got 1", id="name"),
+        pytest.param([("skip", 1)], r"policy_args is a mapping of names to values, got list", id="not-a-mapping"),
+        pytest.param({f"a{i}": i for i in range(65)}, r"policy_args lists 65 entries; at most 64", id="too-many"),
+    ],
+)
+def test_bad_policy_args_are_refused_naming_them(client, partition, args, match):
+    client.put(partition, {"x": torch.arange(2)})
+    with pytest.raises(InvalidArgumentError, match=match):
+        client.get_meta(partition, ["x"], 1, task="t", policy="skip", policy_args=args, timeout=0)
+
+
 def test_a_policy_cannot_hand_out_samples_that_are_not_ready(client, partition):
     client.put(partition, {"x": torch.arange(4)})
     with pytest.raises(InvalidArgumentError, match=r"policy 'greedy' chose samples .* not ready"):
         client.get_meta(partition, ["x"], 2, task="t", policy="greedy", timeout=5)
-    with pytest.raises(InvalidArgumentError, match=r"unknown policy 'nope'; known: \['exploding', 'first_ready', 'greedy', 'groups', 'newest_first'\]"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown policy 'nope'; known: \['exploding', 'first_ready', 'greedy', 'groups', 'newest_first', 'skip'\]"):
         client.get_meta(partition, ["x"], 2, task="t", policy="nope", timeout=5)
 
 

@@ -98,6 +98,7 @@ class LeaseOptions:
     max_staleness: int | None = None
     pad: bool = False
     replica_group: str | None = None
+    policy_args: Mapping[str, Any] | None = None
 
 
 # bases in this order put ``task`` first among the keyword-only parameters

@@ -317,6 +317,9 @@ class AsyncClient:
         alone, so that groups of ranks that do not share one ``dp_size`` (TransferQueue's
         ``RankAwareSampler``: each data-parallel replica group reads on its own) take disjoint
         samples of the task, and the ranks of one group the identical meta of each round.
+        ``policy_args``: names to MessagePack values that a policy loaded into the controller
+        reads as ``candidates.args`` (TransferQueue's ``sampling_config``); the built-in
+        policies ignore them. In a round, the policy sees those of the call that opened it.
         """
         return await self._gets.get_meta(ask)
 

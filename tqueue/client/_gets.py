@@ -3,9 +3,10 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 
 from .._memory import BufferPool
@@ -110,6 +111,7 @@ class Gets:
             max_staleness=ask.max_staleness,
             pad=ask.pad,
             replica_group=group,
+            policy_args=_policy_args(ask.policy_args),
         )
         return msg, wait + self.config.request_timeout  # math.inf: no limit
 
@@ -275,3 +277,22 @@ class Gets:
             expect=Ok,
         )
 
+
+
+def _policy_args(args: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``policy_args`` as they travel: a mapping of names to MessagePack values."""
+    if args is None:
+        return None
+    if not isinstance(args, Mapping):
+        raise InvalidArgumentError(f"policy_args is a mapping of names to values, got {type(args).__name__}")
+    out = dict(args)
+    for name, value in out.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"policy_args: names are strings, got {name!r}")
+        try:
+            msgspec.msgpack.encode(value)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(
+                f"policy_args[{name!r}] is a {type(value).__name__}, not a MessagePack value: {exc}"
+            ) from None
+    return out

@@ -48,6 +48,9 @@ def check(msg: Any, config: ControllerConfig) -> None:
         checker(msg, config)
 
 
+MAX_POLICY_ARGS = 64  # names in a GetMeta's policy_args (the values are bounded by the message size)
+
+
 def count(field: str, value: int, limit: int, low: int = 0) -> None:
     if value < low:
         least = ">= 0" if low == 0 else f"at least {low}"
@@ -129,6 +132,8 @@ def _get_meta(msg: GetMeta, config: ControllerConfig) -> None:
     if msg.replica_group and not msg.dp_size:
         raise InvalidArgumentError("replica_group needs dp_size (the group's own: 1 where each of its ranks reads the same)")
     count("batch_size", msg.batch_size, most, low=1)
+    if msg.policy_args is not None:
+        names("policy_args", list(msg.policy_args), MAX_POLICY_ARGS)
     count("dp_size", msg.dp_size, most)
     if msg.dp_size and msg.dp_size * msg.batch_size > most:
         raise InvalidArgumentError(

@@ -132,6 +132,7 @@ class Partition:
         """Record a granted put (checked by ``check_put``): its fields, samples and lengths.
         Return where its samples start and how many of them are kept (see ``promise``)."""
         self.schema.add(added)
+        self.schema.note_shapes(msg.blocks, msg.count)
         start = self.allocate(msg.count, msg.groups, msg.versions)
         self.schema.record_lengths(msg.blocks, slice(start, start + msg.count), self.n)
         return start, msg.count if msg.partial else self.promise(msg.count)
@@ -143,6 +144,7 @@ class Partition:
         added = self.schema.check_blocks(msg.blocks, msg.count)
         self.samples.check_indexes(indexes, self.name)
         self.schema.add(added)
+        self.schema.note_shapes(msg.blocks, msg.count)
         self.schema.record_lengths(msg.blocks, indexes, self.n)
         if not (msg.complete and self.options.target):
             return 0

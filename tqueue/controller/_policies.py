@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +48,9 @@ class Candidates:
     task: TaskState
     mask: np.uint64
     min_version: int | None
+    args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The reader's ``policy_args`` (MessagePack values; empty if none). In a data-parallel
+    round, those of the call that opened the round."""
 
     @property
     def name(self) -> str:

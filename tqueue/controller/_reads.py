@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -86,7 +87,8 @@ class Reads:
             return None
         task = part.task(msg.task)
         min_version = None if msg.max_staleness is None else self.state.version - msg.max_staleness
-        candidates = Candidates(part, task, mask, min_version)
+        args = MappingProxyType(msg.policy_args) if msg.policy_args else MappingProxyType({})
+        candidates = Candidates(part, task, mask, min_version, args)
         found = policy.select(candidates, count)
         if found is not None:
             return found if msg.policy in BUILT_IN else check(found, candidates, msg.policy)

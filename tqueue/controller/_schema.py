@@ -1,5 +1,9 @@
 """A partition's schema, free of IO: its fields' specs and bits, the fields it declares, and
-the length of each sample of its jagged tensor fields (for balancing by tokens)."""
+the length of each sample of its jagged tensor fields (for balancing by tokens).
+
+A jagged tensor field's spec says whether its shapes have varied so far: its ``shape`` is the
+one shape every sample granted so far has, or ``()`` once two differ (or none was seen). That
+is one way only: a field whose shapes varied stays so, whatever is removed later."""
 
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ class Schema:
                     )
             old = self.specs.get(name)
             if old is None:
-                added[name] = _logical(block.spec)
+                added[name] = _logical(block, count)
             else:
                 _check_compatible(self.name, name, old, block)
         if len(self.specs) + len(added) > MAX_FIELDS:
@@ -62,11 +66,25 @@ class Schema:
 
 
     def add(self, specs: dict[str, FieldSpec]) -> None:
+        """Add new fields' specs; a jagged field already here whose one shape differs from
+        the new spec's is marked varied."""
         for name, spec in specs.items():
-            if name in self.specs:
+            old = self.specs.get(name)
+            if old is not None:
+                if old.layout == "jagged" and old.shape and tuple(spec.shape) != tuple(old.shape):
+                    self.specs[name] = _varied(old)
                 continue
             self.specs[name] = spec
             self.bits[name] = np.uint64(1 << len(self.bits))
+
+    def note_shapes(self, blocks: Sequence[FieldBlock], count: int) -> None:
+        """Mark varied the jagged fields this write gives a shape other than their one shape."""
+        for block in blocks:
+            old = self.specs.get(block.name)
+            if old is None or old.layout != "jagged" or not old.shape:
+                continue
+            if _one_shape(block, count) != tuple(old.shape):
+                self.specs[block.name] = _varied(old)
 
     def record_lengths(self, blocks: Sequence[FieldBlock], where: slice | np.ndarray, n: int) -> None:
         """Remember dim 0 of each sample of jagged tensor fields (for token balancing)."""
@@ -105,7 +123,7 @@ class Schema:
         names = [n for n, has in moved.has.items() if has.any()]
         for name in names:
             old, new = self.specs.get(name), moved.fields[name]
-            if old is not None and old != new:
+            if old is not None and _varied(old) != _varied(new):
                 raise SchemaError(
                     f"field {name!r} is {old} in partition {self.name!r} but {new} where the samples come from"
                 )
@@ -136,9 +154,32 @@ class Schema:
         return total
 
 
-def _logical(spec: FieldSpec) -> FieldSpec:
+def _logical(block: FieldBlock, count: int) -> FieldSpec:
+    spec = block.spec
     if spec.layout == "dense":
         return FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="dense", shape=tuple(spec.shape))
+    shape = () if spec.kind == "object" else (_one_shape(block, count) or ())
+    return FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="jagged", shape=shape, ndim=spec.ndim)
+
+
+def _one_shape(block: FieldBlock, count: int) -> tuple[int, ...] | None:
+    """The one shape every sample of a tensor block has, or None where they differ (or there
+    are none, or they have no dimensions)."""
+    spec = block.spec
+    if spec.layout == "dense":
+        return tuple(spec.shape) if spec.shape and count else None
+    if not spec.ndim or not count or not block.shapes:
+        return None
+    shapes = np.asarray(block.shapes, dtype=np.int64).reshape(-1, spec.ndim)
+    if not (shapes == shapes[0]).all():
+        return None
+    return tuple(int(d) for d in shapes[0])
+
+
+def _varied(spec: FieldSpec) -> FieldSpec:
+    """A jagged spec with no one shape (a dense one as it is)."""
+    if spec.layout != "jagged" or not spec.shape:
+        return spec
     return FieldSpec(kind=spec.kind, dtype=spec.dtype, layout="jagged", ndim=spec.ndim)
 
 

@@ -132,6 +132,8 @@ class FieldSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     ``kind`` is ``tensor`` (torch), ``ndarray`` (numpy) or ``object`` (MessagePack values).
     ``layout`` is ``dense`` (every sample has ``shape``; a batch stacks them) or ``jagged``
     (per-sample shapes of ``ndim`` dimensions that may differ; a batch keeps them apart).
+    In a partition's schema (a meta's ``schema``, ``status()``), a jagged tensor field's
+    ``shape`` is the one shape all its samples have had so far, or ``()`` once they differed.
     """
 
     kind: FieldKind
@@ -469,6 +471,7 @@ class GetMeta(Message):
     num_microbatches_multiple_of: int = 1
     min_num_microbatches: int = 1
     replica_group: str = ""  # with dp_size: rounds formed and counted for this group alone
+    policy_args: dict[str, Any] | None = None  # MessagePack values the policy reads (Candidates.args)
 
 
 class Meta(Message):

@@ -3,7 +3,9 @@ per-sample fields, ``tqueue.BatchMeta``, ``tqueue.Batch``).
 
 Storage rule: a tensor field whose samples are scalars is a dense tqueue field; any other
 tensor field is stored jagged (one tensor per sample), because TransferQueue returns every such
-field as a nested tensor and lets its per-sample shape change from one put to the next.
+field as a nested tensor and lets its per-sample shape change from one put to the next. A
+field's ``is_nested`` is TransferQueue's: False until two of the partition's samples had
+different shapes (tqueue's jagged spec keeps the one shape until then).
 Non-tensor values are tqueue object fields: MessagePack values only (tqueue refuses other
 objects at ``put`` with ``FieldTypeError`` naming the field).
 """
@@ -40,13 +42,13 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor):
             out[name] = value if value.dim() == 1 else [t.contiguous() for t in value.unbind(0)]
         elif isinstance(value, NonTensorStack):
-            out[name] = [_plain(v) for v in value.tolist()]
+            out[name] = [plain(v) for v in value.tolist()]
         elif isinstance(value, NonTensorData):
             data = value.data
             # a sequence of one value per row is per sample, as TransferQueue reads it; else one
             # value for every row
             per_row = isinstance(data, list | tuple | np.ndarray) and len(data) == n
-            out[name] = [_plain(v) for v in data] if per_row else [_plain(data)] * n
+            out[name] = [plain(v) for v in data] if per_row else [plain(data)] * n
         elif isinstance(value, TensorDict):
             raise tqueue.FieldTypeError(
                 f"field {name!r} is a nested TensorDict: tqueue fields are flat; put its keys as "
@@ -57,7 +59,7 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """numpy scalars and arrays inside non-tensor values as MessagePack values."""
     if isinstance(value, np.generic):
         return value.item()
@@ -96,7 +98,7 @@ def spec_schema(spec: tqueue.FieldSpec) -> dict[str, Any]:
     if spec.kind == "object":
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     dtype = getattr(torch, spec.dtype, None)
-    if spec.layout == "jagged":
+    if spec.layout == "jagged" and not spec.shape:  # shapes have varied in the partition
         return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
     return {"dtype": dtype, "shape": torch.Size(spec.shape or (1,)), "is_nested": False, "is_non_tensor": False}
 
@@ -125,6 +127,12 @@ def _spec_list(spec: tqueue.FieldSpec) -> list[Any]:
 
 def from_meta(meta: BatchMeta) -> list[tqueue.BatchMeta]:
     """tqueue metas (one per partition) for a TransferQueue ``BatchMeta`` that came from tqueue."""
+    return [m for m, _ in split(meta)]
+
+
+def split(meta: BatchMeta) -> list[tuple[tqueue.BatchMeta, list[int]]]:
+    """A TransferQueue ``BatchMeta`` that came from tqueue as tqueue metas, one per partition,
+    each with the rows of ``meta`` it holds (in order)."""
     by_partition: dict[tuple[str, int], list[int]] = {}
     for row, backend in enumerate(meta._custom_backend_meta):
         where = backend.get(_WHERE)
@@ -142,17 +150,55 @@ def from_meta(meta: BatchMeta) -> list[tqueue.BatchMeta]:
             for n, v in first.items()
             if n != _WHERE
         }
-        out.append(
-            tqueue.BatchMeta(
-                partition=partition,
-                partition_uid=uid,
-                indexes=[meta.global_indexes[r] for r in picked],
-                units=[int(meta._custom_backend_meta[r][_WHERE][1]) for r in picked],
-                fields=[n for n in meta.field_names if n in schema],
-                schema=schema,
-            )
+        tq_meta = tqueue.BatchMeta(
+            partition=partition,
+            partition_uid=uid,
+            indexes=[meta.global_indexes[r] for r in picked],
+            units=[int(meta._custom_backend_meta[r][_WHERE][1]) for r in picked],
+            fields=[n for n in meta.field_names if n in schema],
+            schema=schema,
         )
+        out.append((tq_meta, picked))
     return out
+
+
+def take_rows(fields: dict[str, Any], picked: list[int]) -> dict[str, Any]:
+    """The rows ``picked`` of tqueue per-field values (from :func:`to_fields`)."""
+    return {
+        n: v[torch.as_tensor(picked, dtype=torch.long)] if isinstance(v, torch.Tensor) else [v[r] for r in picked]
+        for n, v in fields.items()
+    }
+
+
+def merge(parts: list[tuple[TensorDict, list[int]]], names: list[str], size: int) -> TensorDict:
+    """One ``TensorDict`` of ``size`` rows from the batches of several partitions, each with
+    the rows it fills, packed as :func:`to_tensordict` packs one."""
+    out: dict[str, Any] = {}
+    for name in names:
+        items: list[Any] = [None] * size
+        kinds = set()
+        for td, picked in parts:
+            if name not in td.keys():
+                raise ValueError(f"field {name!r} is missing from some of this BatchMeta's partitions")
+            value = td.get(name)
+            if isinstance(value, torch.Tensor) and not value.is_nested:
+                kinds.add("scalar")
+                values = list(value.unbind(0))
+            elif isinstance(value, torch.Tensor):
+                kinds.add("tensor")
+                values = list(value.unbind(0))
+            else:
+                kinds.add("object")
+                values = value.tolist()
+            for r, v in zip(picked, values):
+                items[r] = v
+        if kinds == {"scalar"}:
+            out[name] = torch.stack(items)
+        elif "object" not in kinds:
+            out[name] = _nested([t.reshape(1) if t.dim() == 0 else t for t in items])
+        else:
+            out[name] = NonTensorStack(*items, batch_size=[size])
+    return TensorDict(out, batch_size=[size])
 
 
 def tolerant_put(client: tqueue.Client, partition: str, data: dict[str, Any], write: Any) -> Any:

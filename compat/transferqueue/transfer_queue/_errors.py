@@ -2,8 +2,8 @@
 
 ``NotSupportedError``: refused by design (it would execute code or unpickle objects that came
 from the network, or find a cluster through a Ray named actor); the message names the
-alternative. ``NotYetSupportedError``: a call the shim does not carry out yet, naming the tqueue
-feature it waits for. Both are ``NotImplementedError``.
+alternative. ``NotYetSupportedError`` (kept for code that catches it; no call raises it now):
+a call the shim would not carry out yet. Both are ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,6 @@ class NotSupportedError(NotImplementedError):
 
 class NotYetSupportedError(NotImplementedError):
     """Not carried out over tqueue yet; the message names the missing tqueue feature."""
-
-
-KEY_INDEX = "tqueue's key index (keys to samples, with per-sample tags; issue 27)"
-
-
-def not_yet(call: str, needs: str) -> NotYetSupportedError:
-    return NotYetSupportedError(
-        f"transfer_queue.{call} is not available over tqueue yet: it needs {needs}. See docs/migrating.md."
-    )
 
 
 def refused(what: str, instead: str) -> NotSupportedError:

@@ -3,9 +3,9 @@
 The blocking client carries out each call with tqueue's; its async twin runs the same call in
 a worker thread (``async_<name>``), so both behave alike by construction. ``get_meta`` in
 ``fetch`` mode marks the samples consumed at once, as TransferQueue does: the shim acks tqueue's
-lease before it returns. Per-sample ``custom_meta`` is tqueue's sample tags. Calls that need
-tqueue features not built yet raise ``NotYetSupportedError`` naming the feature; ``data_parser``
-is refused by design.
+lease before it returns. Per-sample ``custom_meta`` is tqueue's sample tags. A ``BatchMeta`` may
+span partitions (one tqueue call per partition, rows kept in its order); ``data_parser`` is
+refused by design.
 """
 
 from __future__ import annotations
@@ -23,8 +23,19 @@ from tensordict import TensorDict
 
 import tqueue
 from transfer_queue import _kv
-from transfer_queue._convert import from_meta, rows, to_fields, to_meta, to_tensordict, tolerant_put
-from transfer_queue._errors import not_yet, refused
+from transfer_queue._convert import (
+    from_meta,
+    merge,
+    plain,
+    rows,
+    split,
+    take_rows,
+    to_fields,
+    to_meta,
+    to_tensordict,
+    tolerant_put,
+)
+from transfer_queue._errors import refused
 from transfer_queue.metadata import BatchMeta
 
 
@@ -47,20 +58,21 @@ def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
         raise refused("data_parser (a callable pickled into the storage units)", "apply it to the data before the put")
 
 
-def _check_mode(mode: str, task_name: str | None, sampling_config: dict[str, Any] | None) -> None:
+def _check_mode(mode: str, task_name: str | None) -> None:
     if mode not in ("fetch", "force_fetch", "insert"):
         raise ValueError(f"mode must be 'fetch', 'force_fetch' or 'insert', got {mode!r}")
     if mode == "fetch" and task_name is None:
         raise ValueError("get_meta(mode='fetch') needs task_name")
-    extra = sorted(set(sampling_config or {}) - {"task_name", "partition_id", "batch_index", "dp_rank"})
-    if extra:
-        raise not_yet(f"get_meta(sampling_config={extra})", "arguments passed to tqueue policies (issue 27)")
 
 
-def _one(metas: list[tqueue.BatchMeta]) -> tqueue.BatchMeta:
-    if len(metas) != 1:
-        raise not_yet("a call on samples of several partitions at once", "calls that span partitions")
-    return metas[0]
+def _in_order(metas: list[BatchMeta], rows: list[list[int]]) -> BatchMeta:
+    """One ``BatchMeta`` of per-partition metas, each sample at its row in ``rows``."""
+    if len(metas) == 1:
+        return metas[0]
+    joined = BatchMeta.concat(metas, validate=False)
+    at = {r: i for i, r in enumerate(r for picked in rows for r in picked)}
+    joined.reorder([at[r] for r in range(len(at))])
+    return joined
 
 
 def _partition(status: Any, partition_id: str) -> Any:
@@ -144,12 +156,18 @@ class TransferQueueClient:
             return to_meta(self._put_new(partition_id, data))
         if rows(data) != metadata.size:
             raise ValueError(f"put: data has {rows(data)} rows, metadata {metadata.size} samples")
-        meta = _one(from_meta(metadata))
-        tolerant_put(self._client, meta.partition, to_fields(data), lambda d: self._client.update(meta, d))
-        specs = _partition(self._client.status(), meta.partition).fields
+        fields = to_fields(data)
         names = [str(k) for k in data.keys()]
-        written = to_meta(msgspec.structs.replace(meta, fields=names, schema=specs), names)
-        return metadata.union(written)
+        parts = split(metadata)
+        for meta, picked in parts:  # one update per partition, of the rows it holds
+            values = fields if len(parts) == 1 else take_rows(fields, picked)
+            tolerant_put(self._client, meta.partition, values, lambda d, m=meta: self._client.update(m, d))
+        status = self._client.status()
+        written = [
+            to_meta(msgspec.structs.replace(meta, fields=names, schema=_partition(status, meta.partition).fields), names)
+            for meta, _ in parts
+        ]
+        return metadata.union(_in_order(written, [picked for _, picked in parts]))
 
     def get_meta(
         self,
@@ -166,7 +184,7 @@ class TransferQueueClient:
         that many seconds at the controller for the samples, then return an empty meta, in
         polling mode or not (the streaming dataset waits so rather than asking again and
         again)."""
-        _check_mode(mode, task_name, sampling_config)
+        _check_mode(mode, task_name)
         if mode == "insert":
             return self._insert(list(data_fields), batch_size, partition_id)
         settings = self.settings()
@@ -184,6 +202,11 @@ class TransferQueueClient:
         elif sampler == "seqlen_balanced":  # one token-balanced round over dp_size ranks per batch
             rounds = {"dp_rank": int(group or 0), "dp_size": int(settings["dp_size"])}
         grouped = sampler == "groups" or (sampler == "seqlen_balanced" and int(settings.get("group_size", 1)) > 1)
+        policy = "groups" if grouped else "first_ready"
+        extra: dict[str, Any] = {}
+        if sampler == "policy":  # a tqueue policy loaded into the controller gets sampling_config
+            policy = str(settings["policy"])
+            extra["policy_args"] = {str(k): plain(v) for k, v in (sampling_config or {}).items()}
         try:
             meta = self._client.get_meta(
                 partition_id,
@@ -191,8 +214,9 @@ class TransferQueueClient:
                 batch_size,
                 task=task_name,
                 timeout=wait if wait is not None else 0 if polling else None,
-                policy="groups" if grouped else "first_ready",
+                policy=policy,
                 **rounds,
+                **extra,
             )
         except (tqueue.WaitTimeoutError, tqueue.UnknownFieldError, tqueue.PartitionClearedError):
             if polling or wait is not None:
@@ -234,8 +258,14 @@ class TransferQueueClient:
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         if metadata.size == 0:
             return TensorDict({}, batch_size=[0])
-        meta = _one(from_meta(metadata))
-        return to_tensordict(self._client.get_data(meta, meta.fields), meta.fields, len(meta))
+        parts = split(metadata)
+        if len(parts) == 1:
+            meta = parts[0][0]
+            return to_tensordict(self._client.get_data(meta, meta.fields), meta.fields, len(meta))
+        # samples of several partitions: each partition's read, its rows put back in place
+        names = list(metadata.field_names)
+        got = [(to_tensordict(self._client.get_data(m, m.fields), m.fields, len(m)), picked) for m, picked in parts]
+        return merge(got, names, metadata.size)
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Keep each sample's ``custom_meta`` in the cluster (tqueue's sample tags)."""

@@ -46,10 +46,18 @@ def _defaults() -> DictConfig:
     return conf
 
 
+POLICY_PREFIX = "tqueue:"
+
+
 def _sampler_settings(sampler: Any) -> dict[str, Any]:
     """How the controller carries out ``controller.sampler`` (a built-in sampler's name, class
     or instance: its arguments are read, nothing is pickled), kept in the cluster's settings."""
     name = sampler if isinstance(sampler, str) else getattr(sampler, "__name__", type(sampler).__name__)
+    if name.startswith(POLICY_PREFIX):  # a tqueue policy loaded into the controller, by name
+        policy = name[len(POLICY_PREFIX):]
+        if not policy:
+            raise ValueError(f"controller.sampler {sampler!r}: name the policy, '{POLICY_PREFIX}NAME'")
+        return {"sampler": "policy", "policy": policy}
     if name == SequentialSampler.__name__:
         return {"sampler": "first_ready"}
     if name == GRPOGroupNSampler.__name__:
@@ -81,9 +89,13 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
             return _state["config"]
         config = _defaults()
         sampler = None
+        policies: list[str] = []
         if conf is not None:
             user = OmegaConf.to_container(conf) if isinstance(conf, DictConfig) else dict(conf)
-            sampler = (user.get("controller") or {}).pop("sampler", None) if isinstance(user, dict) else None
+            controller = (user.get("controller") or {}) if isinstance(user, dict) else {}
+            sampler = controller.pop("sampler", None)
+            # tqueue policies for the cluster this init starts: ["NAME=module:attribute", ...]
+            policies = [str(p) for p in controller.pop("policies", None) or []]
             config = OmegaConf.merge(config, user)
         backend = config.backend.storage_backend
         if backend != "SimpleStorage":
@@ -92,13 +104,22 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
         settings["polling_mode"] = bool(config.controller.polling_mode)
         address = config.controller.zmq_info or os.environ.get(ADDRESS_ENV)
         if not address:
+            options: dict[str, Any] = {"policies": policies} if policies else {}
+            if config.metrics.enabled:
+                options["metrics_port"] = int(config.metrics.port)
             cluster = tqueue.LocalCluster(
                 num_storage_units=int(config.backend.SimpleStorage.num_data_storage_units),
-                controller={"metrics_port": int(config.metrics.port)} if config.metrics.enabled else None,
+                controller=options or None,
             ).start()
             _state["cluster"] = cluster
             address = os.environ[ADDRESS_ENV] = cluster.address
             logger.info("transfer_queue: started a tqueue cluster at %s", address)
+        elif policies:
+            logger.warning(
+                "transfer_queue: controller.policies %s are for a cluster init starts; the one at %s is running "
+                "already: load them into its controller (tqueue controller --policy NAME=MODULE:ATTR)",
+                policies, address,
+            )
         config.controller.zmq_info = address
         try:
             client = TransferQueueClient("transfer_queue", address)
