@@ -52,6 +52,9 @@ IMAGE_BYTES = 240_000
 COPIES_HELD = 4
 
 
+PUT_COST_PUTS = 128  # puts in the put-cost phase (after the streaming scenarios, per round)
+
+
 def available_memory() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[Result] = []
     notes: list[str] = []
     copies: dict[str, str] = {}
+    costs: list[dict[str, Any]] = []
     started = time.time()
     systems: dict[str, Any] = {}
     for name in args.systems:
@@ -159,10 +163,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  {scenario:7s} {size:6d} samples  {med:6.2f} GB/s", flush=True)
                         if args.on_progress:
                             args.on_progress(results, notes, copies)
+                streaming = [SCENARIOS[s] for s in args.scenarios if SCENARIOS[s].group]
+                if streaming and hasattr(system, "put_cost"):
+                    group = streaming[0].group
+                    cost = system.put_cost(group, PUT_COST_PUTS)
+                    costs.append({"system": name, "group": group} | cost)
+                    print(f"  a streaming put of {group}: {cost['total']:.0f} us of CPU "
+                          f"(client {cost['client']:.0f}, controller {cost['controller']:.0f}, units {cost['units']:.0f})", flush=True)
             finally:
                 system.stop()
     return {
         "results": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in results],
+        "put_cost": costs,
         "notes": notes,
         "copies": copies,
         "machine": {
@@ -242,6 +254,17 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                 f"| {scenario} | {size} | {ours} | {put:.2f} | {get:.2f} | {raw['gbps']:.2f} | "
                 f"{put / raw['gbps']:.0%} | {get / raw['gbps']:.0%} |"
             )
+    if data.get("put_cost"):
+        out += ["", f"CPU a streaming put costs, summed over its processes (µs per put of one group of the workload's "
+                f"samples, {PUT_COST_PUTS} puts one after another, medians over the rounds):", ""]
+        out += ["| system | group | client | controller | units | total | wall per put |", "|---|---:|---:|---:|---:|---:|---:|"]
+        by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for c in data["put_cost"]:
+            by.setdefault((c["system"], c["group"]), []).append(c)
+        for (system, group), cs in sorted(by.items()):
+            med = {k: statistics.median(c[k] for c in cs) for k in ("client", "controller", "units", "total", "wall")}
+            out.append(f"| {system} | {group} | {med['client']:.0f} | {med['controller']:.0f} | {med['units']:.0f} | "
+                       f"{med['total']:.0f} | {med['wall']:.0f} |")
     out += ["", "Copies of each payload byte, per system:", ""]
     out += [f"* **{k}**: {v}" for k, v in data["copies"].items()]
     if data["notes"]:

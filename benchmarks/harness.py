@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -86,6 +87,13 @@ class System(Protocol):
     def run(self, scenario: Scenario, size: int) -> Result: ...
 
     def stop(self) -> None: ...
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` (all its threads) so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Worker:

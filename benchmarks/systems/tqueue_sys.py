@@ -6,7 +6,7 @@ import itertools
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..harness import Result, Scenario, Worker, now, serve, settle
+from ..harness import Result, Scenario, Worker, cpu_seconds, now, serve, settle
 from ..workload import fields, make_batch, nbytes, verify
 
 
@@ -164,6 +164,35 @@ class TQueueSystem:
             get_s=max(g["t2"] - g["t1"] for g in gets),
             e2e_s=max(g["t2"] for g in gets) - start,
         )
+
+    def put_cost(self, group: int, puts: int) -> dict[str, float]:
+        """CPU time a streaming put of ``group`` samples costs, in µs per put, by process:
+        one producer puts ``puts`` groups of the workload's samples one after another (no
+        reader), twice: the first warms the unit's pages and pools and is not counted."""
+        producer = Worker(_producer, self._cluster.address, 99, self.transport, self.pack, name="tq-put-cost").ready()
+        try:
+            out: dict[str, float] = {}
+            for attempt in range(2):
+                producer.send({"cmd": "prepare", "start": 0, "stop": group * puts, "group": group, "multimodal": False})
+                producer.recv()
+                pids = {"client": producer.proc.pid, "controller": self._cluster.pids[0]}
+                pids |= {f"unit{i}": pid for i, pid in enumerate(self._cluster.pids[1:])}
+                before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                producer.send({"cmd": "go", "partition": f"put-cost-{attempt}"})
+                done = producer.recv()
+                after = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                self._client.clear(f"put-cost-{attempt}")
+                units = sum(after[k] - before[k] for k in pids if k.startswith("unit"))
+                out = {
+                    "client": (after["client"] - before["client"]) / puts * 1e6,
+                    "controller": (after["controller"] - before["controller"]) / puts * 1e6,
+                    "units": units / puts * 1e6,
+                    "wall": (done["t1"] - done["t0"]) / puts * 1e6,
+                }
+            out["total"] = out["client"] + out["controller"] + out["units"]
+            return out
+        finally:
+            producer.stop()
 
     def stop(self) -> None:
         for w in self._producers + self._consumers:
