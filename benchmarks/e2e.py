@@ -1,7 +1,7 @@
 """End-to-end benchmark: tqueue beside its peers, on the same batch, in one run.
 
     python benchmarks/e2e.py [--quick | --smoke] [--sizes 256,1024] [--scenarios 1to1,1to4]
-                             [--systems tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue]
+                             [--systems tqueue,tqueue-wide,tqueue-shm,tqueue-shm-inflight,zmq-raw,ray,ray-zerocopy,transferqueue]
                              [--repeats 5] [--warmup 3] [--rounds 2] [--out bench-results]
 
 (also tqueue bench from a source checkout). Peers that are not installed are skipped with a
@@ -38,13 +38,16 @@ SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tqueue": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp"}),
     "tqueue-wide": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp", "pack": False}),
     "tqueue-shm": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "shm"}),
+    # streaming producers with 4 puts in flight each (threads of one Client), coalesced
+    "tqueue-inflight": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp", "inflight": 4}),
+    "tqueue-shm-inflight": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "shm", "inflight": 4}),
     "zmq-raw": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "tcp"}),
     "zmq-raw-ipc": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "ipc"}),
     "ray": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": False}),
     "ray-zerocopy": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": True}),
     "transferqueue": ("benchmarks.systems.tq_sys", "TransferQueueSystem", {}),
 }
-OURS = ("tqueue", "tqueue-wide", "tqueue-shm")
+OURS = ("tqueue", "tqueue-wide", "tqueue-shm", "tqueue-inflight", "tqueue-shm-inflight")
 # bytes per sample (the workload) and how many copies of a batch a run holds at once
 # (producer, store, consumer, and the previous run's memory kept warm)
 SAMPLE_BYTES = 133_000
@@ -256,7 +259,8 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             )
     if data.get("put_cost"):
         out += ["", f"CPU a streaming put costs, summed over its processes (µs per put of one group of the workload's "
-                f"samples, {PUT_COST_PUTS} puts one after another, medians over the rounds):", ""]
+                f"samples, {PUT_COST_PUTS} puts, one after another, or 4 at a time for the -inflight systems, which "
+                f"coalesce them; medians over the rounds):", ""]
         out += ["| system | group | client | controller | units | total | wall per put |", "|---|---:|---:|---:|---:|---:|---:|"]
         by: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for c in data["put_cost"]:
@@ -312,7 +316,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="CI check that the harness runs: 32 samples, 1to1, 1 run")
     p.add_argument("--sizes", default="256,1024,4096,16384", help="samples per batch, comma-separated")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="producer-to-consumer layouts, comma-separated")
-    p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,zmq-raw,ray,ray-zerocopy,transferqueue",
+    p.add_argument("--systems", default="tqueue,tqueue-wide,tqueue-shm,tqueue-shm-inflight,zmq-raw,ray,ray-zerocopy,transferqueue",
                    help=f"systems to run, comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--repeats", type=int, default=5, help="recorded runs of each system, scenario and size")
     p.add_argument("--warmup", type=int, default=3, help="unrecorded rounds first (warm caches, pools and page tables for every system)")

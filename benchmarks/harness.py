@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection

@@ -245,6 +245,11 @@ class ClientConfig:
         "streams (parallel lanes); smaller ones go inline on ZeroMQ, whose frames the unit keeps as they arrived")
     bulk_lane_min_bytes: int = _setting(
         4 * MiB, "a put or fetch is split over parallel bulk streams only where each stream gets at least this much")
+    coalesce_puts: bool = _setting(
+        False, "concurrent puts of this client to one partition, with the same fields and options, that are "
+        "waiting in one turn of its event loop go as one put (one grant, one store, one commit); each caller "
+        "still gets its own samples' meta once they are stored. Cancelling one of them then withdraws its "
+        "samples only until the put has gone out")
     auth_dir: str = _setting(
         "", "this client's CurveZMQ keys (client.key_secret, cluster.key; see tqueue/transport/_auth.py), or "
         "TQUEUE_AUTH_DIR; empty: no authentication")
@@ -265,5 +270,6 @@ class ClientConfig:
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),
             pack_ints=bool(_env.number("TQUEUE_PACK_INTS", 1)),
             pin_memory=bool(_env.number("TQUEUE_PIN_MEMORY", 0)),
+            coalesce_puts=bool(_env.number("TQUEUE_COALESCE_PUTS", 0)),
             auth_dir=os.environ.get("TQUEUE_AUTH_DIR", ""),
         )

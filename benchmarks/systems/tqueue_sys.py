@@ -10,18 +10,25 @@ from ..harness import Result, Scenario, Worker, cpu_seconds, now, serve, settle
 from ..workload import fields, make_batch, nbytes, verify
 
 
-def _client(address: str, transport: str, pack: bool) -> Any:
+def _client(address: str, transport: str, pack: bool, coalesce: bool = False) -> Any:
     import dataclasses
 
     import tqueue
 
     config = tqueue.ClientConfig.from_env()
-    client = tqueue.Client(address, config=dataclasses.replace(config, shm=transport == "shm", pack_ints=pack))
+    config = dataclasses.replace(config, shm=transport == "shm", pack_ints=pack, coalesce_puts=coalesce)
+    client = tqueue.Client(address, config=config)
     client.connect()
     return client
 
 
-def _producer(conn: Connection, address: str, rank: int, transport: str, pack: bool) -> None:
+def _producer(conn: Connection, address: str, rank: int, transport: str, pack: bool, inflight: int = 1) -> None:
+    """Puts its share of the batch, one put per group when streaming; with ``inflight`` > 1,
+    an ``AsyncClient`` keeps that many puts going at once (as an async rollout worker's
+    finished requests put concurrently), and coalesces those that wait in one turn of its loop."""
+    if inflight > 1:
+        _async_producer(conn, address, transport, pack, inflight)
+        return
     client = _client(address, transport, pack)
     state: dict[str, Any] = {}
 
@@ -48,6 +55,51 @@ def _producer(conn: Connection, address: str, rank: int, transport: str, pack: b
         serve(conn, {"prepare": prepare, "go": go})
     finally:
         client.close()
+
+
+def _async_producer(conn: Connection, address: str, transport: str, pack: bool, inflight: int) -> None:
+    import asyncio
+    import dataclasses
+
+    import tqueue
+
+    loop = asyncio.new_event_loop()
+    config = tqueue.ClientConfig.from_env()
+    config = dataclasses.replace(config, shm=transport == "shm", pack_ints=pack, coalesce_puts=True)
+    client = tqueue.AsyncClient(address, config=config)
+    loop.run_until_complete(client.connect())
+    state: dict[str, Any] = {}
+
+    def prepare(msg: dict[str, Any]) -> dict[str, Any]:
+        state.pop("spent", None)
+        start, stop, step = msg["start"], msg["stop"], msg["group"] or (msg["stop"] - msg["start"])
+        state["grouped"] = bool(msg["group"])
+        state["parts"] = [
+            (make_batch(min(step, stop - a), multimodal=msg["multimodal"], start=a), f"g{a // 8}") for a in range(start, stop, step)
+        ]
+        return {"nbytes": sum(nbytes(b) for b, _ in state["parts"])}
+
+    async def put_all(partition: str) -> None:
+        slots = asyncio.Semaphore(inflight)
+
+        async def one(batch: Any, group: str) -> None:
+            async with slots:
+                await client.put(partition, batch, groups=group if state["grouped"] else None)
+
+        await asyncio.gather(*(one(b, g) for b, g in state["parts"]))
+
+    def go(msg: dict[str, Any]) -> dict[str, Any]:
+        t0 = now()
+        loop.run_until_complete(put_all(msg["partition"]))
+        t1 = now()
+        state["spent"] = state.pop("parts")
+        return {"t0": t0, "t1": t1}
+
+    try:
+        serve(conn, {"prepare": prepare, "go": go})
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
 
 
 def _consumer(conn: Connection, address: str, rank: int, transport: str, pack: bool) -> None:
@@ -77,8 +129,11 @@ class TQueueSystem:
     automatically because producers, units and consumers share this host). ``pack``: integer
     fields travel narrowed (the default; socket writes only); off for ``tqueue-wide``."""
 
-    def __init__(self, transport: str = "tcp", units: int = 2, pack: bool = True) -> None:
+    def __init__(self, transport: str = "tcp", units: int = 2, pack: bool = True, inflight: int = 1) -> None:
         self.name = "tqueue-shm" if transport == "shm" else "tqueue" if pack else "tqueue-wide"
+        if inflight > 1:
+            self.name = f"{self.name}-inflight"
+        self.inflight = inflight
         self.transport = transport
         self.units = units
         self.pack = pack
@@ -118,7 +173,7 @@ class TQueueSystem:
     def _workers(self, scenario: Scenario) -> None:
         addr = self._cluster.address
         while len(self._producers) < scenario.producers:
-            self._producers.append(Worker(_producer, addr, len(self._producers), self.transport, self.pack, name=f"tq-producer-{len(self._producers)}").ready())
+            self._producers.append(Worker(_producer, addr, len(self._producers), self.transport, self.pack, self.inflight, name=f"tq-producer-{len(self._producers)}").ready())
         while len(self._consumers) < scenario.consumers:
             self._consumers.append(Worker(_consumer, addr, len(self._consumers), self.transport, self.pack, name=f"tq-consumer-{len(self._consumers)}").ready())
 
@@ -169,7 +224,7 @@ class TQueueSystem:
         """CPU time a streaming put of ``group`` samples costs, in µs per put, by process:
         one producer puts ``puts`` groups of the workload's samples one after another (no
         reader), twice: the first warms the unit's pages and pools and is not counted."""
-        producer = Worker(_producer, self._cluster.address, 99, self.transport, self.pack, name="tq-put-cost").ready()
+        producer = Worker(_producer, self._cluster.address, 99, self.transport, self.pack, self.inflight, name="tq-put-cost").ready()
         try:
             out: dict[str, float] = {}
             for attempt in range(2):

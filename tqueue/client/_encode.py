@@ -21,7 +21,7 @@ import torch
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import TORCH_ITEMSIZE, int_dtype
-from ..wire._messages import FieldKind
+from ..wire._messages import FieldKind, PackedType
 from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,45 @@ class Encoded:
         return [
             FieldBlock(name=b.name, spec=b.spec, counts=[], shapes=b.shapes) for b in self.blocks
         ]
+
+
+def join(partition: str, encs: Sequence[Encoded]) -> Encoded:
+    """One put of several encoded puts of the same fields and specs, their samples in order:
+    each field's frames one after the other (no byte is copied; every frame keeps its own
+    layout, as a put's chunks do)."""
+    first = encs[0]
+    blocks: list[FieldBlock] = []
+    buffers: list[Any] = []
+    starts = [np.cumsum([0] + [len(b.counts) for b in e.blocks]).tolist() for e in encs]
+    for i, block in enumerate(first.blocks):
+        parts = [e.blocks[i] for e in encs]
+        if any(p.name != block.name or p.spec != block.spec for p in parts):
+            raise SchemaError(f"field {block.name!r} of partition {partition!r}: puts of other fields or specs cannot go as one")
+        packed: list[PackedType] | None = None
+        if any(p.packed is not None for p in parts):
+            wide: list[PackedType] = [""]
+            packed = [k for p in parts for k in (p.packed if p.packed is not None else wide * len(p.counts))]
+        blocks.append(
+            FieldBlock(
+                name=block.name,
+                spec=block.spec,
+                counts=[c for p in parts for c in p.counts],
+                shapes=None if block.shapes is None else [d for p in parts for d in p.shapes or ()],
+                sizes=None if block.sizes is None else [z for p in parts for z in p.sizes or ()],
+                packed=packed,
+            )
+        )
+        for e, at in zip(encs, starts):
+            buffers.extend(e.buffers[at[i] : at[i + 1]])
+    return Encoded(
+        count=sum(e.count for e in encs),
+        blocks=blocks,
+        buffers=buffers,
+        nbytes=sum(e.nbytes for e in encs),
+        copied=sum(e.copied for e in encs),
+        whole=[None] * len(blocks),
+        deferred=any(e.deferred for e in encs),
+    )
 
 
 class _Ctx:

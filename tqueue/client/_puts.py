@@ -3,6 +3,8 @@ bulk streams or its arena: tqueue/client/_routes/) and updates of stored samples
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -21,10 +23,44 @@ from ..wire._messages import SampleFate
 from ._args import _groups, _versions, _wait, listed
 from ._ask import PutAsk
 from ._connections import ClientStats, Connections
-from ._encode import Encoded, encode, pack, sample_count
+from ._encode import Encoded, encode, join, pack, sample_count
 from ._routes import Outgoing
 
 log = logging.getLogger(__name__)
+
+
+COALESCE_SAMPLES = 4096  # coalesce_puts: samples in one put made of several
+COALESCE_BYTES = 256 << 20  # and bytes
+
+
+@dataclasses.dataclass(slots=True)
+class _Waiting:
+    """A put waiting for its turn to go with others (coalesce_puts)."""
+
+    enc: Encoded
+    groups: list[Any] | None
+    versions: list[int] | None
+    done: asyncio.Future[BatchMeta]
+
+
+def _part(meta: BatchMeta, at: int, n: int) -> BatchMeta:
+    """The meta of samples ``at .. at + n`` of a put's meta, with their own fate."""
+    if not meta.indexes:  # aborted: nothing was stored, for any of the callers
+        return meta
+    cut = slice(at, at + n)
+    fates = meta.fates[cut] if meta.fates is not None else None
+    status = meta.status
+    if fates is not None and all(f == "ok" for f in fates):
+        status, fates = "ok", None
+    return msgspec.structs.replace(
+        meta,
+        indexes=meta.indexes[cut],
+        units=meta.units[cut],
+        groups=meta.groups[cut] if meta.groups is not None else None,
+        versions=meta.versions[cut] if meta.versions is not None else None,
+        status=status,
+        fates=fates,
+    )
 
 
 class Puts:
@@ -36,14 +72,95 @@ class Puts:
         self._pool = pool
         self.stats = stats
         self.reserved = 0  # samples admitted by reserve() and not yet put
+        self._waiting: dict[Any, list[_Waiting]] = {}  # coalesce_puts: puts that go next turn, by kind
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def put(self, ask: PutAsk) -> BatchMeta:
         """:meth:`AsyncClient.put`."""
-        partition, data, timeout, partial = ask.partition, ask.data, ask.timeout, ask.partial
-        enc = encode(data, partition=partition, chunk_bytes=self.config.chunk_bytes, defer_device=True)
+        partition = ask.partition
+        enc = encode(ask.data, partition=partition, chunk_bytes=self.config.chunk_bytes, defer_device=True)
         group_ids = _groups(ask.groups, enc.count, partition)
         versions = _versions(ask.version, enc.count, partition)
-        wait = _wait(timeout, self.config.put_timeout)
+        wait = _wait(ask.timeout, self.config.put_timeout)
+        if self.config.coalesce_puts and not enc.on_device and not enc.cuda_devices:
+            return await self._coalesced(ask, enc, group_ids, versions, wait)
+        return await self._put(partition, enc, group_ids, versions, wait, ask.partial)
+
+    async def _coalesced(
+        self, ask: PutAsk, enc: Encoded, group_ids: list[Any] | None, versions: list[int] | None, wait: float
+    ) -> BatchMeta:
+        """Queue a put to go with the others of its kind (partition, fields and their specs,
+        options) waiting in this turn of the loop; its own samples' meta once stored."""
+        key = (
+            ask.partition, ask.partial, wait, group_ids is None, versions is None,
+            tuple((b.name, b.spec) for b in enc.blocks),
+        )
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BatchMeta] = loop.create_future()
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = []
+            loop.call_soon(self._send_waiting, key)
+        waiting.append(_Waiting(enc, group_ids, versions, done))
+        return await done
+
+    def _send_waiting(self, key: Any) -> None:
+        """Send the puts of one kind that waited for this turn: one put of all of them (up to
+        COALESCE_SAMPLES samples and COALESCE_BYTES bytes each)."""
+        partition, partial, wait = key[0], key[1], key[2]
+        waiting = [w for w in self._waiting.pop(key, []) if not w.done.done()]  # not cancelled meanwhile
+        batch: list[_Waiting] = []
+        for item in waiting:
+            if batch and (
+                sum(w.enc.count for w in batch) + item.enc.count > COALESCE_SAMPLES
+                or sum(w.enc.nbytes for w in batch) + item.enc.nbytes > COALESCE_BYTES
+            ):
+                self._start(partition, batch, wait, partial)
+                batch = []
+            batch.append(item)
+        if batch:
+            self._start(partition, batch, wait, partial)
+
+    def _start(self, partition: str, batch: list[_Waiting], wait: float, partial: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._put_together(partition, batch, wait, partial))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _put_together(self, partition: str, batch: list[_Waiting], wait: float, partial: bool) -> None:
+        if len(batch) == 1:
+            enc, group_ids, versions = batch[0].enc, batch[0].groups, batch[0].versions
+        else:
+            enc = join(partition, [w.enc for w in batch])
+            group_ids = None if batch[0].groups is None else [g for w in batch for g in w.groups or ()]
+            versions = None if batch[0].versions is None else [v for w in batch for v in w.versions or ()]
+        put = asyncio.ensure_future(self._put(partition, enc, group_ids, versions, wait, partial))
+
+        def withdraw(_: Any) -> None:  # every caller gave up: the put is withdrawn as one alone is
+            if all(w.done.cancelled() for w in batch):
+                put.cancel()
+
+        for w in batch:
+            w.done.add_done_callback(withdraw)
+        try:
+            meta = await put
+        except BaseException as exc:  # every caller gets the put's failure
+            for w in batch:
+                if not w.done.done():
+                    w.done.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            if not isinstance(exc, Exception):
+                raise
+            return
+        at = 0
+        for w in batch:
+            if not w.done.done():
+                w.done.set_result(meta if len(batch) == 1 else _part(meta, at, w.enc.count))
+            at += w.enc.count
+
+    async def _put(
+        self, partition: str, enc: Encoded, group_ids: list[Any] | None, versions: list[int] | None,
+        wait: float, partial: bool,
+    ) -> BatchMeta:
+        """One put of ``enc``: grant, store (placed again where its unit failed), its meta."""
         reserved = min(self.reserved, enc.count)
         grant = Grant(
             partition=partition, count=enc.count, blocks=enc.grant_blocks(), host=self._conns.host,

@@ -1,0 +1,152 @@
+"""Coalesced puts (``ClientConfig.coalesce_puts``): concurrent puts of one client to one
+partition that wait in the same turn of its loop go as one put; each caller gets its own
+samples, stored, and its own failure."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import FieldTypeError
+
+PATHS = {"socket": False, "shm": True}
+
+
+def _config(shm: bool) -> tqueue.ClientConfig:
+    return dataclasses.replace(tqueue.ClientConfig(), coalesce_puts=True, shm=shm, shm_min_bytes=0)
+
+
+def _sample(i: int) -> dict:
+    return {
+        "ids": torch.full((3, 5), i, dtype=torch.int64),  # dense
+        "resp": [torch.arange(i + 1, dtype=torch.float32) for _ in range(3)],  # jagged
+        "text": [f"caller {i} row {r}" for r in range(3)],  # objects
+        "reward": torch.tensor([i, i + 0.5, i + 0.25]),
+    }
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_concurrent_puts_go_as_one_and_each_caller_gets_its_own_samples(cluster, partition, path):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(PATHS[path])) as c:
+            metas = await asyncio.gather(*(c.put(partition, _sample(i), groups=f"g{i}", version=i) for i in range(8)))
+            stores = c.stats.puts
+            got = [await c.get_data(m) for m in metas]
+            return metas, stores, got
+
+    metas, stores, got = asyncio.run(main())
+    assert stores < 8  # at least two of them went as one (all 8 wait in one turn: one store)
+    indexes = [i for m in metas for i in m.indexes]
+    assert sorted(indexes) == list(range(24)) and all(len(m) == 3 for m in metas)
+    for i, (m, batch) in enumerate(zip(metas, got)):
+        assert m.status == "ok" and m.fates is None
+        assert m.groups == [f"g{i}"] * 3 and m.versions == [i] * 3
+        assert torch.equal(batch["ids"], torch.full((3, 5), i, dtype=torch.int64))
+        assert [t.tolist() for t in batch["resp"]] == [list(range(i + 1))] * 3
+        assert list(batch["text"]) == [f"caller {i} row {r}" for r in range(3)]
+        assert batch["reward"].tolist() == [i, i + 0.5, i + 0.25]
+
+
+def test_puts_of_other_fields_or_shapes_go_apart_and_each_succeeds(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
+            return await asyncio.gather(
+                c.put(partition, {"x": torch.zeros(2, 4)}),
+                c.put(partition, {"x": torch.ones(2, 4)}),
+                c.put(f"{partition}-b", {"x": torch.zeros(2, 7)}),
+                c.put(partition, {"x": torch.ones(1, 4), "y": ["a"]}),
+            )
+
+    a, b, other, wider = asyncio.run(main())
+    assert sorted(a.indexes + b.indexes + wider.indexes) == list(range(5))
+    assert other.partition == f"{partition}-b" and other.indexes == [0, 1]
+    assert wider.fields == ["x", "y"]
+
+
+def test_a_caller_whose_data_is_refused_fails_alone(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
+            return await asyncio.gather(
+                c.put(partition, {"o": ["fine"]}),
+                c.put(partition, {"o": [object()]}),
+                c.put(partition, {"o": ["also fine"]}),
+                return_exceptions=True,
+            )
+
+    ok1, bad, ok2 = asyncio.run(main())
+    assert isinstance(bad, FieldTypeError) and "field 'o'" in str(bad)
+    assert sorted(ok1.indexes + ok2.indexes) == [0, 1]
+
+
+def test_a_put_that_crosses_the_target_trims_the_callers_past_it(cluster, partition):
+    """A target of 10: three puts of 4 as one put keep 10 samples; the first two callers'
+    puts are whole ("ok"), the third keeps 2 ("trimmed", its fates per sample)."""
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
+            await c.create_partition(partition, target=10)
+            return await asyncio.gather(*(c.put(partition, {"x": torch.full((4,), i)}) for i in range(3)))
+
+    metas = asyncio.run(main())
+    assert [m.status for m in metas] == ["ok", "ok", "trimmed"]
+    assert metas[2].fates == ["ok", "ok", "aborted", "aborted"]
+    assert all(m.sealed for m in metas)
+
+
+def test_a_put_to_a_sealed_partition_is_aborted_for_every_caller(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
+            await c.create_partition(partition, target=2)
+            await c.put(partition, {"x": torch.arange(2)})
+            return await asyncio.gather(*(c.put(partition, {"x": torch.arange(2)}) for _ in range(3)))
+
+    metas = asyncio.run(main())
+    assert [(m.status, m.indexes) for m in metas] == [("aborted", [])] * 3
+
+
+def test_puts_that_every_caller_gave_up_on_are_withdrawn(cluster, partition):
+    """Puts waiting for memory at the controller, coalesced, all cancelled: withdrawn, as one
+    put alone is (nothing is stored, and memory freed later is not granted to them)."""
+    small = dataclasses.replace(_config(False), put_timeout=30.0)
+    with tqueue.LocalCluster(num_storage_units=1, controller={"capacity_bytes": 4 << 20}) as own:
+
+        async def bounded():
+            async with tqueue.AsyncClient(own.address, config=small) as c:
+                await c.put(f"{partition}-fill", {"x": torch.zeros(1, 896 * 1024)})  # 3.5 MiB of 4
+                # 3 x 256 KiB, as one put: 768 KiB, more than is free, less than the whole
+                puts = [asyncio.ensure_future(c.put(partition, {"x": torch.zeros(1, 64 * 1024)})) for _ in range(3)]
+                for _ in range(1000):  # until the controller holds the coalesced put, parked for memory
+                    if any(w.partition == partition for w in (await c.status()).waiting):
+                        break
+                else:
+                    raise AssertionError("the put never waited at the controller")
+                for p in puts:
+                    p.cancel()
+                results = await asyncio.gather(*puts, return_exceptions=True)
+                _, going = await asyncio.wait(list(c._puts._tasks), timeout=10)  # the coalesced put ends at once
+                assert not going, "the coalesced put went on after every caller gave up"
+                parked = [w for w in (await c.status()).waiting if w.partition == partition]
+                await c.clear(f"{partition}-fill")  # memory for them now: nothing may take it
+                await c.put(f"{partition}-fill", {"x": torch.zeros(1, 896 * 1024)})  # and the memory is all there
+                after = await c.status()
+                held = [p.samples for p in after.partitions if p.name == partition]
+                return results, parked, held, c.stats.puts
+
+        results, parked, held, stores = asyncio.run(bounded())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert parked == []  # withdrawn from the controller once every caller gave up
+    assert held in ([], [0]) and stores == 2  # none of theirs was stored: the filler, twice
+
+
+def test_off_by_default_each_put_goes_alone(cluster, partition):
+    async def main():
+        async with tqueue.AsyncClient(cluster.address) as c:
+            metas = await asyncio.gather(*(c.put(partition, _sample(i)) for i in range(4)))
+            return metas, c.stats.puts
+
+    metas, stores = asyncio.run(main())
+    assert stores == 4 and sorted(i for m in metas for i in m.indexes) == list(range(12))
