@@ -46,3 +46,15 @@ class Skip:
         skip = int(candidates.args.get("skip", 0))
         ready = candidates.ready()[skip:]
         return ready[:count] if len(ready) >= count else None
+
+
+class Slow:
+    """Holds the controller's loop 10 ms at each call (a costly policy), then waits."""
+
+    name = "slow"
+
+    def select(self, candidates, count):
+        import time
+
+        time.sleep(0.01)
+        return None

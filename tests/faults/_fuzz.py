@@ -23,7 +23,7 @@ _HUGE = [2**62, 2**63 - 1, -(2**63), 2**40, -1]
 
 def _store(**kw: object) -> _wire.Store:
     block = _wire.FieldBlock(name="x", spec=kw.pop("spec", _SPEC), counts=kw.pop("counts", [1]))  # type: ignore[arg-type]
-    fields: dict = dict(rid=1, grant_id=7, partition="fuzz", partition_uid=FAR, start=0, count=1, blocks=[block])
+    fields: dict = dict(rid=1, grant_id=FAR, partition="fuzz", partition_uid=FAR, start=0, count=1, blocks=[block])
     fields.update(kw)
     return _wire.Store(**fields)
 

@@ -264,3 +264,31 @@ def test_a_consumer_killed_mid_stream_leaves_the_unit_as_it_was(child):
             got = other.get_data(other.get_meta("big", ["x"], 4, task="after"))
             assert torch.equal(got["x"], torch.full((4, HOLD_BYTES // 16), 5.0))
         print(f"consumer SIGKILL mid-stream: the unit's stream and thread reclaimed after {took:.2f} s")
+
+
+def test_a_backlog_longer_than_the_liveness_window_is_not_silence(raw, partition):
+    """60 connections each queue 4 reads whose policy holds the controller's loop 10 ms: ZeroMQ
+    serves the connections in turn, so each one, the client's and the unit's included, has a
+    message handled once in 0.6 s, longer than the liveness windows (0.3 s for clients, 0.5 s
+    for units). Pings are answered as they arrive and every arrival counts for its sender, so
+    the put made meanwhile is stored and the unit stays alive. Answered in turn (as before),
+    the client's pings waited a whole round each and its put failed with
+    ControllerUnavailableError, or the unit, its heartbeats unread, was declared dead."""
+    policies = ["slow=tests.controller.custom_policy:Slow"]
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": 0.1, "policies": policies}) as c:
+        with tqueue.Client(c.address) as client:
+            client.put(partition, {"x": torch.zeros(1, dtype=torch.int64)})
+            peers = [raw(c.address) for _ in range(60)]
+            started = time.monotonic()
+            for rid, peer in enumerate(peers):
+                for k in range(4):
+                    peer.send(wire.encode(GetMeta(rid=4 * rid + k, partition=partition, fields=["x"], batch_size=2,
+                                                  task="t", policy="slow", timeout=0)))
+            meta = client.put(partition, {"x": torch.arange(4)})
+            for peer in peers:  # the whole backlog, answered
+                for _ in range(4):
+                    peer.recv(timeout=60)
+            backlog = time.monotonic() - started
+            assert backlog > 1.0, f"the backlog lasted {backlog:.2f} s, not longer than the windows: the test proves nothing"
+            assert [u.alive for u in client.status().units] == [True]
+            assert client.get_data(meta)["x"].tolist() == [0, 1, 2, 3]

@@ -210,6 +210,12 @@ class Writes:
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
+        if set(msg.fields) != grant.fields and grant.copy_of is None:
+            # refused without consuming the grant: the unit's own store of it may still come
+            raise InvalidArgumentError(
+                f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, "
+                f"the unit stored {sorted(msg.fields)}"
+            )
         if grant.copy_of is not None:
             return self.copies.copied(grant, msg)
         if grant.waiting - {msg.unit_id}:  # a replicated put or update: one copy of two
@@ -226,12 +232,6 @@ class Writes:
         if part is None:
             raise PartitionClearedError(
                 f"the partition of grant {msg.grant_id} was cleared before its data was stored"
-            )
-        if set(msg.fields) != grant.fields:
-            part.forget(grant)
-            raise InvalidArgumentError(
-                f"grant {msg.grant_id} was for fields {sorted(grant.fields)}, "
-                f"the unit stored {sorted(msg.fields)}"
             )
         was_sealed = part.sealed
         part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)

@@ -109,6 +109,10 @@ class Sessions:
     def seen(self, ident: bytes) -> None:
         self._last[session_of(ident)] = self._loop.time()
 
+    def heard(self, session: bytes) -> float:
+        """When a message of ``session`` last arrived (loop time; 0.0: none, or it ended)."""
+        return self._last.get(session, 0.0)
+
     def bye(self, ident: bytes) -> None:
         session = session_of(ident)
         if self._last.pop(session, None) is not None:

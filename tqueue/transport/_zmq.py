@@ -22,6 +22,7 @@ handlers that wait on another server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import itertools
@@ -60,6 +61,10 @@ MAX_FRAMES = 1 << 16  # frames per request a server accepts by default
 MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send high-water mark)
 MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
 DRAIN_BATCH = 256  # messages one socket handles before the loop's other work gets a turn
+MAX_INBOX = 1_024  # messages a server takes in ahead of handling them (then ZeroMQ holds them,
+MAX_INBOX_BYTES = 8 << 20  # and pushes back on their senders); and bytes
+TURN_SECONDS = 0.02  # a server handles its inbox this long a turn, then takes in (and answers pings) again
+_PING_KIND = bytes([Kind.PING])
 MAX_QUEUED_REQUESTS = 1_000  # requests of one peer a server holds unread (its receive high-water mark)
 
 
@@ -84,12 +89,33 @@ class _LoopSocket:
     ``NOBLOCK`` and a full queue fails the send. ``on_message`` handles its own
     failures; one that escapes it anyway is logged and costs that message only, since the
     messages queued behind it would otherwise wait for the next edge.
+
+    With ``on_arrival`` (a server), each wake-up first takes in everything that has arrived
+    (up to ``MAX_INBOX`` messages and ``MAX_INBOX_BYTES`` held) and shows each message to ``on_arrival``, which may answer it
+    at once (a ``Ping``) and returns whether it did; the rest are handled each connection's
+    in order and the connections in turn, at most ``DRAIN_BATCH`` a turn and for
+    ``TURN_SECONDS`` (a handler that takes longer ends its turn). A backlog of requests then delays their answers, not the signs of
+    life: every arrival counts for its sender's session when it arrives, and pings are
+    answered within one turn of the loop, however long the queue behind them.
     """
 
-    def __init__(self, kind: int, on_message: Callable[[list[zmq.Frame]], None], *, sending: Boundary) -> None:
+    def __init__(
+        self,
+        kind: int,
+        on_message: Callable[[list[zmq.Frame]], None],
+        *,
+        sending: Boundary,
+        on_arrival: Callable[[list[zmq.Frame]], bool] | None = None,
+    ) -> None:
         self.sock = context().socket(kind)
         tune(self.sock)
         self._on_message = on_message
+        self._on_arrival = on_arrival
+        # with on_arrival: messages taken in, not yet handled, per connection, and whose turn is next
+        self._queues: dict[bytes, collections.deque[list[zmq.Frame]]] = {}
+        self._turns: collections.deque[bytes] = collections.deque()
+        self._held = 0
+        self._held_bytes = 0
         self._sending = sending
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
@@ -115,6 +141,9 @@ class _LoopSocket:
 
     def _drain(self) -> None:
         self._scheduled = False
+        if self._on_arrival is not None:
+            self._take_in()
+            return
         for _ in range(DRAIN_BATCH):
             if self.closed:
                 return
@@ -136,8 +165,65 @@ class _LoopSocket:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
+    def _take_in(self) -> None:
+        """Receive everything that has arrived (answering what ``on_arrival`` answers), then
+        handle a turn's worth of the inbox: each connection's messages in order, the
+        connections in turn (as ZeroMQ itself serves them), so that one that sends a flood
+        delays the others by no more than one message each time round."""
+        queues, turns = self._queues, self._turns
+        while self._held < MAX_INBOX and self._held_bytes < MAX_INBOX_BYTES and not self.closed:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:  # a receive loop has no caller to raise to
+                if not self.closed:
+                    log.warning("%s: receive failed: %s", self._sending.what, exc)
+                break
+            try:
+                assert self._on_arrival is not None
+                if self._on_arrival(frames):
+                    continue
+            except Exception:  # as below: a bug costs this message, not the loop
+                log.exception("%s: a message could not be handled", self._sending.what)
+                continue
+            ident = frames[0].bytes
+            queue = queues.get(ident)
+            if queue is None:
+                queue = queues[ident] = collections.deque()
+                turns.append(ident)
+            queue.append(frames)
+            self._held += 1
+            self._held_bytes += sum(len(f) for f in frames)
+        until = time.monotonic() + TURN_SECONDS
+        for _ in range(DRAIN_BATCH):
+            if self.closed or not turns or time.monotonic() > until:
+                break
+            ident = turns.popleft()
+            queue = queues[ident]
+            frames = queue.popleft()
+            if queue:
+                turns.append(ident)
+            else:
+                del queues[ident]
+            self._held -= 1
+            self._held_bytes -= sum(len(f) for f in frames)
+            try:
+                self._on_message(frames)
+            except Exception:  # a bug in a handler: it costs this message, not the loop
+                log.exception("%s: a message could not be handled", self._sending.what)
+        if self.closed or self._scheduled:
+            return
+        if turns:  # the rest after the loop's other work (timers, other sockets)
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+        else:
+            self._check()  # a send in a handler may have taken the edge of a new arrival
+
     def drain(self) -> None:
-        """Handle what has arrived now (before judging a peer silent, say)."""
+        """Handle what has arrived now (before judging a peer silent, say): with
+        ``on_arrival``, everything that has arrived is taken in (and counts as a sign of
+        life), and a turn's worth of it handled."""
         self._drain()
 
     def close(self, linger: int = 0) -> None:
@@ -607,7 +693,10 @@ class Server:
         self.max_frames = max_frames
         self._decoding = Boundary(f"{name}: malformed request", DECODE_ERRORS)
         self._socket = _LoopSocket(
-            zmq.ROUTER, self._on_request, sending=Boundary(f"{name}: reply", io_errors(UnavailableError))
+            zmq.ROUTER,
+            self._on_request,
+            sending=Boundary(f"{name}: reply", io_errors(UnavailableError)),
+            on_arrival=self._on_arrival,
         )
         # ZeroMQ drops the connection of a peer whose frame exceeds this before it is received
         self._socket.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
@@ -682,6 +771,15 @@ class Server:
     async def serve(self) -> None:
         """Requests are served from the loop as they arrive; this waits until ``close``."""
         await self._stopped
+
+    def _on_arrival(self, frames: list[zmq.Frame]) -> bool:
+        """Every message counts for its sender's session as it arrives; a ``Ping`` is answered
+        at once (True: nothing more to do), ahead of the requests queued before it."""
+        self.sessions.seen(frames[0].bytes)
+        if len(frames) == 3 and frames[1].bytes == _PING_KIND:
+            self._on_request(frames)
+            return True
+        return False
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
