@@ -95,7 +95,7 @@ class Liveness:
             raise UnavailableError(f"this controller has given out every storage unit id (0 to {MAX_UNIT_ID})")
         return unit_id
 
-    def register(self, msg: RegisterUnit, session: bytes = b"") -> Registered | Awaitable[Registered]:
+    def register(self, msg: RegisterUnit, ident: bytes = b"") -> Registered | Awaitable[Registered]:
         """A unit registers (again). One that loaded its payload from a checkpoint and
         restarted before its death was noticed keeps what the checkpoint holds of it as it
         still is (:meth:`_rejoin`); otherwise it starts empty."""
@@ -103,13 +103,13 @@ class Liveness:
         unit_id = self._names.get(name)
         old = self.state.units.get(unit_id) if unit_id is not None else None
         if msg.restored and old is not None and old.alive:
-            return self._rejoin(old, msg, name, session)
-        reply = self._admit(msg, name, session=session)
+            return self._rejoin(old, msg, name, ident)
+        reply = self._admit(msg, name, ident=ident)
         if msg.restored:  # declared dead while away, or unknown here: nothing it loaded is kept
             reply.reset = True
         return reply
 
-    async def _rejoin(self, old: Unit, msg: RegisterUnit, name: str, session: bytes) -> Registered:
+    async def _rejoin(self, old: Unit, msg: RegisterUnit, name: str, ident: bytes) -> Registered:
         unit_id = old.info.unit_id
         old.suspect = True  # no placements while the checkpoint is read
         images = None
@@ -122,11 +122,11 @@ class Liveness:
         except TQueueError as exc:
             log.warning("unit %d restored from %s, which cannot be read now (%s): it keeps nothing", unit_id, msg.restored, exc)
         if self.state.units.get(unit_id) is not old or not old.alive:  # declared dead meanwhile: lost is final
-            reply = self._admit(msg, name, session=session)
+            reply = self._admit(msg, name, ident=ident)
             reply.reset = True
             return reply
         keep = kept_on(unit_id, images, self.state.by_uid) if images is not None else {}
-        reply = self._admit(msg, name, keep=keep, session=session)
+        reply = self._admit(msg, name, keep=keep, ident=ident)
         reply.partitions = sorted(keep)
         log.warning(
             "storage unit %d rejoined with the payload of checkpoint %s: %d samples kept in %d partitions",
@@ -134,7 +134,7 @@ class Liveness:
         )
         return reply
 
-    def _admit(self, msg: RegisterUnit, name: str, keep: dict[int, np.ndarray] | None = None, session: bytes = b"") -> Registered:
+    def _admit(self, msg: RegisterUnit, name: str, keep: dict[int, np.ndarray] | None = None, ident: bytes = b"") -> Registered:
         """Register the unit, ending the incarnation before it (``keep``: the samples of it,
         per partition uid, that the new one holds as they are)."""
         unit_id = self._names.get(name)
@@ -151,7 +151,9 @@ class Liveness:
                 self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
         self.state.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.state.loop.time(),
-                                     metrics=msg.metrics, session=session)
+                                     metrics=msg.metrics, session=session_of(ident) if ident else b"", ident=ident)
+        if ident:  # its commits finish many clients' puts: handled ahead of the clients' requests
+            self.state.server.serve_first(ident)
         self.state.unit_peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
             curve=self.state.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
@@ -187,12 +189,15 @@ class Liveness:
             unit.suspect = False
             self.writes.retry_parked()
 
-    def heartbeat(self, msg: Heartbeat, session: bytes = b"") -> HeartbeatReply:
+    def heartbeat(self, msg: Heartbeat, ident: bytes = b"") -> HeartbeatReply:
         unit = self.state.units.get(msg.unit_id)
         if unit is None or not unit.alive or (msg.name and msg.name != unit.name):
             return HeartbeatReply(known=False)  # it registers again, and starts empty
         unit.heard = self.state.loop.time()
-        unit.session = session or unit.session
+        if ident and ident != unit.ident:  # it reconnected
+            self.state.server.serve_first(unit.ident, False)
+            self.state.server.serve_first(ident)
+            unit.ident, unit.session = ident, session_of(ident)
         unit.arena_used = msg.arena_used
         unit.held_bytes = msg.held_bytes
         return HeartbeatReply(known=True)
@@ -213,6 +218,8 @@ class Liveness:
         """Declare ``unit`` dead: nothing new goes to it and what it held is lost (but the
         samples in ``keep``, per partition uid: its next incarnation holds them)."""
         unit.alive = False
+        if unit.ident:
+            self.state.server.serve_first(unit.ident, False)
         unit_id = unit.info.unit_id
         unit.nbytes = unit.reserved = 0
         lapsed = self.writes.lapse_on(unit_id, f"was placed on storage unit {unit_id}, which died")

@@ -22,6 +22,7 @@ class Unit:
     suspect: bool = False  # a client failed to store on it: no placements until a probe answers
     heard: float = 0.0  # loop time of its last heartbeat
     session: bytes = b""  # its connection's session at the controller (any message from it is a sign of life)
+    ident: bytes = b""  # its connection at the controller, whose messages are handled first
     arena_used: int = 0  # as its last heartbeat said
     held_bytes: int = 0  # replies not yet taken by their readers, as its last heartbeat said
     metrics: str = ""  # its Prometheus endpoint

@@ -25,7 +25,6 @@ import numpy as np
 from ..config import ControllerConfig
 from ..errors import InvalidArgumentError, ProtocolVersionError
 from ..transport import _auth, _zmq
-from ..transport._liveness import session_of
 from ..transport._metrics import MetricsEndpoint
 from ..wire import (
     PROTOCOL_VERSION,
@@ -306,7 +305,7 @@ class Controller:
 
     def _register_unit(self, ident: bytes, msg: RegisterUnit, bufs: list[Any]) -> Registered | Awaitable[Registered]:
         _check_protocol(msg.protocol, "controller")
-        reply = self.liveness.register(msg, session_of(ident))
+        reply = self.liveness.register(msg, ident)
         if isinstance(reply, Registered):
             self._registered.set()
             return reply
@@ -318,7 +317,7 @@ class Controller:
         return reply
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, bufs: list[Any]) -> HeartbeatReply:
-        return self.liveness.heartbeat(msg, session_of(ident))
+        return self.liveness.heartbeat(msg, ident)
 
     # --- partitions -----------------------------------------------------------------
 

@@ -94,7 +94,9 @@ class _LoopSocket:
     (up to ``MAX_INBOX`` messages and ``MAX_INBOX_BYTES`` held) and shows each message to ``on_arrival``, which may answer it
     at once (a ``Ping``) and returns whether it did; the rest are handled each connection's
     in order and the connections in turn, at most ``DRAIN_BATCH`` a turn and for
-    ``TURN_SECONDS`` (a handler that takes longer ends its turn). A backlog of requests then delays their answers, not the signs of
+    ``TURN_SECONDS`` (a handler that takes longer ends its turn); the connections in
+    ``first`` (a controller's storage units, whose commits finish many clients' puts) have
+    everything they sent handled at the start of each turn. A backlog of requests then delays their answers, not the signs of
     life: every arrival counts for its sender's session when it arrives, and pings are
     answered within one turn of the loop, however long the queue behind them.
     """
@@ -116,6 +118,7 @@ class _LoopSocket:
         self._turns: collections.deque[bytes] = collections.deque()
         self._held = 0
         self._held_bytes = 0
+        self.first: set[bytes] = set()  # connections whose messages go before the others' (a controller's units)
         self._sending = sending
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
@@ -196,6 +199,17 @@ class _LoopSocket:
             self._held += 1
             self._held_bytes += sum(len(f) for f in frames)
         until = time.monotonic() + TURN_SECONDS
+        for ident in [i for i in self.first if i in queues]:  # they carry the work of many (commits)
+            queue = queues.pop(ident)
+            turns.remove(ident)
+            while queue and not self.closed:
+                frames = queue.popleft()
+                self._held -= 1
+                self._held_bytes -= sum(len(f) for f in frames)
+                try:
+                    self._on_message(frames)
+                except Exception:  # a bug in a handler: it costs this message, not the loop
+                    log.exception("%s: a message could not be handled", self._sending.what)
         for _ in range(DRAIN_BATCH):
             if self.closed or not turns or time.monotonic() > until:
                 break
@@ -771,6 +785,14 @@ class Server:
     async def serve(self) -> None:
         """Requests are served from the loop as they arrive; this waits until ``close``."""
         await self._stopped
+
+    def serve_first(self, ident: bytes, first: bool = True) -> None:
+        """Handle what connection ``ident`` sends before the other connections' messages, at
+        the start of each turn (``first=False``: in turn again)."""
+        if first:
+            self._socket.first.add(ident)
+        else:
+            self._socket.first.discard(ident)
 
     def _on_arrival(self, frames: list[zmq.Frame]) -> bool:
         """Every message counts for its sender's session as it arrives; a ``Ping`` is answered
