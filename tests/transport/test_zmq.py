@@ -217,3 +217,23 @@ def test_a_decode_failure_beyond_the_codec_costs_one_reply_only(stand, monkeypat
             await peer.close()
 
     asyncio.run(main())
+
+
+def test_a_process_may_hold_more_sockets_than_zeromqs_default():
+    """ZeroMQ's context holds 1023 sockets by default (about 250 clients a process); tqueue's
+    holds as many as the process may open files, up to MAX_SOCKETS."""
+    import resource
+
+    from tqueue.transport._sockets import MAX_SOCKETS, context, max_sockets
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 1200 + 100:
+        pytest.skip(f"the open-file limit here is {soft}")
+    assert context().get(zmq.MAX_SOCKETS) == max_sockets() == min(soft, MAX_SOCKETS)
+    socks = []
+    try:
+        for _ in range(1200):
+            socks.append(context().socket(zmq.DEALER))
+    finally:
+        for s in socks:
+            s.close(linger=0)

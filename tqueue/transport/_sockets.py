@@ -7,6 +7,7 @@ sockets here.
 from __future__ import annotations
 
 import os
+import resource
 import socket
 
 import zmq
@@ -15,11 +16,27 @@ _CONTEXT: tuple[int, zmq.Context] | None = None
 
 
 def context() -> zmq.Context:
-    """The process's one ZeroMQ context (made anew in a forked child)."""
+    """The process's one ZeroMQ context (made anew in a forked child). It may hold as many
+    sockets as the process may open files (ZeroMQ's own default is 1023: about 250 clients a
+    process, each with its connections and their monitors), up to ``MAX_SOCKETS``."""
     global _CONTEXT
     if _CONTEXT is None or _CONTEXT[0] != os.getpid():
-        _CONTEXT = (os.getpid(), zmq.Context())
+        ctx = zmq.Context()
+        ctx.set(zmq.MAX_SOCKETS, max_sockets())
+        _CONTEXT = (os.getpid(), ctx)
     return _CONTEXT[1]
+
+
+MAX_SOCKETS = 65_536
+
+
+def max_sockets() -> int:
+    """ZeroMQ sockets a process's context may hold: its open-file limit, at least ZeroMQ's
+    default (1023) and at most ``MAX_SOCKETS``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_SOCKETS
+    return max(1023, min(int(soft), MAX_SOCKETS))
 
 
 def tune(sock: zmq.Socket) -> None:
