@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import struct
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -109,7 +110,7 @@ class ControllerState:
         self.admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
         self.admitted = 0
         self.uids = itertools.count(1)
-        self.grant_ids = itertools.count(1)
+        self.grant_ids = _random_ids()  # not guessable: a stray Store naming another writer's grant finds none
         self.lease_ids = _random_ids()  # not guessable: a lease id is what an ack names
         self.placements = itertools.count()
         self.tasks = Tasks("controller")  # background work (drops, moves, probes): cancelled at close
@@ -200,6 +201,8 @@ def _partition_of(waiter: Waiter) -> str:
 
 
 def _random_ids() -> Iterator[int]:
-    """Distinct random positive 63-bit ids."""
+    """Random positive 63-bit ids that no peer can guess (distinct but by a chance of about
+    n^2 / 2^63), 1024 of them to each read of the OS's random source."""
     while True:
-        yield secrets.randbits(63) | 1
+        for (value,) in struct.iter_unpack("<Q", secrets.token_bytes(8 * 1024)):
+            yield (value >> 1) | 1
