@@ -10,6 +10,7 @@ import pathlib
 import re
 import shutil
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -202,6 +203,33 @@ def test_keys_for_a_cluster_without_auth_are_an_authentication_error(cluster, tm
         match=r"this client has CurveZMQ keys .* and the server uses none|the cluster may run without authentication",
     ):
         _sync_connect(cluster.address, config)
+
+
+@pytest.mark.parametrize("connect", [_sync_connect, _async_connect], ids=["Client", "AsyncClient"])
+def test_a_server_killed_during_the_handshake_is_gone_not_a_refusal(connect):
+    """A server that resets the connection during the handshake and then stops listening (a
+    process SIGKILLed while a client connects) is unavailable, not an authentication refusal:
+    the dropped handshake alone looks like one, so ZeroMQ's reconnect decides. Before, a
+    producer whose unit died so got AuthenticationError and stopped, instead of placing its
+    put again (seen in the chaos run)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "tcp://127.0.0.1:%d" % listener.getsockname()[1]
+
+    def die_during_the_handshake() -> None:
+        conn, _ = listener.accept()
+        conn.recv(10)  # the start of the client's ZeroMQ greeting
+        listener.close()  # nothing listens any more: the reconnect is refused
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, as the kernel sends for a killed process
+
+    killer = threading.Thread(target=die_during_the_handshake, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(ControllerUnavailableError, match=r"dropped the connection during the handshake \(.*\) and no longer answers"):
+            connect(address)
+    finally:
+        killer.join(10)
+        listener.close()
 
 
 # --- what a refused connect leaves behind ---------------------------------------------------

@@ -127,6 +127,8 @@ class ConnectWatch:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._mon.FD, self._drain)
         self._delayed = 0.0  # when the pending TCP connect began (0: none is pending)
+        self._dropped = ""  # why the first handshake was dropped, while the reconnect decides
+        self._retried = False  # ZeroMQ has scheduled that reconnect
         self.closed = False
         # ZeroMQ's descriptor signals only once the socket has found its queue empty
         self._drain()
@@ -148,6 +150,16 @@ class ConnectWatch:
                 self._delayed = time.monotonic()
                 continue
             if self._on_lost is not None and self._lasting(event):
+                continue
+            if self._dropped and (event == zmq.EVENT_DISCONNECTED or (event == zmq.EVENT_CONNECT_RETRIED and not self._retried)):
+                # the dropped handshake's own disconnect and the reconnect ZeroMQ schedules for it:
+                # the reconnect itself decides
+                self._retried = self._retried or event == zmq.EVENT_CONNECT_RETRIED
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value > 0 and not self._dropped:
+                # a server that refuses the handshake drops it, and so does one killed during it:
+                # ZeroMQ's reconnect tells them apart (refused: it is gone; dropped again: refused)
+                self._dropped = os.strerror(value)
                 continue
             failure = None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else self._failure(event, value)
             self.close()
@@ -198,6 +210,11 @@ class ConnectWatch:
             return AuthenticationError(
                 f"{where} refused this client's authentication: {dropped}; {check}, "
                 f"or it is not a tqueue {self.name}"
+            )
+        if self._dropped and event == zmq.EVENT_CONNECT_RETRIED:
+            return self._unavailable(
+                f"{where} dropped the connection during the handshake ({self._dropped}) and no longer answers "
+                "(connection refused): it died"
             )
         if self._delayed and time.monotonic() - self._delayed >= 0.9 * CONNECT_TIMEOUT:
             why = f"no answer to the TCP connect within {CONNECT_TIMEOUT:g} s: host down or unreachable, or a firewall"
