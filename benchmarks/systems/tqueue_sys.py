@@ -22,6 +22,20 @@ def _client(address: str, transport: str, pack: bool, coalesce: bool = False) ->
     return client
 
 
+def _prepare(state: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
+    """A producer's share of the batch, one part per group when streaming (made untimed);
+    the last run's batch is freed here, untimed too (harness.py)."""
+    state.pop("spent", None)
+    group, mm = msg["group"], msg["multimodal"]
+    start, stop = msg["start"], msg["stop"]
+    step = group or (stop - start)
+    state["grouped"] = bool(group)
+    state["parts"] = [
+        (make_batch(min(step, stop - a), multimodal=mm, start=a), f"g{a // 8}") for a in range(start, stop, step)
+    ]
+    return {"nbytes": sum(nbytes(b) for b, _ in state["parts"])}
+
+
 def _producer(conn: Connection, address: str, rank: int, transport: str, pack: bool, inflight: int = 1) -> None:
     """Puts its share of the batch, one put per group when streaming; with ``inflight`` > 1,
     an ``AsyncClient`` keeps that many puts going at once (as an async rollout worker's
@@ -33,15 +47,7 @@ def _producer(conn: Connection, address: str, rank: int, transport: str, pack: b
     state: dict[str, Any] = {}
 
     def prepare(msg: dict[str, Any]) -> dict[str, Any]:
-        state.pop("spent", None)  # the last run's batch, freed here, untimed (harness.py)
-        group, mm = msg["group"], msg["multimodal"]
-        start, stop = msg["start"], msg["stop"]
-        step = group or (stop - start)
-        state["grouped"] = bool(group)
-        state["parts"] = [
-            (make_batch(min(step, stop - a), multimodal=mm, start=a), f"g{a // 8}") for a in range(start, stop, step)
-        ]
-        return {"nbytes": sum(nbytes(b) for b, _ in state["parts"])}
+        return _prepare(state, msg)
 
     def go(msg: dict[str, Any]) -> dict[str, Any]:
         t0 = now()
@@ -71,13 +77,7 @@ def _async_producer(conn: Connection, address: str, transport: str, pack: bool, 
     state: dict[str, Any] = {}
 
     def prepare(msg: dict[str, Any]) -> dict[str, Any]:
-        state.pop("spent", None)
-        start, stop, step = msg["start"], msg["stop"], msg["group"] or (msg["stop"] - msg["start"])
-        state["grouped"] = bool(msg["group"])
-        state["parts"] = [
-            (make_batch(min(step, stop - a), multimodal=msg["multimodal"], start=a), f"g{a // 8}") for a in range(start, stop, step)
-        ]
-        return {"nbytes": sum(nbytes(b) for b, _ in state["parts"])}
+        return _prepare(state, msg)
 
     async def put_all(partition: str) -> None:
         slots = asyncio.Semaphore(inflight)

@@ -56,5 +56,5 @@ class Slow:
     def select(self, candidates, count):
         import time
 
-        time.sleep(0.01)
+        time.sleep(0.01)  # the cost itself (the loop held), not a wait for anything
         return None

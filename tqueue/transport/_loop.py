@@ -1,0 +1,197 @@
+"""A ZeroMQ socket driven by the running asyncio loop: how a peer or a server receives (the
+loop's reader on ZeroMQ's edge-triggered descriptor), and how a server takes in what has
+arrived before handling it, so that a backlog delays answers and not signs of life."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from ._boundary import Boundary
+from ._sockets import context, tune
+
+log = logging.getLogger(__name__)
+
+DRAIN_BATCH = 256  # messages one socket handles before the loop's other work gets a turn
+MAX_INBOX = 1_024  # messages a server takes in ahead of handling them (then ZeroMQ holds them,
+MAX_INBOX_BYTES = 8 << 20  # and pushes back on their senders); and bytes
+TURN_SECONDS = 0.02  # a server handles its inbox this long a turn, then takes in (and answers pings) again
+
+
+class LoopSocket:
+    """A ZeroMQ socket driven by the running asyncio loop.
+
+    ZeroMQ's descriptor is edge-triggered and only says "look at EVENTS": on each wake-up
+    every queued message is received and handed to ``on_message``; after each send the
+    events are checked again, since a send can consume the edge of a message that arrived.
+    Sends never block: high-water marks are unbounded, or (a server's) sends are
+    ``NOBLOCK`` and a full queue fails the send. ``on_message`` handles its own
+    failures; one that escapes it anyway is logged and costs that message only, since the
+    messages queued behind it would otherwise wait for the next edge.
+
+    With ``on_arrival`` (a server), each wake-up first takes in everything that has arrived
+    (up to ``MAX_INBOX`` messages and ``MAX_INBOX_BYTES`` held) and shows each message to ``on_arrival``, which may answer it
+    at once (a ``Ping``) and returns whether it did; the rest are handled each connection's
+    in order and the connections in turn, at most ``DRAIN_BATCH`` a turn and for
+    ``TURN_SECONDS`` (a handler that takes longer ends its turn); the connections in
+    ``first`` (a controller's storage units, whose commits finish many clients' puts) have
+    everything they sent handled at the start of each turn. A backlog of requests then delays their answers, not the signs of
+    life: every arrival counts for its sender's session when it arrives, and pings are
+    answered within one turn of the loop, however long the queue behind them.
+    """
+
+    def __init__(
+        self,
+        kind: int,
+        on_message: Callable[[list[zmq.Frame]], None],
+        *,
+        sending: Boundary,
+        on_arrival: Callable[[list[zmq.Frame]], bool] | None = None,
+    ) -> None:
+        self.sock = context().socket(kind)
+        tune(self.sock)
+        self._on_message = on_message
+        self._on_arrival = on_arrival
+        # with on_arrival: messages taken in, not yet handled, per connection, and whose turn is next
+        self._queues: dict[bytes, collections.deque[list[zmq.Frame]]] = {}
+        self._turns: collections.deque[bytes] = collections.deque()
+        self._held = 0
+        self._held_bytes = 0
+        self.first: set[bytes] = set()  # connections whose messages go before the others' (a controller's units)
+        self._sending = sending
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self._scheduled = False
+        self.closed = False
+
+    def send(self, frames: Sequence[Any], *, copy: bool, flags: int = 0) -> None:
+        """Queue ``frames``; a ZeroMQ failure (the socket closed under the call, or with
+        ``NOBLOCK`` a peer's full or vanished queue) is raised as the ``sending`` boundary's
+        error, ``from`` ZeroMQ's."""
+        with self._sending:
+            try:
+                self.sock.send_multipart(frames, copy=copy, flags=flags)
+            finally:
+                # a send, even one that fails (a vanished peer), may take the edge of a
+                # message that arrived: without this check it would wait for the next one
+                self._check()
+
+    def _check(self) -> None:
+        if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        if self._on_arrival is not None:
+            self._take_in()
+            return
+        for _ in range(DRAIN_BATCH):
+            frames = self._recv()
+            if frames is None:
+                return
+            self._handle(frames)
+        # more may wait: take them after the loop's other work (timers, other sockets), so
+        # that a flood on one socket cannot starve heartbeats on another
+        if not self.closed and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _recv(self) -> list[zmq.Frame] | None:
+        """The next message that has arrived, or None (none has, or the socket is closed)."""
+        if self.closed:
+            return None
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:  # a receive loop has no caller to raise to
+            if not self.closed:
+                log.warning("%s: receive failed: %s", self._sending.what, exc)
+            return None
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            self._on_message(frames)
+        except Exception:  # a bug in a handler: it costs this message, not the loop
+            log.exception("%s: a message could not be handled", self._sending.what)
+
+    def _take_in(self) -> None:
+        """Receive everything that has arrived (answering what ``on_arrival`` answers), then
+        handle a turn's worth of the inbox: each connection's messages in order, the
+        connections in turn (as ZeroMQ itself serves them), so that one that sends a flood
+        delays the others by no more than one message each time round."""
+        assert self._on_arrival is not None
+        queues, turns = self._queues, self._turns
+        while self._held < MAX_INBOX and self._held_bytes < MAX_INBOX_BYTES:
+            frames = self._recv()
+            if frames is None:
+                break
+            try:
+                if self._on_arrival(frames):
+                    continue
+            except Exception:  # as in _handle: a bug costs this message, not the loop
+                log.exception("%s: a message could not be handled", self._sending.what)
+                continue
+            ident = frames[0].bytes
+            queue = queues.get(ident)
+            if queue is None:
+                queue = queues[ident] = collections.deque()
+                turns.append(ident)
+            queue.append(frames)
+            self._held += 1
+            self._held_bytes += sum(len(f) for f in frames)
+        until = time.monotonic() + TURN_SECONDS
+        for ident in [i for i in self.first if i in queues]:  # they carry the work of many (commits)
+            turns.remove(ident)
+            while ident in queues and not self.closed:
+                self._handle(self._pop(ident))
+        for _ in range(DRAIN_BATCH):
+            if self.closed or not turns or time.monotonic() > until:
+                break
+            ident = turns.popleft()
+            frames = self._pop(ident)
+            if ident in queues:
+                turns.append(ident)
+            self._handle(frames)
+        if self.closed or self._scheduled:
+            return
+        if turns:  # the rest after the loop's other work (timers, other sockets)
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+        else:
+            self._check()  # a send in a handler may have taken the edge of a new arrival
+
+    def _pop(self, ident: bytes) -> list[zmq.Frame]:
+        """The next message taken in from connection ``ident`` (its queue goes once empty)."""
+        queue = self._queues[ident]
+        frames = queue.popleft()
+        if not queue:
+            del self._queues[ident]
+        self._held -= 1
+        self._held_bytes -= sum(len(f) for f in frames)
+        return frames
+
+    def drain(self) -> None:
+        """Handle what has arrived now (before judging a peer silent, say): with
+        ``on_arrival``, everything that has arrived is taken in (and counts as a sign of
+        life), and a turn's worth of it handled."""
+        self._drain()
+
+    def close(self, linger: int = 0) -> None:
+        """Close; ``linger`` ms: how long ZeroMQ's own thread may still deliver what was
+        queued last (a ``Bye``). Closing never waits for it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        except (RuntimeError, ValueError, zmq.ZMQError):
+            pass  # the loop is already closed
+        self.sock.close(linger=linger)
