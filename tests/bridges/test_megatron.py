@@ -346,7 +346,8 @@ def test_the_device_and_backend_follow_what_is_there():
 
 def test_read_passes_the_micro_batch_options_through(client, partition):
     """One rank (no torch.distributed): the planner's options reach the controller, and the
-    micro-batches come packed as asked, every sample exact."""
+    micro-batches come packed as asked, every sample exact, on the device this host picks (a
+    GPU where there is one)."""
     from tqueue.bridges.megatron import StepReader
 
     lengths = [9, 3, 14, 6, 1, 11, 7, 5, 12, 2, 8, 4]
@@ -361,7 +362,8 @@ def test_read_passes_the_micro_batch_options_through(client, partition):
         assert mb.form == "packed" and mb.meta.indexes == indexes and mb["n"].tolist() == [lengths[i] for i in indexes]
         assert mb.cu_seqlens().tolist() == np.cumsum([0] + [lengths[i] for i in indexes]).tolist()
         assert all(t % 4 == 0 for t in mb.cu_seqlens_padded().diff().tolist())
-        assert all(torch.equal(got, ids[i]) for got, i in zip(mb.unpad("ids"), indexes))
+        assert mb["ids"].device.type == pick_device().type
+        assert all(torch.equal(got.cpu(), ids[i]) for got, i in zip(mb.unpad("ids"), indexes))
     reader.done(step)
     client.put(f"{partition}-b", {"ids": ids, "n": torch.tensor(lengths)})  # a task's rounds keep one shape
     step = reader.read(f"{partition}-b", ["ids", "n"], 12, micro_batch_size=3, form="padded", timeout=10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import msgspec
 import pytest
@@ -14,8 +15,8 @@ import torch
 import zmq
 
 import tqueue
-from tqueue.errors import ControllerUnavailableError, ProtocolError
-from tqueue.transport import _zmq
+from tqueue.errors import ControllerUnavailableError, ProtocolError, StorageUnitUnavailableError
+from tqueue.transport import _liveness, _zmq
 from tqueue.wire import Kind
 from tqueue.wire import _messages as _wire
 
@@ -147,6 +148,39 @@ def test_a_closed_socket_under_a_send_is_unavailable(stand):
             await peer.request(get_meta(), expect=_wire.Meta, timeout=1)
         assert isinstance(info.value.__cause__, zmq.ZMQError)
         await peer.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_busy_with_a_big_request_is_not_taken_for_gone_before_its_transit(stand):
+    """A server cannot answer pings queued behind a big request (ZeroMQ hands a message over
+    whole, and a unit copies a put into fresh pages): the peer counts its silence from the end
+    of the request's transit (its bytes at ``TRANSIT_RATE``), so a unit busy with a big put for
+    longer than the liveness window is not taken for gone. One that never answers still is,
+    after the transit and the window. (On a GPU host a 4 GiB put over TCP was failed as "not
+    heard from for 3.4 s" and placed again.)"""
+    big = bytearray(192 << 20)
+    transit = len(big) / _liveness.TRANSIT_RATE  # about 1 s
+    interval = 0.05  # a window of 0.15 s
+
+    async def main():
+        peer = _zmq.Peer(stand.address, name="storage unit", unavailable=StorageUnitUnavailableError, timeout=600)
+        peer.heartbeat(interval)
+        try:
+            pending = asyncio.ensure_future(peer.request(get_meta(), [big], expect=_wire.Ok))
+            ident, msg = await asyncio.to_thread(stand.recv)
+            with pytest.raises(asyncio.TimeoutError):  # three windows of silence, still waiting
+                await asyncio.wait_for(asyncio.shield(pending), 3 * _liveness.window(interval))
+            stand.send(ident, _wire.encode(_wire.Ok(rid=msg.rid)))
+            reply, _ = await asyncio.wait_for(pending, WAIT)
+            assert isinstance(reply, _wire.Ok)
+
+            sent = time.monotonic()
+            with pytest.raises(StorageUnitUnavailableError, match=r"storage unit at tcp://\S+ has not been heard from"):
+                await asyncio.wait_for(peer.request(get_meta(), [big], expect=_wire.Ok), WAIT)
+            assert time.monotonic() - sent >= transit
+        finally:
+            await peer.close()
 
     asyncio.run(main())
 

@@ -40,7 +40,7 @@ from . import _auth
 from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
 from ._connect import ConnectWatch, endpoint
-from ._liveness import HEARTBEAT_INTERVAL, Sessions, window
+from ._liveness import HEARTBEAT_INTERVAL, Sessions, transit, window
 from ._loop import LoopSocket
 from ._metrics import Latency
 from ._queues import MAX_QUEUED_BYTES, MAX_QUEUED_BYTES_TOTAL, SendQueues
@@ -261,6 +261,8 @@ class Peer:
             # tiny messages are cheaper copied than wrapped as zero-copy frames; a socket with
             # no connection to queue on (one the server refused) fails at once, never blocks
             self._socket.send(encode(msg, buffers), copy=not buffers, flags=zmq.NOBLOCK)
+            if buffers and self._interval:  # the server hears nothing behind them until they are in
+                self._heard = max(self._heard, self._loop.time() + transit(buffers))
             if limit == math.inf:
                 reply, frames = await fut
             else:
@@ -298,7 +300,7 @@ class Peer:
             log.debug("%s", exc)
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
-        self._heard = self._loop.time()
+        self._heard = max(self._heard, self._loop.time())
         try:
             with self._decoding:
                 msg, buffers = decode(frames)
