@@ -21,7 +21,9 @@ def test_load_runs_cycles_and_reads_controller_cpu(role: str) -> None:
 
 def test_fill_reports_memory_and_get_meta() -> None:
     (row,) = scale.fill([20_000], calls=5)
-    assert row["samples"] == 20_000 and row["ctl_rss"] > row["ctl_base"]
+    # read from the controller's process; not strictly above: its allocator may already hold
+    # freed pages enough for 20,000 samples (so it did on a 16-core GPU host)
+    assert row["samples"] == 20_000 and row["ctl_rss"] >= row["ctl_base"] > 0
     assert row["get_meta_1_p50_ms"] > 0 and row["get_meta_256_p50_ms"] > 0
 
 

@@ -116,8 +116,10 @@ def _version() -> str:
 
     try:
         return importlib.metadata.version("tqueue")
-    except importlib.metadata.PackageNotFoundError:  # a source tree that pip did not install
-        return "0+unknown"
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path that pip did not install
+        from . import __version__
+
+        return __version__
 
 
 def _parser() -> argparse.ArgumentParser:
