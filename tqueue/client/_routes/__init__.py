@@ -2,7 +2,9 @@
 
 One route per unit, picked once by :class:`~tqueue.client._connections.Connections`:
 :class:`InlineRoute` (ZeroMQ frames, every unit), :class:`BulkRoute` (the unit's bulk TCP
-streams) and :class:`ArenaRoute` (the arena of a unit on this host). A new route is one new
+streams), :class:`ArenaRoute` (the arena of a unit on this host) and ``NixlRoute``
+(one-sided NIXL transfers of a unit's arena, from ``.nixl``: imported only where a client
+uses it). A new route is one new
 module with a :class:`Route` subclass, and one line where the connections pick it.
 """
 
