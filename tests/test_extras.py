@@ -117,3 +117,26 @@ def test_the_tier_installs_the_same_extras_in_ci_and_in_the_docs():
         return re.findall(r"\.venv-tier/bin/pip install (?:-q )?-c \.ci/constraints\.txt -e '\.\[([a-z,]+)\]'", text)
 
     assert extras(".ci/run") == extras("docs/bridges.md") == ["test,vllm,megatron,ray"]
+
+
+def test_nixl_transfers_without_the_extra_name_it_at_the_unit_and_the_client(monkeypatch):
+    """Neither nixl-cu12's module nor the CUDA 13 build's: a unit started with
+    ``StorageConfig.nixl`` refuses before it binds anything, naming the command."""
+    import asyncio
+
+    import tqueue
+    from tqueue.storage._server import StorageUnit
+    from tqueue.transport import _nixl
+
+    absent(monkeypatch, "nixl_cu12", "nixl")
+    monkeypatch.setattr(_nixl, "_module", None)
+    by = "NIXL payload transfers (StorageConfig.nixl, ClientConfig.nixl)"
+    with pytest.raises(ImportError, match="^" + needs(by, "nixl_cu12", "nixl") + r"; on a host with CUDA 13, pip install nixl-cu13"):
+        _nixl.load()
+    assert not _nixl.available()
+
+    async def main():
+        StorageUnit(tqueue.StorageConfig(controller="tcp://127.0.0.1:9", nixl=True))
+
+    with pytest.raises(ImportError, match=re.escape("pip install -e '.[nixl]'")):
+        asyncio.run(main())

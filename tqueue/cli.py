@@ -117,9 +117,7 @@ def _version() -> str:
     try:
         return importlib.metadata.version("tqueue")
     except importlib.metadata.PackageNotFoundError:  # a source tree on the path that pip did not install
-        from . import __version__
-
-        return __version__
+        return str(sys.modules[__package__ or "tqueue"].__version__)  # the package, imported before its modules
 
 
 def _parser() -> argparse.ArgumentParser:

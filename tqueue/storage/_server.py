@@ -73,6 +73,10 @@ class StorageUnit:
     """The unit server. Create inside a running loop, ``await start()``, then ``serve()``."""
 
     def __init__(self, config: StorageConfig) -> None:
+        if config.nixl:  # before anything is bound or mapped
+            if config.shm_bytes <= 0 or not hasattr(os, "memfd_create"):
+                raise InvalidArgumentError("StorageConfig.nixl needs an arena: set shm_bytes above 0 (on Linux)")
+            _nixl.load()  # an ImportError naming the extra where it is missing
         self.config = config
         self.host = config.host or _env.host()
         self._server = _zmq.Server(
@@ -160,8 +164,7 @@ class StorageUnit:
 
     def _register_arena(self) -> tuple[_nixl.Agent, int]:
         """A NIXL agent with the arena registered (its metadata goes to the controller)."""
-        if self.arena is None:
-            raise InvalidArgumentError("StorageConfig.nixl needs an arena: set shm_bytes above 0 (on Linux)")
+        assert self.arena is not None
         agent = _nixl.Agent("unit")
         base = _nixl.address_of(self.arena.mm)
         agent.register(base, self.arena.size)

@@ -1,0 +1,153 @@
+"""The NIXL route (the ``nixl`` extra) against real units and real NIXL agents: UCX over TCP and
+same-host memory reads, here; RDMA needs NICs these machines lack. Each test's client reaches
+the units by NIXL only (``shm=False``: no arena maps, ``nixl=True``).
+
+Runs in .ci/run's integration tier, which installs the extra."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.transport import _nixl
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not _nixl.available(), reason="the nixl extra is not installed (pip install -e '.[nixl]')"),
+]
+
+WAIT = 60.0
+NIXL = tqueue.ClientConfig(shm=False, nixl=True)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Every NIXL transfer this process makes: (op, pieces, bytes)."""
+    seen: list[tuple[str, int, int]] = []
+    real = _nixl.Agent._transfer
+
+    def transfer(self, op, peer, pieces, local, timeout):
+        seen.append((op, len(pieces), sum(n for _, _, n in pieces)))
+        return real(self, op, peer, pieces, local, timeout)
+
+    monkeypatch.setattr(_nixl.Agent, "_transfer", transfer)
+    return seen
+
+
+def batch(n: int, width: int) -> dict:
+    return {
+        "x": torch.arange(n * width, dtype=torch.float32).reshape(n, width),
+        "ids": [torch.arange(i % 7 + 1, dtype=torch.int64) * (i + 1) for i in range(n)],
+        "tag": [{"i": i, "s": "r" * (i % 3)} for i in range(n)],
+    }
+
+
+def same(got: tqueue.Batch, want: dict) -> None:
+    order = got.meta.indexes
+    assert torch.equal(got["x"], want["x"][order])
+    assert all(torch.equal(got["ids"][k], want["ids"][i]) for k, i in enumerate(order))
+    assert list(got["tag"]) == [want["tag"][i] for i in order]
+
+
+def test_puts_and_gets_cross_by_nixl_with_exact_bytes_and_small_puts_inline(spy):
+    """A put of at least shm_min_bytes is WRITten into the unit's arena, one piece per field; a
+    smaller one goes inline. One get of both reads the arena's ranges by one READ and takes
+    the inline samples' frames from the reply, every byte exact."""
+    with tqueue.LocalCluster(1, storage={"nixl": True}) as cluster, tqueue.Client(cluster.address, config=NIXL) as c:
+        big, small = batch(32, 16384), batch(4, 16384)  # 2 MiB, then 256 KiB (under shm_min_bytes)
+        c.put("p", big)
+        assert [(op, pieces) for op, pieces, _ in spy] == [("WRITE", 3)]
+        assert spy[0][2] >= 32 * 16384 * 4
+        c.put("p", small)
+        assert len(spy) == 1  # inline
+        want = {k: big[k] + small[k] if isinstance(big[k], list) else torch.cat([big[k], small[k]]) for k in big}
+        same(c.get_data("p", ["x", "ids", "tag"], 36, task="t", timeout=WAIT), want)
+        assert [op for op, _, _ in spy] == ["WRITE", "READ"]
+        assert spy[1][2] == spy[0][2]  # the arena's samples alone were read
+
+
+def test_a_round_trip_over_ucx_tcp_alone(spy, monkeypatch):
+    """UCX_TLS=tcp: the route's transfers go over TCP sockets (as between hosts without RDMA),
+    the bytes exact both ways."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with tqueue.LocalCluster(2, storage={"nixl": True}, env={"UCX_TLS": "tcp"}) as cluster:
+        with tqueue.Client(cluster.address, config=NIXL) as c:
+            want = batch(64, 8192)
+            c.put("p", want)
+            same(c.get_data("p", ["x", "ids", "tag"], 64, task="t", timeout=WAIT), want)
+            assert {op for op, _, _ in spy} == {"WRITE", "READ"}
+
+
+def test_a_unit_killed_mid_read_fails_the_get_with_a_typed_error_and_the_client_goes_on(spy, monkeypatch):
+    """SIGKILL the unit while a 256 MiB READ of its arena is in flight over TCP: the get fails
+    with StorageUnitUnavailableError naming the unit (not a hang), and the same client then
+    puts and reads through the other unit, exact."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with tqueue.LocalCluster(2, storage={"nixl": True}, env={"UCX_TLS": "tcp"}) as cluster:
+        with tqueue.Client(cluster.address, config=NIXL) as c:
+            want = {"x": torch.randn(64, 1 << 20)}  # 256 MiB
+            meta = c.put("victim", want)
+            (victim,) = set(meta.units)
+            address = next(u.address for u in c.status().units if u.unit_id == victim)
+            pid = cluster.pids[1 + cluster.unit_addresses.index(address)]
+            killed = threading.Event()
+
+            def kill() -> None:  # on the agent's thread, the READ posted and in flight
+                if not killed.is_set():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.set()
+
+            monkeypatch.setattr(_nixl, "posted_hook", kill)
+            with pytest.raises(tqueue.StorageUnitUnavailableError, match=rf"storage unit {victim}\b"):
+                c.get_data("victim", ["x"], 64, task="t", timeout=WAIT)
+            assert killed.is_set() and spy[-1][0] == "READ"
+            monkeypatch.setattr(_nixl, "posted_hook", None)
+            again = batch(16, 65536)
+            c.put("after", again)  # the dead unit is refused or forgotten: the put lands on the other
+            same(c.get_data("after", ["x", "ids", "tag"], 16, task="t", timeout=WAIT), again)
+
+
+def test_a_unit_with_nixl_needs_an_arena():
+    from tqueue.storage._server import StorageUnit
+
+    async def main():
+        StorageUnit(tqueue.StorageConfig(controller="tcp://127.0.0.1:9", nixl=True, shm_bytes=0))
+
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"StorageConfig.nixl needs an arena: set shm_bytes above 0"):
+        asyncio.run(main())
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, tqueue
+    with tqueue.LocalCluster(1, storage={"nixl": True}) as cluster:
+        with tqueue.Client(cluster.address, config=tqueue.ClientConfig(shm=False, nixl=True)) as c:
+            want = torch.arange(1 << 22, dtype=torch.int32).reshape(16, -1)
+            c.put("p", {"x": want})
+            got = c.get_data("p", ["x"], 16, task="t", timeout=60)
+            assert torch.equal(got["x"], want[got.meta.indexes])
+            print("exact", got["x"].numel() * 4)
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="network namespaces need root and unshare")
+def test_the_route_works_in_a_network_namespace_with_loopback_alone():
+    """A namespace with no device but ``lo``: UCX finds its TCP transport there, the cluster
+    and client run inside it, and the bytes come back exact."""
+    out = subprocess.run(
+        ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"$0\"", SCRIPT],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "UCX_TLS": "tcp"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"exact {1 << 24}" in out.stdout
