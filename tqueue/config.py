@@ -213,10 +213,12 @@ class ClientConfig:
     shm: bool = _setting(
         True, "use a unit's shared-memory arena when the unit is on this host (same host name and its arena can be "
         "mapped); otherwise payload goes over the socket")
-    nixl: bool = _setting(
-        False, "move payload to and from units that offer NIXL (StorageConfig.nixl) by one-sided reads and writes "
-        "of their arenas (the 'nixl' extra; RDMA where the hosts have it), where the unit is not reached through "
-        "its arena on this host; smaller puts than shm_min_bytes and samples outside the arena go over the socket")
+    nixl: str = _setting(
+        "auto", "move payload to and from units that offer NIXL (StorageConfig.nixl) by one-sided reads and writes "
+        "of their arenas (tqueue/transport/_nixl.py), where the unit is not reached through its arena on this host: "
+        "'auto' where this host and the unit's both have RDMA devices (/sys/class/infiniband) and the 'nixl' extra "
+        "imports here, 'on' wherever a unit offers it (UCX then takes TCP where there is no RDMA), 'off' never. "
+        "Puts under shm_min_bytes and samples outside the arena go over the socket")
     shm_min_bytes: int = _setting(
         1 * MiB, "smaller writes go over the socket even on the unit's host (the arena costs one more round trip, "
         "which only pays off for bigger writes)")
@@ -274,7 +276,7 @@ class ClientConfig:
             host=_env.host(),
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
             shm=bool(_env.number("TQUEUE_SHM", 1)),
-            nixl=bool(_env.number("TQUEUE_NIXL", 0)),
+            nixl=os.environ.get("TQUEUE_NIXL", cls.nixl),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),

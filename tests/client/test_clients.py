@@ -145,6 +145,14 @@ def test_blocking_peer_skips_the_late_answer_to_a_request_it_gave_up_on():
         ctx.term()
 
 
+def test_a_nixl_mode_that_is_none_of_the_three_is_a_typed_error_before_connecting(monkeypatch):
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"ClientConfig.nixl is one of 'auto', 'on', 'off'; got True"):
+        tqueue.Client("tcp://127.0.0.1:1", config=tqueue.ClientConfig(nixl=True))  # type: ignore[arg-type]
+    monkeypatch.setenv("TQUEUE_NIXL", "yes")
+    with pytest.raises(tqueue.InvalidArgumentError, match=r"got 'yes'"):
+        tqueue.Client("tcp://127.0.0.1:1")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
 def test_pin_memory_without_cuda_is_a_typed_error_before_connecting():
     config = tqueue.ClientConfig(pin_memory=True)

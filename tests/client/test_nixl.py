@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 WAIT = 60.0
-NIXL = tqueue.ClientConfig(shm=False, nixl=True)
+NIXL = tqueue.ClientConfig(shm=False, nixl="on")
 
 
 @pytest.fixture
@@ -117,6 +117,30 @@ def test_a_unit_killed_mid_read_fails_the_get_with_a_typed_error_and_the_client_
             same(c.get_data("after", ["x", "ids", "tag"], 16, task="t", timeout=WAIT), again)
 
 
+def test_auto_takes_nixl_only_where_both_hosts_have_rdma_devices(spy, monkeypatch):
+    """The default, ``nixl="auto"``: these hosts have no RDMA device, so a unit that offers NIXL
+    is reached by sockets (no transfer through NIXL, bytes exact). Where this host and the
+    unit's list RDMA devices, the same choice takes NIXL; where only one does, it does not."""
+    from tqueue.client._connections import Connections
+    from tqueue.wire import UnitInfo
+
+    with tqueue.LocalCluster(1, storage={"nixl": True}) as cluster:
+        with tqueue.Client(cluster.address, config=tqueue.ClientConfig(shm=False)) as c:
+            want = batch(32, 16384)
+            c.put("p", want)
+            same(c.get_data("p", ["x", "ids", "tag"], 32, task="t", timeout=WAIT), want)
+            assert spy == [] and _nixl.rdma_devices() == []  # no RDMA device here: sockets
+    conns = Connections("tcp://127.0.0.1:9", tqueue.ClientConfig())
+    offers = dict(unit_id=0, address="tcp://127.0.0.1:9", host="elsewhere", nixl=b"metadata", nixl_base=4096)
+    monkeypatch.setattr(_nixl, "rdma_devices", lambda: ["mlx5_0"])
+    assert conns._use_nixl(UnitInfo(**offers, rdma=True))
+    assert not conns._use_nixl(UnitInfo(**offers, rdma=False))
+    monkeypatch.setattr(_nixl, "rdma_devices", lambda: [])
+    assert not conns._use_nixl(UnitInfo(**offers, rdma=True))
+    assert not Connections("tcp://127.0.0.1:9", tqueue.ClientConfig(nixl="off"))._use_nixl(UnitInfo(**offers, rdma=True))
+    asyncio.run(conns.close())
+
+
 def test_a_unit_with_nixl_needs_an_arena():
     from tqueue.storage._server import StorageUnit
 
@@ -131,7 +155,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch, tqueue
     with tqueue.LocalCluster(1, storage={"nixl": True}) as cluster:
-        with tqueue.Client(cluster.address, config=tqueue.ClientConfig(shm=False, nixl=True)) as c:
+        with tqueue.Client(cluster.address, config=tqueue.ClientConfig(shm=False, nixl="on")) as c:
             want = torch.arange(1 << 22, dtype=torch.int32).reshape(16, -1)
             c.put("p", {"x": want})
             got = c.get_data("p", ["x"], 16, task="t", timeout=60)

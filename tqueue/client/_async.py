@@ -87,8 +87,11 @@ class AsyncClient:
         self.stats = ClientStats()
         if self.config.pin_memory and not torch.cuda.is_available():
             raise InvalidArgumentError("ClientConfig.pin_memory needs a CUDA device, and torch sees none")
+        if self.config.nixl not in ("auto", "on", "off"):
+            raise InvalidArgumentError(f"ClientConfig.nixl is one of 'auto', 'on', 'off'; got {self.config.nixl!r}")
         pool = BufferPool(self.config.buffer_pool_bytes, pinned=self.config.pin_memory)
         self._conns = Connections(address, self.config)
+        self._conns.pool = pool  # a NIXL route stages puts in it
         self.host = self._conns.host
         self._puts = Puts(self._conns, pool, self.stats)
         self._gets = Gets(self._conns, pool, self.stats)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _env, _memory
+from .._memory import BufferPool
 from .._tasks import Tasks
 from ..config import ClientConfig
 from ..errors import (
@@ -77,6 +78,7 @@ class Connections:
         # device reads and device-to-arena writes: accelerators, the arena pages they registered
         self.devices = DeviceRoutes(config.buffer_pool_bytes, config.device_chunk_bytes, config.device_lock_bytes)
         self._nixl: Any = None  # this client's NIXL agent, made for the first unit that offers NIXL
+        self.pool = BufferPool(0)  # the client's batch buffers (AsyncClient sets its own)
         self._connecting: asyncio.Lock | None = None
         self._closed = False
         # every connection of this client shares one session id: a server frees what the
@@ -213,17 +215,29 @@ class Connections:
         arena = self.arena(info)
         if arena is not None:
             return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes, self.devices)
-        if self.config.nixl and info.nixl:
+        if self._use_nixl(info):
             from ._routes.nixl import NixlRoute  # the nixl extra, imported where it is used
 
-            if self._nixl is None:
-                from ..transport import _nixl
-
-                self._nixl = _nixl.Agent("client")
-            return NixlRoute(info, peer, self._nixl, self, self.config.shm_min_bytes, self.config.request_timeout)
+            return NixlRoute(
+                info, peer, self._nixl, self, self.pool, self.config.shm_min_bytes, self.config.request_timeout
+            )
         if self.config.bulk and info.bulk:
             return BulkRoute(info, peer, self.config)
         return InlineRoute(info, peer)
+
+    def _use_nixl(self, info: UnitInfo) -> bool:
+        """Whether to reach ``info``'s unit by NIXL (ClientConfig.nixl); makes this client's
+        agent the first time."""
+        mode = self.config.nixl  # checked by the client
+        if mode == "off" or not info.nixl:
+            return False
+        from ..transport import _nixl
+
+        if mode == "auto" and not (info.rdma and _nixl.rdma_devices() and _nixl.available()):
+            return False
+        if self._nixl is None:
+            self._nixl = _nixl.Agent("client")  # 'on' without the extra: its ImportError
+        return True
 
     async def close(self) -> None:
         """Close every connection. Idempotent."""

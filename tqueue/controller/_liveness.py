@@ -151,7 +151,7 @@ class Liveness:
                 self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         info = UnitInfo(
             unit_id=unit_id, address=msg.address, host=msg.host, shm=msg.shm, bulk=msg.bulk, nixl=msg.nixl,
-            nixl_base=msg.nixl_base,
+            nixl_base=msg.nixl_base, rdma=msg.rdma,
         )
         self.state.units[unit_id] = Unit(info=info, capacity=msg.capacity, name=name, heard=self.state.loop.time(),
                                      metrics=msg.metrics, session=session_of(ident) if ident else b"", ident=ident)

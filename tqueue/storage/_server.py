@@ -182,6 +182,7 @@ class StorageUnit:
             metrics=self.metrics.url if self.metrics is not None else "",
             nixl=self.nixl.metadata() if self.nixl is not None else b"",
             nixl_base=self._nixl_base,
+            rdma=bool(_nixl.rdma_devices()),
             unit_id=self.membership.unit_id,
             restored=self._restored[0],
             generation=self._restored[1],

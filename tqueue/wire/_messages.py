@@ -168,7 +168,7 @@ class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
     which clients on the same ``host`` map to write and read payload without sockets;
     ``bulk`` the ``host:port`` of its bulk stream listener ("" if it has none); ``nixl`` its
     NIXL agent's metadata and ``nixl_base`` the address of its arena there (``b""``: it offers
-    no NIXL transfers; see tqueue/transport/_nixl.py)."""
+    no NIXL transfers; see tqueue/transport/_nixl.py); ``rdma``: its host has RDMA devices."""
 
     unit_id: int
     address: str
@@ -177,6 +177,7 @@ class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
     bulk: str = ""
     nixl: bytes = b""
     nixl_base: int = 0
+    rdma: bool = False  # its host has RDMA devices
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -298,6 +299,7 @@ class RegisterUnit(Message):
     metrics: str = ""  # its Prometheus endpoint, if it serves one
     nixl: bytes = b""  # its NIXL agent's metadata, with its arena registered (b"": none)
     nixl_base: int = 0  # the arena's address in that agent's memory
+    rdma: bool = False  # its host has RDMA devices (/sys/class/infiniband)
     unit_id: int = -1
     restored: str = ""  # the checkpoint (directory) whose payload of this unit it loaded before registering
     generation: str = ""  # that checkpoint's generation

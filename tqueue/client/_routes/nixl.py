@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from ..._memory import BufferPool
 from ...transport import _nixl, _zmq
 from ...transport._arena import aligned
 from ...transport._liveness import TRANSIT_RATE
 from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from .._assemble import Part
 from .base import Outgoing, Releases, Route, Rows, Sent
+from .bulk import bulk_targets
 from .inline import InlineRoute, fetch_msg, received
 
 
@@ -32,7 +34,8 @@ class NixlRoute(Route):
     """Reads and writes of the unit's arena through this client's NIXL agent."""
 
     def __init__(
-        self, info: UnitInfo, peer: _zmq.Peer, agent: _nixl.Agent, releases: Releases, min_bytes: int, timeout: float
+        self, info: UnitInfo, peer: _zmq.Peer, agent: _nixl.Agent, releases: Releases, pool: BufferPool,
+        min_bytes: int, timeout: float,
     ) -> None:
         super().__init__(info)
         self.peer = peer
@@ -41,6 +44,7 @@ class NixlRoute(Route):
         self.remote = agent.connect(info.nixl)
         self.base = info.nixl_base
         self._releases = releases
+        self._pool = pool  # warm buffers: fresh pages would cost more than the transfer
         self._min_bytes = min_bytes
         self._timeout = timeout
         self._where = f"storage unit {info.unit_id} at {info.address}"
@@ -73,7 +77,7 @@ class NixlRoute(Route):
         reply, _ = await self.peer.request(Alloc(nbytes=total), expect=Allocated)
         if reply.offset < 0:
             return None
-        stage = np.empty(max(total, 1), dtype=np.uint8)
+        stage = self._pool.take(max(total, 1))
         local = _nixl.address_of(stage)
         out_blocks, refs, pieces, off = [], [], [], 0
         for block, bufs, n in fields:
@@ -92,7 +96,7 @@ class NixlRoute(Route):
             )
             refs.append([reply.offset + off, n])
             off += aligned(n)
-        await self._transfer("WRITE", stage, pieces)
+        await self._transfer("WRITE", pieces, [(local, stage.nbytes)])
         return out_blocks, refs, reply.offset
 
     async def fetch(
@@ -101,32 +105,55 @@ class NixlRoute(Route):
     ) -> Part:
         reply, frames = await self.peer.request(fetch_msg(meta, indexes, fields, shm=True), expect=Fetched)
         if reply.shm is not None and not reply.bulk:
-            frames = await self._read(reply, frames)
+            frames = await self._read(reply, frames, positions, rows)
         return received(positions, reply, frames)
 
-    async def _read(self, reply: Fetched, raw: list[Any]) -> list[Any]:
-        """The reply's frames: its arena ranges read into one buffer of this process, its
-        raw frames as they came. The unit's hold ends once the read has."""
+    async def _read(self, reply: Fetched, raw: list[Any], positions: np.ndarray, rows: Rows) -> list[Any]:
+        """The reply's frames: its arena ranges read into this process, its raw frames as they
+        came. Where every frame is in the arena, dense fields are read straight into the
+        batch's rows (as bulk streams receive); else the ranges land in one buffer. The
+        unit's hold ends once the read has, or failed."""
         assert reply.shm is not None
         ranges = [r for r in reply.shm if r]
         if not ranges:
             return raw
         try:
-            sizes = [int(n) for _, n in ranges]
-            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            buf = np.empty(max(int(starts[-1]), 1), dtype=np.uint8)
-            local = _nixl.address_of(buf)
-            pieces = [(local + int(s), self.base + int(off), n) for (off, n), s in zip(ranges, starts) if n]
-            await self._transfer("READ", buf, pieces)
+            placed = self._in_place(reply, positions, rows) if len(ranges) == len(reply.shm) else None
+            if placed is not None:
+                frames, local = placed
+            else:
+                sizes = [int(n) for _, n in ranges]
+                buf = rows.pool.take(max(sum(sizes), 1))
+                starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+                views = iter([buf[int(a) : int(a) + n] for a, n in zip(starts, sizes)])
+                rest = iter(raw)
+                frames = [next(views) if r else next(rest) for r in reply.shm]
+                local = [(_nixl.address_of(buf), buf.nbytes)]
+            pieces = [
+                (int(f.ctypes.data), self.base + int(r[0]), int(r[1])) for f, r in zip(frames, reply.shm) if r and r[1]
+            ]
+            await self._transfer("READ", pieces, local)
         finally:
             self._releases.release_soon(self.info.unit_id, reply.hold)
-        views = iter([buf[int(s) : int(s) + n] for s, n in zip(starts, sizes)])
-        frames = iter(raw)
-        return [next(views) if r else next(frames) for r in reply.shm]
+        return frames
 
-    async def _transfer(self, op: str, buf: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:
+    def _in_place(
+        self, reply: Fetched, positions: np.ndarray, rows: Rows
+    ) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
+        """Each frame's destination (rows of the batch where it can, else staging) and the
+        buffers to register; None if a frame would need widening."""
+        total = sum(int(n) for _, n in reply.shm or [])
+        packed = [list(b.packed) if b.packed else None for b in reply.blocks]
+        frames, targets = bulk_targets(positions, reply.blocks, rows, total)
+        if not all(isinstance(t, memoryview) for t in targets):
+            for block, was in zip(reply.blocks, packed):  # bulk_targets marks what it widens
+                block.packed = was
+            return None
+        return frames, [(_nixl.address_of(t), t.nbytes) for t in targets]
+
+    async def _transfer(self, op: str, pieces: list[tuple[int, int, int]], local: list[tuple[int, int]]) -> None:
         try:
             limit = self._timeout + sum(n for _, _, n in pieces) / TRANSIT_RATE  # as long as a socket's request
-            await self.agent.transfer(op, self.remote, pieces, (_nixl.address_of(buf), buf.nbytes), limit)
+            await self.agent.transfer(op, self.remote, pieces, local, limit)
         except _nixl.TransferError as exc:
             raise _nixl.unavailable(self._where, exc) from exc
