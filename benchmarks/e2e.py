@@ -41,13 +41,15 @@ SYSTEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # streaming producers with 4 puts in flight each (threads of one Client), coalesced
     "tqueue-inflight": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "tcp", "inflight": 4}),
     "tqueue-shm-inflight": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "shm", "inflight": 4}),
+    # one-sided NIXL transfers of the units' arenas (the nixl extra; UCX_TLS=tcp: as between hosts without RDMA)
+    "tqueue-nixl": ("benchmarks.systems.tqueue_sys", "TQueueSystem", {"transport": "nixl"}),
     "zmq-raw": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "tcp"}),
     "zmq-raw-ipc": ("benchmarks.systems.zmq_sys", "ZmqRawSystem", {"transport": "ipc"}),
     "ray": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": False}),
     "ray-zerocopy": ("benchmarks.systems.ray_sys", "RaySystem", {"zero_copy": True}),
     "transferqueue": ("benchmarks.systems.tq_sys", "TransferQueueSystem", {}),
 }
-OURS = ("tqueue", "tqueue-wide", "tqueue-shm", "tqueue-inflight", "tqueue-shm-inflight")
+OURS = ("tqueue", "tqueue-wide", "tqueue-shm", "tqueue-inflight", "tqueue-shm-inflight", "tqueue-nixl")
 # bytes per sample (the workload) and how many copies of a batch a run holds at once
 # (producer, store, consumer, and the previous run's memory kept warm)
 SAMPLE_BYTES = 133_000

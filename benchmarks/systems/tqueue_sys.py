@@ -16,7 +16,9 @@ def _client(address: str, transport: str, pack: bool, coalesce: bool = False) ->
     import tqueue
 
     config = tqueue.ClientConfig.from_env()
-    config = dataclasses.replace(config, shm=transport == "shm", pack_ints=pack, coalesce_puts=coalesce)
+    config = dataclasses.replace(
+        config, shm=transport == "shm", pack_ints=pack, coalesce_puts=coalesce, nixl="on" if transport == "nixl" else "off"
+    )
     client = tqueue.Client(address, config=config)
     client.connect()
     return client
@@ -71,7 +73,9 @@ def _async_producer(conn: Connection, address: str, transport: str, pack: bool, 
 
     loop = asyncio.new_event_loop()
     config = tqueue.ClientConfig.from_env()
-    config = dataclasses.replace(config, shm=transport == "shm", pack_ints=pack, coalesce_puts=True)
+    config = dataclasses.replace(
+        config, shm=transport == "shm", pack_ints=pack, coalesce_puts=True, nixl="on" if transport == "nixl" else "off"
+    )
     client = tqueue.AsyncClient(address, config=config)
     loop.run_until_complete(client.connect())
     state: dict[str, Any] = {}
@@ -130,7 +134,7 @@ class TQueueSystem:
     fields travel narrowed (the default; socket writes only); off for ``tqueue-wide``."""
 
     def __init__(self, transport: str = "tcp", units: int = 2, pack: bool = True, inflight: int = 1) -> None:
-        self.name = "tqueue-shm" if transport == "shm" else "tqueue" if pack else "tqueue-wide"
+        self.name = {"shm": "tqueue-shm", "nixl": "tqueue-nixl"}.get(transport, "tqueue" if pack else "tqueue-wide")
         if inflight > 1:
             self.name = f"{self.name}-inflight"
         self.inflight = inflight
@@ -151,6 +155,9 @@ class TQueueSystem:
             "way; unit: 0 (receives into buffers it keeps, answers with slices); get: 0 for "
             "dense fields (received into the batch's rows), objects decoded from staging"
             if transport == "tcp"
+            else "put: 1 copy into a registered staging buffer, then a NIXL WRITE into the unit's arena; get: "
+            "one NIXL READ of the arena's ranges straight into the batch's rows (dense fields), objects decoded"
+            if transport == "nixl"
             else "put: 1 copy into the unit's shared-memory arena; no socket; get: 0 copies "
             "when a field's samples lie in one range in order (views under a hold), else 1 "
             "copy into a pooled batch buffer"
@@ -162,12 +169,18 @@ class TQueueSystem:
         self._client: Any = None
 
     def unavailable(self) -> str | None:
+        if self.transport == "nixl":
+            from tqueue.transport import _nixl
+
+            if not _nixl.available():
+                return "the nixl extra is not installed (pip install -e '.[nixl]')"
         return None
 
     def start(self) -> None:
         import tqueue
 
-        self._cluster = tqueue.LocalCluster(num_storage_units=self.units).start()
+        storage = {"nixl": True} if self.transport == "nixl" else None
+        self._cluster = tqueue.LocalCluster(num_storage_units=self.units, storage=storage).start()
         self._client = tqueue.Client(self._cluster.address)
 
     def _workers(self, scenario: Scenario) -> None:
