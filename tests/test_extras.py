@@ -116,7 +116,7 @@ def test_the_tier_installs_the_same_extras_in_ci_and_in_the_docs():
         text = (root / path).read_text()
         return re.findall(r"\.venv-tier/bin/pip install (?:-q )?-c \.ci/constraints\.txt -e '\.\[([a-z,]+)\]'", text)
 
-    assert extras(".ci/run") == extras("docs/bridges.md") == ["test,vllm,megatron,ray"]
+    assert extras(".ci/run") == extras("docs/bridges.md") == ["test,vllm,megatron,ray,nixl"]
 
 
 def test_nixl_transfers_without_the_extra_name_it_at_the_unit_and_the_client(monkeypatch):

@@ -276,6 +276,7 @@ class ClientConfig:
             host=_env.host(),
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
             shm=bool(_env.number("TQUEUE_SHM", 1)),
+            shm_min_bytes=int(_env.number("TQUEUE_SHM_MIN_BYTES", cls.shm_min_bytes)),
             nixl=os.environ.get("TQUEUE_NIXL", cls.nixl),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
