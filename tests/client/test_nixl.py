@@ -175,3 +175,19 @@ def test_the_route_works_in_a_network_namespace_with_loopback_alone():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"exact {1 << 24}" in out.stdout
+
+
+def test_a_restarted_unit_is_reached_through_its_new_agent(spy):
+    """SIGKILL the unit and start it again at its address: its new agent has new metadata and
+    a new arena. The same client's next put and get reach it through the new agent (the route
+    of the old one is forgotten with the old connection, or when a transfer to it fails), and
+    every byte is exact."""
+    with tqueue.LocalCluster(1, storage={"nixl": True}) as cluster, tqueue.Client(cluster.address, config=NIXL) as c:
+        first = batch(32, 16384)
+        c.put("before", first)
+        same(c.get_data("before", ["x", "ids", "tag"], 32, task="t", timeout=WAIT), first)
+        cluster.restart_unit(0)
+        after = batch(48, 16384)
+        c.put("after", after, timeout=WAIT)
+        same(c.get_data("after", ["x", "ids", "tag"], 48, task="t", timeout=WAIT), after)
+        assert [op for op, _, _ in spy][-2:] == ["WRITE", "READ"]
