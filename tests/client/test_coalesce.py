@@ -150,3 +150,50 @@ def test_off_by_default_each_put_goes_alone(cluster, partition):
 
     metas, stores = asyncio.run(main())
     assert stores == 4 and sorted(i for m in metas for i in m.indexes) == list(range(12))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_unit_killed_under_a_coalesced_put_costs_no_caller_its_samples(path):
+    """The unit a coalesced put was granted is SIGKILLed just before the put's bytes go to it:
+    the put is placed again on the other unit, and every caller gets its own samples, stored
+    once and exact."""
+    with tqueue.LocalCluster(2) as cluster:
+
+        async def main():
+            async with tqueue.AsyncClient(cluster.address, config=_config(PATHS[path])) as c:
+                conns = c._conns
+                pick = conns.choose
+                killed: list[int] = []
+
+                def choose(info):
+                    route = pick(info)
+                    store = route.store
+
+                    async def store_after_a_kill(put, msg):
+                        if not killed:  # the first store of the run: its unit dies first
+                            pid = cluster.pids[1 + cluster.unit_addresses.index(info.address)]
+                            proc = next(p for p in cluster._procs if p.pid == pid)
+                            proc.kill()
+                            await asyncio.to_thread(proc.wait, 10)
+                            killed.append(info.unit_id)
+                        return await store(put, msg)
+
+                    route.store = store_after_a_kill
+                    return route
+
+                conns.choose = choose
+                metas = await asyncio.gather(*(c.put("p", _sample(i), timeout=60) for i in range(8)))
+                got = [await c.get_data(m) for m in metas]
+                status = next(p for p in (await c.status()).partitions if p.name == "p")
+                return metas, got, killed, status, c.stats.puts
+
+        metas, got, killed, status, stores = asyncio.run(main())
+    assert len(killed) == 1 and stores < 8  # the callers went together
+    # the dropped grant's indexes are not given out again: the put is stored once, under new ones
+    assert len({i for m in metas for i in m.indexes}) == 24 and all(len(m) == 3 for m in metas)
+    assert status.samples == status.ready == 24 and status.lost == 0
+    for i, (m, batch) in enumerate(zip(metas, got)):
+        assert m.status == "ok" and set(m.units) != {killed[0]}
+        assert torch.equal(batch["ids"], torch.full((3, 5), i, dtype=torch.int64))
+        assert [t.tolist() for t in batch["resp"]] == [list(range(i + 1))] * 3
+        assert list(batch["text"]) == [f"caller {i} row {r}" for r in range(3)]
