@@ -83,17 +83,20 @@ def test_a_caller_whose_data_is_refused_fails_alone(cluster, partition):
 
 
 def test_a_put_that_crosses_the_target_trims_the_callers_past_it(cluster, partition):
-    """A target of 10: three puts of 4 as one put keep 10 samples; the first two callers'
-    puts are whole ("ok"), the third keeps 2 ("trimmed", its fates per sample)."""
+    """A target of 10: four puts of 4 as one put keep 10 samples; the first two callers'
+    puts are whole ("ok"), the third keeps 2 ("trimmed", its fates per sample), and the fourth,
+    wholly past the target, is "aborted" with no samples, as a put of its own would be (found
+    running the whole suite with coalescing on: it said "trimmed", every fate "aborted")."""
 
     async def main():
         async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
             await c.create_partition(partition, target=10)
-            return await asyncio.gather(*(c.put(partition, {"x": torch.full((4,), i)}) for i in range(3)))
+            return await asyncio.gather(*(c.put(partition, {"x": torch.full((4,), i)}) for i in range(4)))
 
     metas = asyncio.run(main())
-    assert [m.status for m in metas] == ["ok", "ok", "trimmed"]
+    assert [m.status for m in metas] == ["ok", "ok", "trimmed", "aborted"]
     assert metas[2].fates == ["ok", "ok", "aborted", "aborted"]
+    assert (metas[3].indexes, metas[3].units, metas[3].fates) == ([], [], None)
     assert all(m.sealed for m in metas)
 
 

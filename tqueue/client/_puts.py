@@ -52,6 +52,8 @@ def _part(meta: BatchMeta, at: int, n: int) -> BatchMeta:
     status = meta.status
     if fates is not None and all(f == "ok" for f in fates):
         status, fates = "ok", None
+    elif fates is not None and all(f == "aborted" for f in fates):  # all past the target: as a put of its own
+        cut, status, fates = slice(0), "aborted", None
     return msgspec.structs.replace(
         meta,
         indexes=meta.indexes[cut],
