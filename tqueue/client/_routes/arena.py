@@ -85,12 +85,7 @@ class ArenaRoute(Route):
                 waits[id(acc)], staged = acc, staged + went
             else:
                 self.arena.fill(off, bufs)
-            blocks.append(
-                FieldBlock(
-                    name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
-                    sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
-                )
-            )
+            blocks.append(in_one_range(block))
             refs.append([off, n])
             off += aligned(n)
         for acc in waits.values():  # the unit reads these bytes once the Store arrives
@@ -117,3 +112,12 @@ class ArenaRoute(Route):
         views = iter(self.arena.views(ranges, lambda: releases.release_soon(unit_id, hold)))
         frames = iter(raw)
         return [next(views) if r else next(frames) for r in reply.shm]
+
+
+def in_one_range(block: FieldBlock) -> FieldBlock:
+    """``block`` as a put through an arena range stores it: its samples back to back in one
+    frame (the arena and NIXL routes)."""
+    return FieldBlock(
+        name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
+        sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
+    )

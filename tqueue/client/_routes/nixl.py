@@ -25,6 +25,7 @@ from ...transport._arena import aligned
 from ...transport._liveness import TRANSIT_RATE
 from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from .._assemble import Part
+from .arena import in_one_range
 from .base import Outgoing, Releases, Route, Rows, Sent
 from .bulk import bulk_targets
 from .inline import InlineRoute, fetch_msg, received
@@ -88,12 +89,7 @@ class NixlRoute(Route):
                 pos += view.nbytes
             if n:
                 pieces.append((local + off, self.base + reply.offset + off, n))
-            out_blocks.append(
-                FieldBlock(
-                    name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
-                    sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
-                )
-            )
+            out_blocks.append(in_one_range(block))
             refs.append([reply.offset + off, n])
             off += aligned(n)
         await self._transfer("WRITE", pieces, [(local, stage.nbytes)])
