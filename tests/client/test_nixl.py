@@ -191,3 +191,41 @@ def test_a_restarted_unit_is_reached_through_its_new_agent(spy):
         c.put("after", after, timeout=WAIT)
         same(c.get_data("after", ["x", "ids", "tag"], 48, task="t", timeout=WAIT), after)
         assert [op for op, _, _ in spy][-2:] == ["WRITE", "READ"]
+
+
+def test_a_get_cancelled_mid_read_returns_only_once_the_read_has_ended(spy, monkeypatch):
+    """Cancel a get while its 256 MiB READ is in flight over TCP (as Ctrl-C or a timeout
+    does): a posted transfer cannot be withdrawn, so the cancellation waits for it to end
+    before the batch's buffers go back to the pool; the next get of the same samples is exact."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    ended: list[bool] = []
+    real = _nixl.Agent._transfer
+
+    def transfer(self, *args):
+        try:
+            return real(self, *args)
+        finally:
+            ended.append(True)
+
+    monkeypatch.setattr(_nixl.Agent, "_transfer", transfer)
+    with tqueue.LocalCluster(1, storage={"nixl": True}, env={"UCX_TLS": "tcp"}) as cluster:
+
+        async def main():
+            async with tqueue.AsyncClient(cluster.address, config=NIXL) as c:
+                want = {"x": torch.randn(64, 1 << 20)}
+                meta = await c.put("p", want)
+                posted = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                monkeypatch.setattr(_nixl, "posted_hook", lambda: loop.call_soon_threadsafe(posted.set))
+                ended.clear()
+                task = asyncio.ensure_future(c.get_data(meta))
+                await asyncio.wait_for(posted.wait(), WAIT)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert ended == [True]  # the READ had ended when the cancellation came back
+                monkeypatch.setattr(_nixl, "posted_hook", None)
+                got = await c.get_data(meta)
+                assert torch.equal(got["x"], want["x"])  # rows in the meta's order: the put's
+
+        asyncio.run(main())

@@ -183,8 +183,14 @@ class Agent:
             return
         if self._closed:
             raise TransferError("the client's NIXL agent is closed", gone=False)
-        fut = self._pool.submit(self._transfer, op, peer, pieces, local, timeout)
-        await asyncio.wrap_future(fut)
+        done = asyncio.wrap_future(self._pool.submit(self._transfer, op, peer, pieces, local, timeout))
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # a posted transfer cannot be withdrawn: the caller's buffers must outlive it (else
+            # the pool hands them out while the engine still writes), and it ends by its deadline
+            await asyncio.wait([done])
+            raise
 
     def _transfer(
         self, op: str, peer: bytes, pieces: Sequence[tuple[int, int, int]], local: Sequence[tuple[int, int]],
@@ -208,7 +214,7 @@ class Agent:
                     raise TransferError(
                         f"a NIXL {op} of {int(arr[:, 2].sum())} bytes did not end within {timeout:.1f} s", gone=False
                     )
-                time.sleep(_POLL_S)
+                time.sleep(_POLL_S)  # nixl signals the end of a transfer only to a poll, on this thread
                 state = self._call("check_xfer_state", handle)
             if state != "DONE":
                 raise TransferError(f"a NIXL {op} ended in state {state}", gone=False)
