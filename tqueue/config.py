@@ -222,6 +222,10 @@ class ClientConfig:
     shm_min_bytes: int = _setting(
         1 * MiB, "smaller writes go over the socket even on the unit's host (the arena costs one more round trip, "
         "which only pays off for bigger writes)")
+    arena_lease_bytes: int = _setting(
+        16 * MiB, "a writer on a unit's host takes arena ranges of up to this size (eight times its put, at most) and "
+        "puts into them one after another, so that most puts skip the round trip that asks the unit for a range; "
+        "puts above half of it get a range of their own (0: a range per put)")
     keep_freed_bytes: int = _setting(
         4096 * MiB, "let glibc keep this much freed heap mapped in this process (see tqueue._memory.keep_freed), so "
         "that received payload lands in warm pages, about twice as fast; process-wide (0: leave malloc's settings alone)")
@@ -277,6 +281,7 @@ class ClientConfig:
             buffer_pool_bytes=int(_env.number("TQUEUE_BUFFER_POOL_BYTES", cls.buffer_pool_bytes)),
             shm=bool(_env.number("TQUEUE_SHM", 1)),
             shm_min_bytes=int(_env.number("TQUEUE_SHM_MIN_BYTES", cls.shm_min_bytes)),
+            arena_lease_bytes=int(_env.number("TQUEUE_ARENA_LEASE_BYTES", cls.arena_lease_bytes)),
             nixl=os.environ.get("TQUEUE_NIXL", cls.nixl),
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),

@@ -6,6 +6,8 @@ in tests/client/test_cuda.py, on a host with a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any
 
@@ -363,8 +365,10 @@ def test_a_punched_arena_is_registered_again_before_it_is_read(partition, monkey
     )
     monkeypatch.setattr(Accelerator, "unregister_range", lambda self, arena, at: unregistered.append(at))
     first, second = batch_data(seed=5), batch_data(seed=6)
+    # no lease: a kept range is never punched, and the second put would go into it unasked
+    config = dataclasses.replace(ROUTES["arena"], arena_lease_bytes=0)
     with tqueue.LocalCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
-        with tqueue.Client(cluster.address, config=ROUTES["arena"]) as c:
+        with tqueue.Client(cluster.address, config=config) as c:
             c.put(partition, first)
             assert torch.equal(c.get_data(partition, ["ids"], 32, task="t", device="cpu", timeout=10)["ids"], first["ids"])
             before = sorted(registered)

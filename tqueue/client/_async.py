@@ -89,6 +89,8 @@ class AsyncClient:
             raise InvalidArgumentError("ClientConfig.pin_memory needs a CUDA device, and torch sees none")
         if self.config.nixl not in ("auto", "on", "off"):
             raise InvalidArgumentError(f"ClientConfig.nixl is one of 'auto', 'on', 'off'; got {self.config.nixl!r}")
+        if self.config.arena_lease_bytes < 0:
+            raise InvalidArgumentError(f"ClientConfig.arena_lease_bytes must be >= 0, got {self.config.arena_lease_bytes}")
         pool = BufferPool(self.config.buffer_pool_bytes, pinned=self.config.pin_memory)
         self._conns = Connections(address, self.config)
         self._conns.pool = pool  # a NIXL route stages puts in it

@@ -214,7 +214,9 @@ class Connections:
         peer = self.connect_unit(info)
         arena = self.arena(info)
         if arena is not None:
-            return ArenaRoute(info, peer, arena, self, self.config.shm_min_bytes, self.devices)
+            return ArenaRoute(
+                info, peer, arena, self, self.config.shm_min_bytes, self.devices, self.config.arena_lease_bytes
+            )
         if self._use_nixl(info):
             from ._routes.nixl import NixlRoute  # the nixl extra, imported where it is used
 

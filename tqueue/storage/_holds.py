@@ -28,7 +28,8 @@ class Holds:
         self._decref = decref
         self._name = name
         self._loop = asyncio.get_running_loop()
-        self.allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes]] = {}
+        # offset: (region, its timer, the session it is allocated to, the allocation's token)
+        self.allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes, int]] = {}
         self.holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
 
     def alloc(self, nbytes: int, session: bytes) -> Region | None:
@@ -40,22 +41,51 @@ class Holds:
             return None
         # a writer that never stores gives the range back after the request timeout
         timer = self._loop.call_later(self.config.alloc_timeout, self.expire_alloc, region.offset)
-        self.allocs[region.offset] = (region, timer, session)
+        # a token tells this allocation from a later one at the same offset (a release of a
+        # kept region that lapsed meanwhile must not end the next writer's)
+        self.allocs[region.offset] = (region, timer, session, secrets.randbits(62) + 1)
         return region
 
-    def take_alloc(self, offset: int) -> Region:
-        """The region allocated at ``offset``, for the ``Store`` that fills it."""
-        entry = self.allocs.pop(offset, None)
-        if entry is None:
-            raise ProtocolError(f"arena region {offset} was not allocated (or has expired)")
-        entry[1].cancel()
-        return entry[0]
+    def take_alloc(self, offset: int, session: bytes, keep: bool = False) -> Region:
+        """The region allocated to ``session`` at ``offset``, for a ``Store`` into it, with a
+        reference of the Store's own. Without ``keep`` the allocation ends (its reference
+        passes to the Store); with it, the writer keeps the region for later Stores (a lease),
+        and its allocation lasts ``alloc_timeout`` from now."""
+        entry = self.allocs.get(offset)
+        if entry is None or entry[2] != session:
+            raise ProtocolError(f"arena region {offset} was not allocated to this writer (or has expired)")
+        region, timer, _, token = entry
+        timer.cancel()
+        if not keep:
+            del self.allocs[offset]
+            return region
+        timer = self._loop.call_later(self.config.alloc_timeout, self.expire_alloc, offset, "", logging.DEBUG)
+        self.allocs[offset] = (region, timer, session, token)
+        assert self.arena is not None
+        self.arena.incref(region)
+        return region
 
-    def expire_alloc(self, offset: int, why: str = "was allocated but never stored") -> None:
+    def release_allocs(self, regions: list[list[int]], session: bytes) -> None:
+        """The writer no longer puts into these regions it kept (``[offset, token]`` each):
+        their allocations end (the samples stored in them keep their references). Another
+        session's regions, and allocations that lapsed meanwhile, are left alone."""
+        for ref in regions:
+            if len(ref) != 2:
+                raise ProtocolError(f"a released arena region is [offset, token], got {ref}")
+            entry = self.allocs.get(ref[0])
+            if entry is not None and entry[2] == session and entry[3] == ref[1]:
+                offset = ref[0]
+                del self.allocs[offset]
+                entry[1].cancel()
+                self._decref(entry[0])
+
+    def expire_alloc(self, offset: int, why: str = "was allocated but never stored", level: int = logging.WARNING) -> None:
+        """The allocation at ``offset`` lapses (a kept region left unused lapses as expected:
+        ``level`` DEBUG)."""
         entry = self.allocs.pop(offset, None)
         if entry is not None:
             entry[1].cancel()
-            log.warning("%s: arena region %d %s", self._name(), offset, why)
+            log.log(level, "%s: arena region %d %s", self._name(), offset, why or "was kept for puts and not put into")
             self._decref(entry[0])
 
     def frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:

@@ -264,6 +264,8 @@ class StorageUnit:
     async def _store(self, ident: bytes, msg: Store, raw: list[Any]) -> Stored:
         received = self._loop.time()
         self.trim.busy()
+        if msg.release:  # first: whatever else this Store fails on, the regions go back
+            self.holds.release_allocs(msg.release, session_of(ident))
         if msg.indexes is None:
             if msg.count < 0 or msg.start < 0 or msg.start + msg.count > self.data.max_index:
                 raise InvalidArgumentError(
@@ -277,7 +279,7 @@ class StorageUnit:
                 raise ProtocolError(f"Store lists {len(indexes)} indexes for {msg.count} samples")
         if msg.bulk is not None:
             raw = await self._read_bulk(msg, raw)
-        region = self.holds.take_alloc(msg.region) if msg.region >= 0 else None
+        region = self.holds.take_alloc(msg.region, session_of(ident), msg.keep) if msg.region >= 0 else None
         try:
             frames, where = self.holds.frames(msg, raw, region)
             pending = self.data.write(
@@ -305,7 +307,7 @@ class StorageUnit:
             pending.commit()
         finally:
             if region is not None:
-                self._decref(region)  # the allocation's own reference
+                self._decref(region)  # the reference the Store took (the allocation's own, without keep)
         return Stored(nbytes=nbytes, sealed=committed.sealed)
 
     async def _read_bulk(self, msg: Store, raw: list[Any]) -> list[Any]:
@@ -344,7 +346,10 @@ class StorageUnit:
         region = self.holds.alloc(msg.nbytes, session_of(ident))
         if region is None:
             return Allocated(offset=-1)
-        return Allocated(offset=region.offset, length=region.length, epoch=self.arena.epoch if self.arena else 0)
+        return Allocated(
+            offset=region.offset, length=region.length, epoch=self.arena.epoch if self.arena else 0,
+            ttl=self.config.alloc_timeout, token=self.holds.allocs[region.offset][3],
+        )
 
     def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)

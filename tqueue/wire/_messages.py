@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 6  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched)
+PROTOCOL_VERSION = 7  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -398,6 +398,8 @@ class Allocated(Message):
     offset: int
     length: int = 0
     epoch: int = 0
+    ttl: float = 0.0  # seconds the range stays allocated without a Store into it (0: unknown)
+    token: int = 0  # names this allocation in a Store's release
 
 
 class Store(Message):
@@ -409,6 +411,11 @@ class Store(Message):
     lists and the unit checks each). With ``bulk``, no frames follow here: lane
     ``(token, n)`` carries the next ``n`` frames back to back on the writer's bulk stream
     ``token``, the lanes at once.
+
+    ``keep``: the writer keeps its ``region`` for later puts, each into ranges of it that no
+    other put uses (an arena lease: one ``Alloc`` for many puts); the region's allocation lasts
+    ``ttl`` after each such Store. ``release``: regions this writer kept that it no longer puts
+    into, ``[offset, token]`` each (their allocation ends; the samples stored in them stay).
     """
 
     KIND = Kind.STORE
@@ -423,6 +430,8 @@ class Store(Message):
     shm: list[list[int]] | None = None
     bulk: list[tuple[int, int]] | None = None
     timeout: float | None = None  # seconds the writer waits for Stored: the unit answers within it (None: unknown)
+    keep: bool = False
+    release: list[list[int]] | None = None
 
 
 class Stored(Message):

@@ -5,6 +5,7 @@ gets views of the unit's pages, held until the last view is dropped."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,15 +29,46 @@ class DeviceWrites(Protocol):
         ...
 
 
+class Lease:
+    """An arena region this writer keeps for several puts (``Store.keep``), cut front to
+    back: ``at`` is where the next put goes. ``stores``: Stores into it not yet answered;
+    ``retired``: no put goes into it any more, and once those are answered the next Store
+    tells the unit (``Store.release``, with the allocation's token: a release that arrives
+    after the region lapsed and went to a new allocation leaves that one alone). A release
+    that never arrives (the unit was unreachable) costs the region until its ``ttl`` lapses."""
+
+    __slots__ = ("offset", "token", "end", "at", "ttl", "used", "stores", "retired")
+
+    def __init__(self, reply: Allocated, nbytes: int, now: float) -> None:
+        self.offset = self.at = reply.offset
+        self.token = reply.token
+        self.end = reply.offset + (reply.length or nbytes)
+        self.ttl = reply.ttl
+        self.used = now
+        self.stores = 0
+        self.retired = False
+
+    def take(self, nbytes: int, now: float) -> int | None:
+        """Where a put of ``nbytes`` goes; None: it does not fit, or the unit may have let the
+        region go (unused for half of its ``ttl``: the unit's clock starts later than this one)."""
+        if self.retired or self.end - self.at < nbytes or now - self.used >= self.ttl / 2:
+            return None
+        at, self.at, self.used = self.at, self.at + nbytes, now
+        self.stores += 1
+        return at
+
+
 class ArenaRoute(Route):
     """Puts of at least ``min_bytes`` go through the arena, smaller ones (and those a full
-    arena refuses) inline; fetches ask for arena views."""
+    arena refuses) inline; fetches ask for arena views. A put of up to half of
+    ``lease_bytes`` goes into a range this route keeps (a :class:`Lease` of eight times the
+    put, at most ``lease_bytes``), so that most puts skip the ``Alloc`` round trip."""
 
     device_writes = True
 
     def __init__(
         self, info: UnitInfo, peer: _zmq.Peer, arena: ArenaMap, releases: Releases, min_bytes: int,
-        devices: DeviceWrites | None = None,
+        devices: DeviceWrites | None = None, lease_bytes: int = 0,
     ) -> None:
         super().__init__(info)
         self.peer = peer
@@ -45,6 +77,9 @@ class ArenaRoute(Route):
         self._releases = releases
         self._min_bytes = min_bytes
         self._devices = devices
+        self._lease_bytes = lease_bytes
+        self.lease: Lease | None = None
+        self._ended: list[list[int]] = []  # leases to release with the next Store: [offset, token]
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
         enc = put.wide  # no socket to cross: never narrowed
@@ -54,12 +89,67 @@ class ArenaRoute(Route):
         if placed is None:
             enc.materialize()
             return await self.inline.store(put, msg)
-        (msg.blocks, msg.shm, msg.region), staged = placed
-        stored, _ = await self.peer.request(msg, (), expect=Stored)
+        (msg.blocks, msg.shm, msg.region), staged, lease = placed
+        msg.keep = lease is not None
+        if self._ended:
+            msg.release, self._ended = self._ended, []
+        try:
+            stored, _ = await self.peer.request(msg, (), expect=Stored)
+        except BaseException:
+            if lease is not None:  # the unit may have let it go: not put into again
+                self._retire(lease)
+            raise
+        finally:
+            if lease is not None:
+                self._stored(lease)
         host = sum(n for i, (_, n) in enumerate(msg.shm) if i not in enc.on_device)  # filled by the host
         return Sent(stored, enc.nbytes, enc.copied + host + staged)
 
-    async def _place(self, enc: Encoded) -> tuple[tuple[list[FieldBlock], list[list[int]], int], int] | None:
+    def _stored(self, lease: Lease) -> None:
+        """A Store into ``lease`` was answered (or never went)."""
+        lease.stores -= 1
+        if lease.retired and not lease.stores:
+            self._ended.append([lease.offset, lease.token])
+
+    def _retire(self, lease: Lease) -> None:
+        if lease.retired:
+            return
+        lease.retired = True
+        if self.lease is lease:
+            self.lease = None
+        if not lease.stores:
+            self._ended.append([lease.offset, lease.token])
+
+    async def _range(self, nbytes: int) -> tuple[int, int, Lease | None] | None:
+        """Where a put of ``nbytes`` goes: (its offset, the region's, the lease it is cut
+        from); None when the arena is full."""
+        loop = asyncio.get_running_loop()
+        if self.lease is not None:
+            at = self.lease.take(nbytes, loop.time())
+            if at is not None:
+                return at, self.lease.offset, self.lease
+            self._retire(self.lease)
+        if 0 < nbytes <= self._lease_bytes // 2:
+            size = min(self._lease_bytes, 8 * nbytes)
+            reply, _ = await self.peer.request(Alloc(nbytes=size), expect=Allocated)
+            if reply.offset >= 0:
+                self.arena.seen(reply.epoch)
+                lease = Lease(reply, size, loop.time())
+                if self.lease is not None:  # another put took one meanwhile
+                    self._retire(self.lease)
+                self.lease = lease
+                at = lease.take(nbytes, loop.time())
+                if at is not None:
+                    return at, lease.offset, lease
+                self._retire(lease)  # a unit that keeps nothing (ttl 0)
+            # no room for a lease: perhaps for this put alone
+        reply, _ = await self.peer.request(Alloc(nbytes=nbytes), expect=Allocated)
+        if reply.offset < 0:
+            return None
+        self.arena.seen(reply.epoch)
+        return reply.offset, reply.offset, None
+
+    async def _place(self, enc: Encoded) -> tuple[tuple[list[FieldBlock], list[list[int]], int], int, Lease | None] | None:
         """Copy a write's payload into the unit's arena: one range per field; None when the
         arena is full (the socket still works). Fields still on a device are copied into it
         by DMA; the bytes that went through host memory instead are counted."""
@@ -73,24 +163,29 @@ class ArenaRoute(Route):
                 fields.append((block, [], t.numel() * t.element_size()))
             else:
                 fields.append((block, [whole] if whole is not None else bufs, sum(memoryview(b).nbytes for b in bufs)))
-        reply, _ = await self.peer.request(Alloc(nbytes=sum(aligned(n) for _, _, n in fields)), expect=Allocated)
-        if reply.offset < 0:
+        got = await self._range(sum(aligned(n) for _, _, n in fields))
+        if got is None:
             return None
-        self.arena.seen(reply.epoch)
-        blocks, refs, off, staged, waits = [], [], reply.offset, 0, {}
-        for i, (block, bufs, n) in enumerate(fields):
-            if i in enc.on_device:
-                assert self._devices is not None
-                acc, went = self._devices.to_arena(self.arena, off, enc.on_device[i])
-                waits[id(acc)], staged = acc, staged + went
-            else:
-                self.arena.fill(off, bufs)
-            blocks.append(in_one_range(block))
-            refs.append([off, n])
-            off += aligned(n)
-        for acc in waits.values():  # the unit reads these bytes once the Store arrives
-            acc.synchronize()
-        return (blocks, refs, reply.offset), staged
+        start, region, lease = got
+        try:
+            blocks, refs, off, staged, waits = [], [], start, 0, {}
+            for i, (block, bufs, n) in enumerate(fields):
+                if i in enc.on_device:
+                    assert self._devices is not None
+                    acc, went = self._devices.to_arena(self.arena, off, enc.on_device[i])
+                    waits[id(acc)], staged = acc, staged + went
+                else:
+                    self.arena.fill(off, bufs)
+                blocks.append(in_one_range(block))
+                refs.append([off, n])
+                off += aligned(n)
+            for acc in waits.values():  # the unit reads these bytes once the Store arrives
+                acc.synchronize()
+        except BaseException:  # no Store goes: the range taken from the lease stays unused
+            if lease is not None:
+                self._stored(lease)
+            raise
+        return (blocks, refs, region), staged, lease
 
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
