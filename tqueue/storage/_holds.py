@@ -30,6 +30,7 @@ class Holds:
         self._loop = asyncio.get_running_loop()
         # offset: (region, its timer, the session it is allocated to, the allocation's token)
         self.allocs: dict[int, tuple[Region, asyncio.TimerHandle, bytes, int]] = {}
+        self.kept: set[int] = set()  # offsets of allocations a writer keeps for several Stores
         self.holds: dict[int, tuple[list[Region], asyncio.TimerHandle, bytes]] = {}
 
     def alloc(self, nbytes: int, session: bytes) -> Region | None:
@@ -58,9 +59,11 @@ class Holds:
         timer.cancel()
         if not keep:
             del self.allocs[offset]
+            self.kept.discard(offset)
             return region
-        timer = self._loop.call_later(self.config.alloc_timeout, self.expire_alloc, offset, "", logging.DEBUG)
+        timer = self._loop.call_later(self.config.alloc_timeout, self.expire_alloc, offset, "lapsed unused")
         self.allocs[offset] = (region, timer, session, token)
+        self.kept.add(offset)
         assert self.arena is not None
         self.arena.incref(region)
         return region
@@ -74,18 +77,22 @@ class Holds:
                 raise ProtocolError(f"a released arena region is [offset, token], got {ref}")
             entry = self.allocs.get(ref[0])
             if entry is not None and entry[2] == session and entry[3] == ref[1]:
-                offset = ref[0]
-                del self.allocs[offset]
+                del self.allocs[ref[0]]
+                self.kept.discard(ref[0])
                 entry[1].cancel()
                 self._decref(entry[0])
 
-    def expire_alloc(self, offset: int, why: str = "was allocated but never stored", level: int = logging.WARNING) -> None:
-        """The allocation at ``offset`` lapses (a kept region left unused lapses as expected:
-        ``level`` DEBUG)."""
+    def expire_alloc(self, offset: int, why: str = "was allocated but never stored") -> None:
+        """The allocation at ``offset`` lapses. A region a writer kept for its puts lapses
+        as expected once it stops putting (or closes): said at DEBUG only."""
         entry = self.allocs.pop(offset, None)
         if entry is not None:
             entry[1].cancel()
-            log.log(level, "%s: arena region %d %s", self._name(), offset, why or "was kept for puts and not put into")
+            if offset in self.kept:
+                self.kept.discard(offset)
+                log.debug("%s: arena region %d, kept by a writer for its puts, %s", self._name(), offset, why)
+            else:
+                log.warning("%s: arena region %d %s", self._name(), offset, why)
             self._decref(entry[0])
 
     def frames(self, msg: Store, raw: list[Any], region: Region | None) -> tuple[list[Any], list[int]]:

@@ -80,6 +80,7 @@ class ArenaRoute(Route):
         self._lease_bytes = lease_bytes
         self.lease: Lease | None = None
         self._ended: list[list[int]] = []  # leases to release with the next Store: [offset, token]
+        self._leasing: asyncio.Future[bool] | None = None  # a lease asked for, not yet given
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
         enc = put.wide  # no socket to cross: never narrowed
@@ -122,32 +123,48 @@ class ArenaRoute(Route):
 
     async def _range(self, nbytes: int) -> tuple[int, int, Lease | None] | None:
         """Where a put of ``nbytes`` goes: (its offset, the region's, the lease it is cut
-        from); None when the arena is full."""
+        from); None when the arena is full. One lease is asked for at a time: the puts that
+        find the lease full while one is asked for wait for it."""
         loop = asyncio.get_running_loop()
-        if self.lease is not None:
-            at = self.lease.take(nbytes, loop.time())
-            if at is not None:
-                return at, self.lease.offset, self.lease
-            self._retire(self.lease)
-        if 0 < nbytes <= self._lease_bytes // 2:
-            size = min(self._lease_bytes, 8 * nbytes)
-            reply, _ = await self.peer.request(Alloc(nbytes=size), expect=Allocated)
-            if reply.offset >= 0:
-                self.arena.seen(reply.epoch)
-                lease = Lease(reply, size, loop.time())
-                if self.lease is not None:  # another put took one meanwhile
-                    self._retire(self.lease)
-                self.lease = lease
-                at = lease.take(nbytes, loop.time())
+        while True:
+            if self.lease is not None:
+                at = self.lease.take(nbytes, loop.time())
                 if at is not None:
-                    return at, lease.offset, lease
-                self._retire(lease)  # a unit that keeps nothing (ttl 0)
-            # no room for a lease: perhaps for this put alone
+                    return at, self.lease.offset, self.lease
+                self._retire(self.lease)
+            if not 0 < nbytes <= self._lease_bytes // 2:
+                break
+            if self._leasing is not None:
+                if await asyncio.shield(self._leasing):
+                    continue
+                break  # no room for a lease: perhaps for this put alone
+            if not await self._new_lease(nbytes):
+                break
         reply, _ = await self.peer.request(Alloc(nbytes=nbytes), expect=Allocated)
         if reply.offset < 0:
             return None
         self.arena.seen(reply.epoch)
         return reply.offset, reply.offset, None
+
+    async def _new_lease(self, nbytes: int) -> bool:
+        """Ask the unit for a lease fit for puts of ``nbytes``; whether it gave one."""
+        loop = asyncio.get_running_loop()
+        self._leasing = asking = loop.create_future()
+        got = False
+        try:
+            size = min(self._lease_bytes, 8 * nbytes)
+            reply, _ = await self.peer.request(Alloc(nbytes=size), expect=Allocated)
+            if reply.offset >= 0 and reply.ttl > 0:
+                self.arena.seen(reply.epoch)
+                if self.lease is not None:
+                    self._retire(self.lease)
+                self.lease, got = Lease(reply, size, loop.time()), True
+            elif reply.offset >= 0:  # a unit that keeps nothing: the range is this put's alone
+                self._ended.append([reply.offset, reply.token])
+            return got
+        finally:
+            self._leasing = None
+            asking.set_result(got)
 
     async def _place(self, enc: Encoded) -> tuple[tuple[list[FieldBlock], list[list[int]], int], int, Lease | None] | None:
         """Copy a write's payload into the unit's arena: one range per field; None when the
