@@ -7,6 +7,7 @@ had parked must not wait for its session to end, nor samples be leased to it.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import select
 import signal
@@ -55,10 +56,11 @@ def interrupted() -> Iterator[Any]:
     """Start ``_interrupted MODE ADDRESS`` and wait for it to say it is about to wait."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(mode: str, address: str) -> subprocess.Popen[bytes]:
+    def start(mode: str, address: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.client._interrupted", mode, address],
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -96,11 +98,14 @@ def test_an_interrupted_get_meta_is_withdrawn_and_leased_nothing(interrupted):
         print(f"interrupted get_meta: withdrawn and the samples served after {time.monotonic() - t0:.2f} s")
 
 
-def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_grant(interrupted):
+@pytest.mark.parametrize("coalesce", ["0", "1"], ids=["alone", "coalesced"])
+def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_grant(interrupted, coalesce):
+    """Also with ``coalesce_puts``: the put went out one loop turn after the call, as a
+    coalesced put of one caller, which is withdrawn once that caller gives up."""
     storage = {"capacity_bytes": 4 << 20}  # one unit of 4 MiB
     with tqueue.LocalCluster(num_storage_units=1, storage=storage) as c, c.client() as client:
         client.put("filler", {"x": torch.zeros(12, 1 << 16)})  # 3 MiB: the 2 MiB put must wait
-        producer = interrupted("put", c.address)
+        producer = interrupted("put", c.address, {"TQUEUE_COALESCE_PUTS": coalesce})
         until(lambda: waiting(client, "put") == 1, 60, "the producer's put parked for memory")
         assert [w.cause for w in client.status().waiting] == ["memory"]
         producer.send_signal(signal.SIGINT)

@@ -165,7 +165,7 @@ def test_a_client_cannot_act_as_a_unit_nor_release_another_sessions_hold():
     """B holds the same admitted client key as A (raw sockets, so its messages are exactly
     these): units' messages are refused by role, and a hold is its session's alone."""
     with tqueue.LocalCluster(num_storage_units=1, auth=True) as cluster:
-        a = cluster.client()
+        a = cluster.client(config=tqueue.ClientConfig(arena_lease_bytes=0))  # a lease would stay in use
         try:
             a.put("p", {"x": torch.ones(2, 3 << 18)})
             meta = a.get_meta("p", ["x"], 2, task="t")

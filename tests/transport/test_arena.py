@@ -4,6 +4,7 @@ that stay valid while held, and ranges reused only after their holds are release
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 
 import pytest
@@ -32,7 +33,8 @@ def arena_offset(client: tqueue.AsyncClient, t: torch.Tensor) -> tuple[str, int]
 
 def test_views_stay_valid_while_held_and_ranges_are_reused_after(cluster, partition):
     async def main():
-        async with tqueue.AsyncClient(cluster.address, config=SHM) as c:
+        # a range of each put's own (no lease), so that first fit shows where the freed one went
+        async with tqueue.AsyncClient(cluster.address, config=dataclasses.replace(SHM, arena_lease_bytes=0)) as c:
             await c.put(partition, {"x": torch.full((64, 4096), 7, dtype=torch.int32)})
             batch = await c.get_data(partition, ["x"], 64, task="t", timeout=10)
             x = batch["x"]
