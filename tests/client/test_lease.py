@@ -81,7 +81,7 @@ def test_puts_into_a_lease_come_back_exact_and_ask_the_unit_for_a_range_once_a_l
             until(lambda: arena_used(other) == 0, 30, "the lease freed with its client's session")
 
 
-def test_puts_bigger_than_half_a_lease_get_a_range_of_their_own(unit, sent, partition):
+def test_puts_bigger_than_half_a_lease_get_a_range_of_their_own_and_leave_the_lease_alone(unit, sent, partition):
     with tqueue.Client(unit.address, config=dataclasses.replace(CONFIG, arena_lease_bytes=2 * PUT - 1)) as c:
         metas = [c.put(partition, group(i)) for i in range(3)]
         assert sent["Alloc"] == 3 and route_of(c).lease is None
@@ -89,6 +89,15 @@ def test_puts_bigger_than_half_a_lease_get_a_range_of_their_own(unit, sent, part
         until(lambda: arena_used(c) == 3 * PUT, 30, "the unit reports three ranges")
         c.clear(partition)
         until(lambda: arena_used(c) == 0, 30, "nothing kept")
+    with tqueue.Client(unit.address, config=CONFIG) as c:
+        c.put(partition, group(0))  # a lease of 1 MiB
+        lease = route_of(c).lease
+        big = [{"x": torch.arange(8 * 20_000, dtype=torch.float32).reshape(8, 20_000) + i} for i in range(2)]
+        metas = [c.put(f"{partition}-big", b) for b in big]  # 625 KiB: more than half of arena_lease_bytes
+        assert route_of(c).lease is lease and sent["Alloc"] == 6
+        meta = c.put(partition, group(1))  # into the lease still
+        assert sent["Alloc"] == 6 and torch.equal(c.get_data(meta)["x"], group(1)["x"])
+        assert all(torch.equal(c.get_data(m)["x"], b["x"]) for m, b in zip(metas, big))
 
 
 def test_concurrent_puts_share_a_lease_and_each_lands_whole(unit, sent, partition):

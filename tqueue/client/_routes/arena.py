@@ -126,14 +126,12 @@ class ArenaRoute(Route):
         from); None when the arena is full. One lease is asked for at a time: the puts that
         find the lease full while one is asked for wait for it."""
         loop = asyncio.get_running_loop()
-        while True:
+        while 0 < nbytes <= self._lease_bytes // 2:  # a bigger put leaves the lease alone
             if self.lease is not None:
                 at = self.lease.take(nbytes, loop.time())
                 if at is not None:
                     return at, self.lease.offset, self.lease
                 self._retire(self.lease)
-            if not 0 < nbytes <= self._lease_bytes // 2:
-                break
             if self._leasing is not None:
                 if await asyncio.shield(self._leasing):
                     continue
