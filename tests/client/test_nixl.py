@@ -117,6 +117,42 @@ def test_a_unit_killed_mid_read_fails_the_get_with_a_typed_error_and_the_client_
             same(c.get_data("after", ["x", "ids", "tag"], 16, task="t", timeout=WAIT), again)
 
 
+def test_a_unit_killed_mid_write_costs_the_put_nothing_it_lands_on_the_other_unit(spy, monkeypatch):
+    """SIGKILL the unit a 256 MiB put is being written to by NIXL over TCP, once its WRITE is
+    posted: the put is placed again on the other unit and acknowledged there, exact; nothing
+    of it is on the dead one."""
+    from tqueue.client._routes.nixl import NixlRoute
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with tqueue.LocalCluster(2, storage={"nixl": True}, env={"UCX_TLS": "tcp"}) as cluster:
+        with tqueue.Client(cluster.address, config=NIXL) as c:
+            c.put("warm", batch(16, 65536))  # both routes made, agents connected
+            pids = {u.unit_id: cluster.pids[1 + cluster.unit_addresses.index(u.address)] for u in c.status().units}
+            target: list[int] = []
+            real = NixlRoute._transfer
+
+            async def transfer(self: NixlRoute, op: str, *args: object) -> object:
+                if op == "WRITE" and not target:
+                    target.append(self.info.unit_id)
+                return await real(self, op, *args)
+
+            killed = threading.Event()
+
+            def kill() -> None:  # on the agent's thread, the first WRITE posted and in flight
+                if target and not killed.is_set():
+                    os.kill(pids[target[0]], signal.SIGKILL)
+                    killed.set()
+
+            monkeypatch.setattr(NixlRoute, "_transfer", transfer)
+            monkeypatch.setattr(_nixl, "posted_hook", kill)
+            want = {"x": torch.randn(64, 1 << 20)}  # 256 MiB
+            meta = c.put("victim", want, timeout=WAIT)
+            assert killed.is_set()
+            assert set(meta.units) == set(pids) - {target[0]}
+            got = c.get_data(meta)  # in the put's order (the dropped grant's indexes are not reused)
+            assert list(got.meta.indexes) == list(meta.indexes) and torch.equal(got["x"], want["x"])
+
+
 def test_auto_takes_nixl_only_where_both_hosts_have_rdma_devices(spy, monkeypatch):
     """The default, ``nixl="auto"``: these hosts have no RDMA device, so a unit that offers NIXL
     is reached by sockets (no transfer through NIXL, bytes exact). Where this host and the

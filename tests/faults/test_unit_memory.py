@@ -87,7 +87,8 @@ async def release(client: tqueue.AsyncClient, batch: dict) -> None:
 @pytest.mark.parametrize("order", [pytest.param("clear-then-release", id="clear-then-release"),
                                    pytest.param("release-then-clear", id="release-then-clear")])
 def test_arena_pages_a_reader_held_go_back_to_the_os_in_either_order(order):
-    shm = tqueue.ClientConfig(shm=True, shm_min_bytes=0)
+    # no lease: the writer's lease would keep its range (and pages) in use until it lapses
+    shm = tqueue.ClientConfig(shm=True, shm_min_bytes=0, arena_lease_bytes=0)
     sockets = tqueue.ClientConfig(shm=False, bulk=False)
 
     async def main(cluster: tqueue.LocalCluster) -> None:
