@@ -7,6 +7,7 @@ Runs in .ci/run's integration tier, which installs the extra."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -151,6 +153,39 @@ def test_a_unit_killed_mid_write_costs_the_put_nothing_it_lands_on_the_other_uni
             assert set(meta.units) == set(pids) - {target[0]}
             got = c.get_data(meta)  # in the put's order (the dropped grant's indexes are not reused)
             assert list(got.meta.indexes) == list(meta.indexes) and torch.equal(got["x"], want["x"])
+
+
+def test_a_unit_stopped_mid_read_fails_the_get_at_the_transfers_deadline_and_serves_once_it_runs(spy, monkeypatch):
+    """SIGSTOP the unit once a 256 MiB READ of its arena is posted (UCX over TCP): the transfer
+    stalls, nothing says the unit died, and the get fails at the transfer's deadline (the
+    request timeout, 2 s here, plus its bytes at 200 MB/s) with a typed error naming the unit,
+    not a hang. The abandoned transfer is released (nixl aborts it: its buffer is free to go).
+    SIGCONT: the next get of the same samples is exact."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with tqueue.LocalCluster(1, storage={"nixl": True}, env={"UCX_TLS": "tcp"}) as cluster:
+        with tqueue.Client(cluster.address, config=dataclasses.replace(NIXL, request_timeout=2.0)) as c:
+            want = {"x": torch.randn(64, 1 << 20)}  # 256 MiB
+            c.put("stalled", want)
+            pid = cluster.pids[1]
+            stopped = threading.Event()
+
+            def stop() -> None:  # on the agent's thread, the READ posted and in flight
+                if not stopped.is_set():
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.set()
+
+            monkeypatch.setattr(_nixl, "posted_hook", stop)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(tqueue.StorageUnitUnavailableError, match=r"storage unit 0\b.*a NIXL READ of 268435456 bytes did not end within 3\.3 s"):
+                    c.get_data("stalled", ["x"], 64, task="t", timeout=WAIT)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert stopped.is_set() and 3.3 <= took < 30, took
+            monkeypatch.setattr(_nixl, "posted_hook", None)
+            got = c.get_data("stalled", ["x"], 64, task="again", timeout=WAIT)
+            assert torch.equal(got["x"], want["x"][got.meta.indexes])
 
 
 def test_auto_takes_nixl_only_where_both_hosts_have_rdma_devices(spy, monkeypatch):
