@@ -7,7 +7,6 @@ in tests/client/test_cuda.py, on a host with a GPU."""
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any
 

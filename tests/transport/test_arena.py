@@ -6,11 +6,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import logging
+import os
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import tqueue
+from tqueue.transport import _arena
+from tqueue.transport._arena import POPULATE_MIN_BYTES, Arena, ArenaMap
 
 SHM = tqueue.ClientConfig(shm=True, shm_min_bytes=0)
 
@@ -68,3 +74,64 @@ def test_socket_consumer_of_same_host_data(cluster, partition):
     with tqueue.Client(cluster.address, config=tqueue.ClientConfig(shm=False)) as consumer:
         batch = consumer.get_data(partition, ["x", "s"], 32, task="t", timeout=10)
         assert torch.equal(batch["x"], data["x"]) and batch["s"] == data["s"]
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_writer_maps_a_range_in_one_call_before_it_fills_it():
+    """``ArenaMap.populate`` maps a range's pages into the writer (MADV_POPULATE_WRITE) so that
+    the fill does not fault them in one by one: the writer's RSS grows by the range with no
+    byte written yet, the bytes written after are the arena's (the unit's side sees them), and
+    a range under ``POPULATE_MIN_BYTES`` is left to fault."""
+    arena = Arena(64 << 20)
+    try:
+        writer = ArenaMap(arena.path)
+        before = rss()
+        writer.populate(4096, 16 << 20)
+        grew = rss() - before
+        assert 16 << 20 <= grew < (16 << 20) + (2 << 20), grew
+        small = rss()
+        writer.populate(32 << 20, POPULATE_MIN_BYTES - 1)
+        assert rss() - small < POPULATE_MIN_BYTES
+        data = np.arange(1 << 20, dtype=np.uint8)
+        writer.fill(4096, [data])
+        assert bytes(arena.view[4096 : 4096 + data.nbytes]) == data.tobytes()
+    finally:
+        arena.close()  # the writer's map goes with the test's frame
+
+
+def test_a_kernel_without_populate_is_asked_once_and_the_fill_still_lands(monkeypatch, caplog):
+    """Before Linux 5.14 madvise refuses MADV_POPULATE_WRITE (EINVAL): the map stops asking,
+    says so at DEBUG, and fills as before."""
+    monkeypatch.setattr(_arena, "_MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
+    arena = Arena(8 << 20)
+    try:
+        writer = ArenaMap(arena.path)
+        calls: list[tuple[int, ...]] = []
+        with caplog.at_level(logging.DEBUG, logger="tqueue.transport._arena"):
+            writer.mm = _Counting(writer.mm, calls)
+            writer.populate(0, 1 << 20)
+            writer.populate(0, 1 << 20)
+        assert len(calls) == 1 and "no MADV_POPULATE_WRITE here" in caplog.text
+        data = np.full(1 << 20, 7, dtype=np.uint8)
+        writer.fill(0, [data])
+        assert bytes(arena.view[: data.nbytes]) == data.tobytes()
+    finally:
+        arena.close()
+
+
+class _Counting:
+    """An mmap whose madvise calls are counted."""
+
+    def __init__(self, mm: Any, calls: list[tuple[int, ...]]) -> None:
+        self._mm, self._calls = mm, calls
+
+    def madvise(self, *args: int) -> None:
+        self._calls.append(args)
+        self._mm.madvise(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mm, name)

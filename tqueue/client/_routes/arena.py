@@ -183,6 +183,8 @@ class ArenaRoute(Route):
             return None
         start, region, lease = got
         try:
+            if not enc.on_device:  # the copies below touch each page of the range (a device's DMA does not fault here)
+                self.arena.populate(start, sum(aligned(n) for _, _, n in fields))
             blocks, refs, off, staged, waits = [], [], start, 0, {}
             for i, (block, bufs, n) in enumerate(fields):
                 if i in enc.on_device:
