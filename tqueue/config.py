@@ -223,7 +223,7 @@ class ClientConfig:
         1 * MiB, "smaller writes go over the socket even on the unit's host (the arena costs one more round trip, "
         "which only pays off for bigger writes)")
     arena_lease_bytes: int = _setting(
-        16 * MiB, "a writer on a unit's host takes arena ranges of up to this size (eight times its put, at most) and "
+        4 * MiB, "a writer on a unit's host takes arena ranges of up to this size (eight times its put, at most) and "
         "puts into them one after another, so that most puts skip the round trip that asks the unit for a range; "
         "puts above half of it get a range of their own (0: a range per put)")
     keep_freed_bytes: int = _setting(
