@@ -1,7 +1,7 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags, ``_rows`` rows allocated ahead of their data; ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags, ``_rows`` rows allocated ahead of their data, ``_versions`` weight versions and admission; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
@@ -33,7 +33,6 @@ from ._keys import (
 from ._messages import (
     PROTOCOL_VERSION,
     Ack,
-    Admission,
     Alloc,
     Allocated,
     BatchMeta,
@@ -72,16 +71,12 @@ from ._messages import (
     RegisterUnit,
     Release,
     Renew,
-    Reserve,
     Seal,
     Sealed,
     Select,
-    SetVersion,
     Store,
     Stored,
     UnitInfo,
-    VersionReply,
-    VersionWait,
     decode,
     encode,
     error_reply,
@@ -96,6 +91,7 @@ from ._status import (
     UnitStatus,
     WaiterStatus,
 )
+from ._versions import Admission, Reserve, SetVersion, VersionReply, VersionWait
 
 __all__ = [
     "AllocateRows",

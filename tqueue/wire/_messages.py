@@ -685,49 +685,6 @@ class Seal(Message):
     partition: str
 
 
-class SetVersion(Message):
-    """The trainer's current policy weight version, and ``weights``: where those weights are
-    published (an opaque pointer for engines that pull them; "": not said)."""
-
-    KIND = Kind.SET_VERSION
-    version: int
-    weights: str = ""
-
-
-class VersionWait(Message):
-    """Wait until the trainer's version is past ``after``: answered with ``VersionReply`` then
-    (at once if it already is), or with a timeout error at ``timeout`` seconds (``math.inf``: none)."""
-
-    KIND = Kind.VERSION_WAIT
-    after: int
-    timeout: float = math.inf
-
-
-class VersionReply(Message):
-    """The trainer's version and the pointer to its weights (``SetVersion.weights``)."""
-
-    KIND = Kind.VERSION_REPLY
-    version: int
-    weights: str = ""
-
-
-class Admission(Message):
-    """Producers may hold at most ``(version + max_staleness + 1) * batch_size`` samples
-    produced or in flight (AReaL-style); ``max_staleness`` < 0 turns the bound off."""
-
-    KIND = Kind.ADMISSION
-    max_staleness: int
-    batch_size: int
-
-
-class Reserve(Message):
-    """Admit ``count`` samples ahead of their put (waits like a put)."""
-
-    KIND = Kind.RESERVE
-    count: int
-    timeout: float = math.inf
-
-
 _TYPES: dict[int, type[Message]] = {}
 _KIND_FRAMES: dict[type[Message], bytes] = {}
 _DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {}
