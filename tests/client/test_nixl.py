@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -44,6 +45,20 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(_nixl.Agent, "_transfer", transfer)
     return seen
+
+
+def on_first_post(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> threading.Event:
+    """Run ``action`` once, on the agent's thread, as the next transfer is posted and in
+    flight; the event says it ran."""
+    fired = threading.Event()
+
+    def hook() -> None:
+        if not fired.is_set():
+            action()
+            fired.set()
+
+    monkeypatch.setattr(_nixl, "posted_hook", hook)
+    return fired
 
 
 def batch(n: int, width: int) -> dict:
@@ -102,14 +117,7 @@ def test_a_unit_killed_mid_read_fails_the_get_with_a_typed_error_and_the_client_
             (victim,) = set(meta.units)
             address = next(u.address for u in c.status().units if u.unit_id == victim)
             pid = cluster.pids[1 + cluster.unit_addresses.index(address)]
-            killed = threading.Event()
-
-            def kill() -> None:  # on the agent's thread, the READ posted and in flight
-                if not killed.is_set():
-                    os.kill(pid, signal.SIGKILL)
-                    killed.set()
-
-            monkeypatch.setattr(_nixl, "posted_hook", kill)
+            killed = on_first_post(monkeypatch, lambda: os.kill(pid, signal.SIGKILL))
             with pytest.raises(tqueue.StorageUnitUnavailableError, match=rf"storage unit {victim}\b"):
                 c.get_data("victim", ["x"], 64, task="t", timeout=WAIT)
             assert killed.is_set() and spy[-1][0] == "READ"
@@ -138,15 +146,8 @@ def test_a_unit_killed_mid_write_costs_the_put_nothing_it_lands_on_the_other_uni
                     target.append(self.info.unit_id)
                 return await real(self, op, *args)
 
-            killed = threading.Event()
-
-            def kill() -> None:  # on the agent's thread, the first WRITE posted and in flight
-                if target and not killed.is_set():
-                    os.kill(pids[target[0]], signal.SIGKILL)
-                    killed.set()
-
             monkeypatch.setattr(NixlRoute, "_transfer", transfer)
-            monkeypatch.setattr(_nixl, "posted_hook", kill)
+            killed = on_first_post(monkeypatch, lambda: os.kill(pids[target[0]], signal.SIGKILL))  # the victim's WRITE
             want = {"x": torch.randn(64, 1 << 20)}  # 256 MiB
             meta = c.put("victim", want, timeout=WAIT)
             assert killed.is_set()
@@ -167,14 +168,7 @@ def test_a_unit_stopped_mid_read_fails_the_get_at_the_transfers_deadline_and_ser
             want = {"x": torch.randn(64, 1 << 20)}  # 256 MiB
             c.put("stalled", want)
             pid = cluster.pids[1]
-            stopped = threading.Event()
-
-            def stop() -> None:  # on the agent's thread, the READ posted and in flight
-                if not stopped.is_set():
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.set()
-
-            monkeypatch.setattr(_nixl, "posted_hook", stop)
+            stopped = on_first_post(monkeypatch, lambda: os.kill(pid, signal.SIGSTOP))
             t0 = time.monotonic()
             try:
                 with pytest.raises(tqueue.StorageUnitUnavailableError, match=r"storage unit 0\b.*a NIXL READ of 268435456 bytes did not end within 3\.3 s"):

@@ -178,13 +178,14 @@ class ArenaRoute(Route):
                 fields.append((block, [], t.numel() * t.element_size()))
             else:
                 fields.append((block, [whole] if whole is not None else bufs, sum(memoryview(b).nbytes for b in bufs)))
-        got = await self._range(sum(aligned(n) for _, _, n in fields))
+        total = sum(aligned(n) for _, _, n in fields)
+        got = await self._range(total)
         if got is None:
             return None
         start, region, lease = got
         try:
             if not enc.on_device:  # the copies below touch each page of the range (a device's DMA does not fault here)
-                self.arena.populate(start, sum(aligned(n) for _, _, n in fields))
+                self.arena.populate(start, total)
             blocks, refs, off, staged, waits = [], [], start, 0, {}
             for i, (block, bufs, n) in enumerate(fields):
                 if i in enc.on_device:
