@@ -17,7 +17,9 @@ partition: put one small sample (one float32 field of 16 values), get_meta of 1,
 
 The controller's CPU time comes from ``/proc/<pid>/stat`` between the start signal and the
 last worker's report. Per metadata operation counts put, get_meta and ack as one each (as issue
-28 did); the controller also handles each put's commit from the unit: four messages a cycle.
+28 did); the controller also handles each put's commit from the unit, one ``Commit`` for
+the stores a unit handled in one turn of its loop: three to four messages a cycle, counted
+from the controller's own metrics (``msgs/cycle``; µs/msg is per message it answered).
 The partitions are never sealed, so they do not free themselves: each grows by one sample a
 cycle (created in the warm-up cycle, before the clock starts). ``--profile-s`` samples the controller with py-spy
 (where installed: ``pip install py-spy``) during one more raw run at the largest count, with
@@ -330,6 +332,7 @@ class Servers:
 
         self.procs: list[subprocess.Popen[bytes]] = []
         self.unit_pid = 0
+        self.metrics = ""  # the controller's Prometheus endpoint: the requests it handled, by kind
         self.log = tempfile.TemporaryFile()  # the servers' stderr, shown when a run fails
         try:
             if echo:  # the floor in place of a controller, no unit
@@ -340,12 +343,13 @@ class Servers:
                 self.address = json.loads(read_line(ctl.stdout, 60, what="echo")[len("TQUEUE-READY "):])["address"]  # type: ignore[arg-type]
                 return
             if gc_file:  # the controller through gc_controller
-                ctl = self._start("controller", *controller_args,
+                ctl = self._start("controller", *controller_args, "--metrics-port", "0",
                                   prefix=["-m", "benchmarks.scale", "gc-controller", gc_file])
             else:
-                ctl = self._start("controller", *controller_args)
+                ctl = self._start("controller", *controller_args, "--metrics-port", "0")
             self.ctl_pid = ctl.pid
             self.address = json.loads(read_line(ctl.stdout, 60, what="controller")[len("TQUEUE-READY "):])["address"]  # type: ignore[arg-type]
+            self.metrics = _metrics_url(self.address)
             unit = self._start("storage-unit", "--controller", self.address, "--host", "unit-host")
             read_line(unit.stdout, 60, what="unit")  # type: ignore[arg-type]
             self.unit_pid = unit.pid
@@ -378,6 +382,30 @@ class Servers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _metrics_url(address: str) -> str:
+    from tqueue import Client
+
+    with Client(address) as client:
+        return client.status().metrics
+
+
+def requests_handled(url: str) -> dict[str, int]:
+    """The controller's count of requests it answered, by message kind (its latency
+    histogram's counts; pings, answered on arrival, are not among them)."""
+    import urllib.request
+
+    if not url:
+        return {}
+    counts: dict[str, int] = {}
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("tqueue_request_seconds_count{"):
+                labels, _, value = line.rpartition(" ")
+                kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+                counts[kind] = int(float(value))
+    return counts
 
 
 def _pct(values: list[int], q: float) -> float:
@@ -420,6 +448,7 @@ def load(
             def unit_cpu_s() -> float:
                 return cpu_seconds(servers.unit_pid) if servers.unit_pid else 0.0
 
+            handled0 = requests_handled(servers.metrics)
             cpu0, unit0, t0 = cpu_seconds(servers.ctl_pid), unit_cpu_s(), time.perf_counter()
             for w in workers:
                 assert w.stdin is not None
@@ -436,6 +465,8 @@ def load(
             wall = time.perf_counter() - t0
             cpu = cpu_seconds(servers.ctl_pid) - cpu0
             unit_cpu = unit_cpu_s() - unit0
+            handled = requests_handled(servers.metrics)
+            handled = {k: n - handled0.get(k, 0) for k, n in handled.items() if n > handled0.get(k, 0)}
             if spy is not None:
                 spy.wait(timeout=profile_s + 60)
         except (RuntimeError, TimeoutError) as exc:
@@ -448,14 +479,15 @@ def load(
         return {
             "role": role, "clients": clients, "procs": procs, "seconds": seconds, "wall": wall, "ops": ops,
             "ops_per_s": ops / seconds, "ctl_cpu_s": cpu, "ctl_core": cpu / wall, "ctl_us_per_op": cpu / ops * 1e6,
-            "ctl_us_per_msg": cpu / ops * 1e6, "unit_us_per_cycle": 0.0, "load_us_per_cycle": load_cpu / ops * 1e6,
+            "ctl_us_per_msg": cpu / ops * 1e6, "ctl_msgs_per_cycle": 1.0, "unit_us_per_cycle": 0.0, "load_us_per_cycle": load_cpu / ops * 1e6,
             **{f"{k}_p50": _pct(lat["ping"], 0.5) for k in KINDS}, **{f"{k}_p99": _pct(lat["ping"], 0.99) for k in KINDS},
         }
     cycles = len(lat["ack"])
     return {
         "role": role, "clients": clients, "procs": procs, "seconds": seconds, "wall": wall, "ops": ops,
         "ops_per_s": ops / seconds, "ctl_cpu_s": cpu, "ctl_core": cpu / wall,
-        "ctl_us_per_op": cpu / ops * 1e6, "ctl_us_per_msg": cpu / (4 * cycles) * 1e6,
+        "ctl_us_per_op": cpu / ops * 1e6, "ctl_us_per_msg": cpu / (sum(handled.values()) or 4 * cycles) * 1e6,
+        "ctl_msgs_per_cycle": sum(handled.values()) / cycles if handled else 4.0, "handled": handled,
         "unit_us_per_cycle": unit_cpu / cycles * 1e6, "load_us_per_cycle": load_cpu / cycles * 1e6,
         **{f"{k}_p50": _pct(lat[k], 0.5) for k in KINDS}, **{f"{k}_p99": _pct(lat[k], 0.99) for k in KINDS},
     }
@@ -518,7 +550,7 @@ def fill(sizes: list[int], calls: int = 300) -> list[dict[str, Any]]:
 
 def _row(r: dict[str, Any], label: str) -> None:
     print(f"{label:9s} {r['clients']:5d} {r['ops_per_s']:7.0f} {r['ctl_us_per_op']:10.1f} {r['ctl_us_per_msg']:11.1f} "
-          f"{r['ctl_core']:8.0%} {r['unit_us_per_cycle']:14.0f} {r['load_us_per_cycle']:14.0f}  "
+          f"{r.get('ctl_msgs_per_cycle', 1.0):9.2f} {r['ctl_core']:8.0%} {r['unit_us_per_cycle']:14.0f} {r['load_us_per_cycle']:14.0f}  "
           f"{r['put_p50']:6.1f}/{r['put_p99']:6.1f}  {r['get_meta_p50']:6.1f}/{r['get_meta_p99']:6.1f}  "
           f"{r['ack_p50']:6.1f}/{r['ack_p99']:6.1f}", flush=True)
 
@@ -546,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     results: dict[str, Any] = {"cpus": os.cpu_count(), "load": os.getloadavg(), "runs": []}
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
-    print("run       clients   ops/s  ctl µs/op  ctl µs/msg  ctl core  unit µs/cycle  load µs/cycle  put p50/p99  get_meta p50/p99  ack p50/p99 (ms)")
+    print("run       clients   ops/s  ctl µs/op  ctl µs/msg  msgs/cycle  ctl core  unit µs/cycle  load µs/cycle  put p50/p99  get_meta p50/p99  ack p50/p99 (ms)")
     for rep in range(args.repeat):
         for role in args.roles.split(","):
             procs = args.procs if role == "real" else args.gen_procs

@@ -26,11 +26,14 @@ from tqueue.config import ControllerConfig, StorageConfig
 from tqueue.controller._server import Controller
 from tqueue.storage import StorageUnit
 from tqueue.wire import (
+    MAX_COMMITS,
     PROTOCOL_VERSION,
     Ack,
     Cancel,
     Clear,
     Commit,
+    Commits,
+    CommitsDone,
     CreatePartition,
     Error,
     Fail,
@@ -254,6 +257,48 @@ def test_a_commit_from_another_unit_is_refused_and_the_grant_stays(inproc, raw):
     refused(ask(peer, forged), rf"grant {grant_id} was placed on unit 0; unit 5 cannot commit it")
     assert snapshot(lt) == before and lt.timers() == 1
 
+
+
+def test_a_units_commits_in_one_message_are_each_recorded_or_refused_alone(inproc, raw):
+    """One ``Commits`` of three grants, the middle one unknown: the first and the last are
+    recorded as two lone Commits would be, the middle one is answered with its own error."""
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 2)
+    put(peer, "p", 3)
+    first, last = sorted(lt.ctl.s.grants)
+    reply = ask(peer, Commits(
+        unit_id=0, grant_ids=[first, 999_999, last], fields=[["x"], ["x"], ["x"]], nbytes=[16, 8, 24],
+        partition_bytes=[16, 16, 40], unit_bytes=40,
+    ))
+    assert isinstance(reply, CommitsDone), reply
+    assert reply.sealed == [False, False, False]
+    [(at, code, message)] = reply.errors
+    assert (at, code) == (1, "invalid_argument") and "grant 999999 is unknown or already committed" in message
+    assert lt.call(lambda: (len(lt.ctl.s.grants), lt.ctl.s.partitions["p"].committed)) == (0, 5)
+
+
+@pytest.mark.parametrize(
+    ("lists", "match"),
+    [
+        pytest.param(dict(grant_ids=[1, 2], fields=[["x"]], nbytes=[1, 1], partition_bytes=[1, 1]),
+                     r"lists 2 grants, 1 field lists, 2 sizes and 2 partition sizes", id="uneven"),
+        pytest.param(dict(grant_ids=[1] * (MAX_COMMITS + 1), fields=[["x"]] * (MAX_COMMITS + 1),
+                          nbytes=[1] * (MAX_COMMITS + 1), partition_bytes=[1] * (MAX_COMMITS + 1)),
+                     rf"of {MAX_COMMITS + 1} commits; at most {MAX_COMMITS}", id="too-many"),
+    ],
+)
+def test_a_malformed_commits_message_is_refused_whole_and_changes_nothing(inproc, raw, lists, match):
+    lt = inproc()
+    peer = raw(lt.ctl.address)
+    register(peer)
+    put(peer, "p", 2)
+    before = snapshot(lt)
+    reply = ask(peer, Commits(unit_id=0, unit_bytes=0, **lists))
+    assert isinstance(reply, Error) and reply.code == "protocol", reply
+    assert re.search(match, reply.message), reply.message
+    assert snapshot(lt) == before
 
 HOSTILE = [
     pytest.param(GetMeta(partition="p", fields=["x"], batch_size=BIG, task="t"), rf"batch_size={BIG} is out of bounds", id="get-batch"),

@@ -36,6 +36,7 @@ from ..wire import (
     Checkpoint,
     Clear,
     Commit,
+    Commits,
     CreatePartition,
     DropKeys,
     Fail,
@@ -141,6 +142,7 @@ class Controller:
             (RegisterUnit, self._register_unit),
             (Heartbeat, self._heartbeat),
             (Commit, self.writes.commit),
+            (Commits, self.writes.commits),
         )
         for msg_type, handler in units:
             self._server.route(msg_type, self._bounded(handler), role=_auth.CLUSTER)

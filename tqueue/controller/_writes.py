@@ -15,9 +15,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, PartitionClearedError, StorageFullError, StorageUnitUnavailableError, WaitTimeoutError
+from ..errors import (
+    InvalidArgumentError,
+    PartitionClearedError,
+    StorageFullError,
+    StorageUnitUnavailableError,
+    TQueueError,
+    WaitTimeoutError,
+)
 from ..transport._liveness import session_of
-from ..wire import Commit, Committed, Grant, Granted, Ok, Reserve, UnitInfo
+from ..wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
 from ._cycles import Cycles
 from ._partition import NO_STEP, Partition
 from ._records import GrantRecord, Unit
@@ -247,6 +254,23 @@ class Writes:
         # must not undo (or even delay) a commit the controller already recorded.
         self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
         return Committed(sealed=part.sealed)
+
+    def commits(self, ident: bytes, msg: Commits, bufs: list[Any]) -> CommitsDone:
+        """A unit's commits of one turn, each recorded as ``commit`` records it alone and in
+        order: one that is refused is answered with its error and changes nothing, the
+        others are recorded all the same."""
+        sealed: list[bool] = []
+        errors: list[tuple[int, str, str]] = []
+        for i, entry in enumerate(msg.entries()):
+            try:
+                sealed.append(self.commit(ident, entry, bufs).sealed)
+            except Exception as exc:  # as the server answers a lone Commit: typed, and logged if a bug
+                if not isinstance(exc, TQueueError):
+                    log.error("commit of grant %d failed", entry.grant_id, exc_info=exc)
+                error = error_reply(0, exc)
+                sealed.append(False)
+                errors.append((i, error.code, error.message))
+        return CommitsDone(sealed=sealed, errors=errors)
 
     def place(self, msg: Grant) -> Unit:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError

@@ -36,8 +36,6 @@ from ..wire import (
     Alloc,
     Allocated,
     Cancel,
-    Commit,
-    Committed,
     Drop,
     Dropped,
     Fetch,
@@ -59,6 +57,7 @@ from ..wire._durable import read_manifest
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
 from ._checkpoint import UnitCheckpoints
+from ._commits import CommitQueue
 from ._holds import Holds
 from ._membership import Membership
 from ._store import PayloadStore
@@ -113,6 +112,7 @@ class StorageUnit:
         # registered memory stays mapped: a page punched under a registration would be orphaned
         self.trim = Trimmer(config, None if self.nixl else self.arena, self._buffers, lambda: self.held_bytes)
         self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
+        self.commits = CommitQueue(self.membership.ctl, lambda: (self.unit_id, self.data.resident))
         self.metrics: MetricsEndpoint | None = None
         self.checkpoints = UnitCheckpoints(self.data, self.arena, self._decref)
         self._server.sessions.on_gone(self.holds.session_gone)
@@ -238,6 +238,7 @@ class StorageUnit:
             self.metrics.close()
             self.metrics = None
         self.trim.close()
+        self.commits.close()
         await self.membership.close()
         await self._server.close()
         await self.checkpoints.close()
@@ -289,17 +290,9 @@ class StorageUnit:
             nbytes = sum(nbytes_of(f) for f in frames)
             part = self.data.partitions[msg.partition_uid]
             try:
-                committed, _ = await self.membership.ctl().request(
-                    Commit(
-                        grant_id=msg.grant_id,
-                        unit_id=self.unit_id,
-                        fields=[b.name for b in msg.blocks],
-                        nbytes=nbytes,
-                        partition_bytes=part.nbytes,
-                        unit_bytes=self.data.resident,
-                    ),
-                    expect=Committed,
-                    timeout=_commit_limit(msg.timeout, self._loop.time() - received),
+                sealed = await self.commits.commit(
+                    msg.grant_id, [b.name for b in msg.blocks], nbytes, part.nbytes,
+                    _commit_limit(msg.timeout, self._loop.time() - received),
                 )
             except BaseException:
                 pending.rollback()
@@ -308,7 +301,7 @@ class StorageUnit:
         finally:
             if region is not None:
                 self._decref(region)  # the reference the Store took (the allocation's own, without keep)
-        return Stored(nbytes=nbytes, sealed=committed.sealed)
+        return Stored(nbytes=nbytes, sealed=sealed)
 
     async def _read_bulk(self, msg: Store, raw: list[Any]) -> list[Any]:
         """Receive a put's frames from the writer's bulk streams, the lanes at once, into

@@ -31,6 +31,7 @@ from ._keys import (
     Tags,
 )
 from ._messages import (
+    MAX_COMMITS,
     PROTOCOL_VERSION,
     Ack,
     Alloc,
@@ -40,6 +41,8 @@ from ._messages import (
     Cancel,
     Clear,
     Commit,
+    Commits,
+    CommitsDone,
     Committed,
     CreatePartition,
     Drop,
@@ -109,6 +112,8 @@ __all__ = [
     "CheckpointReply",
     "Clear",
     "Commit",
+    "Commits",
+    "CommitsDone",
     "Committed",
     "CreatePartition",
     "decode",
@@ -146,6 +151,7 @@ __all__ = [
     "Ping",
     "Pong",
     "Postpone",
+    "MAX_COMMITS",
     "PROTOCOL_VERSION",
     "Registered",
     "RegisterUnit",
