@@ -36,7 +36,7 @@ class LoopSocket:
     messages queued behind it would otherwise wait for the next edge.
 
     With ``on_arrival`` (a server), each wake-up first takes in everything that has arrived
-    (up to ``MAX_INBOX`` messages and ``MAX_INBOX_BYTES`` held) and shows each message to ``on_arrival``, which may answer it
+    (up to ``MAX_INBOX`` messages and ``MAX_INBOX_BYTES`` held) and shows each message to ``on_arrival`` (with its sender's identity), which may answer it
     at once (a ``Ping``) and returns whether it did; the rest are handled each connection's
     in order and the connections in turn, at most ``DRAIN_BATCH`` a turn and for
     ``TURN_SECONDS`` (a handler that takes longer ends its turn); the connections in
@@ -52,7 +52,7 @@ class LoopSocket:
         on_message: Callable[[list[zmq.Frame]], None],
         *,
         sending: Boundary,
-        on_arrival: Callable[[list[zmq.Frame]], bool] | None = None,
+        on_arrival: Callable[[bytes, list[zmq.Frame]], bool] | None = None,
     ) -> None:
         self.sock = context().socket(kind)
         tune(self.sock)
@@ -68,6 +68,7 @@ class LoopSocket:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self._scheduled = False
+        self._draining = False  # handlers run from _drain: a send need not look for arrivals
         self.closed = False
 
     def send(self, frames: Sequence[Any], *, copy: bool, flags: int = 0) -> None:
@@ -76,11 +77,17 @@ class LoopSocket:
         error, ``from`` ZeroMQ's."""
         with self._sending:
             try:
-                self.sock.send_multipart(frames, copy=copy, flags=flags)
+                # frame by frame: pyzmq's send_multipart checks each frame's type first
+                sock, more = self.sock, flags | zmq.SNDMORE
+                for frame in frames[:-1]:
+                    sock.send(frame, more, copy=copy)
+                sock.send(frames[-1], flags, copy=copy)
             finally:
                 # a send, even one that fails (a vanished peer), may take the edge of a
                 # message that arrived: without this check it would wait for the next one
-                self._check()
+                # (while the socket is being drained, the drain looks again at its end)
+                if not self._draining:
+                    self._check()
 
     def _check(self) -> None:
         if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -89,14 +96,18 @@ class LoopSocket:
 
     def _drain(self) -> None:
         self._scheduled = False
-        if self._on_arrival is not None:
-            self._take_in()
-            return
-        for _ in range(DRAIN_BATCH):
-            frames = self._recv()
-            if frames is None:
+        self._draining = True
+        try:
+            if self._on_arrival is not None:
+                self._take_in()
                 return
-            self._handle(frames)
+            for _ in range(DRAIN_BATCH):
+                frames = self._recv()
+                if frames is None:
+                    return
+                self._handle(frames)
+        finally:
+            self._draining = False
         # more may wait: take them after the loop's other work (timers, other sockets), so
         # that a flood on one socket cannot starve heartbeats on another
         if not self.closed and not self._scheduled:
@@ -108,7 +119,16 @@ class LoopSocket:
         if self.closed:
             return None
         try:
-            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            # frame by frame, each frame saying whether more follow: pyzmq's recv_multipart
+            # asks the socket (RCVMORE) after each frame. A message arrives whole, so the
+            # frames after the first are there.
+            sock = self.sock
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame)
+            return frames
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:  # a receive loop has no caller to raise to
@@ -133,13 +153,13 @@ class LoopSocket:
             frames = self._recv()
             if frames is None:
                 break
+            ident = frames[0].bytes
             try:
-                if self._on_arrival(frames):
+                if self._on_arrival(ident, frames):
                     continue
             except Exception:  # as in _handle: a bug costs this message, not the loop
                 log.exception("%s: a message could not be handled", self._sending.what)
                 continue
-            ident = frames[0].bytes
             queue = queues.get(ident)
             if queue is None:
                 queue = queues[ident] = collections.deque()

@@ -618,10 +618,11 @@ class Server:
         else:
             self._socket.first.discard(ident)
 
-    def _on_arrival(self, frames: list[zmq.Frame]) -> bool:
-        """Every message counts for its sender's session as it arrives; a ``Ping`` is answered
-        at once (True: nothing more to do), ahead of the requests queued before it."""
-        self.sessions.seen(frames[0].bytes)
+    def _on_arrival(self, ident: bytes, frames: list[zmq.Frame]) -> bool:
+        """Every message counts for its sender's session as it arrives (then, not when it is
+        handled); a ``Ping`` is answered at once (True: nothing more to do), ahead of the
+        requests queued before it."""
+        self.sessions.seen(ident)
         if len(frames) == 3 and frames[1].bytes == _PING_KIND:
             self._on_request(frames)
             return True
@@ -629,7 +630,6 @@ class Server:
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        self.sessions.seen(ident)
         body = frames[1:]
         if self.curve is not None and body:
             self.principal = str(body[0].get("User-Id") or "")
