@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from ._boundary import Boundary
-from ._sockets import context, tune
+from ._sockets import context, recv_frames, send_frames, tune
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ class LoopSocket:
         error, ``from`` ZeroMQ's."""
         with self._sending:
             try:
-                # frame by frame: pyzmq's send_multipart checks each frame's type first
-                sock, more = self.sock, flags | zmq.SNDMORE
-                for frame in frames[:-1]:
-                    sock.send(frame, more, copy=copy)
-                sock.send(frames[-1], flags, copy=copy)
+                send_frames(self.sock, frames, flags, copy)
             finally:
                 # a send, even one that fails (a vanished peer), may take the edge of a
                 # message that arrived: without this check it would wait for the next one
@@ -119,16 +115,7 @@ class LoopSocket:
         if self.closed:
             return None
         try:
-            # frame by frame, each frame saying whether more follow: pyzmq's recv_multipart
-            # asks the socket (RCVMORE) after each frame. A message arrives whole, so the
-            # frames after the first are there.
-            sock = self.sock
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-            frames = [frame]
-            while frame.more:
-                frame = sock.recv(zmq.NOBLOCK, copy=False)
-                frames.append(frame)
-            return frames
+            return recv_frames(self.sock, zmq.NOBLOCK)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:  # a receive loop has no caller to raise to

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import resource
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -75,3 +77,25 @@ def reachable(endpoint: str, advertise: str = "") -> str:
         except OSError:
             advertise = "127.0.0.1"
     return f"tcp://{advertise}:{port}"
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """The next message's frames (zero-copy), read frame by frame, each frame saying whether
+    more follow: pyzmq's ``recv_multipart`` asks the socket (``RCVMORE``) after each frame,
+    a call into libzmq that costs as much as the frame. ZeroMQ delivers a message whole, so
+    the frames after the first are there."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0, copy: bool = True) -> None:
+    """Send ``frames`` as one message, frame by frame (pyzmq's ``send_multipart`` checks each
+    frame's type first)."""
+    more = flags | zmq.SNDMORE
+    for frame in frames[:-1]:
+        sock.send(frame, more, copy=copy)
+    sock.send(frames[-1], flags, copy=copy)

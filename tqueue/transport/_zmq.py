@@ -44,7 +44,7 @@ from ._liveness import HEARTBEAT_INTERVAL, Sessions, transit, window
 from ._loop import LoopSocket
 from ._metrics import Latency
 from ._queues import MAX_QUEUED_BYTES, MAX_QUEUED_BYTES_TOTAL, SendQueues
-from ._sockets import bind, context, tune
+from ._sockets import bind, context, recv_frames, send_frames, tune
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class BlockingPeer:
         msg.rid = rid = next(self._ids)
         self._disconnected()  # a close before this request does not concern it
         with self._io:
-            self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+            send_frames(self.sock, encode(msg), zmq.NOBLOCK)
         try:
             reply = self._wait(msg, rid, timeout)
         except BaseException:  # no answer: a timeout, a silent server, an interrupt (Ctrl-C)...
@@ -426,7 +426,7 @@ class BlockingPeer:
             return
         try:
             with self._io:
-                self.sock.send_multipart(encode(Cancel(of=rid)), flags=zmq.NOBLOCK)
+                send_frames(self.sock, encode(Cancel(of=rid)), zmq.NOBLOCK)
         except UnavailableError as exc:  # fire and forget: the caller's own error goes on
             log.debug("%s", exc)
 
@@ -447,7 +447,7 @@ class BlockingPeer:
                             f"{type(msg).__name__}: it is gone or unreachable"
                         )
                     if silent >= self.heartbeat:
-                        self.sock.send_multipart(_PING, flags=zmq.NOBLOCK)  # each poll lasts an interval at most
+                        send_frames(self.sock, _PING, zmq.NOBLOCK)  # each poll lasts an interval at most
                     left = min(left, self.heartbeat)
                 if now >= deadline:
                     raise self._unavailable(
@@ -466,7 +466,7 @@ class BlockingPeer:
                         continue
                 elif not self.sock.poll(wait_ms):
                     continue
-                frames = self.sock.recv_multipart(copy=False)
+                frames = recv_frames(self.sock)
                 heard = time.monotonic()
                 try:
                     with self._decoding:
