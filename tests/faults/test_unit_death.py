@@ -1,10 +1,13 @@
 """A storage unit that dies (SIGKILL) or stops (SIGSTOP past the liveness window): it is
 declared dead within a few heartbeats, gets no new placements, and what it held is lost:
 counted per partition and task, never handed out again, reported to the group policy, and a
-read of it raises DataLostError naming the samples. A unit that comes back rejoins empty."""
+read of it raises DataLostError naming the samples. A unit that comes back rejoins empty. A
+unit stopped for less than the controller's window is unavailable, not lost: a read of it
+fails with StorageUnitUnavailableError and succeeds once it runs again."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -122,6 +125,10 @@ def test_a_unit_stopped_past_the_window_rejoins_under_its_id_and_empty(cluster):
         os.kill(pid, signal.SIGSTOP)
         try:
             until(lambda: dead(c, victim), UNIT_BOUND, f"unit {victim} declared dead")
+            # its connection is open, its process stopped: lost, because the controller said so
+            gone = next(m for m in metas if m.units[0] == victim)
+            with pytest.raises(DataLostError, match=rf"partition 'p': samples \[.*\] on storage unit {victim} at .* cannot be read: "):
+                c.get_data(gone)
         finally:
             os.kill(pid, signal.SIGCONT)
         # its next heartbeat is answered "unknown": it frees what it held and registers again
@@ -138,9 +145,41 @@ def test_a_unit_stopped_past_the_window_rejoins_under_its_id_and_empty(cluster):
             assert torch.equal(c.get_data(meta)["y"], torch.full((1, 2), float(k)))
         assert victim in units  # placements again
         # the old samples stay lost: a read of them is refused, not served stale
-        gone = next(m for m in metas if m.units[0] == victim)
         with pytest.raises(tqueue.errors.PartitionClearedError, match=re.escape("has no data on this unit")):
             c.get_data(gone)
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "arena"])
+def test_a_unit_stopped_within_the_window_is_unavailable_not_lost_and_serves_once_it_runs(shm):
+    """SIGSTOP the unit, then read: the read fails at the client's deadline (2 s, or its
+    liveness window of 3 heartbeats: 6 s) with StorageUnitUnavailableError naming the
+    samples, not DataLostError, since the controller, which waits 5 heartbeats (10 s), has
+    not declared the unit dead. SIGCONT: the same samples read back exactly. (Before, a read
+    over TCP called them lost.)"""
+    heartbeat = 2.0
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": heartbeat}) as cluster:
+        config = dataclasses.replace(tqueue.ClientConfig.from_env(), request_timeout=2.0, shm=shm)
+        with tqueue.Client(cluster.address, config=config) as c:
+            want = {"x": torch.randn(64, 1024)}
+            c.put("p", want)
+            meta = c.get_meta("p", ["x"], 64, task="t")
+            pid = cluster.pids[1]
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(tqueue.StorageUnitUnavailableError, match=(
+                    r"partition 'p': samples \[0, 1, .*\] and 32 more on storage unit 0 at tcp://.* cannot be read now: "
+                    r".*They are not lost unless the controller declares the unit dead"
+                )) as caught:
+                    c.get_data(meta)
+                took = time.monotonic() - t0
+                assert not isinstance(caught.value, DataLostError)
+                assert not dead(c, 0)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert took < heartbeat * UNIT_LIVENESS, took  # within the controller's window, as the test means
+            got = c.get_data(meta)
+            assert torch.equal(got["x"], want["x"][got.meta.indexes])
 
 
 def test_a_put_whose_only_unit_dies_under_it_waits_for_a_live_one_then_says_so(monkeypatch):

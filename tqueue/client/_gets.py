@@ -218,22 +218,29 @@ class Gets:
                 dense.add(part)
             return [part]
         except StorageUnitUnavailableError as exc:
-            units = await self._copies(meta, idx, route.info.unit_id)
+            unit_id = route.info.unit_id
+            where = await self._locate(meta, idx, unit_id)
+            units = _live_copies(where, unit_id)
             if units is not None:
                 return await self._fetch_copies(meta, pos, np.asarray(idx, dtype=np.int64), units, fields, rows, dense)
-            peer = self._conns.unit_peers.get(route.info.unit_id)
-            if peer is None or not await peer.settled(RECONNECT_VERDICT):  # slow or restarting: the samples may well be there
-                raise
-            raise DataLostError(
-                f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {route.info.unit_id} at "
-                f"{route.info.address} cannot be read: {exc}"
+            samples = f"partition {meta.partition!r}: samples {listed(idx)} on storage unit {unit_id} at {route.info.address}"
+            # lost only on proof: the controller declared the unit dead (its samples are
+            # excluded for good), or the unit's address refuses connections (its process
+            # is gone, and its memory with it). A unit silent or slow may be back.
+            peer = self._conns.unit_peers.get(unit_id)
+            if (where is not None and any(where.gone)) or (peer is not None and await peer.settled(RECONNECT_VERDICT)
+                                                           and peer.refusing):
+                raise DataLostError(f"{samples} cannot be read: {exc}") from exc
+            raise StorageUnitUnavailableError(
+                f"{samples} cannot be read now: {exc}. They are not lost unless the controller declares the unit "
+                "dead (it has been silent for the liveness window); read them again later"
             ) from exc
 
-    async def _copies(self, meta: BatchMeta, idx: list[int], failed: int) -> np.ndarray | None:
-        """Where samples of a replicated partition live once the controller has declared
-        their unit dead and promoted their copies: the controller answers then (a ``Locate``
-        parked there, within the request timeout). None where the partition keeps one copy,
-        the samples are lost, or the unit was not declared dead in time."""
+    async def _locate(self, meta: BatchMeta, idx: list[int], failed: int) -> Located | None:
+        """Where samples read from unit ``failed`` live, as the controller knows: for a
+        replicated partition, once it has declared the unit dead and promoted the copies (a
+        ``Locate`` parked there, within the request timeout). None where the partition is
+        gone."""
         ctl = await self._conns.ctl()
         wait = self.config.request_timeout
         try:
@@ -244,10 +251,7 @@ class Gets:
             )
         except (PartitionClearedError, InvalidArgumentError):
             return None
-        units = np.asarray(where.units, dtype=np.int64)
-        if not where.replicated or any(where.gone) or (units == failed).any():
-            return None  # one copy, no live copy left, or not declared dead: the caller says what it lost
-        return units
+        return where
 
     async def _fetch_copies(
         self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: Rows,
@@ -277,6 +281,16 @@ class Gets:
             expect=Ok,
         )
 
+
+
+def _live_copies(where: Located | None, failed: int) -> np.ndarray | None:
+    """The units to read the samples from instead of unit ``failed``: those of their copies,
+    promoted. None where the partition keeps one copy, a sample has no live copy left, or
+    the unit has not been declared dead (the samples are still placed on it)."""
+    if where is None or not where.replicated or any(where.gone):
+        return None
+    units = np.asarray(where.units, dtype=np.int64)
+    return None if (units == failed).any() else units
 
 
 def _policy_args(args: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -162,6 +162,12 @@ class Peer:
         silent = bool(self._interval) and self._loop.time() - self._heard >= window(self._interval)
         return silent or self._down is not None
 
+    @property
+    def refusing(self) -> bool:
+        """(lasting) The server's address refuses connections: its process is gone (silence
+        alone, ``gone`` as well, may be a server stopped or slow)."""
+        return self._down is not None
+
     def _tick(self) -> None:
         self._socket.drain()  # replies that arrived while the loop was busy count
         silent = self._loop.time() - self._heard
