@@ -17,6 +17,14 @@ def test_load_runs_cycles_and_reads_controller_cpu(role: str) -> None:
     assert r["ops"] >= 3 * 4 and r["ops"] % 3 == 0  # whole cycles: put, get_meta, ack
     assert r["ctl_cpu_s"] > 0 and r["ctl_us_per_op"] > 0
     assert 0 < r["put_p50"] <= r["put_p99"]
+    # the messages the controller answered, from its own metrics: a Grant, a GetMeta and an
+    # Ack each cycle, and the unit's commits (one message for a turn's stores, so at most one each)
+    cycles = r["ops"] // 3
+    handled = r["handled"]
+    assert handled["Grant"] >= cycles and handled["GetMeta"] >= cycles and handled["Ack"] >= cycles
+    commits = handled.get("Commit", 0) + handled.get("Commits", 0)
+    assert 1 <= commits <= handled["Grant"]
+    assert r["ctl_msgs_per_cycle"] == sum(handled.values()) / cycles
 
 
 def test_fill_reports_memory_and_get_meta() -> None:
