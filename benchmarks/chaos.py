@@ -26,7 +26,8 @@ the controller reports (``select(consumed_by=task)`` lists the live samples a ta
   consumed); or lost with its unit (no longer live, and the task's ``lost`` count covers it);
   or, at most a batch per consumer killed, gone in a kill window: a consumer wrote that it was
   acking them and was killed before it wrote that it had, and then their unit died, so that
-  neither the ledger nor the controller can tell consumed from lost;
+  neither the ledger nor the controller can tell consumed from lost (a consumer whose update or
+  ack fails writes so, ``not_acked``: those samples count as lost, not as in a kill window);
 * every byte read matched its CRC and its generator, every reward its id;
 * the controller, never killed, ends with its fds and threads where they started and its
   resident memory within ``RSS_SLACK`` of the start.
@@ -38,6 +39,7 @@ tests/faults/test_chaos.py calls (a short run); docs/reliability.md keeps a long
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -151,8 +153,8 @@ def consume(address: str, task: str, rows: int, ledger: Ledger, stop: pathlib.Pa
                 if task == "reward":
                     client.update(batch.meta, {"reward": torch.tensor([reward_of(i) for i in ids], dtype=torch.float64)})
                 client.ack(batch.meta)
-            except EXPECTED as exc:
-                ledger.write(error=type(exc).__name__)
+            except EXPECTED as exc:  # not acked: the samples are served again, or lost with their unit
+                ledger.write(error=type(exc).__name__, not_acked=ids, task=task)
                 continue
             ledger.write(acked=ids, task=task)
 
@@ -349,7 +351,8 @@ def _check(
 ) -> dict[str, Any]:
     put: dict[int, int] = {}  # id -> index, for puts acknowledged to a producer
     acked: dict[str, list[int]] = {t: [] for t in TASKS}
-    acking: dict[str, set[int]] = {t: set() for t in TASKS}
+    # ids a consumer was acking, less those whose ack it saw fail: left over, a kill came between
+    acking: dict[str, collections.Counter[int]] = {t: collections.Counter() for t in TASKS}
     errors_seen: dict[str, int] = {}
     corrupt, bad_reward = 0, 0
     for path in sorted(tmp.glob("ledger-*.jsonl")):
@@ -361,8 +364,10 @@ def _check(
                 acked[rec["task"]].extend(rec["acked"])
             elif "acking" in rec:
                 acking[rec["task"]].update(rec["acking"])
-            elif "error" in rec:
+            if "error" in rec:
                 errors_seen[rec["error"]] = errors_seen.get(rec["error"], 0) + 1
+                if "not_acked" in rec:
+                    acking[rec["task"]].subtract(rec["not_acked"])
             corrupt += "corrupt" in rec
             bad_reward += "bad_reward" in rec
     live = set(live_meta.indexes) if live_meta is not None else set()
@@ -378,8 +383,8 @@ def _check(
         gone = [i for i, idx in put.items() if i not in recorded and idx not in live]
         # a consumer killed between its ack and its ledger line, whose samples' unit then died:
         # consumed, but neither the ledger nor the controller can say so any more
-        window = [i for i in gone if i in acking[task]]
-        lost = [i for i in gone if i not in acking[task]]
+        window = [i for i in gone if acking[task][i] > 0]
+        lost = [i for i in gone if acking[task][i] <= 0]
         missing = [i for i, idx in put.items() if i not in recorded and idx in live and idx not in server]
         task_lost = status.tasks[task].lost
         totals[task] = {"consumed": len(recorded), "consumed_unrecorded": len(unrecorded), "lost": len(lost),
