@@ -151,12 +151,12 @@ def test_a_unit_stopped_past_the_window_rejoins_under_its_id_and_empty(cluster):
 
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "arena"])
 def test_a_unit_stopped_within_the_window_is_unavailable_not_lost_and_serves_once_it_runs(shm):
-    """SIGSTOP the unit, then read: the read fails at the client's deadline (2 s, or its
-    liveness window of 3 heartbeats: 6 s) with StorageUnitUnavailableError naming the
-    samples, not DataLostError, since the controller, which waits 5 heartbeats (10 s), has
-    not declared the unit dead. SIGCONT: the same samples read back exactly. (Before, a read
-    over TCP called them lost.)"""
-    heartbeat = 2.0
+    """SIGSTOP the unit, then read: the read fails at the client's deadline (2 s through the
+    arena, 4 s over TCP, where the reply's bytes add to it) with StorageUnitUnavailableError
+    naming the samples, not DataLostError, since the controller, which waits 5 heartbeats
+    (15 s, at least 12 s after the stop), has not declared the unit dead. SIGCONT: the same
+    samples read back exactly. (Before, a read over TCP called them lost.)"""
+    heartbeat = 3.0
     with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": heartbeat}) as cluster:
         config = dataclasses.replace(tqueue.ClientConfig.from_env(), request_timeout=2.0, shm=shm)
         with tqueue.Client(cluster.address, config=config) as c:
