@@ -130,7 +130,11 @@ def test_a_store_cancelled_while_its_commit_is_out_leaves_the_others_answered(cl
         try:
             gone = asyncio.ensure_future(queue.commit(first, ["x"], 8, 8, 10.0))
             kept = asyncio.ensure_future(queue.commit(second, ["x"], 8, 16, 10.0))
-            await asyncio.sleep(0)  # both are queued; the turn's message leaves after this
+            for _ in range(100):  # turns of the loop until the message carrying both has left
+                if queue.sent:
+                    break
+                await asyncio.sleep(0)
+            assert (queue.sent, queue.commits) == (1, 2)
             gone.cancel()
             return await kept, gone.cancelled()
         finally:
@@ -138,3 +142,6 @@ def test_a_store_cancelled_while_its_commit_is_out_leaves_the_others_answered(cl
             await ctl.close()
 
     assert lt.run(run()) == (False, True)
+    # the message had left: the controller recorded both (the cancelled store's unit rolls its
+    # bytes back, as for any store whose caller went away after its commit was sent)
+    assert lt.call(lambda: (len(lt.ctl.s.grants), lt.ctl.s.partitions["p"].committed)) == (0, 2)
