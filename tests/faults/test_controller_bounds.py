@@ -29,6 +29,7 @@ from tqueue.wire import (
     MAX_COMMITS,
     PROTOCOL_VERSION,
     Ack,
+    Bye,
     Cancel,
     Clear,
     Commit,
@@ -299,6 +300,45 @@ def test_a_malformed_commits_message_is_refused_whole_and_changes_nothing(inproc
     assert isinstance(reply, Error) and reply.code == "protocol", reply
     assert re.search(match, reply.message), reply.message
     assert snapshot(lt) == before
+
+
+def _partial_pair(lt: LoopThread, peer: RawPeer) -> int:
+    """Two partial samples of partition "p" (target 2), committed on unit 0; its uid."""
+    assert ask(peer, CreatePartition(partition="p", target=2)).__class__.__name__ != "Error"
+    reply = ask(peer, Grant(partition="p", count=2, blocks=[x_block(2)], nbytes=16, partial=True))
+    assert reply.status == "ok", reply
+    done = ask(peer, Commit(grant_id=reply.grant_id, unit_id=0, fields=["x"], nbytes=16, partition_bytes=16, unit_bytes=16))
+    assert not isinstance(done, Error), done
+    return reply.partition_uid
+
+
+def _completing_update(peer: RawPeer, uid: int) -> int:
+    block = FieldBlock(name="y", spec=FieldSpec(kind="tensor", dtype="int64"), counts=[2])
+    reply = ask(peer, Grant(partition="p", partition_uid=uid, count=2, blocks=[block], indexes=[0, 1], complete=True, nbytes=16))
+    assert reply.status == "ok" and reply.grant_id, reply
+    return reply.grant_id
+
+
+@pytest.mark.parametrize("end", ["writer-gone", "unit-dead"])
+def test_an_update_whose_store_never_comes_lapses_and_gives_back_its_target_places(inproc, raw, end):
+    """An update that completes partial samples takes places of the partition's target. Its
+    writer ends its session (a Bye), or the unit holding the samples dies, before the store:
+    the grant lapses then, and the places return (before, update grants had no owner, no
+    timer and no unit: they stayed until the partition went, and the target stayed promised)."""
+    lt = inproc()
+    unit = raw(lt.ctl.address)
+    register(unit)
+    uid = _partial_pair(lt, unit)
+    writer = raw(lt.ctl.address)
+    grant_id = _completing_update(writer, uid)
+    assert lt.call(lambda: (grant_id in lt.ctl.s.grants, lt.ctl.s.partitions["p"].promised)) == (True, 2)
+    assert lt.call(lambda: lt.ctl.s.grants[grant_id].timer is not None)  # grant_timeout holds it too
+    if end == "writer-gone":
+        writer.send(encode(Bye()))
+        ask(writer, StatusRequest())  # the same connection: handled after the Bye
+    else:
+        lt.call(lambda: lt.ctl.liveness.unit_dead(lt.ctl.s.units[0], "killed by the test"))
+    assert lt.call(lambda: (grant_id in lt.ctl.s.grants, lt.ctl.s.partitions["p"].promised)) == (False, 0)
 
 HOSTILE = [
     pytest.param(GetMeta(partition="p", fields=["x"], batch_size=BIG, task="t"), rf"batch_size={BIG} is out of bounds", id="get-batch"),

@@ -76,7 +76,9 @@ class Writes:
                 f"partition {msg.partition!r}: {len(msg.versions)} versions for {msg.count} samples"
             )
         if msg.indexes is not None:
-            return self._grant_update(msg)
+            updated = self._grant_update(msg)
+            self._remember(ident, msg.rid, updated)
+            return updated
         if msg.replaces:
             stored = self._replace(ident, msg)
             if stored is not None:
@@ -206,6 +208,8 @@ class Writes:
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept,
             waiting=copies_of(part, indexes),
+            # as a put's: an update whose writer never stores gives back the target places it took
+            timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
         )
         return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit, replicas=replicas)
 
@@ -412,8 +416,12 @@ class Writes:
         if grant is None:
             return  # committed (or its partition is gone)
         grant.stop_timer()
-        log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
-        for unit_id in grant.waiting or {grant.unit_id}:  # the units that had not stored it
+        if grant.indexes is None:
+            log.warning("grant %d %s; its %d samples are dropped", grant_id, why, grant.count)
+        else:
+            log.warning("grant %d %s; its update of %d samples is dropped", grant_id, why, grant.count)
+        # a put's units that had not stored it (an update reserved nothing)
+        for unit_id in (grant.waiting or {grant.unit_id}) if grant.indexes is None else ():
             unit = self.state.units.get(unit_id)
             if unit is not None:
                 unit.reserved -= grant.nbytes
@@ -430,17 +438,28 @@ class Writes:
         self._lapse_grant(grant_id, why)
 
     def lapse_owned(self, session: bytes, why: str) -> int:
-        """Lapse every uncommitted grant of a client session that ended."""
-        owned = [g.grant_id for g in self.state.grants.values() if g.owner == session and g.indexes is None]
+        """Lapse every uncommitted grant (a put's or an update's) of a client session that
+        ended."""
+        owned = [g.grant_id for g in self.state.grants.values() if g.owner == session and g.copy_of is None]
         for grant_id in owned:
             self._lapse_grant(grant_id, why)
         return len(owned)
 
     def lapse_on(self, unit_id: int, why: str) -> int:
-        """Lapse every uncommitted grant placed on a unit that died."""
-        placed = [g.grant_id for g in self.state.grants.values()
-                  if unit_id in (g.unit_id, g.replica) and g.indexes is None]
+        """Lapse every uncommitted grant placed on a unit that died: a put's, and an
+        update's of samples that unit holds (their store can never come)."""
+        placed = [g.grant_id for g in self.state.grants.values() if g.copy_of is None and self._on(g, unit_id)]
         for grant_id in placed:
             self._lapse_grant(grant_id, why)
         return len(placed)
+
+    def _on(self, grant: GrantRecord, unit_id: int) -> bool:
+        if grant.indexes is None:
+            return unit_id in (grant.unit_id, grant.replica)
+        if unit_id in grant.waiting:
+            return True
+        part = self.state.by_uid.get(grant.partition_uid)
+        if part is None or not len(grant.indexes):
+            return False
+        return bool((part.samples.unit[grant.indexes] == unit_id).any())
 
