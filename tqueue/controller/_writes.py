@@ -139,7 +139,7 @@ class Writes:
             added = scratch.check_put(msg.count, msg.blocks)
         else:
             added = part.check_put(msg.count, msg.blocks)
-        unit = self._place(msg)
+        unit = pick_unit(self.state, msg)
         copies = (part.options.replicas if part is not None else 0) or self.state.config.replicas
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
@@ -280,46 +280,9 @@ class Writes:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
         where none can take it (no waiting: this is for samples that have their place)."""
         try:
-            return self._place(msg)
+            return pick_unit(self.state, msg)
         except _Wait as wait:
             raise StorageUnitUnavailableError(f"partition {msg.partition!r}: no unit can take samples: {wait.reason}") from None
-
-    def _place(self, msg: Grant) -> Unit:
-        """A unit on the producer's host with room, the least loaded among those."""
-        units = [u for u in self.state.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
-        if not units:
-            known = len(self.state.units)
-            suspect = sum(u.alive and u.suspect for u in self.state.units.values())
-            raise _Wait(
-                f"no live storage unit ({known} registered: {suspect} being probed after a failed store, "
-                f"{known - suspect} dead)" if known
-                else "no storage unit is registered with the controller yet",
-                full=True,
-            )
-        need = msg.nbytes
-        cap = self.state.config.capacity_bytes
-        used = sum(u.load for u in units)
-        if cap and used + need > cap:
-            raise _Wait(
-                f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
-                f"bytes used of {cap} allowed in the cluster",
-                full=True,
-                never=need > cap,
-            )
-        roomy = [u for u in units if u.fits(need)]
-        if not roomy:
-            largest = max((u.capacity or math.inf) for u in units)
-            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
-            raise _Wait(
-                f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
-                f"({per_unit} bytes used of allowed)",
-                full=True,
-                never=need > largest,
-            )
-        local = [u for u in roomy if msg.host and u.info.host == msg.host]
-        pool = local or roomy
-        turn = next(self.state.placements)  # ties rotate so that equal units share the work
-        return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
     def _admit(self, count: int, partition: str) -> int:
         """AReaL-style staleness admission: raise _Wait if ``count`` more samples to
@@ -463,3 +426,41 @@ class Writes:
             return False
         return bool((part.samples.unit[grant.indexes] == unit_id).any())
 
+
+def pick_unit(state: ControllerState, msg: Grant) -> Unit:
+    """Placement: a unit on the producer's host with room, the least loaded among those;
+    _Wait where none can take ``msg`` now (saying why, and whether it never will)."""
+    units = [u for u in state.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
+    if not units:
+        known = len(state.units)
+        suspect = sum(u.alive and u.suspect for u in state.units.values())
+        raise _Wait(
+            f"no live storage unit ({known} registered: {suspect} being probed after a failed store, "
+            f"{known - suspect} dead)" if known
+            else "no storage unit is registered with the controller yet",
+            full=True,
+        )
+    need = msg.nbytes
+    cap = state.config.capacity_bytes
+    used = sum(u.load for u in units)
+    if cap and used + need > cap:
+        raise _Wait(
+            f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
+            f"bytes used of {cap} allowed in the cluster",
+            full=True,
+            never=need > cap,
+        )
+    roomy = [u for u in units if u.fits(need)]
+    if not roomy:
+        largest = max((u.capacity or math.inf) for u in units)
+        per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
+        raise _Wait(
+            f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
+            f"({per_unit} bytes used of allowed)",
+            full=True,
+            never=need > largest,
+        )
+    local = [u for u in roomy if msg.host and u.info.host == msg.host]
+    pool = local or roomy
+    turn = next(state.placements)  # ties rotate so that equal units share the work
+    return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))

@@ -1,12 +1,13 @@
 """The wire layer: what travels between tqueue's processes and how its bytes are laid out.
 
 IO-free. ``_messages`` holds every message as a typed struct and turns messages into frames and
-back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags, ``_rows`` rows allocated ahead of their data, ``_versions`` weight versions and admission; ``_layout`` says how a field's samples sit in frames; ``_pack``
+back (decoding validates), ``_status`` the controller's report of itself, ``_durable`` checkpoints, ``_keys`` keys and tags, ``_rows`` rows allocated ahead of their data, ``_versions`` weight versions and admission, ``_commits`` a unit's commits of one turn; ``_layout`` says how a field's samples sit in frames; ``_pack``
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
 """
 
+from ._commits import MAX_COMMITS, Commits, CommitsDone
 from ._durable import (
     Checkpoint,
     CheckpointReply,
@@ -31,7 +32,6 @@ from ._keys import (
     Tags,
 )
 from ._messages import (
-    MAX_COMMITS,
     PROTOCOL_VERSION,
     Ack,
     Alloc,
@@ -41,8 +41,6 @@ from ._messages import (
     Cancel,
     Clear,
     Commit,
-    Commits,
-    CommitsDone,
     Committed,
     CreatePartition,
     Drop,
