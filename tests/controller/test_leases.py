@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -88,3 +89,19 @@ def test_renew_keeps_samples_and_stale_acks_are_ignored(cluster, client, partiti
 def test_bad_lease_timeout(client, partition):
     with pytest.raises(InvalidArgumentError, match=r"lease_timeout must be >= 0 seconds"):
         client.get_meta(partition, ["x"], 1, task="t", lease_timeout=-1)
+
+
+def test_an_ack_that_names_a_sample_twice_counts_it_once_and_acks_the_rest_of_its_lease(client, partition):
+    """An ack listing one sample twice (a meta a user put together by hand) once made the
+    task's leased count go below the truth: the sample counted twice, the lease's last sample
+    stayed held."""
+    client.put(partition, {"x": torch.arange(3)})
+    meta = client.get_meta(partition, ["x"], 3, task="t", timeout=10)
+    first, second, third = meta.indexes
+    doubled = msgspec.structs.replace(meta, indexes=[first, first, second])
+    client.ack(doubled)
+    status = {p.name: p for p in client.status().partitions}[partition].tasks["t"]
+    assert (status.consumed, status.leased) == (2, 1)
+    client.ack(meta)  # the rest of the lease, then nothing is left held
+    status = {p.name: p for p in client.status().partitions}[partition].tasks["t"]
+    assert (status.consumed, status.leased) == (3, 0)

@@ -387,13 +387,17 @@ class Reads:
                 f"task {msg.task!r} has no samples of partition {msg.partition!r} to acknowledge"
             )
         indexes = np.asarray(msg.indexes, dtype=np.int64)
-        if len(indexes) and (indexes.min() < 0 or indexes.max() >= part.n):
+        if len(indexes) and not 0 <= _lowest(msg.indexes, indexes) <= _highest(msg.indexes, indexes) < part.n:
             raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
-        task.ack(indexes, msg.lease)
+        acked = task.ack(indexes, msg.lease)
         record = self.state.leases.get(msg.lease)
         if record is not None:
-            held = (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
-            if not held.any():  # the whole lease is acknowledged
+            # the whole lease acknowledged: at once when this ack took every sample of it (the
+            # usual case), else when none of it is still held
+            whole = acked == len(record.indexes) or not (
+                (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
+            ).any()
+            if whole:
                 del self.state.leases[msg.lease]
                 if record.timer is not None:
                     record.timer.cancel()
@@ -401,6 +405,17 @@ class Reads:
         if part.drained() and not task.leased and msg.partition in self.state.waiters:
             self.wake_soon(part.name)  # a waiter asking with pad may now learn the partition is done
         return Ok()
+
+
+SMALL = 64  # lists this short: Python's min and max (0.1 µs) before numpy's (3 µs each)
+
+
+def _lowest(values: list[int], array: np.ndarray) -> int:
+    return min(values) if len(values) <= SMALL else int(array.min())
+
+
+def _highest(values: list[int], array: np.ndarray) -> int:
+    return max(values) if len(values) <= SMALL else int(array.max())
 
 
 def _with(meta: BatchMeta, **changes: Any) -> BatchMeta:

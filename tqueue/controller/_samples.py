@@ -115,6 +115,8 @@ class Groups:
         aborted groups among them, and the groups they complete (not aborted)."""
         late: list[np.ndarray] = []
         done: list[int] = []
+        if not self.ids:  # no sample of the partition belongs to a group
+            return indexes[:0], done
         for g in np.unique(of).tolist():
             if g < 0:
                 continue

@@ -133,6 +133,8 @@ class TaskState:
         if lease_id:
             held &= self.lease[indexes] == lease_id
         mine = indexes[held]
+        if len(mine) > 1 and not (mine[1:] > mine[:-1]).all():  # a sample named twice counts once
+            mine = np.unique(mine)
         self.state[mine] = CONSUMED
         self.leased -= len(mine)
         self.consumed += len(mine)

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from ._boundary import Boundary
-from ._sockets import context, recv_frames, send_frames, tune
+from ._sockets import NOBLOCK, POLLIN, context, events, recv_frames, send_frames, tune
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class LoopSocket:
                     self._check()
 
     def _check(self) -> None:
-        if not self._scheduled and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._scheduled and events(self.sock) & POLLIN:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
@@ -115,7 +115,7 @@ class LoopSocket:
         if self.closed:
             return None
         try:
-            return recv_frames(self.sock, zmq.NOBLOCK)
+            return recv_frames(self.sock, NOBLOCK)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:  # a receive loop has no caller to raise to

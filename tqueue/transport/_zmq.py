@@ -44,7 +44,7 @@ from ._liveness import HEARTBEAT_INTERVAL, Sessions, transit, window
 from ._loop import LoopSocket
 from ._metrics import Latency
 from ._queues import MAX_QUEUED_BYTES, MAX_QUEUED_BYTES_TOTAL, SendQueues
-from ._sockets import bind, context, recv_frames, send_frames, tune
+from ._sockets import NOBLOCK, bind, context, recv_frames, send_frames, tune
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Peer:
             ))
         elif silent >= self._interval:
             try:
-                self._socket.send(_PING, copy=True, flags=zmq.NOBLOCK)
+                self._socket.send(_PING, copy=True, flags=NOBLOCK)
             except UnavailableError as exc:
                 log.debug("%s", exc)
         if not self.closed:
@@ -266,7 +266,7 @@ class Peer:
         try:
             # tiny messages are cheaper copied than wrapped as zero-copy frames; a socket with
             # no connection to queue on (one the server refused) fails at once, never blocks
-            self._socket.send(encode(msg, buffers), copy=not buffers, flags=zmq.NOBLOCK)
+            self._socket.send(encode(msg, buffers), copy=not buffers, flags=NOBLOCK)
             if buffers and self._interval:  # the server hears nothing behind them until they are in
                 self._heard = max(self._heard, self._loop.time() + transit(buffers))
             if limit == math.inf:
@@ -301,7 +301,7 @@ class Peer:
         if self.closed:
             return
         try:
-            self._socket.send(encode(Cancel(of=rid)), copy=True, flags=zmq.NOBLOCK)
+            self._socket.send(encode(Cancel(of=rid)), copy=True, flags=NOBLOCK)
         except UnavailableError as exc:  # fire and forget: the caller already has its error
             log.debug("%s", exc)
 
@@ -338,7 +338,7 @@ class Peer:
             self._watch.close()
         if bye:
             try:
-                self._socket.send(_BYE, copy=True, flags=zmq.NOBLOCK)
+                self._socket.send(_BYE, copy=True, flags=NOBLOCK)
             except UnavailableError as exc:
                 log.debug("%s", exc)
         self._socket.close(linger=BYE_LINGER_MS if bye else 0)
@@ -416,7 +416,7 @@ class BlockingPeer:
         msg.rid = rid = next(self._ids)
         self._disconnected()  # a close before this request does not concern it
         with self._io:
-            send_frames(self.sock, encode(msg), zmq.NOBLOCK)
+            send_frames(self.sock, encode(msg), NOBLOCK)
         try:
             reply = self._wait(msg, rid, timeout)
         except BaseException:  # no answer: a timeout, a silent server, an interrupt (Ctrl-C)...
@@ -432,7 +432,7 @@ class BlockingPeer:
             return
         try:
             with self._io:
-                send_frames(self.sock, encode(Cancel(of=rid)), zmq.NOBLOCK)
+                send_frames(self.sock, encode(Cancel(of=rid)), NOBLOCK)
         except UnavailableError as exc:  # fire and forget: the caller's own error goes on
             log.debug("%s", exc)
 
@@ -453,7 +453,7 @@ class BlockingPeer:
                             f"{type(msg).__name__}: it is gone or unreachable"
                         )
                     if silent >= self.heartbeat:
-                        send_frames(self.sock, _PING, zmq.NOBLOCK)  # each poll lasts an interval at most
+                        send_frames(self.sock, _PING, NOBLOCK)  # each poll lasts an interval at most
                     left = min(left, self.heartbeat)
                 if now >= deadline:
                     raise self._unavailable(
@@ -598,7 +598,7 @@ class Server:
             else:
                 buffers = self.queues.track(ident, buffers)
         try:
-            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=zmq.NOBLOCK)
+            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=NOBLOCK)
         except UnavailableError as exc:
             self.queues.undelivered(ident, exc)
             if self.on_undelivered is not None:

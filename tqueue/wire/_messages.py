@@ -728,10 +728,13 @@ def decode(frames: Sequence[Any], *, max_header: int = 1 << 26) -> tuple[Message
     """
     if len(frames) < 2:
         raise ProtocolError(f"a message needs a kind and a header frame; got {len(frames)} frame(s)")
-    kind_frame = bytes(_view(frames[0]))
-    if len(kind_frame) != 1 or kind_frame[0] not in _DECODERS:
-        raise ProtocolError(f"unknown message kind {kind_frame[:8]!r}")
-    header = _view(frames[1])
+    first = frames[0]
+    if len(first) != 1:
+        raise ProtocolError(f"unknown message kind {bytes(memoryview(first)[:8])!r}")
+    kind_frame = getattr(first, "bytes", None) or bytes(first)  # a zmq.Frame keeps its bytes
+    if kind_frame[0] not in _DECODERS:
+        raise ProtocolError(f"unknown message kind {kind_frame!r}")
+    header = frames[1]  # msgspec reads any buffer, a zmq.Frame's included, without a view
     if len(header) > max_header:
         raise ProtocolError(
             f"{_TYPES[kind_frame[0]].__name__} header of {len(header)} bytes exceeds the "
