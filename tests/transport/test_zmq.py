@@ -271,3 +271,52 @@ def test_a_process_may_hold_more_sockets_than_zeromqs_default():
     finally:
         for s in socks:
             s.close(linger=0)
+
+
+def test_replies_made_in_a_drain_leave_at_its_end_in_order_and_a_failed_one_is_reported():
+    """What handlers send while a socket is drained waits in its outbox and leaves, in order,
+    when the drain ends: the handler's call returns at once, even for a peer that is not
+    there, whose failure reaches the server's ``on_undelivered`` after the handler is done."""
+    events: list[str] = []
+
+    async def main():
+        server = _zmq.Server("tcp://127.0.0.1:0", name="stand-in", max_header=1 << 20)
+        undelivered: list[tuple[bytes, str]] = []
+
+        def undelivered_to(ident, msg):
+            undelivered.append((ident, type(msg).__name__))
+            events.append("undelivered")
+
+        server.on_undelivered = undelivered_to
+
+        def handler(ident, msg, bufs):
+            for k in range(3):  # three answers to the caller, then one to a peer that is not there
+                server.reply(ident, msg.rid + 100 * k, _wire.Ok())
+            server.reply(b"\x00nobody", 7, _wire.Ok())
+            events.append("handler done")
+
+        server.route(_wire.GetMeta, handler)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(server.address)
+        try:
+            dealer.send_multipart(_wire.encode(get_meta()))  # rid 0
+
+            def three():
+                got = []
+                for _ in range(3):
+                    assert dealer.poll(int(WAIT * 1000)), "no reply"
+                    got.append(_wire.decode(dealer.recv_multipart())[0].rid)
+                return got
+
+            assert await asyncio.to_thread(three) == [0, 100, 200]
+            assert events == ["handler done", "undelivered"]
+            assert undelivered == [(b"\x00nobody", "Ok")]
+            assert server.queues.unreachable == 1  # counted as a peer that is gone (EHOSTUNREACH)
+        finally:
+            dealer.close(0)
+            ctx.term()
+            await server.close()
+
+    asyncio.run(main())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -266,7 +267,7 @@ class Peer:
         try:
             # tiny messages are cheaper copied than wrapped as zero-copy frames; a socket with
             # no connection to queue on (one the server refused) fails at once, never blocks
-            self._socket.send(encode(msg, buffers), copy=not buffers, flags=NOBLOCK)
+            self._socket.send(encode(msg, buffers), copy=not buffers, flags=NOBLOCK, on_error=functools.partial(_fail, fut))
             if buffers and self._interval:  # the server hears nothing behind them until they are in
                 self._heard = max(self._heard, self._loop.time() + transit(buffers))
             if limit == math.inf:
@@ -597,15 +598,23 @@ class Server:
                 msg, buffers = error_reply(rid, refusal), ()
             else:
                 buffers = self.queues.track(ident, buffers)
+        frames = [ident, *encode(msg, buffers)]
         try:
-            self._socket.send([ident, *encode(msg, buffers)], copy=not buffers, flags=NOBLOCK)
+            # sent now, or (answering from a drain) at the drain's end, failing to _not_sent
+            self._socket.send(frames, copy=not buffers, flags=NOBLOCK, on_error=functools.partial(self._not_sent, ident, msg))
         except UnavailableError as exc:
-            self.queues.undelivered(ident, exc)
-            if self.on_undelivered is not None:
-                try:
-                    self.on_undelivered(ident, msg)
-                except Exception:  # the reply is lost either way; the server goes on
-                    log.exception("%s: taking back an undelivered %s failed", self.name, type(msg).__name__)
+            self._not_sent(ident, msg, exc)
+
+    def _not_sent(self, ident: bytes, msg: Message, exc: BaseException) -> None:
+        """A reply that could not be sent (its peer vanished, or its queue is full)."""
+        if not isinstance(exc, UnavailableError):
+            raise exc
+        self.queues.undelivered(ident, exc)
+        if self.on_undelivered is not None:
+            try:
+                self.on_undelivered(ident, msg)
+            except Exception:  # the reply is lost either way; the server goes on
+                log.exception("%s: taking back an undelivered %s failed", self.name, type(msg).__name__)
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
@@ -730,3 +739,10 @@ class Server:
             _auth.release()
         if not self._stopped.done():
             self._stopped.set_result(None)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """A request whose send failed after its call returned (it was sent from a drain)."""
+    if not fut.done():
+        fut.set_exception(exc)
+
