@@ -224,41 +224,52 @@ class Reads:
     def meta_of(
         self, part: Partition, indexes: np.ndarray, fields: list[str], task: str | None, lease: int, lease_timeout: float
     ) -> BatchMeta:
-        real = indexes >= 0
-        safe = np.where(real, indexes, 0)
+        samples = part.samples
+        listed = indexes.tolist()
+        padded = bool(listed) and _lowest(listed, indexes) < 0  # pad rows (index -1) among them
+        if padded:
+            real = indexes >= 0
+            safe = np.where(real, indexes, 0)
 
-        def per_sample(arr: np.ndarray, pad: int) -> list[int]:
-            return np.where(real, arr[safe], pad).tolist()
+            def per_sample(arr: np.ndarray, pad: int) -> list[int]:
+                return np.where(real, arr[safe], pad).tolist()
 
-        versions = np.where(real, part.samples.version[safe], -1)
-        if task is not None and lease:  # served to a consumer: how far behind the trainer it is
+            versions = np.where(real, samples.version[safe], -1)
+        else:  # the usual case, without the masks
+            safe = indexes
+
+            def per_sample(arr: np.ndarray, pad: int) -> list[int]:
+                return arr[indexes].tolist()
+
+            versions = samples.version[indexes]
+        versioned = bool((versions >= 0).any())
+        if task is not None and lease and versioned:  # served to a consumer: how far behind the trainer it is
             known = versions[versions >= 0]
-            if len(known):
-                behind = np.clip(self.state.version - known, 0, len(self.state.staleness) - 1)
-                self.state.staleness += np.bincount(behind, minlength=len(self.state.staleness))
-        groups = part.samples.groups_of(safe)
-        if groups is not None and not real.all():
+            behind = np.clip(self.state.version - known, 0, len(self.state.staleness) - 1)
+            self.state.staleness += np.bincount(behind, minlength=len(self.state.staleness))
+        groups = samples.groups_of(safe)
+        if groups is not None and padded:
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
-        segments = part.samples.segments_of(indexes[real])
-        if segments is not None and not real.all():
+        segments = samples.segments_of(indexes[real] if padded else indexes)
+        if segments is not None and padded:
             it = iter(segments)
             segments = [next(it) if r else [] for r in real.tolist()]
         return BatchMeta(
             partition=part.name,
             partition_uid=part.uid,
-            indexes=indexes.tolist(),
-            units=per_sample(part.samples.unit, -1),
+            indexes=listed,
+            units=per_sample(samples.unit, -1),
             fields=fields,
             schema=dict(part.specs),
             groups=groups,
             task=task,
             lease=lease,
             lease_timeout=lease_timeout,
-            versions=versions.tolist() if (versions >= 0).any() else None,
-            versions_max=per_sample(part.samples.version_max, -1) if (versions >= 0).any() else None,
+            versions=versions.tolist() if versioned else None,
+            versions_max=per_sample(samples.version_max, -1) if versioned else None,
             segments=segments,
-            revisions=per_sample(part.samples.revision, 0) if part.samples.revision[safe].any() else None,
-            global_batch_size=len(indexes),
+            revisions=per_sample(samples.revision, 0) if samples.revision[safe].any() else None,
+            global_batch_size=len(listed),
             sealed=part.sealed,
             replicated=(part.options.replicas or self.state.config.replicas) > 1,
         )
