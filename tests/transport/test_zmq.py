@@ -16,7 +16,7 @@ import zmq
 
 import tqueue
 from tqueue.errors import ControllerUnavailableError, ProtocolError, StorageUnitUnavailableError
-from tqueue.transport import _liveness, _zmq
+from tqueue.transport import _liveness, _sockets, _zmq
 from tqueue.wire import Kind
 from tqueue.wire import _messages as _wire
 
@@ -317,6 +317,58 @@ def test_replies_made_in_a_drain_leave_at_its_end_in_order_and_a_failed_one_is_r
         finally:
             dealer.close(0)
             ctx.term()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_ping_is_answered_as_it_arrives_before_the_requests_taken_in_with_it_are_handled():
+    """The outbox holds what handlers send, but not the pongs of a take-in: they leave before
+    the requests taken in with them are handled, so a backlog never delays a sign of life by
+    a turn. inproc: a send is in the server's pipe when it returns, so the request and the
+    ping queued while the loop is busy are taken in together."""
+    started, gate = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    async def main():
+        server = _zmq.Server("inproc://tqueue-test-pong", name="stand-in", max_header=1 << 20)
+        dealer = _sockets.context().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect("inproc://tqueue-test-pong")
+
+        def handler(ident, msg, bufs):
+            if msg.rid == 1:  # the loop is busy while the test queues a request and a ping
+                started.set()
+                assert gate.wait(WAIT)
+                return _wire.Ok()
+            # the second request: the ping taken in with it must have been answered already
+            while dealer.poll(2000):
+                reply = _wire.decode(dealer.recv_multipart())[0]
+                seen.append(type(reply).__name__)
+                if isinstance(reply, _wire.Pong):
+                    break
+            return _wire.Ok()
+
+        server.route(_wire.GetMeta, handler)
+        try:
+            first = get_meta()
+            first.rid = 1
+            dealer.send_multipart(_wire.encode(first))
+
+            def queue_behind():
+                assert started.wait(WAIT)
+                second = get_meta()
+                second.rid = 2
+                dealer.send_multipart(_wire.encode(second))
+                dealer.send_multipart(_wire.encode(_wire.Ping()))
+                gate.set()
+
+            await asyncio.to_thread(queue_behind)
+            reply = await asyncio.to_thread(lambda: dealer.poll(int(WAIT * 1000)) and _wire.decode(dealer.recv_multipart())[0])
+            assert isinstance(reply, _wire.Ok) and reply.rid == 2
+            assert seen == ["Ok", "Pong"]  # the first request's answer, then the pong
+        finally:
+            dealer.close(0)
             await server.close()
 
     asyncio.run(main())

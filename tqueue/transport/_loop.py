@@ -49,7 +49,8 @@ class LoopSocket:
     leaves at the end of the drain, back to back. Each send that ZeroMQ has to hand to its
     I/O thread wakes that thread (a system call) when it is asleep; spread between handlers,
     every reply woke it, and a burst wakes it about once (controller CPU a request: -10 to
-    -15%). A send of the outbox that fails is reported to the ``on_error`` given with it.
+    -15%). A send of the outbox that fails is reported to the ``on_error`` given with it. The
+    pongs ``on_arrival`` made leave as soon as everything is taken in, before any handling.
     """
 
     def __init__(
@@ -193,6 +194,8 @@ class LoopSocket:
             queue.append(frames)
             self._held += 1
             self._held_bytes += sum(len(f) for f in frames)
+        if self._outbox:  # the pings answered as they arrived leave now, before the handling
+            self._flush()
         until = time.monotonic() + TURN_SECONDS
         for ident in [i for i in self.first if i in queues]:  # they carry the work of many (commits)
             turns.remove(ident)
