@@ -330,7 +330,10 @@ def test_streaming_dataloader_reads_a_partition_once(shim: Any, workers: int) ->
         shim.init(), batch_size=2, micro_batch_size=1, data_fields=["x"], partition_id=partition,
         task_name="train", dp_rank=0, should_check_consumption_status=True,
     )
-    seen = [float(td["x"][0]) for td, meta in shim.StreamingDataLoader(dataset, num_workers=workers)]
+    loader = shim.StreamingDataLoader(dataset, num_workers=workers)
+    if workers:  # spawned, not forked from this process and its client's threads
+        assert loader.multiprocessing_context.get_start_method() == "spawn"
+    seen = [float(td["x"][0]) for td, meta in loader]
     assert sorted(seen) == [float(i) for i in range(8)]
 
 

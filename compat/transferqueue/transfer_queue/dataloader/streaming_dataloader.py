@@ -1,5 +1,13 @@
 """``StreamingDataLoader``: a ``DataLoader`` over a ``StreamingDataset`` that yields its
-``(TensorDict, BatchMeta)`` items as they are (no batching, no collation by default)."""
+``(TensorDict, BatchMeta)`` items as they are (no batching, no collation by default).
+
+With workers, ``multiprocessing_context`` defaults to spawn, as tqueue's own loader does: the
+process that makes the loader holds a client, whose threads (its event loop, ZeroMQ's I/O)
+would be forked mid-work with the default fork, and a lock one of them held at that moment
+stays held in the worker for good. Each spawned worker makes its own client from the
+dataset's config, so the dataset and its fetch functions must pickle; pass
+``multiprocessing_context="fork"`` to keep the fork.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +36,8 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
         pin_memory_device: str = "",
     ) -> None:
         self.dataset: StreamingDataset = dataset
+        if num_workers and multiprocessing_context is None:
+            multiprocessing_context = "spawn"
         super().__init__(
             dataset=dataset,
             batch_size=None,
