@@ -51,3 +51,38 @@ def test_gc_controller_reports_its_collector(tmp_path) -> None:
     assert r["ops"] >= 6
     gcs = json.loads(path.read_text())
     assert 0 <= gcs["gc_cpu_s"] < gcs["cpu_s"] and len(gcs["collections"]) == 3
+
+
+def test_cpu_seconds_resolves_a_few_milliseconds_of_another_thread() -> None:
+    """The benchmarks' CPU clock counts every live thread of a process to well under a
+    clock tick (10 ms): a put-cost phase of 128 small puts needs that resolution."""
+    import os
+    import threading
+    import time
+
+    from benchmarks.harness import cpu_seconds
+
+    spun, go, done, leave = [0.0], threading.Event(), threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait(10)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.003:
+            pass
+        spun[0] = time.thread_time() - t0
+        done.set()
+        leave.wait(10)  # alive at the second reading: an ended thread's time is not counted
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        before = cpu_seconds(os.getpid())
+        go.set()
+        assert done.wait(10)
+        grew = cpu_seconds(os.getpid()) - before
+    finally:
+        leave.set()
+        worker.join()
+    # the spin, plus what this process's other threads did between the readings (well under a
+    # tick: a count in ticks reads 0 or 10 ms here)
+    assert spun[0] <= grew < spun[0] + 0.004, (spun[0], grew)
