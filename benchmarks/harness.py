@@ -182,3 +182,31 @@ def settle() -> None:
     import gc
 
     gc.collect()
+
+
+def docs_section(path: str | os.PathLike[str], name: str) -> tuple[list[str], int, int]:
+    """The lines of markdown file ``path`` and the positions of its ``<!-- bench:NAME -->``
+    and ``<!-- /bench:NAME -->`` lines. Raises ``ValueError`` naming the two lines when they
+    are missing, doubled or out of order (a benchmark never guesses where its results go):
+    checked before a run, so that a long run is not lost at its end."""
+    import pathlib
+
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    doc = pathlib.Path(path)
+    lines = doc.read_text().splitlines(keepends=True)
+    marks = [i for i, line in enumerate(lines) if line.strip() in (start, end)]
+    if [lines[i].strip() for i in marks] != [start, end]:
+        raise ValueError(f"{doc} needs one line {start!r} and, after it, one line {end!r} around the "
+                         f"place where the results go (found {len(marks)} of them)")
+    return lines, marks[0], marks[1]
+
+
+def write_into_docs(path: str | os.PathLike[str], name: str, text: str) -> None:
+    """Put ``text`` into the markdown file ``path`` between its lines ``<!-- bench:NAME -->``
+    and ``<!-- /bench:NAME -->``, in place of what a run wrote there before; the rest of the
+    file is left as it is (see :func:`docs_section` for the errors)."""
+    import pathlib
+
+    lines, first, last = docs_section(path, name)
+    body = text if text.endswith("\n") else text + "\n"
+    pathlib.Path(path).write_text("".join(lines[: first + 1]) + body + "".join(lines[last:]))

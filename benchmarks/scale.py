@@ -555,6 +555,75 @@ def _row(r: dict[str, Any], label: str) -> None:
           f"{r['ack_p50']:6.1f}/{r['ack_p99']:6.1f}", flush=True)
 
 
+# Issue 28, point 3 (docs/performance.md, "Targets of issue 28, point 3")
+US_PER_OP = 20.0  # controller CPU per metadata operation
+P99_CLIENTS, P99_MS = 100, 10.0  # get_meta p99 at this many connections
+FILL_SAMPLES, FILL_P50_MS = 10**6, 0.5  # get_meta p50 of one sample in a partition this full
+CONNECTIONS = 1000
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(target, figure, met) for point 3's targets that this run measured; medians where
+    the run repeated its rows."""
+    rows = results.get("medians") or results["runs"]
+    out: list[tuple[str, str, bool]] = []
+    failed = results.get("failed", [])
+    many = [r for r in results["runs"] if r["clients"] >= CONNECTIONS and r["role"] in ("raw", "real")]
+    if many or [f for f in failed if f["clients"] >= CONNECTIONS]:
+        lost = [f for f in failed if f["clients"] >= CONNECTIONS]
+        out.append((f"{CONNECTIONS:,} concurrent connections complete their cycles",
+                    f"{len(many)} runs completed, {len(lost)} failed" + (f" ({lost[0]['why'][:120]})" if lost else ""),
+                    bool(many) and not lost))
+    for r in rows:
+        if r["role"] not in ("raw", "real"):
+            continue
+        out.append((f"controller CPU ≤ {US_PER_OP:g} µs an operation ({r['role']}, {r['clients']} connections)",
+                    f"{r['ctl_us_per_op']:.1f} µs", r["ctl_us_per_op"] <= US_PER_OP))
+        if r["clients"] == P99_CLIENTS:
+            out.append((f"get_meta p99 < {P99_MS:g} ms at {P99_CLIENTS} connections ({r['role']})",
+                        f"{r['get_meta_p99']:.1f} ms (p50 {r['get_meta_p50']:.1f})", r["get_meta_p99"] < P99_MS))
+    fills = results.get("fill", [])
+    for row in fills:
+        if row["samples"] >= FILL_SAMPLES:
+            out.append((f"get_meta p50 < {FILL_P50_MS:g} ms at {row['samples']:,} samples",
+                        f"{row['get_meta_1_p50_ms']:.3f} ms (of 256: {row['get_meta_256_p50_ms']:.3f})",
+                        row["get_meta_1_p50_ms"] < FILL_P50_MS))
+    if len(fills) >= 2:
+        small, big = fills[0], fills[-1]
+        out.append((f"controller memory per sample bounded ({big['samples']:,} samples against {small['samples']:,}: "
+                    "at most twice, the arrays' doubling)",
+                    f"{big['bytes_per_sample']:.0f} against {small['bytes_per_sample']:.0f} B/sample",
+                    big["bytes_per_sample"] <= 2 * small["bytes_per_sample"]))
+    return out
+
+
+def markdown(results: dict[str, Any], command: str) -> str:
+    """The run's rows (medians where repeated) and its targets, as docs/performance.md shows them."""
+    rows = results.get("medians") or results["runs"]
+    med = f"medians of {results['repeat']}" if results.get("medians") else "one run each"
+    out = [f"Written by `{command}` on {time.strftime('%Y-%m-%d')} ({results['cpus']} cores, {med}):", "",
+           "| load | connections | ops/s | controller µs/op | µs/msg | msgs/cycle | controller core | "
+           "get_meta p50 / p99 ms | put p50 / p99 ms | ack p50 / p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        lat = "- | - | -" if r["role"] == "ping" else (
+            f"{r['get_meta_p50']:.1f} / {r['get_meta_p99']:.1f} | {r['put_p50']:.1f} / {r['put_p99']:.1f} | "
+            f"{r['ack_p50']:.1f} / {r['ack_p99']:.1f}")
+        out.append(f"| {r['role']} | {r['clients']} | {r['ops_per_s']:.0f} | {r['ctl_us_per_op']:.1f} | "
+                   f"{r['ctl_us_per_msg']:.1f} | {r.get('ctl_msgs_per_cycle', 1.0):.2f} | {r['ctl_core']:.0%} | "
+                   + lat + " |")
+    for row in results.get("fill", []):
+        out.append("")
+        out.append(f"A partition of {row['samples']:,} samples: controller RSS {row['ctl_rss'] / 2**20:.0f} MiB "
+                   f"({row['bytes_per_sample']:.1f} B/sample over the empty controller); get_meta p50 of 1 "
+                   f"{row['get_meta_1_p50_ms']:.3f} ms, of 256 {row['get_meta_256_p50_ms']:.3f} ms.")
+    found = targets(results)
+    if found:
+        out += ["", "| target | measured | met? |", "|---|---|---|"]
+        out += [f"| {t} | {fig} | {'yes' if met else 'no'} |" for t, fig, met in found]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
@@ -574,9 +643,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill", default="1e6,1e7", help="partition sizes ('' for none)")
     parser.add_argument("--profile-s", type=float, default=6.0, help="py-spy the controller this long (0: not)")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--docs", metavar="FILE", help="also write the tables into FILE, between the lines "
+                        "<!-- bench:scale --> and <!-- /bench:scale --> (docs/performance.md has them)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "load": os.getloadavg(), "runs": []}
+    if args.docs:
+        from benchmarks.harness import docs_section
+
+        try:
+            docs_section(args.docs, "scale")  # before the run, not after it
+        except (OSError, ValueError) as exc:
+            parser.error(f"--docs: {exc}")
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "load": os.getloadavg(), "runs": [], "repeat": args.repeat}
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
     print("run       clients   ops/s  ctl µs/op  ctl µs/msg  msgs/cycle  ctl core  unit µs/cycle  load µs/cycle  put p50/p99  get_meta p50/p99  ack p50/p99 (ms)")
     for rep in range(args.repeat):
@@ -623,6 +701,14 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    for target, figure, met in targets(results):
+        print(f"{'met' if met else 'NOT met'}: {target}: {figure}")
+    if args.docs:
+        from benchmarks.harness import write_into_docs
+
+        command = "python -m benchmarks.scale " + " ".join(a for a in argv if a)
+        write_into_docs(args.docs, "scale", markdown(results, command))
+        print(f"wrote {args.docs}")
     return 0
 
 

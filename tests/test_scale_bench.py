@@ -86,3 +86,48 @@ def test_cpu_seconds_resolves_a_few_milliseconds_of_another_thread() -> None:
     # the spin, plus what this process's other threads did between the readings (well under a
     # tick: a count in ticks reads 0 or 10 ms here)
     assert spun[0] <= grew < spun[0] + 0.004, (spun[0], grew)
+
+
+def _run(role: str, clients: int, us: float, p99: float) -> dict:
+    return {"role": role, "clients": clients, "ops_per_s": 1000.0, "ctl_us_per_op": us, "ctl_us_per_msg": us / 1.2,
+            "ctl_msgs_per_cycle": 3.1, "ctl_core": 0.6, "get_meta_p50": p99 / 2, "get_meta_p99": p99,
+            "put_p50": 1.0, "put_p99": 2.0, "ack_p50": 1.0, "ack_p99": 2.0}
+
+
+def test_point_3_targets_are_judged_and_written_as_a_table() -> None:
+    results = {
+        "cpus": 2, "repeat": 1,
+        "runs": [_run("raw", 100, 18.0, 9.0), _run("real", 100, 60.0, 15.0), _run("raw", 1000, 25.0, 80.0),
+                 {"role": "ping", "clients": 100, "ops_per_s": 9000.0, "ctl_us_per_op": 15.0, "ctl_us_per_msg": 15.0,
+                  "ctl_core": 0.5}],
+        "failed": [{"role": "real", "clients": 1000, "why": "a client gave up: the controller stayed silent"}],
+        "fill": [{"samples": 10**6, "ctl_rss": 50 * 10**6, "bytes_per_sample": 50.0, "get_meta_1_p50_ms": 0.3,
+                  "get_meta_256_p50_ms": 0.4},
+                 {"samples": 10**7, "ctl_rss": 850 * 10**6, "bytes_per_sample": 85.0, "get_meta_1_p50_ms": 0.6,
+                  "get_meta_256_p50_ms": 0.7}],
+    }
+    got = {t: (fig, met) for t, fig, met in scale.targets(results)}
+    assert got["1,000 concurrent connections complete their cycles"] == (
+        "1 runs completed, 1 failed (a client gave up: the controller stayed silent)", False)
+    assert got["controller CPU ≤ 20 µs an operation (raw, 100 connections)"] == ("18.0 µs", True)
+    assert got["controller CPU ≤ 20 µs an operation (real, 100 connections)"][1] is False
+    assert got["get_meta p99 < 10 ms at 100 connections (raw)"] == ("9.0 ms (p50 4.5)", True)
+    assert got["get_meta p99 < 10 ms at 100 connections (real)"][1] is False
+    assert got["get_meta p50 < 0.5 ms at 1,000,000 samples"][1] is True
+    assert got["get_meta p50 < 0.5 ms at 10,000,000 samples"][1] is False
+    bounded = [v for k, v in got.items() if k.startswith("controller memory per sample bounded")]
+    assert bounded == [("85 against 50 B/sample", True)]
+    assert not [k for k in got if "ping" in k]  # the echo server is the floor, not a target
+    text = scale.markdown(results, "python -m benchmarks.scale --clients 100")
+    assert text.startswith("Written by `python -m benchmarks.scale --clients 100` on ")
+    assert "| raw | 100 | 1000 | 18.0 | 15.0 | 3.10 | 60% | 4.5 / 9.0 | 1.0 / 2.0 | 1.0 / 2.0 |" in text
+    assert "| ping | 100 | 9000 | 15.0 | 15.0 | 1.00 | 50% | - | - | - |" in text
+    assert "| controller CPU ≤ 20 µs an operation (raw, 100 connections) | 18.0 µs | yes |" in text
+
+
+def test_a_docs_file_without_the_lines_stops_the_scale_run_before_it_starts(tmp_path, capsys) -> None:
+    doc = tmp_path / "p.md"
+    doc.write_text("nothing to replace\n")
+    with pytest.raises(SystemExit) as stopped:
+        scale.main(["--clients", "2", "--fill", "", "--profile-s", "0", "--docs", str(doc)])
+    assert stopped.value.code == 2 and "bench:scale" in capsys.readouterr().err
