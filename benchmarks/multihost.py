@@ -248,40 +248,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8, help="samples per put")
     parser.add_argument("--concurrency", type=int, default=2, help="puts in flight from the producer")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--docs", metavar="FILE", help="also write the figures into FILE, between the lines "
+                        "<!-- bench:multihost --> and <!-- /bench:multihost --> (docs/performance.md has them)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    if args.docs:
+        from benchmarks.harness import docs_section
+
+        try:
+            docs_section(args.docs, "multihost")  # before the run, not after it
+        except (OSError, ValueError) as exc:
+            parser.error(f"--docs: {exc}")
     from benchmarks import netns
 
     why = netns.unavailable()
     if why:
         print(f"multihost: {why}", file=sys.stderr)
         return 2
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     results: dict[str, Any] = {"rate": args.rate, "slow_rate": args.slow_rate, "cpus": os.cpu_count()}
     with netns.Hosts(HOSTS, rate=args.rate, delay_ms=args.delay_ms) as hosts:
         results["shaper"] = hosts.shaper
         link = args.rate / 8 or float("inf")
-        print(f"links: {args.rate / 1e9:g} Gbit/s each ({hosts.shaper}"
+        say(f"links: {args.rate / 1e9:g} Gbit/s each ({hosts.shaper}"
               f"{', %g ms delay' % args.delay_ms if hosts.shaper == 'netem' else ', no delay: no sch_netem here'})")
         raw = results["raw_Bps"] = raw_rate(hosts, "prod", "u0", 256)
-        print(f"raw TCP prod -> u0: {raw / 1e9:.3f} GB/s = {raw / link:.0%} of the link")
+        say(f"raw TCP prod -> u0: {raw / 1e9:.3f} GB/s = {raw / link:.0%} of the link")
         address = start_cluster(hosts)
         place = results["placement"] = placement(hosts, address)
         for name, landed in place.items():
-            print(f"placement: 12 puts from {name:4s} -> u0 {landed.count('u0'):2d}, u1 {landed.count('u1'):2d}"
+            say(f"placement: 12 puts from {name:4s} -> u0 {landed.count('u0'):2d}, u1 {landed.count('u1'):2d}"
                   f" ({' '.join(landed)})")
         fast = results["fast"] = transfer(hosts, address, "fast", args)
-        print(f"cross-host put  prod -> units: {fast['put_Bps'] / 1e9:.3f} GB/s = {fast['put_Bps'] / link:.0%} "
+        say(f"cross-host put  prod -> units: {fast['put_Bps'] / 1e9:.3f} GB/s = {fast['put_Bps'] / link:.0%} "
               f"of the link (p50 {fast['put_p50_ms']:.1f} ms a {args.put_mb:g} MB put; placed {fast['units']})")
-        print(f"cross-host get  units -> cons: {fast['get_Bps'] / 1e9:.3f} GB/s = {fast['get_Bps'] / link:.0%} "
+        say(f"cross-host get  units -> cons: {fast['get_Bps'] / 1e9:.3f} GB/s = {fast['get_Bps'] / link:.0%} "
               f"of the link ({fast['get_bytes'] / 1e6:.0f} MB, every byte checked)")
         hosts.shape("u1", args.slow_rate)
         slow_raw = results["slow_raw_Bps"] = raw_rate(hosts, "prod", "u1", 32)
-        print(f"slow link u1: {args.slow_rate / 1e9:g} Gbit/s; raw TCP prod -> u1 {slow_raw / 1e9:.3f} GB/s")
+        say(f"slow link u1: {args.slow_rate / 1e9:g} Gbit/s; raw TCP prod -> u1 {slow_raw / 1e9:.3f} GB/s")
         slow = results["slow"] = transfer(hosts, address, "slow", args)
-        print(f"with u1 slow, put: {slow['put_Bps'] / 1e9:.3f} GB/s (p50 {slow['put_p50_ms']:.1f} ms; "
+        say(f"with u1 slow, put: {slow['put_Bps'] / 1e9:.3f} GB/s (p50 {slow['put_p50_ms']:.1f} ms; "
               f"placed {slow['units']}); get: {slow['get_Bps'] / 1e9:.3f} GB/s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.docs:
+        from benchmarks.harness import write_into_docs
+
+        command = "python -m benchmarks.multihost " + " ".join(argv)  # as root
+        text = f"Written by `{command}` on {time.strftime('%Y-%m-%d')} ({os.cpu_count()} cores):\n\n"
+        write_into_docs(args.docs, "multihost", text + "".join(f"* {line}\n" for line in lines))
+        print(f"wrote {args.docs}")
     return 0
 
 
