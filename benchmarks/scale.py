@@ -304,14 +304,16 @@ def gc_controller(path: str, args: list[str]) -> int:
 
     from tqueue.cli import main as tqueue_main
 
-    state = {"start": 0.0, "gc_cpu_s": 0.0, "collections": [0, 0, 0]}
+    state = {"start": 0.0, "wall": 0.0, "gc_cpu_s": 0.0, "collections": [0, 0, 0], "longest_ms": [0.0, 0.0, 0.0]}
 
     def timed(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            state["start"] = time.thread_time()
+            state["start"], state["wall"] = time.thread_time(), time.perf_counter()
         else:
+            gen = info["generation"]
             state["gc_cpu_s"] += time.thread_time() - state["start"]
-            state["collections"][info["generation"]] += 1
+            state["collections"][gen] += 1
+            state["longest_ms"][gen] = max(state["longest_ms"][gen], (time.perf_counter() - state["wall"]) * 1e3)
 
     def write() -> None:
         pathlib.Path(path).write_text(json.dumps({**state, "cpu_s": time.process_time()}))
@@ -687,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
              gc_file=gc_file)
         gcs = results["gc"] = json.loads(pathlib.Path(gc_file).read_text())
         print(f"controller's cyclic GC: {gcs['gc_cpu_s']:.2f} s of its {gcs['cpu_s']:.2f} s of CPU "
-              f"({gcs['gc_cpu_s'] / gcs['cpu_s']:.0%}); collections by generation {gcs['collections']}")
+              f"({gcs['gc_cpu_s'] / gcs['cpu_s']:.0%}); collections by generation {gcs['collections']}, "
+              f"the longest of each {', '.join(f'{ms:.1f}' for ms in gcs['longest_ms'])} ms")
         top = results["profile"] = profile_top("/tmp/tqueue-scale-profile.txt")
         print("controller profile (py-spy, raw load), by own time: own %  total %  function")
         for f, own, total in top:
