@@ -8,6 +8,7 @@ a server started by a launcher never outlives the launcher.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -46,6 +47,12 @@ async def _main(config: ControllerConfig | StorageConfig, watch_stdin: bool) -> 
         await server.start()
         info = {"role": "storage", "address": server.address, "unit_id": server.unit_id}
     serving = loop.create_task(server.serve())
+    # what exists now (modules, the config, the server's own objects) lives as long as the
+    # process: out of the cyclic collector's sight, a full collection walks only what came
+    # later, and does not stop every request for tens of milliseconds (docs/performance.md,
+    # "The collector's pauses"). The start's garbage goes first, not to be kept for good.
+    gc.collect()
+    gc.freeze()
     print(f"{READY} {json.dumps(info)}", flush=True)
     stopping = loop.create_task(stop.wait())
     done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
