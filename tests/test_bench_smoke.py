@@ -20,6 +20,7 @@ def wrote(stdout: str) -> list[pathlib.Path]:
     return [pathlib.Path(p) for p in lines[0][len("wrote ") :].split(", ")]
 
 
+@pytest.mark.slow
 def test_bench_smoke_runs_two_systems_and_writes_table_and_json(tmp_path):
     """One run of 32 samples through tqueue and raw ZeroMQ: every sample reached its consumer
     (the systems check that), and both outputs hold both systems and the comparison tables."""

@@ -62,6 +62,7 @@ def _cli(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_a_unit_joins_late_and_status_and_top_show_the_cluster():
     """Servers as separate processes, as from Slurm or Kubernetes: a second unit joins a
     running controller and receives placements; ``tqueue status`` and ``tqueue top`` show
@@ -326,6 +327,7 @@ def _quick(argv: list[str]) -> bool:
     return argv[0] == "status" or (argv[0] == "top" and "--iterations" in argv)
 
 
+@pytest.mark.slow
 def test_every_documented_command_line_parses_and_the_quick_ones_run(cluster):
     from tqueue.cli import _parser
 
@@ -364,6 +366,7 @@ def test_the_ready_line_is_documented_as_printed():
                                        for d in docs[prefix]), line
 
 
+@pytest.mark.slow
 def test_checkpoint_and_restore_from_the_command_line(tmp_path):
     """``tqueue checkpoint ADDR DIR`` writes what ``tqueue restore ADDR DIR`` loads into
     another cluster, metadata included; metadata that is not JSON is a usage error."""

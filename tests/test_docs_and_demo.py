@@ -97,6 +97,7 @@ def test_demo_quick_shows_progress_and_ends_with_its_table():
     assert "100.0%" in progress[-1]
 
 
+@pytest.mark.slow
 def test_demo_says_what_it_waits_for_when_no_report_comes():
     """Its children take longer to start than the (here shortened) stall interval: the demo
     says what it waits for, then finishes as usual."""

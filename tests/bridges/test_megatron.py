@@ -119,7 +119,7 @@ ON = {  # (default group's backend, device)
 
 
 @pytest.mark.parametrize("on", list(ON), ids=list(ON))
-@pytest.mark.parametrize("mode", ["each", "broadcast"])
+@pytest.mark.parametrize("mode", ["each", pytest.param("broadcast", marks=pytest.mark.slow)])
 def test_dp2_tp2_ranks_get_disjoint_balanced_shares_and_replicas_identical_bytes(cluster, partition, mode, on):
     result = run_job(cluster.address, partition, world=4, steps=STEPS, batch=BATCH, mode=mode, setup=ON[on],
                      produce=producer(cluster.address, partition, 2))
@@ -127,7 +127,7 @@ def test_dp2_tp2_ranks_get_disjoint_balanced_shares_and_replicas_identical_bytes
     check_written_back(cluster.address, partition, result)
 
 
-@pytest.mark.parametrize("mode", ["each", "broadcast"])
+@pytest.mark.parametrize("mode", [pytest.param("each", marks=pytest.mark.slow), "broadcast"])
 def test_tp2_pp2_each_stage_reads_and_the_last_stage_writes_back(cluster, partition, mode):
     """Plain torch.distributed ranks in Megatron's order (stage 0: ranks 0, 1; stage 1: 2, 3)
     give the reader their TP group and the writer, rank 2: the last stage's first TP rank,
@@ -164,7 +164,7 @@ def test_one_rank_under_a_default_group_with_no_cpu_backend(cluster, partition, 
 # --- restarts --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lease_timeout", [1.0, math.inf], ids=["lease-1s", "lease-inf"])
+@pytest.mark.parametrize("lease_timeout", [pytest.param(1.0, marks=pytest.mark.slow), math.inf], ids=["lease-1s", "lease-inf"])
 def test_a_rank_killed_mid_step_takes_its_share_back_when_the_job_restarts(cluster, partition, lease_timeout):
     """DP=2. Rank 0 trains its share and acks it; rank 1 is SIGKILLed holding its share. The
     job restarts (every rank, new processes, as torchrun does): each asks round 0 again.
@@ -291,7 +291,7 @@ def test_a_broadcast_read_timeout_reaches_every_rank(cluster, partition):
         assert f"partition {partition!r}" in message
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["reader-killed", "peer-killed"])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["reader-killed", "peer-killed"])
 def test_a_rank_killed_mid_read_gives_its_peers_a_typed_error_within_the_timeout(cluster, partition, victim):
     """The reader killed: its peer's wait for the header breaks at once. The peer killed: the
     reader learns it when it next sends, at the latest when its read times out."""
@@ -302,6 +302,7 @@ def test_a_rank_killed_mid_read_gives_its_peers_a_typed_error_within_the_timeout
     assert "broadcast group [0, 1] lost a rank" in message
 
 
+@pytest.mark.slow
 def test_a_hung_reader_gives_its_peer_a_timeout_after_the_read_and_request_timeouts(cluster, partition):
     """Rank 0 stopped (SIGSTOP: alive, connections open, silent): rank 1 gives up after its
     read's timeout plus its client's request_timeout (what rank 0's own client allows)."""

@@ -27,7 +27,7 @@ def unit_bytes(client: tqueue.Client) -> int:
 
 
 @pytest.mark.parametrize(
-    "puts, size", [pytest.param(10_000, 64, id="10000x64B"), pytest.param(4, 16 << 20, id="4x16MiB")]
+    "puts, size", [pytest.param(10_000, 64, id="10000x64B", marks=pytest.mark.slow), pytest.param(4, 16 << 20, id="4x16MiB")]
 )
 def test_accounted_bytes_match_resident_growth(fresh, partition, puts, size):
     cluster, client = fresh

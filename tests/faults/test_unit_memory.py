@@ -158,7 +158,7 @@ def drain(sock: socket.socket, got: list[int]) -> None:
         pass
 
 
-@pytest.mark.parametrize("reader", [pytest.param("stops", id="stops"), pytest.param("trickles", id="trickles")])
+@pytest.mark.parametrize("reader", [pytest.param("stops", id="stops"), pytest.param("trickles", id="trickles", marks=pytest.mark.slow)])
 def test_a_bulk_reader_that_stops_or_trickles_is_cut_off_and_counted_until_then(reader, raw):
     with lean_cluster(bulk_stall_timeout=STALL, bulk_min_rate=RATE) as cluster, \
             cluster.client(config=tqueue.ClientConfig(shm=False)) as client:

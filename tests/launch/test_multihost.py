@@ -36,6 +36,7 @@ def hosts() -> Iterator[netns.Hosts]:
 
 
 @needs_namespaces
+@pytest.mark.slow
 def test_puts_and_gets_cross_namespaces(hosts: netns.Hosts) -> None:
     address = multihost.start_cluster(hosts, ctl="c", units=("u0", "u1"))
     assert address.startswith(f"tcp://{hosts.ip['c']}:")
