@@ -11,7 +11,7 @@ import pytest
 from benchmarks import scale
 
 
-@pytest.mark.parametrize("role", ["raw", "real"], ids=["raw-generator", "async-clients"])
+@pytest.mark.parametrize("role", ["raw", pytest.param("real", marks=pytest.mark.slow)], ids=["raw-generator", "async-clients"])
 def test_load_runs_cycles_and_reads_controller_cpu(role: str) -> None:
     r = scale.load(role, clients=4, procs=1, seconds=0.3)
     assert r["ops"] >= 3 * 4 and r["ops"] % 3 == 0  # whole cycles: put, get_meta, ack
@@ -43,6 +43,7 @@ def test_profile_top_reads_collapsed_stacks(tmp_path) -> None:
     assert [name for name, _, _ in top] == ["f (c.py)"]
 
 
+@pytest.mark.slow
 def test_gc_controller_reports_its_collector(tmp_path) -> None:
     """The controller launched through the benchmark's wrapper serves as usual and writes what
     its cyclic collector cost when it stops."""

@@ -31,7 +31,7 @@ def test_the_ingestion_example_runs():
     assert "trainer got: ['prompt-0/0', 'prompt-0/1', 'prompt-0/2', 'prompt-0/3'] [[10, 11, 12], [11, 11, 12], [12, 11, 12], [40, 41]]" in out
 
 
-@pytest.mark.parametrize("flag", [[], ["--close"]])
+@pytest.mark.parametrize("flag", [[], pytest.param(["--close"], marks=pytest.mark.slow)])
 def test_the_sglang_example_runs_against_an_sglang_shaped_server(flag):
     ready = threading.Event()
     done: asyncio.Event | None = None
