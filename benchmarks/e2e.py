@@ -462,7 +462,7 @@ def into_docs(doc: pathlib.Path, text: str, png: pathlib.Path, args: argparse.Na
     command = " ".join(["tqueue bench", f"--sizes {','.join(map(str, args.sizes))}",
                         f"--scenarios {','.join(args.scenarios)}", f"--systems {','.join(args.systems)}",
                         f"--repeats {args.repeats} --warmup {args.warmup} --rounds {args.rounds}"])
-    head = f"Written by `{command} --docs {doc.name}` on {time.strftime('%Y-%m-%d')}:\n\n"
+    head = f"Written by `{command} --docs {args.docs}` on {time.strftime('%Y-%m-%d')}:\n\n"
     tail = ""
     if png.exists():
         shutil.copyfile(png, doc.parent / "performance-bench.png")
