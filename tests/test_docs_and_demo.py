@@ -4,6 +4,7 @@ demo`` completes its simulated RL flow, showing what it does and waits for."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import re
 import subprocess
@@ -155,3 +156,30 @@ def test_the_engine_demo_without_its_extra_names_the_install_command():
                                                      out.stderr, flags=re.I), out.stderr
     with pytest.raises(ImportError, match=r"VLLMEngine needs vllm \(the 'vllm' extra\): from a checkout of tqueue, pip install -e '\.\[vllm\]'"):
         tqueue.bridges.VLLMEngine(object())
+
+
+def _fails(plan, rank, out):
+    raise RuntimeError(f"simulated: rank {rank} lost its controller")
+
+
+def test_a_demo_child_that_fails_reports_its_traceback_and_exits_1_without_printing_it(capfd):
+    """A child's failure reaches the demo as a report, printed there (and not at all once
+    the demo was interrupted): a Ctrl-C stops the servers first, and a child whose controller
+    went away must not print a traceback of its own. A demo already gone is no error."""
+    import multiprocessing
+
+    from tqueue.demos.simulated import Plan, _child
+
+    plan = Plan(address="tcp://127.0.0.1:1", steps=1, prompts=1, group_size=1, producers=1, consumers=1, units=1,
+                max_response=16, max_tokens=64)
+    recv, send = multiprocessing.Pipe(duplex=False)
+    with pytest.raises(SystemExit) as stopped:
+        _child(_fails, plan, 3, send)
+    assert stopped.value.code == 1
+    report = json.loads(recv.recv_bytes())
+    assert report["kind"] == "error" and "RuntimeError: simulated: rank 3 lost its controller" in report["traceback"]
+    recv.close()
+    with pytest.raises(SystemExit):
+        _child(_fails, plan, 3, send)  # nobody reads any more: the child still just exits
+    send.close()
+    assert "Traceback" not in capfd.readouterr().err

@@ -202,6 +202,21 @@ def _send(out: Connection, msg: dict[str, Any]) -> None:
     out.send_bytes(json.dumps(msg).encode())
 
 
+def _child(target: Any, plan: Plan, rank: int, out: Connection) -> None:
+    """A child's body: a failure goes to the demo as a report (its traceback), which the demo
+    prints, and the child exits 1; never printed by the child itself. So a Ctrl-C, which
+    stops the cluster's servers at once and the children a moment later, shows no child's
+    traceback of a controller that went away: the interrupted demo reads no more reports."""
+    try:
+        target(plan, rank, out)
+    except BaseException:
+        import traceback
+
+        with contextlib.suppress(OSError):  # the demo may be gone: nobody is left to tell
+            _send(out, {"kind": "error", "traceback": traceback.format_exc()})
+        sys.exit(1)
+
+
 class _Progress:
     """One line on stderr: redrawn in place on a terminal, else printed at every tenth of the
     run and at least every few seconds; ``note`` prints a line of its own."""
@@ -285,7 +300,7 @@ def run_demo(args: argparse.Namespace) -> int:
             for role, target, count in (("producer", _producer, plan.producers), ("consumer", _consumer, plan.consumers)):
                 for rank in range(count):
                     recv, send = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=target, args=(plan, rank, send), name=f"{role}-{rank}", daemon=True)
+                    proc = ctx.Process(target=_child, args=(target, plan, rank, send), name=f"{role}-{rank}", daemon=True)
                     proc.start()
                     send.close()
                     pipes[recv] = role
@@ -429,6 +444,11 @@ def _watch(plan: Plan, pipes: dict[Connection, str], procs: list[Any], address: 
                     live.pop(conn)
                     continue
                 heard = time.perf_counter()
+                if msg["kind"] == "error":  # the child's failure, told once (it exits 1)
+                    name = procs[list(pipes).index(conn)].name  # pipes and procs were made in one order
+                    progress.note(f"tqueue demo: {name} failed:\n" + msg["traceback"].rstrip())
+                    ok = False
+                    continue
                 done = tally.add(msg, heard)
                 if done is not None:
                     client.seal(f"train/step-{done}")  # frees itself once consumed
