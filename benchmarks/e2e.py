@@ -422,13 +422,9 @@ def write(data: dict[str, Any], out: pathlib.Path, *, final: bool) -> tuple[str,
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse(argv, prog)
     out = pathlib.Path(args.out)
-    if args.docs:
-        from benchmarks.harness import docs_section
+    from benchmarks.harness import check_docs
 
-        try:
-            docs_section(args.docs, "e2e")  # before the run, not after it
-        except (OSError, ValueError) as exc:
-            make_parser(prog).error(f"--docs: {exc}")
+    check_docs(make_parser(prog), args.docs, "e2e")
     started = time.time()
 
     def progress(results: list[Result], notes: list[str], copies: dict[str, str]) -> None:

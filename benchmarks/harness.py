@@ -201,6 +201,17 @@ def docs_section(path: str | os.PathLike[str], name: str) -> tuple[list[str], in
     return lines, marks[0], marks[1]
 
 
+def check_docs(parser: Any, path: str | os.PathLike[str] | None, name: str) -> None:
+    """Before a run: where ``--docs`` names a file, stop with ``parser``'s usage error (exit 2)
+    unless it has its ``bench:NAME`` lines (:func:`docs_section`), so a long run is not lost at
+    its end."""
+    if path:
+        try:
+            docs_section(path, name)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--docs: {exc}")
+
+
 def write_into_docs(path: str | os.PathLike[str], name: str, text: str) -> None:
     """Put ``text`` into the markdown file ``path`` between its lines ``<!-- bench:NAME -->``
     and ``<!-- /bench:NAME -->``, in place of what a run wrote there before; the rest of the

@@ -252,13 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                         "<!-- bench:multihost --> and <!-- /bench:multihost --> (docs/performance.md has them)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    if args.docs:
-        from benchmarks.harness import docs_section
+    from benchmarks.harness import check_docs
 
-        try:
-            docs_section(args.docs, "multihost")  # before the run, not after it
-        except (OSError, ValueError) as exc:
-            parser.error(f"--docs: {exc}")
+    check_docs(parser, args.docs, "multihost")
     from benchmarks import netns
 
     why = netns.unavailable()

@@ -649,13 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                         "<!-- bench:scale --> and <!-- /bench:scale --> (docs/performance.md has them)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    if args.docs:
-        from benchmarks.harness import docs_section
+    from benchmarks.harness import check_docs
 
-        try:
-            docs_section(args.docs, "scale")  # before the run, not after it
-        except (OSError, ValueError) as exc:
-            parser.error(f"--docs: {exc}")
+    check_docs(parser, args.docs, "scale")
     results: dict[str, Any] = {"cpus": os.cpu_count(), "load": os.getloadavg(), "runs": [], "repeat": args.repeat}
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
     print("run       clients   ops/s  ctl µs/op  ctl µs/msg  msgs/cycle  ctl core  unit µs/cycle  load µs/cycle  put p50/p99  get_meta p50/p99  ack p50/p99 (ms)")
