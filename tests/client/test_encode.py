@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from tqueue.client._encode import OWN_FRAME, encode
-from tqueue.errors import FieldTypeError, InvalidArgumentError, SchemaError
+from tqueue.client._assemble import _DECODER
+from tqueue.client._encode import EXT_TENSOR, LEAF_HEAD, MAX_DEPTH, OWN_FRAME, encode
+from tqueue.errors import FieldTypeError, InvalidArgumentError, ProtocolError, SchemaError
 
 CHUNK = 1 << 20
 
@@ -82,10 +83,10 @@ def test_numpy_string_and_object_arrays_are_object_fields():
             id="numpy-scalar",
         ),
         pytest.param(
-            {"mixed": [torch.ones(2), "x"]},
+            {"mixed": [torch.ones(2), {"img": [torch.ones(1), {1, 2}]}]},
             FieldTypeError,
-            r"sample 0 of field 'mixed' .* torch.Tensor.*field of their own",
-            id="tensor-among-values",
+            r"sample 1 of field 'mixed' of partition 'p' holds a value of type builtins.set at \['img'\]\[1\]",
+            id="set-beside-tensors",
         ),
         pytest.param(
             {"big": [1 << 70]},
@@ -180,3 +181,142 @@ def test_a_field_left_on_its_device_materializes_into_the_frames_an_eager_encode
     assert [bytes(f) for f in later.buffers] == [bytes(f) for f in eager.buffers]
     assert [bytes(w) if w is not None else None for w in later.whole] == [bytes(w) if w is not None else None for w in eager.whole]
     later.materialize()  # nothing left to do
+
+
+def samples(out):
+    """The per-sample values of an encoded object field, decoded as a reader decodes them."""
+    block, raw = out.blocks[0], b"".join(bytes(b) for b in out.buffers)
+    ends = np.cumsum([0, *block.sizes]).tolist()
+    return [_DECODER.decode(raw[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+
+
+def same(a, b):
+    """Equal values of the same types, tensors and arrays bit for bit, dtype and shape."""
+    if isinstance(a, torch.Tensor):
+        return (
+            type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, np.ndarray):
+        return type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return type(b) is list and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def nested_values():
+    g = torch.Generator().manual_seed(0)
+    return [
+        {"pixel_values": torch.randn(4, 6, generator=g).t(), "image_grid_thw": torch.tensor([[1, 2, 3]])},
+        None,  # a text-only sample
+        [[0, 1], [2, 3, 4], torch.arange(3, dtype=torch.int8)],
+        {
+            "bf16": torch.randn(3, generator=g).to(torch.bfloat16),
+            "fp8": torch.randn(2, 2, generator=g).to(torch.float8_e4m3fn),
+            "mask": torch.tensor([True, False, True]),
+            "empty": torch.zeros(0, 5, dtype=torch.float16),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "np": np.arange(6, dtype=">f4").reshape(2, 3)[:, ::2],  # not contiguous, big-endian
+            "np_empty": np.zeros((0,), np.int16),
+            7: ["text", b"\x00", 1.5, True, None],
+        },
+        torch.arange(5),  # a tensor as the whole value
+    ]
+
+
+def test_nested_values_with_tensor_leaves_round_trip_exactly():
+    values = nested_values()
+    out = enc({"mm": values})
+    assert out.blocks[0].spec.kind == "object" and len(out.blocks[0].sizes) == len(values)
+    got = samples(out)
+    assert all(same(v, g) for v, g in zip(values, got)), got
+    # leaves are copies: contiguous, writable, no longer tied to the bytes they came from
+    pv = got[0]["pixel_values"]
+    assert pv.is_contiguous() and pv.shape == (6, 4)
+    pv[0, 0] = 1.0
+    assert got[3]["np"].flags.writeable and got[3]["np"].flags.c_contiguous
+
+
+def test_plain_values_keep_their_encoding():
+    import msgspec
+
+    values = ["a", {"k": [1, 2.5, None, True, b"\x00"]}, 7, None]
+    out = enc({"s": values})
+    assert b"".join(bytes(b) for b in out.buffers) == b"".join(msgspec.msgpack.encode(v) for v in values)
+
+
+def test_a_nested_value_counts_its_leaf_bytes():
+    big = torch.zeros(1000, dtype=torch.float32)
+    out = enc({"mm": [{"x": big}, None]})
+    assert out.blocks[0].sizes[0] > big.nbytes and out.nbytes == sum(out.blocks[0].sizes)
+
+
+def deep(levels):
+    v = torch.ones(1)
+    for _ in range(levels):
+        v = [v]
+    return v
+
+
+def test_depth_limit_is_inclusive():
+    assert same(samples(enc({"d": [deep(MAX_DEPTH)]}))[0], deep(MAX_DEPTH))
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        pytest.param(
+            deep(MAX_DEPTH + 1),
+            rf"sample 1 of field 'f' of partition 'p' nests lists and dicts deeper than {MAX_DEPTH} at (\[0\]){{8}};",
+            id="too-deep",
+        ),
+        pytest.param(
+            {"pixel_values": [torch.ones(1), torch.ones(1), object()]},
+            r"sample 1 of field 'f' .* type builtins.object at \['pixel_values'\]\[2\]",
+            id="custom-object",
+        ),
+        pytest.param({"t": torch.ones(1), "c": (1, 2)}, r"type builtins.tuple at \['c'\]", id="tuple"),
+        pytest.param({"t": torch.ones(1), (1,): 2}, r"key of type builtins.tuple; dict keys", id="key"),
+        pytest.param(
+            {"s": torch.ones(2).to_sparse()}, r"sample 1 .* tensor of dtype .* layout torch.sparse_coo at \['s'\]",
+            id="sparse",
+        ),
+        pytest.param(
+            {"o": np.array([{}], dtype=object)}, r"numpy array of dtype object at \['o'\]", id="object-array"
+        ),
+    ],
+)
+def test_bad_nested_values_name_field_sample_and_path(value, match):
+    with pytest.raises(FieldTypeError, match=match):
+        enc({"f": [None, value]})
+
+
+def leaf_bytes(dtype, shape, raw, code=EXT_TENSOR):
+    import msgspec
+
+    head = msgspec.msgpack.encode([dtype, shape])
+    return msgspec.msgpack.encode(msgspec.msgpack.Ext(code, LEAF_HEAD.pack(len(head)) + head + raw))
+
+
+@pytest.mark.parametrize(
+    "sample, match",
+    [
+        pytest.param(leaf_bytes("float32", [4], b"\x00" * 8), r"float32 leaf of shape \[4\] is 16 bytes; 8 arrived", id="short"),
+        pytest.param(leaf_bytes("float32", [1], b"\x00" * 8), r"is 4 bytes; 8 arrived", id="long"),
+        pytest.param(leaf_bytes("int8", [1 << 40, 1 << 40], b""), r"is 1208925819614629174706176 bytes; 0", id="huge"),
+        pytest.param(leaf_bytes("int8", [0, 1 << 63], b""), r"no such shape", id="huge-empty"),
+        pytest.param(leaf_bytes("int8", [-1], b""), r"no such shape", id="negative"),
+        pytest.param(leaf_bytes("int8", [1] * 65, b"\x00"), r"no such shape", id="too-many-dims"),
+        pytest.param(leaf_bytes("float99", [1], b"\x00"), r"unknown torch dtype 'float99'", id="dtype"),
+        pytest.param(leaf_bytes("O", [1], b"\x00" * 8, code=2), r"numpy dtype 'O' cannot travel", id="numpy-object"),
+        pytest.param(leaf_bytes("int8", [1], b"\x00", code=9), r"unknown MessagePack extension type 9", id="code"),
+        pytest.param(b"\xd4\x01\x07", r"has no header", id="no-header"),
+        pytest.param(b"\xd5\x01\xff\x00", r"header of 255 bytes overruns", id="header-overrun"),
+        pytest.param(b"\xd6\x01\x02\x00\xc1\xc1", r"not \[dtype, shape\]", id="header-garbage"),
+    ],
+)
+def test_a_hostile_leaf_is_a_protocol_error_before_any_allocation(sample, match):
+    with pytest.raises(ProtocolError, match=match):
+        _DECODER.decode(sample)

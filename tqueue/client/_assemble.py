@@ -6,7 +6,9 @@ Each unit answers with field blocks and raw frames for the samples it holds (a
 with zero copies when one frame already holds the whole batch in order, or when the route
 received the frames straight into the batch's rows, else with one copy into a pooled buffer.
 A jagged field becomes per-sample views of the received frames (no copy), or on request one
-padded tensor or one nested tensor (one copy). Object fields are decoded from MessagePack.
+padded tensor or one nested tensor (one copy). Object fields are decoded from MessagePack;
+the tensor and array leaves of nested values (tqueue/client/_encode.py, :func:`leaf`) are
+copied out of the frames, so they are writable and hold no frame or arena page.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -26,14 +29,55 @@ from .._memory import BufferPool
 from .._threads import copy_bytes
 from ..errors import InvalidArgumentError, ProtocolError
 from ..wire import BatchMeta, FieldBlock, FieldSpec
-from ..wire._layout import frame_layout, int_dtype, itemsize, nbytes, numpy_dtype, sample_sizes
+from ..wire._layout import TORCH_ITEMSIZE, frame_layout, int_dtype, itemsize, nbytes, numpy_dtype, sample_sizes
 from ..wire._messages import PackedType
 from ..wire._pack import PACKED, widen, widen_all
 from ._ask import Options
 from ._batch import Batch
-from ._encode import TORCH_DTYPES
+from ._encode import EXT_NDARRAY, EXT_TENSOR, LEAF_HEAD, MAX_DIMS, TORCH_DTYPES
 
-_DECODER = msgspec.msgpack.Decoder()
+_LEAF_DECODER = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...]])
+_MAX_DIM = 1 << 62  # a larger dimension (in a leaf of no bytes) is no tensor torch can make
+
+
+def leaf(code: int, data: memoryview) -> Any:
+    """A tensor or array leaf of a nested object value, from its MessagePack extension (the
+    decoder's ``ext_hook``): checked against its bytes before anything is allocated, then
+    copied out of them."""
+    if code not in (EXT_TENSOR, EXT_NDARRAY):
+        raise ProtocolError(f"unknown MessagePack extension type {code} in an object value")
+    if len(data) < LEAF_HEAD.size:
+        raise ProtocolError(f"a tensor leaf of {len(data)} bytes has no header")
+    (head,) = LEAF_HEAD.unpack_from(data)
+    start = LEAF_HEAD.size + head
+    if start > len(data):
+        raise ProtocolError(f"a tensor leaf's header of {head} bytes overruns its {len(data)} bytes")
+    try:
+        dtype, shape = _LEAF_DECODER.decode(data[LEAF_HEAD.size : start])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"a tensor leaf's header is not [dtype, shape]: {exc}") from exc
+    if len(shape) > MAX_DIMS or any(d < 0 or d >= _MAX_DIM for d in shape):
+        raise ProtocolError(f"a tensor leaf of shape {list(shape)[:MAX_DIMS + 1]}: no such shape travels")
+    if code == EXT_TENSOR:
+        if dtype not in TORCH_DTYPES:
+            raise ProtocolError(f"unknown torch dtype {dtype!r} in a tensor leaf")
+        size = TORCH_ITEMSIZE[dtype]
+    else:
+        size = numpy_dtype(dtype).itemsize
+    want = math.prod(shape) * size
+    if want != len(data) - start:
+        raise ProtocolError(
+            f"a {dtype} leaf of shape {list(shape)} is {want} bytes; {len(data) - start} arrived"
+        )
+    if want == 0:
+        return torch.empty(shape, dtype=TORCH_DTYPES[dtype]) if code == EXT_TENSOR else np.empty(shape, numpy_dtype(dtype))
+    raw = np.frombuffer(data, np.uint8, offset=start).copy()
+    if code == EXT_TENSOR:
+        return torch.from_numpy(raw).view(TORCH_DTYPES[dtype]).view(shape)
+    return raw.view(numpy_dtype(dtype)).reshape(shape)
+
+
+_DECODER = msgspec.msgpack.Decoder(ext_hook=leaf)
 _ARRAY32 = struct.Struct(">BI")  # MessagePack array 32 header
 
 
@@ -297,7 +341,7 @@ def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:
                 packed[:5] = np.frombuffer(_ARRAY32.pack(0xDD, b - a), dtype=np.uint8)
                 packed[5:] = buf[start:end]
                 values = _DECODER.decode(packed)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, ProtocolError):  # one by one, to name the sample
             values = None
         if values is None or len(values) != b - a:
             values = _one_by_one(p, pos, a, b)
@@ -318,6 +362,8 @@ def _one_by_one(p: Pieces, pos: list[int], a: int, b: int) -> list[Any]:
             values.append(_DECODER.decode(buf[off : off + n]))
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"object value for batch position {pos[k]} is not valid MessagePack") from exc
+        except ProtocolError as exc:
+            raise ProtocolError(f"object value for batch position {pos[k]}: {exc}") from exc
     return values
 
 

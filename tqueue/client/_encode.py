@@ -2,7 +2,8 @@
 
 Accepted per field: a tensor or numpy array whose first dimension is the sample axis
 (dense), a list of per-sample tensors or arrays (jagged: shapes may differ), or a list of
-plain values (object: str, bytes, int, float, bool, None, and lists/dicts of these).
+plain values (object: str, bytes, int, float, bool, None, and lists/dicts of these). An
+object value may also hold tensors and arrays as leaves (a nested value, :func:`tree`).
 Everything is checked before anything is sent; a value the wire cannot carry is a
 :class:`~tqueue.errors.FieldTypeError` naming field, partition, sample and type.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +39,19 @@ OWN_FRAME = 1 << 16
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 _KEYS = frozenset({str, int})
 _ENCODER = msgspec.msgpack.Encoder()
+
+# Nested values: an object value whose lists and dicts hold tensors or arrays (an image's
+# ``{"pixel_values": ..., "image_grid_thw": ...}``) stays an object value, the same
+# per-sample bytes, so every route, unit and checkpoint carries it unchanged. Each tensor
+# or array leaf is a MessagePack extension (EXT_TENSOR, EXT_NDARRAY) whose data is the byte
+# count of a MessagePack ``[dtype, shape]`` header (LEAF_HEAD), that header, then the leaf's
+# raw bytes; readers get them back through the decoder's extension hook (client/_assemble.py).
+# Values without such leaves keep their plain encoding: only they pay for the walk.
+MAX_DEPTH = 8  # lists and dicts a nested value may have around one another
+MAX_DIMS = 64  # dimensions of a leaf (torch's own limit)
+EXT_TENSOR = 1
+EXT_NDARRAY = 2
+LEAF_HEAD = struct.Struct("<H")
 
 
 @dataclasses.dataclass
@@ -496,14 +511,8 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
     buf = bytearray()
     in_buf = 0
     for i, v in enumerate(values):
-        bad = _not_plain(v)
-        if bad is not None:
-            hint = " (put tensors as a field of their own)" if bad in (torch.Tensor, np.ndarray) else ""
-            raise FieldTypeError(
-                f"{ctx.where(i)} holds a value of type {bad.__module__}.{bad.__qualname__}, "
-                f"which the wire cannot carry; plain values are str, bytes, int, float, bool, "
-                f"None and lists/dicts of these{hint}"
-            )
+        if _not_plain(v) is not None:
+            v = tree(v, ctx, i)  # tensor or array leaves; raises for anything else
         before = len(buf)
         try:
             _ENCODER.encode_into(v, buf, -1)
@@ -548,3 +557,77 @@ def _not_plain(v: Any) -> type | None:
                     return bad
         return None
     return t
+
+
+def tree(v: Any, ctx: _Ctx, sample: int, path: tuple[Any, ...] = ()) -> Any:
+    """``v`` (a sample's value, or the part of it at ``path``) with each tensor and array
+    leaf made a MessagePack extension; a :class:`FieldTypeError` names the field, sample and
+    path of anything else that is not a plain value, and of lists or dicts nested past
+    :data:`MAX_DEPTH`."""
+    t = type(v)
+    if t in _PLAIN:
+        return v
+    if t is list or t is dict:
+        if len(path) == MAX_DEPTH:
+            raise FieldTypeError(
+                f"{ctx.where(sample)} nests lists and dicts deeper than {MAX_DEPTH}{_at(path)}; "
+                f"a value that holds tensors or arrays may nest at most {MAX_DEPTH} deep"
+            )
+        if t is list:
+            return [x if type(x) in _PLAIN else tree(x, ctx, sample, (*path, k)) for k, x in enumerate(v)]
+        out = {}
+        for k, x in v.items():
+            if type(k) not in _KEYS:
+                raise FieldTypeError(
+                    f"{ctx.where(sample)} has a key of type {_qualname(type(k))}{_at(path)}; "
+                    f"dict keys are str or int"
+                )
+            out[k] = x if type(x) in _PLAIN else tree(x, ctx, sample, (*path, k))
+        return out
+    if isinstance(v, torch.Tensor):
+        if v.is_nested or v.layout != torch.strided or v.dtype not in DTYPE_NAMES:
+            raise FieldTypeError(
+                f"{ctx.where(sample)} holds a tensor of dtype {v.dtype} and layout {v.layout}"
+                f"{_at(path)}, which cannot travel"
+            )
+        buf, dtype, shape, _ = _tensor_bytes(v, ctx, sample)  # a CUDA tensor: copied here
+        return _leaf(EXT_TENSOR, dtype, shape, buf, ctx, sample, path)
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind not in "biufcmM" or v.dtype.fields is not None:
+            raise FieldTypeError(
+                f"{ctx.where(sample)} holds a numpy array of dtype {v.dtype}{_at(path)}, "
+                f"which cannot travel (numeric and datetime arrays can)"
+            )
+        buf, dtype, shape, _ = _array_bytes(v, ctx, sample)
+        return _leaf(EXT_NDARRAY, dtype, shape, buf, ctx, sample, path)
+    raise FieldTypeError(
+        f"{ctx.where(sample)} holds a value of type {_qualname(t)}{_at(path)}, which the "
+        f"wire cannot carry; plain values are str, bytes, int, float, bool, None and lists/dicts "
+        f"of these, with tensors and numpy arrays as leaves"
+    )
+
+
+def _leaf(
+    code: int, dtype: str, shape: tuple[int, ...], raw: memoryview, ctx: _Ctx, sample: int, path: tuple[Any, ...]
+) -> msgspec.msgpack.Ext:
+    head = _ENCODER.encode((dtype, shape))
+    at = LEAF_HEAD.size + len(head)
+    if at + raw.nbytes >= 1 << 32:
+        raise FieldTypeError(
+            f"{ctx.where(sample)} holds a leaf of {raw.nbytes} bytes{_at(path)}; the leaves of a "
+            f"nested value are under 4 GiB each (put it as a field of its own)"
+        )
+    data = bytearray(at + raw.nbytes)
+    LEAF_HEAD.pack_into(data, 0, len(head))
+    data[LEAF_HEAD.size : at] = head
+    data[at:] = raw
+    return msgspec.msgpack.Ext(code, data)
+
+
+def _at(path: tuple[Any, ...]) -> str:
+    """Where in a sample's value: `` at ['pixel_values'][2]``, nothing for the value itself."""
+    return " at " + "".join(f"[{k!r}]" for k in path) if path else ""
+
+
+def _qualname(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
