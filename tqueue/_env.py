@@ -13,6 +13,8 @@
 ``TQUEUE_BULK``             0: keep all payload on ZeroMQ, never on the units' bulk streams
 ``TQUEUE_BULK_LANES``       bulk streams one big transfer is split over
 ``TQUEUE_PACK_INTS``        0: send integer fields in their own dtype, never narrowed
+``TQUEUE_DISCOVERY_TIMEOUT`` seconds a Ray worker waits for its job's cluster to be
+                          registered (``tqueue.ray.address``, the transfer_queue shim's ``init()``)
 """
 
 from __future__ import annotations
@@ -33,3 +35,7 @@ def number(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def discovery_timeout() -> float:
+    return number("TQUEUE_DISCOVERY_TIMEOUT", 60.0)

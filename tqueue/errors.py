@@ -23,6 +23,8 @@
     ├── AuthenticationError             (also PermissionError) a server refused this peer's
     │                                   CurveZMQ handshake: keys missing, not admitted, or
     │                                   another cluster's
+    ├── DiscoveryError                  (also LookupError) no cluster is registered where the
+    │                                   look-up went (a Ray job's named actor); says where
     ├── EngineError                     an inference engine failed a request (the rollout
     │                                   bridges); says whether a retry is worth it
     └── RemoteError                     a server failed on a well-formed request
@@ -43,6 +45,7 @@ __all__ = [
     "CODES",
     "ControllerUnavailableError",
     "DataLostError",
+    "DiscoveryError",
     "EngineError",
     "FieldTypeError",
     "ForkedClientError",
@@ -193,6 +196,13 @@ class EngineError(TQueueError):
         self.report: Any = None
 
 
+class DiscoveryError(TQueueError, LookupError):
+    """No cluster is registered where the look-up went (on Ray, the job's named actor); the
+    message says where it looked and for how long."""
+
+    code = "discovery"
+
+
 class RemoteError(TQueueError):
     """A server failed while handling a well-formed request; its message is passed on."""
 
@@ -219,6 +229,7 @@ CODES: dict[str, type[TQueueError]] = {
         PermissionDeniedError,
         AuthenticationError,
         ForkedClientError,
+        DiscoveryError,
         EngineError,
         RemoteError,
     )

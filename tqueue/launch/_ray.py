@@ -6,7 +6,10 @@ stdin closes), and Ray places the actor, so the server runs on the node Ray chos
 round-robin over the alive nodes that have every resource of ``resources`` (a filter, e.g.
 ``{"tqueue": 1}`` for nodes given a custom resource), or into the bundles of a placement group.
 The controller's address comes back; clients connect to it from any process, in Ray or not.
-Only this module imports Ray.
+``start`` also registers the cluster for its Ray job (a light named actor, ``_discovery.py``):
+any process of the job finds it with ``address()`` or ``connect()``, with no address passed
+around; another job on the same Ray cluster finds its own. Only this module and
+``_discovery.py`` call Ray.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import _env
 from .._extras import require
+from . import _discovery
 from ._local import controller_flags, unit_flags
 from ._serve import READY
 
@@ -69,9 +74,13 @@ class RayCluster:
     controller: dict[str, Any]
     units: list[dict[str, Any]]
     actors: list[Any]
+    registry: list[Any] = dataclasses.field(default_factory=list)
 
     def stop(self) -> None:
         ray = _ray()
+        for actor in self.registry:  # no later look-up finds a cluster that is stopping
+            ray.kill(actor)
+        self.registry.clear()
         for actor in reversed(self.actors):  # units first
             try:
                 ray.get(actor.stop.remote(), timeout=60)
@@ -96,6 +105,7 @@ def start(
     storage: Mapping[str, Any] | None = None,
     bind_host: str = "",
     name: str = "tqueue",
+    register: bool = True,
 ) -> RayCluster:
     """Start a controller and ``num_storage_units`` units as Ray actors (``ray.init()`` first).
 
@@ -104,15 +114,21 @@ def start(
     bundle in order. ``controller_resources``: what the controller's actor asks for (e.g. a
     custom resource of the head node). ``controller`` / ``storage``: config options as for
     :class:`~tqueue.LocalCluster`. ``bind_host``: the servers' host (default: the node's
-    address as Ray knows it).
+    address as Ray knows it). ``register``: publish the cluster for this Ray job under
+    ``name`` (``address(name=...)`` and ``connect(name=...)`` find it); a second ``start`` of
+    the same name in one job raises ``ValueError`` before it starts anything.
     """
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     if num_storage_units < 1:
         raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
+    if register and _discovery.find(ray, name=name) is not None:
+        raise ValueError(f"a tqueue cluster named {name!r} is registered for this Ray job already: "
+                         "stop it, or give this one another name")
     remote = ray.remote(num_cpus=0)(ServerActor)
     actors: list[Any] = []
+    registry: list[Any] = []
     try:
         ctl_opts: dict[str, Any] = {"name": f"{name}-controller"}
         if controller_resources:
@@ -121,6 +137,7 @@ def start(
         actors.append(ctl)
         ctl_facts = ray.get(ctl.info.remote(), timeout=120)
         address = ctl_facts["address"]
+        strategies: list[Any]
         if placement_group is not None:
             bundles = placement_group.bundle_count
             strategies = [PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i % bundles)
@@ -140,11 +157,34 @@ def start(
             actors.append(actor)
             units.append(actor)
         unit_facts = ray.get([u.info.remote() for u in units], timeout=120)
+        if register:
+            registry = _discovery.publish(ray, address, {"address": address, "units": len(units)}, name=name)
     except BaseException:
-        for actor in reversed(actors):
+        for actor in [*registry, *reversed(actors)]:
             ray.kill(actor)
         raise
-    return RayCluster(address=address, controller=ctl_facts, units=unit_facts, actors=actors)
+    return RayCluster(address=address, controller=ctl_facts, units=unit_facts, actors=actors, registry=registry)
 
 
-__all__ = ["RayCluster", "ServerActor", "start"]
+def address(*, name: str = "tqueue", timeout: float | None = None) -> str:
+    """The address of the cluster this Ray job registered under ``name`` (``start``), waited
+    for up to ``timeout`` seconds (default ``TQUEUE_DISCOVERY_TIMEOUT``, 60: a worker may
+    start before the cluster does); raises
+    :class:`~tqueue.DiscoveryError`, saying where it looked, where none is registered by then
+    or where this process is not connected to Ray."""
+    ray = _ray()
+    if not ray.is_initialized():
+        raise _discovery.DiscoveryError("tqueue.ray.address() looks in the Ray job of this process, which is "
+                                        "not connected to Ray: call ray.init() first, or pass the address")
+    wait = _env.discovery_timeout() if timeout is None else timeout
+    return str(_discovery.lookup(ray, name=name, timeout=wait)["address"])
+
+
+def connect(*, name: str = "tqueue", timeout: float | None = None, config: Any = None) -> Any:
+    """A :class:`~tqueue.Client` of the cluster this Ray job registered (``address``)."""
+    from ..client import Client
+
+    return Client(address(name=name, timeout=timeout), config=config)
+
+
+__all__ = ["RayCluster", "ServerActor", "address", "connect", "start"]

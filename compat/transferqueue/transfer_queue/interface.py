@@ -1,12 +1,27 @@
 """TransferQueue's module-level API: ``init``/``close``, ``get_client``, the metrics endpoint,
 the KV calls and checkpoints.
 
-``init(conf)`` in the first process starts a tqueue cluster on this host (a controller and
-``backend.SimpleStorage.num_data_storage_units`` storage units, ``tqueue.LocalCluster``), records
-its address in ``conf.controller.zmq_info`` and in the environment variable ``TQUEUE_ADDRESS``,
-which the processes it starts afterwards inherit: ``init()`` there attaches to that cluster
-(Ray's named-actor discovery is not used). ``init(conf)`` with ``controller.zmq_info`` set
-attaches to that address.
+How ``init`` finds the job's cluster, in this order:
+
+1. ``init(conf)`` with ``controller.zmq_info`` set, or ``TQUEUE_ADDRESS`` in the environment:
+   attach to that address.
+2. Where this process is connected to Ray (a driver after ``ray.init``, or any Ray worker):
+   the cluster registered for this Ray job, in the named actor ``TransferQueueController``
+   (namespace ``transfer_queue``; ``tqueue/launch/_discovery.py``), whose ``get_config``
+   answers as TransferQueue's does. ``init()`` without a conf in a Ray worker waits for it up
+   to ``TQUEUE_DISCOVERY_TIMEOUT`` seconds (60), then raises ``tqueue.DiscoveryError`` saying
+   where it looked: it never starts a cluster of its own there, whose puts nobody would read.
+3. Otherwise start a cluster (a controller and ``backend.SimpleStorage.num_data_storage_units``
+   storage units, ``tqueue.LocalCluster``, on loopback, or on the Ray node's address where Ray
+   has more than one node), record its
+   address in ``conf.controller.zmq_info`` and ``TQUEUE_ADDRESS`` (for the processes this one
+   starts), and, on Ray, register it for the job. Two processes of one job that start at once:
+   the second to register stops its cluster and attaches to the first's.
+
+Each Ray job registers under its own actor name as well (``TransferQueueController.<job id>``),
+which is the one look-ups read, so two jobs on one Ray cluster each find their own; the plain
+name goes to the first job that takes it. The actor dies with the process that started the
+cluster; clients that attached keep their address and go on if it is killed.
 """
 
 from __future__ import annotations
@@ -24,6 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 import tqueue
+from tqueue import _env
+from tqueue.launch import _discovery
 from transfer_queue import _kv
 from transfer_queue._errors import refused
 from transfer_queue._kv import SHIM_PARTITION
@@ -34,9 +51,11 @@ from transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSam
 logger = logging.getLogger(__name__)
 
 ADDRESS_ENV = "TQUEUE_ADDRESS"
+RAY_NAME = "TransferQueueController"  # TransferQueue's own actor name and namespace
+RAY_NAMESPACE = "transfer_queue"
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"config": None, "cluster": None, "client": None}
+_state: dict[str, Any] = {"config": None, "cluster": None, "client": None, "registry": []}
 
 
 def _defaults() -> DictConfig:
@@ -103,17 +122,11 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
         settings = _sampler_settings(sampler if sampler is not None else config.controller.sampler)
         settings["polling_mode"] = bool(config.controller.polling_mode)
         address = config.controller.zmq_info or os.environ.get(ADDRESS_ENV)
+        ray = _discovery.ray_if_running()
+        if not address and ray is not None:
+            address = _registered(ray, wait=conf is None and _discovery.in_ray_worker(ray))
         if not address:
-            options: dict[str, Any] = {"policies": policies} if policies else {}
-            if config.metrics.enabled:
-                options["metrics_port"] = int(config.metrics.port)
-            cluster = tqueue.LocalCluster(
-                num_storage_units=int(config.backend.SimpleStorage.num_data_storage_units),
-                controller=options or None,
-            ).start()
-            _state["cluster"] = cluster
-            address = os.environ[ADDRESS_ENV] = cluster.address
-            logger.info("transfer_queue: started a tqueue cluster at %s", address)
+            address = _start_cluster(config, policies, ray)
         elif policies:
             logger.warning(
                 "transfer_queue: controller.policies %s are for a cluster init starts; the one at %s is running "
@@ -135,9 +148,57 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
         return config
 
 
+def _registered(ray: Any, *, wait: bool) -> str | None:
+    """The address of the cluster registered for this Ray job; waited for where ``wait``."""
+    if wait:
+        found = _discovery.lookup(ray, name=RAY_NAME, namespace=RAY_NAMESPACE, timeout=_env.discovery_timeout())
+    else:
+        found = _discovery.find(ray, name=RAY_NAME, namespace=RAY_NAMESPACE)
+    if found is None:
+        return None
+    logger.info("transfer_queue: attaching to the Ray job's cluster at %s", found["address"])
+    return str(found["address"])
+
+
+def _start_cluster(config: DictConfig, policies: list[str], ray: Any) -> str:
+    """Start this job's cluster (registered on Ray where Ray runs); its address."""
+    options: dict[str, Any] = {"policies": policies} if policies else {}
+    if config.metrics.enabled:
+        options["metrics_port"] = int(config.metrics.port)
+    host = _discovery.serving_host(ray)
+    cluster = tqueue.LocalCluster(
+        num_storage_units=int(config.backend.SimpleStorage.num_data_storage_units),
+        controller=options or None, host=host,
+    ).start()
+    _state["cluster"] = cluster
+    if ray is not None:
+        # get_config answers as TransferQueue's: the job's config (a DictConfig), address filled in
+        record = OmegaConf.merge(config, {"controller": {"zmq_info": cluster.address}})
+        try:
+            _state["registry"] = _discovery.publish(
+                ray, cluster.address, record, name=RAY_NAME, namespace=RAY_NAMESPACE, plain=True
+            )
+        except ValueError:  # another process of this job registered first: use its cluster
+            _stop_cluster()
+            found = _registered(ray, wait=False)
+            if found is None:
+                raise
+            return found
+        except BaseException:
+            _stop_cluster()
+            raise
+    os.environ[ADDRESS_ENV] = cluster.address
+    logger.info("transfer_queue: started a tqueue cluster at %s", cluster.address)
+    return cluster.address
+
+
 def _stop_cluster() -> None:
     cluster = _state["cluster"]
     _state["cluster"] = None
+    registry, _state["registry"] = _state["registry"], []
+    ray = _discovery.ray_if_running()
+    for actor in registry if ray is not None else ():
+        ray.kill(actor)
     if cluster is not None:
         if os.environ.get(ADDRESS_ENV) == cluster.address:
             del os.environ[ADDRESS_ENV]
