@@ -125,12 +125,71 @@ def test_init_refuses_sampler_objects_and_other_backends() -> None:
         "for conf in ({'controller': {'sampler': Mine()}}, {'backend': {'storage_backend': 'MooncakeStore'}}):\n"
         "    try:\n"
         "        tq.init(conf)\n"
-        "    except NotImplementedError as e:\n"
+        "    except (NotImplementedError, TypeError) as e:\n"
         "        print(type(e).__name__, e)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "NotSupportedError a sampler object (Mine) pickled into the controller" in done.stdout, done.stdout + done.stderr
+    # a class with no file to import it from cannot reach the controller
+    assert "TypeError sampler Mine is defined in an interactive session" in done.stdout, done.stdout + done.stderr
     assert "NotSupportedError storage backend 'MooncakeStore'" in done.stdout, done.stdout + done.stderr
+
+
+USER_SAMPLER = """
+import sys
+import numpy as np
+import torch
+from tensordict import TensorDict
+import transfer_queue as tq
+
+
+class HighestScore(tq.BaseSampler):
+    def __init__(self, keep=0):
+        super().__init__()
+        self.keep = keep
+
+    def sample(self, ready_indexes, batch_size, *args, scores=None, **kwargs):
+        order = np.argsort(-np.asarray(scores)[ready_indexes], kind="stable")[:batch_size]
+        chosen = sorted(ready_indexes[i] for i in order)
+        return chosen, chosen
+
+
+if __name__ == "__main__":
+    sampler = HighestScore()
+    sampler.keep = 3  # attributes travel as JSON
+    tq.init({"controller": {"sampler": sampler}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    client = tq.get_client()
+    client.put(TensorDict({"x": torch.arange(6).view(6, 1)}, batch_size=[6]), partition_id="p")
+    meta = client.get_meta(["x", "x"], 2, "p", task_name="t", sampling_config={"scores": np.array([0, 9, 1, 8, 2, 3])})
+    print("chosen", meta.global_indexes, meta.field_names)
+    try:
+        tq.close()
+        tq.init({"controller": {"zmq_info": sys.argv[1]}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    except Exception as e:
+        print("unexpected", e)
+    tq.close()
+    import os
+    os.environ.pop("TQUEUE_ADDRESS", None)
+    try:
+        tq.init({"controller": {"sampler": sampler, "zmq_info": sys.argv[1]}})
+    except NotImplementedError as e:
+        print(type(e).__name__, e)
+"""
+
+
+def test_a_sampler_of_ones_own_runs_in_the_controller_init_starts(shim: Any, tmp_path: Any) -> None:
+    """A BaseSampler subclass defined in a script: the controller imports the script's class,
+    gets its attributes as JSON and calls sample() with sampling_config; a cluster that is
+    running already cannot be given one."""
+    script = tmp_path / "mine.py"
+    script.write_text(USER_SAMPLER)
+    env = {k: v for k, v in os.environ.items() if k != "TQUEUE_ADDRESS"}
+    address = shim.get_client()._client.address
+    done = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, timeout=120, env=env)
+    assert "chosen [1, 3] ['x']" in done.stdout, done.stdout + done.stderr  # the highest scores; a field named twice read once
+    assert "unexpected" not in done.stdout, done.stdout
+    assert f"NotSupportedError a sampler of your own (transfer_queue_sampler) for the cluster at {address}" in done.stdout, (
+        done.stdout + done.stderr
+    )
 
 
 def test_a_child_process_attaches_with_init(shim: Any) -> None:

@@ -185,6 +185,7 @@ class TransferQueueClient:
         polling mode or not (the streaming dataset waits so rather than asking again and
         again)."""
         _check_mode(mode, task_name)
+        data_fields = list(dict.fromkeys(data_fields))  # a field named twice is read once, as TransferQueue does
         if mode == "insert":
             return self._insert(list(data_fields), batch_size, partition_id)
         settings = self.settings()

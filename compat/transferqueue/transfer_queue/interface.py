@@ -46,7 +46,7 @@ from transfer_queue._errors import refused
 from transfer_queue._kv import SHIM_PARTITION
 from transfer_queue.client import TransferQueueClient, _no_parser
 from transfer_queue.metadata import KVBatchMeta
-from transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler
+from transfer_queue.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler, _policy
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ def _defaults() -> DictConfig:
 
 
 POLICY_PREFIX = "tqueue:"
+USER_SAMPLER = "transfer_queue_sampler"  # the policy name a user's BaseSampler subclass gets
 
 
 def _sampler_settings(sampler: Any) -> dict[str, Any]:
@@ -94,10 +95,8 @@ def _sampler_settings(sampler: Any) -> dict[str, Any]:
         n = int(getattr(sampler, "n_samples_per_prompt", 1)) if not isinstance(sampler, (str, type)) else 1
         return {"sampler": "seqlen_balanced", "dp_size": dp_size, "group_size": n}
     if isinstance(sampler, BaseSampler) or (isinstance(sampler, type) and issubclass(sampler, BaseSampler)):
-        raise refused(
-            f"a sampler object ({name}) pickled into the controller",
-            "write it as a tqueue batch policy and load it by name (ControllerConfig.policies, docs/migrating.md)",
-        )
+        # the user's own sampler: imported by path in the controller init starts (sampler/_policy.py)
+        return {"sampler": "policy", "policy": USER_SAMPLER, "spec": _policy.spec(sampler, USER_SAMPLER)}
     raise ValueError(f"controller.sampler: unknown sampler {sampler!r}")
 
 
@@ -121,12 +120,19 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
             raise refused(f"storage backend {backend!r}", "tqueue stores payload in its own storage units (SimpleStorage)")
         settings = _sampler_settings(sampler if sampler is not None else config.controller.sampler)
         settings["polling_mode"] = bool(config.controller.polling_mode)
+        user_sampler = settings.pop("spec", None)
         address = config.controller.zmq_info or os.environ.get(ADDRESS_ENV)
         ray = _discovery.ray_if_running()
         if not address and ray is not None:
             address = _registered(ray, wait=conf is None and _discovery.in_ray_worker(ray))
+        if address and user_sampler:
+            raise refused(
+                f"a sampler of your own ({settings['policy']}) for the cluster at {address}, which is running already",
+                "give it to the init() that starts the cluster, or load it into that controller as a tqueue "
+                "batch policy (tqueue controller --policy NAME=MODULE:ATTR, docs/migrating.md)",
+            )
         if not address:
-            address = _start_cluster(config, policies, ray)
+            address = _start_cluster(config, [*policies, *([user_sampler] if user_sampler else [])], ray)
         elif policies:
             logger.warning(
                 "transfer_queue: controller.policies %s are for a cluster init starts; the one at %s is running "
