@@ -27,7 +27,8 @@ NEXT = "train/step-4"
 
 def samples(first: int, n: int) -> list[dict]:
     """Fields of every kind a put takes: small int64 (narrowed on the wire), bf16 jagged,
-    fp8, bool, objects, and 64 KiB of bytes (its own frame, through the arena for the shm client)."""
+    fp8, bool, objects, nested values with tensor leaves (None in some samples), and 64 KiB of
+    bytes (its own frame, through the arena for the shm client)."""
     g = torch.Generator().manual_seed(first)
     return [
         {
@@ -36,6 +37,7 @@ def samples(first: int, n: int) -> list[dict]:
             "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
             "ok": torch.tensor([i % 2 == 0, True]),
             "obj": {"i": i, "text": "é" * (i % 3), "ids": list(range(i % 4))},
+            "mm": None if i % 3 == 0 else {"pixels": torch.randn(i % 4, 3, generator=g).to(torch.bfloat16), "grid": [[1, i]]},
             "big": torch.randint(0, 255, (64 << 10,), dtype=torch.uint8, generator=g),
         }
         for i in range(first, first + n)
@@ -47,6 +49,8 @@ def same(a: object, b: object) -> bool:
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -96,13 +100,13 @@ def test_a_checkpoint_comes_back_bit_exact_in_a_cluster_of_another_size(tmp_path
         assert step.tasks["a"].consumed == 16 and step.tasks["b"].leased == 0 and step.tasks["b"].consumed == 0
         assert status.version == 3 and status.admission_limit == (3 + 2 + 1) * 32
         # task a reads exactly the half it had not consumed, and nothing more
-        rest = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "big"], 16, task="a", timeout=10)
+        rest = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big"], 16, task="a", timeout=10)
         assert sorted(rest.indexes) == sorted(set(written) - set(half.indexes))
         check(c, rest, written)
         with pytest.raises(tqueue.errors.WaitTimeoutError):
             c.get_meta(STEP, ["x"], 1, task="a", timeout=0.5)
         # task b's lease came back ready: it reads all 32
-        every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "big"], 32, task="b", timeout=10)
+        every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big"], 32, task="b", timeout=10)
         check(c, every, written)
         assert len(set(every.units)) >= 2  # two old units' payload, spread over the new ones
         assert sorted(every.groups) == sorted(f"g{i // 2}" for i in range(32))
@@ -145,14 +149,14 @@ def test_the_files_are_read_by_pyarrow_alone(tmp_path: pathlib.Path, client: tqu
     assert values == {i: ([float(i), float(i + 1)], [2]) for i in range(5)}
 
 
-def test_loading_refuses_what_is_not_a_fresh_cluster_or_a_checkpoint(tmp_path: pathlib.Path, client: tqueue.Client) -> None:
+def test_loading_refuses_a_clash_and_what_is_not_a_checkpoint(tmp_path: pathlib.Path, client: tqueue.Client) -> None:
     with pytest.raises(InvalidArgumentError, match="no checkpoint in .*manifest.json is not there"):
         client.load_checkpoint(tmp_path / "nothing")
     with pytest.raises(InvalidArgumentError, match="checkpoint metadata must be JSON .*bytes"):
         client.save_checkpoint(tmp_path, metadata={"k": b"raw"})
     client.put(f"fresh/{tmp_path.name}", {"x": torch.zeros(1, 2)})
     client.save_checkpoint(tmp_path, metadata=[1])
-    with pytest.raises(InvalidArgumentError, match="load_checkpoint needs a cluster without partitions; this one has"):
+    with pytest.raises(InvalidArgumentError, match=r"load_checkpoint: \d+ of the checkpoint's partitions exist in this cluster .*replace=True"):
         client.load_checkpoint(tmp_path)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     with tqueue.LocalCluster(num_storage_units=1) as fresh, tqueue.Client(fresh.address) as c:
@@ -224,3 +228,91 @@ def test_a_checkpoint_moves_between_clusters_with_auth_on(tmp_path: pathlib.Path
         got = c.get_meta("secure", ["x"], 4, task="t", timeout=10)
         assert got.indexes == meta.indexes
         assert c.get_data(got)["x"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+
+
+CK = "ck/prompts"  # in the checkpoint
+LIVE = "live/other"  # created after it
+
+
+def rows(first: int, n: int) -> list[dict]:
+    return [{"x": torch.arange(4, dtype=torch.float32) + first + i, "big": torch.full((16 << 10,), first + i, dtype=torch.uint8)}
+            for i in range(n)]
+
+
+def serves(c: tqueue.Client, partition: str, written: list[dict]) -> tqueue.BatchMeta:
+    """The partition's samples (read without a lease) are exactly ``written``, in index order."""
+    meta = c.select(partition, ["x", "big"])
+    assert meta.indexes == list(range(len(written)))
+    check(c, meta, dict(enumerate(written)))
+    return meta
+
+
+def unit_bytes(c: tqueue.Client) -> int:
+    return sum(u.nbytes for u in c.status().units)
+
+
+def test_a_checkpoint_loads_into_a_running_cluster_beside_its_partitions(tmp_path: pathlib.Path) -> None:
+    """A checkpoint of CK loads beside LIVE (made after it): LIVE untouched, its uid, bytes and
+    the trainer's version as they were; CK back by key under a uid no live partition has; a
+    live CK refuses the load, naming it, and nothing changes."""
+    ck_rows, live_rows = rows(0, 6), rows(100, 3)
+    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
+        meta = c.put(CK, ck_rows)
+        c.bind_keys(meta, [f"prompt-{i}" for i in range(6)])
+        c.set_version(2)
+        c.save_checkpoint(tmp_path, metadata={"step": 2})
+        c.set_version(4)
+        live = c.put(LIVE, live_rows)
+        with pytest.raises(InvalidArgumentError, match=r"1 of the checkpoint's partitions exist in this cluster \('ck/prompts'\)"):
+            c.load_checkpoint(tmp_path)
+        assert {(p.name, p.uid) for p in c.status().partitions} == {(CK, meta.partition_uid), (LIVE, live.partition_uid)}
+        serves(c, CK, ck_rows)
+        c.clear(CK)  # as verl's save/load round trip: clear the keys, then load into the running queue
+        assert c.load_checkpoint(tmp_path) == {"step": 2}
+        status = c.status()
+        assert status.version == 4  # a running cluster keeps its trainer's state
+        uids = {p.name: p.uid for p in status.partitions}
+        assert uids[LIVE] == live.partition_uid and uids[CK] not in (live.partition_uid, meta.partition_uid)
+        assert serves(c, LIVE, live_rows).partition_uid == live.partition_uid
+        found = c.lookup_keys(CK, ["prompt-4", "prompt-1"], fields=["x", "big"])
+        assert found.indexes == [4, 1] and found.meta is not None and found.meta.partition_uid == uids[CK]
+        check(c, found.meta, dict(enumerate(ck_rows)))
+        loaded = serves(c, CK, ck_rows)
+        # a sample is (partition uid, index): none of the loaded ones is a live one's
+        assert not {(loaded.partition_uid, i) for i in loaded.indexes} & {(live.partition_uid, i) for i in live.indexes}
+        assert c.put(LIVE, rows(103, 1)).indexes == [3]  # both take puts and serve on
+        assert c.put(CK, rows(6, 1)).indexes == [6]
+        assert sorted(c.get_meta(CK, ["x"], 7, task="t", timeout=10).indexes) == list(range(7))
+
+
+def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_path: pathlib.Path) -> None:
+    """replace=True: a load that fails on a unit (a payload file damaged in place) leaves the
+    live CK and LIVE serving their bytes and nothing of the checkpoint on the units; one that
+    succeeds serves the checkpoint's bytes and frees the live CK's (the units' bytes back)."""
+    ck_rows, now_rows, live_rows = rows(0, 8), rows(50, 8), rows(100, 2)
+    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
+        assert len({u for half in (ck_rows[:4], ck_rows[4:]) for u in c.put(CK, half).units}) == 2
+        c.save_checkpoint(tmp_path)
+        c.clear(CK)
+        old = c.put(CK, now_rows)  # as many bytes as the checkpoint's
+        c.put(LIVE, live_rows)
+        before = unit_bytes(c)
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        files = [f for u in manifest["units"] for f in u["files"] if f["field"] == "big"]
+        assert len(files) == 2  # one on each unit: one loads, the other fails
+        damaged = tmp_path / manifest["generation"] / files[1]["path"]
+        data = damaged.read_bytes()
+        damaged.write_bytes(b"\0" * len(data))  # the size the manifest says, not an Arrow file
+        with pytest.raises(tqueue.errors.TQueueError):
+            c.load_checkpoint(tmp_path, replace=True)
+        assert {p.name: p.uid for p in c.status().partitions}[CK] == old.partition_uid
+        serves(c, CK, now_rows)
+        serves(c, LIVE, live_rows)
+        assert unit_bytes(c) == before  # what the other unit loaded was dropped
+        damaged.write_bytes(data)
+        c.load_checkpoint(tmp_path, replace=True)
+        serves(c, CK, ck_rows)
+        serves(c, LIVE, live_rows)
+        assert unit_bytes(c) == before  # the replaced partition's payload freed on the units
+        with pytest.raises(tqueue.errors.PartitionClearedError):
+            c.get_data(old)

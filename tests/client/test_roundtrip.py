@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.client.test_encode import nested_values, same
 from tqueue.client._encode import TORCH_DTYPES
 from tqueue.wire._layout import TORCH_ITEMSIZE
 
@@ -133,3 +134,22 @@ def test_update_across_units_keeps_each_sample_on_its_unit(any_client, partition
     got = any_client.get_data(any_client.get_meta(partition, ["x", "r"], n, task="train", timeout=10), ["x", "r"])
     assert got["r"].tolist() == [float(10 * i) for i in got.meta.indexes]
     assert got["x"].tolist() == got.meta.indexes
+
+
+def test_nested_values_with_tensor_leaves(any_client, partition):
+    """A multimodal field: per sample a dict of tensors, or None for a text-only sample, beside
+    ragged lists and numpy leaves; 64 KiB of pixels so the arena client stores it in its arena."""
+    values = nested_values()
+    values[0]["pixel_values"] = random_tensor((128, 256), "bfloat16", seed=4)
+    batch = roundtrip(any_client, partition, {"mm": values, "x": torch.arange(len(values))})
+    assert all(same(v, g) for v, g in zip(values, batch["mm"]))
+    got = batch["mm"][0]["pixel_values"]
+    got.add_(1)  # writable, and a copy: a second read sees the stored values
+    again = any_client.get_data(any_client.get_meta(partition, ["mm"], len(values), task="again", timeout=10))
+    assert same(values[0]["pixel_values"], again["mm"][0]["pixel_values"])
+
+
+def test_nested_leaves_count_toward_the_partition_bytes(client, partition):
+    client.put(partition, {"mm": [{"pv": torch.zeros(10_000)}, None], "x": torch.arange(2)})
+    status = next(p for p in client.status().partitions if p.name == partition)
+    assert 40_000 < status.nbytes < 40_000 + 1024
