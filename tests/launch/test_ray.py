@@ -80,3 +80,28 @@ def test_units_go_into_the_bundles_of_a_placement_group(ray_nodes):
                 assert len({u.unit_id for u in c.status().units}) == 2
     finally:
         remove_placement_group(pg)
+
+
+def test_every_process_of_the_job_finds_the_cluster_by_name(ray_nodes):
+    """A task of the job connects with no address (it may start before the cluster: it waits);
+    a second cluster of the same name is refused; once stopped, a look-up says where it looked."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def put_from_a_task(name: str) -> list[int]:
+        import torch
+
+        import tqueue.ray as tr
+
+        with tr.connect(name=name, timeout=60) as c:
+            c.put("by-name", {"x": torch.arange(3)})
+            return c.get_data("by-name", ["x"], 3, task="t", timeout=30)["x"].tolist()
+
+    early = put_from_a_task.remote("found")  # asks before the cluster is there
+    with tqueue.ray.start(1, bind_host="127.0.0.1", name="found") as cluster:
+        assert ray.get(early, timeout=120) == [0, 1, 2]
+        assert tqueue.ray.address(name="found") == cluster.address
+        with pytest.raises(ValueError, match="a tqueue cluster named 'found' is registered for this Ray job already"):
+            tqueue.ray.start(1, bind_host="127.0.0.1", name="found")
+    with pytest.raises(tqueue.DiscoveryError, match=r"looked for the Ray actor 'found\.[0-9a-f]+' in namespace 'tqueue' for 0\.2 s"):
+        tqueue.ray.address(name="found", timeout=0.2)

@@ -107,7 +107,10 @@ def find(ray: Any, *, name: str = NAME, namespace: str = NAMESPACE) -> dict[str,
         actor = ray.get_actor(job_name(ray, name), namespace=namespace)
     except ValueError:
         return None
-    address, config = ray.get([actor.get_address.remote(), actor.get_config.remote()], timeout=60)
+    try:
+        address, config = ray.get([actor.get_address.remote(), actor.get_config.remote()], timeout=60)
+    except ray.exceptions.RayActorError:  # killed, or its owner died, before Ray dropped its name
+        return None
     return {"address": address, "config": config}
 
 
