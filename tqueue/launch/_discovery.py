@@ -5,7 +5,9 @@ environment variable does not reach the actors a framework starts. The process t
 cluster publishes it instead, in a light actor (:class:`Registry`: an address and a config, no
 data) named after the Ray job, so that two jobs on one Ray cluster each find their own. The
 actor is owned by the process that published it (it is not detached): it dies with that
-process, and so with the cluster that process started. Clients hold the address once they
+process, and so with the cluster that process started. A cluster stopped in a process that
+goes on is withdrawn from its registry, which stays for that process's next cluster (Ray
+frees an actor's name only some time after it is killed). Clients hold the address once they
 have it: killing the actor stops later look-ups, not running clients.
 
 ``publish(address, config, name=..., namespace=...)`` registers; ``lookup(...)`` finds the
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 NAME = "tqueue"
 NAMESPACE = "tqueue"
 _FIRST_WAIT = 0.05
+_OWNED: dict[tuple[str, str], list[Any]] = {}  # the registries this process published, by (namespace, name)
 _LONGEST_WAIT = 1.0
 
 
@@ -37,14 +40,18 @@ class Registry:
     """The body of the registry actor: a job's cluster address and config, nothing else."""
 
     def __init__(self, address: str, config: Any, job_id: str) -> None:
-        self.address = address
+        self.address: str | None = address
         self.config = config
         self.job = job_id
+
+    def set(self, address: str | None, config: Any) -> None:
+        """A new cluster of the publishing process, or None: its cluster stopped."""
+        self.address, self.config = address, config
 
     def get_config(self) -> Any:
         return self.config
 
-    def get_address(self) -> str:
+    def get_address(self) -> str | None:
         return self.address
 
     def job_id(self) -> str:
@@ -86,19 +93,34 @@ def publish(ray: Any, address: str, config: Any, *, name: str = NAME, namespace:
     one that ``lookup`` reads. Raises ``ValueError`` where this job's name is taken (another
     process of the job published first)."""
     job = ray.get_runtime_context().get_job_id()
+    owned = _OWNED.get((namespace, job_name(ray, name)))
+    if owned is not None:  # this process's registry, withdrawn when its last cluster stopped
+        if find(ray, name=name, namespace=namespace) is not None:
+            raise ValueError(f"{job_name(ray, name)!r} holds a running cluster of this process")
+        ray.get([a.set.remote(address, config) for a in owned], timeout=60)
+        return owned
     remote = ray.remote(num_cpus=0)(Registry)
-    actor = remote.options(name=job_name(ray, name), namespace=namespace).remote(address, config, job)
-    ray.get(actor.get_address.remote(), timeout=60)
+    actors = [remote.options(name=job_name(ray, name), namespace=namespace).remote(address, config, job)]
+    ray.get(actors[0].get_address.remote(), timeout=60)
     if plain:
         try:
             alias = remote.options(name=name, namespace=namespace).remote(address, config, job)
             ray.get(alias.get_address.remote(), timeout=60)
-            return [actor, alias]
+            actors.append(alias)
         except ValueError:
             log.info("Ray actor %r in namespace %r belongs to another job; this job's is %r",
                      name, namespace, job_name(ray, name))
+    _OWNED[(namespace, job_name(ray, name))] = actors
     log.info("cluster %s registered on Ray as %r (namespace %r)", address, job_name(ray, name), namespace)
-    return [actor]
+    return actors
+
+
+def withdraw(ray: Any, actors: list[Any]) -> None:
+    """Say in ``publish``'s registry that its cluster stopped (a look-up then finds none)."""
+    try:
+        ray.get([a.set.remote(None, None) for a in actors], timeout=60)
+    except ray.exceptions.RayActorError:  # killed meanwhile: nobody finds it either
+        pass
 
 
 def find(ray: Any, *, name: str = NAME, namespace: str = NAMESPACE) -> dict[str, Any] | None:
@@ -110,6 +132,8 @@ def find(ray: Any, *, name: str = NAME, namespace: str = NAMESPACE) -> dict[str,
     try:
         address, config = ray.get([actor.get_address.remote(), actor.get_config.remote()], timeout=60)
     except ray.exceptions.RayActorError:  # killed, or its owner died, before Ray dropped its name
+        return None
+    if address is None:  # withdrawn: the cluster stopped
         return None
     return {"address": address, "config": config}
 
@@ -137,4 +161,4 @@ def lookup(ray: Any, *, timeout: float, name: str = NAME, namespace: str = NAMES
 
 
 __all__ = ["NAME", "NAMESPACE", "DiscoveryError", "Registry", "find", "in_ray_worker", "job_name", "lookup",
-           "publish", "ray_if_running", "serving_host"]
+           "publish", "ray_if_running", "serving_host", "withdraw"]

@@ -78,8 +78,7 @@ class RayCluster:
 
     def stop(self) -> None:
         ray = _ray()
-        for actor in self.registry:  # no later look-up finds a cluster that is stopping
-            ray.kill(actor)
+        _discovery.withdraw(ray, self.registry)  # no later look-up finds a cluster that is stopping
         self.registry.clear()
         for actor in reversed(self.actors):  # units first
             try:
@@ -160,7 +159,9 @@ def start(
         if register:
             registry = _discovery.publish(ray, address, {"address": address, "units": len(units)}, name=name)
     except BaseException:
-        for actor in [*registry, *reversed(actors)]:
+        if registry:
+            _discovery.withdraw(ray, registry)
+        for actor in reversed(actors):
             ray.kill(actor)
         raise
     return RayCluster(address=address, controller=ctl_facts, units=unit_facts, actors=actors, registry=registry)

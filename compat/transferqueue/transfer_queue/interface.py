@@ -203,8 +203,8 @@ def _stop_cluster() -> None:
     _state["cluster"] = None
     registry, _state["registry"] = _state["registry"], []
     ray = _discovery.ray_if_running()
-    for actor in registry if ray is not None else ():
-        ray.kill(actor)
+    if registry and ray is not None:
+        _discovery.withdraw(ray, registry)
     if cluster is not None:
         if os.environ.get(ADDRESS_ENV) == cluster.address:
             del os.environ[ADDRESS_ENV]
