@@ -151,3 +151,18 @@ def test_after_a_unit_punches_its_arena_writes_and_reads_use_its_pages_not_locke
                 got = c.get_data(part, ["x"], 64, task="t", device="cuda", timeout=60)["x"]
                 assert torch.equal(got, x), f"round {round_}: read {got.flatten()[:4].tolist()}"
                 c.clear(part)
+
+
+def test_cuda_leaves_of_nested_values_come_back_on_the_host_exact(cluster, partition):
+    """A nested value's CUDA leaf is copied to the host at put (waited for there: its bytes
+    go into the value's MessagePack at once), and comes back a host tensor."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    pixels = torch.randn(3, 1 << 16, device="cuda", generator=g).to(torch.bfloat16)[:, ::2]  # not contiguous
+    values = [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 3]], device="cuda")}, None]
+    with tqueue.Client(cluster.address, config=tqueue.ClientConfig(request_timeout=30)) as c:
+        c.put(partition, {"mm": values})
+        got = c.get_data(partition, ["mm"], 2, task="t", timeout=30)["mm"]
+    assert got[1] is None
+    assert got[0]["pixel_values"].device.type == "cpu" and got[0]["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(got[0]["pixel_values"], pixels.cpu())
+    assert got[0]["image_grid_thw"].tolist() == [[1, 2, 3]]

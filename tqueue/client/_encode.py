@@ -617,11 +617,7 @@ def _leaf(
             f"{ctx.where(sample)} holds a leaf of {raw.nbytes} bytes{_at(path)}; the leaves of a "
             f"nested value are under 4 GiB each (put it as a field of its own)"
         )
-    data = bytearray(at + raw.nbytes)
-    LEAF_HEAD.pack_into(data, 0, len(head))
-    data[LEAF_HEAD.size : at] = head
-    data[at:] = raw
-    return msgspec.msgpack.Ext(code, data)
+    return msgspec.msgpack.Ext(code, b"".join((LEAF_HEAD.pack(len(head)), head, raw)))
 
 
 def _at(path: tuple[Any, ...]) -> str:
