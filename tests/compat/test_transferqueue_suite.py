@@ -41,7 +41,7 @@ def _wheel() -> Path:
 
 @pytest.fixture(scope="module")
 def tq_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """TransferQueue's tests/ and tutorial/, unpacked without its transfer_queue package."""
+    """TransferQueue's tests/, tutorial/ and recipe/, unpacked without its transfer_queue package."""
     import transfer_queue
 
     if getattr(transfer_queue, "BACKEND", "") != "tqueue":
@@ -51,7 +51,7 @@ def tq_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         )
     root = tmp_path_factory.mktemp("transferqueue")
     with zipfile.ZipFile(_wheel()) as wheel:
-        members = [m for m in wheel.namelist() if m.startswith(("tests/", "tutorial/"))]
+        members = [m for m in wheel.namelist() if m.startswith(("tests/", "tutorial/", "recipe/"))]
         wheel.extractall(root, members)
     (root / "pytest.ini").write_text("[pytest]\n")
     shutil.copy(HERE / "tq_conftest.py", root / "tests" / "conftest.py")

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 NAME = "tqueue"
 NAMESPACE = "tqueue"
 _FIRST_WAIT = 0.05
-_OWNED: dict[tuple[str, str], list[Any]] = {}  # the registries this process published, by (namespace, name)
+_OWNED: dict[tuple[str, str, str], list[Any]] = {}  # this process's registries, by (Ray cluster, namespace, name)
 _LONGEST_WAIT = 1.0
 
 
@@ -93,7 +93,8 @@ def publish(ray: Any, address: str, config: Any, *, name: str = NAME, namespace:
     one that ``lookup`` reads. Raises ``ValueError`` where this job's name is taken (another
     process of the job published first)."""
     job = ray.get_runtime_context().get_job_id()
-    owned = _OWNED.get((namespace, job_name(ray, name)))
+    key = (ray.get_runtime_context().gcs_address, namespace, job_name(ray, name))  # a new Ray cluster reuses job ids
+    owned = _OWNED.get(key)
     if owned is not None:  # this process's registry, withdrawn when its last cluster stopped
         if find(ray, name=name, namespace=namespace) is not None:
             raise ValueError(f"{job_name(ray, name)!r} holds a running cluster of this process")
@@ -110,7 +111,7 @@ def publish(ray: Any, address: str, config: Any, *, name: str = NAME, namespace:
         except ValueError:
             log.info("Ray actor %r in namespace %r belongs to another job; this job's is %r",
                      name, namespace, job_name(ray, name))
-    _OWNED[(namespace, job_name(ray, name))] = actors
+    _OWNED[key] = actors
     log.info("cluster %s registered on Ray as %r (namespace %r)", address, job_name(ray, name), namespace)
     return actors
 
