@@ -320,3 +320,24 @@ def leaf_bytes(dtype, shape, raw, code=EXT_TENSOR):
 def test_a_hostile_leaf_is_a_protocol_error_before_any_allocation(sample, match):
     with pytest.raises(ProtocolError, match=match):
         _DECODER.decode(sample)
+
+
+def test_a_batch_with_a_hostile_leaf_names_its_position():
+    """Assembly decodes a run of samples in one call; a bad leaf among them is then named
+    by the batch position of its sample."""
+    from tqueue._memory import BufferPool
+    from tqueue.client._ask import Options
+    from tqueue.client._assemble import Part, assemble_field
+    from tqueue.wire import BatchMeta
+
+    out = enc({"mm": [None, {"t": torch.ones(2)}, "x"]})
+    block = out.blocks[0]
+    raw = bytearray(b"".join(bytes(b) for b in out.buffers))
+    bad = raw[: block.sizes[0] + block.sizes[1]].rfind(torch.ones(2).numpy().tobytes())
+    raw[bad - 1] ^= 0x7F  # the shape entry of the leaf's header: its bytes no longer agree
+    block.counts = [3]
+    meta = BatchMeta(partition="p", partition_uid=1, indexes=[0, 1, 2], units=[0, 0, 0], fields=["mm"],
+                     schema={"mm": block.spec})
+    part = Part(positions=np.arange(3), blocks={"mm": (block, [np.frombuffer(raw, np.uint8)])})
+    with pytest.raises(ProtocolError, match=r"object value for batch position 1: a float32 leaf of shape \[125\] is 500 bytes; 8 arrived"):
+        assemble_field(meta, "mm", [part], Options(), BufferPool(0))
