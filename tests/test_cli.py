@@ -387,4 +387,7 @@ def test_checkpoint_and_restore_from_the_command_line(tmp_path):
         assert out.stdout.strip() == f'tqueue restore: 1 partitions from {tmp_path}; metadata {{"step": 9}}'
         assert c.get_data("cli", ["x"], 3, task="t").get("x").tolist() == [[0, 1], [2, 3], [4, 5]]
         again = tq("restore", new.address, str(tmp_path))
-        assert again.returncode == 1 and "load_checkpoint needs a cluster without partitions" in again.stderr
+        assert again.returncode == 1 and "1 of the checkpoint's partitions exist in this cluster ('cli')" in again.stderr
+        replaced = tq("restore", new.address, str(tmp_path), "--replace")
+        assert replaced.returncode == 0, replaced.stderr
+        assert c.get_data("cli", ["x"], 3, task="t").get("x").tolist() == [[0, 1], [2, 3], [4, 5]]

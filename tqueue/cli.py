@@ -153,9 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("directory", metavar="DIRECTORY",
                     help="where the checkpoint goes: the same path on the controller's and every unit's host")
     ck.add_argument("--metadata", default="null", metavar="JSON", help="JSON kept in the manifest, given back by restore")
-    rs = command("restore", "load the checkpoint in DIRECTORY into a cluster without partitions (docs/api.md, load_checkpoint)")
+    rs = command("restore", "load the checkpoint in DIRECTORY into a cluster, beside its partitions (docs/api.md, load_checkpoint)")
     rs.add_argument("controller", metavar="ADDR", help="the controller's address")
     rs.add_argument("directory", metavar="DIRECTORY", help="a directory that save_checkpoint or tqueue checkpoint wrote")
+    rs.add_argument("--replace", action="store_true",
+                    help="replace the live partitions that have a checkpoint partition's name (default: refuse the load)")
 
     i = command("ingest", "HTTP ingestion for rollout fleets that push (docs/ingest.md)")
     i.add_argument("controller", metavar="ADDR", help="the controller's address")
@@ -353,7 +355,7 @@ def _restore(args: argparse.Namespace) -> int:
     from .client import Client
 
     with Client(args.controller) as client:
-        metadata = client.load_checkpoint(args.directory)
+        metadata = client.load_checkpoint(args.directory, replace=args.replace)
         parts = len(client.status().partitions)
     print(f"tqueue restore: {parts} partitions from {args.directory}; metadata {json.dumps(metadata)}")
     return 0

@@ -303,7 +303,7 @@ def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_pat
         damaged = tmp_path / manifest["generation"] / files[1]["path"]
         data = damaged.read_bytes()
         damaged.write_bytes(b"\0" * len(data))  # the size the manifest says, not an Arrow file
-        with pytest.raises(tqueue.errors.TQueueError):
+        with pytest.raises(ProtocolError, match=r"p1-f1\.arrow is not a readable payload file"):
             c.load_checkpoint(tmp_path, replace=True)
         assert {p.name: p.uid for p in c.status().partitions}[CK] == old.partition_uid
         serves(c, CK, now_rows)
@@ -313,6 +313,8 @@ def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_pat
         c.load_checkpoint(tmp_path, replace=True)
         serves(c, CK, ck_rows)
         serves(c, LIVE, live_rows)
-        assert unit_bytes(c) == before  # the replaced partition's payload freed on the units
+        # the replaced partition's payload freed on the units: what they hold is what they did
+        # (its 128 KiB, not twice that), but for the bookkeeping of pieces cut otherwise
+        assert abs(unit_bytes(c) - before) < 8 << 10
         with pytest.raises(tqueue.errors.PartitionClearedError):
             c.get_data(old)

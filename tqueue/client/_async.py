@@ -218,13 +218,24 @@ class AsyncClient:
         the controller and units are alive. Returns what was written and what it cost."""
         return await _durable.save(self._conns, directory, metadata)
 
-    async def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
-        """Load the checkpoint in ``directory`` into this cluster, which must have no
-        partitions yet; it may have any number of storage units. Every sample comes back
-        bit-exact, with every task's consumption; samples that were leased come back ready.
-        Returns the ``metadata`` given to :meth:`save_checkpoint`. Nothing in a checkpoint is
-        executed: JSON, and Arrow files read as bytes."""
-        return await _durable.load(self._conns, directory)
+    async def load_checkpoint(self, directory: str | os.PathLike[str], *, replace: bool = False) -> Any:
+        """Load the checkpoint in ``directory`` into this cluster, fresh or running, with any
+        number of storage units. Every sample comes back bit-exact, with every task's
+        consumption and its keys; samples that were leased come back ready. Returns the
+        ``metadata`` given to :meth:`save_checkpoint`. Nothing in a checkpoint is executed:
+        JSON, and Arrow files read as bytes.
+
+        The cluster's partitions that the checkpoint does not hold are untouched and serve
+        on. A checkpoint partition whose name a live partition has: by default the whole
+        load is refused before anything is loaded (:class:`InvalidArgumentError` naming
+        them); with ``replace=True`` the live one is replaced, as by :meth:`clear` (its
+        waiting readers get :class:`PartitionClearedError`, its payload is freed), but only
+        once the checkpoint's payload is fully loaded: a load that fails keeps it, and
+        leaves nothing of the checkpoint behind. Loaded partitions get partition uids of
+        their own in a running cluster (a meta made before the load no longer reads them:
+        take samples anew, or look them up by key). The trainer's version, weights and
+        staleness bound come from the checkpoint only into a cluster without partitions."""
+        return await _durable.load(self._conns, directory, replace=replace)
 
     # --- writes ---------------------------------------------------------------------
 

@@ -38,7 +38,10 @@ async def save(conns: Connections, directory: str | os.PathLike[str], metadata: 
     return reply
 
 
-async def load(conns: Connections, directory: str | os.PathLike[str]) -> Any:
+async def load(conns: Connections, directory: str | os.PathLike[str], *, replace: bool = False) -> Any:
+    if not isinstance(replace, bool):
+        raise InvalidArgumentError(f"replace is True or False, got {replace!r}")
     ctl = await conns.ctl()
-    reply, _ = await ctl.request(Restore(directory=_directory(directory)), expect=Restored, timeout=math.inf)
+    restore = Restore(directory=_directory(directory), replace=replace)
+    reply, _ = await ctl.request(restore, expect=Restored, timeout=math.inf)
     return json.loads(reply.metadata)

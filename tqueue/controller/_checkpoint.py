@@ -18,12 +18,20 @@
    generations are deleted after it. A checkpoint that stops anywhere before the rename
    leaves the previous manifest, and the generation it names, as they were.
 
-**A restore** (``Restore``) reads the manifest, refuses a cluster that already has
-partitions, gives each old unit's files to a live unit (the largest first, to the unit
-given least so far: any number of units takes any checkpoint), waits for every unit to load
-them, then rebuilds the partitions under their old uids and names, their samples on their
-new units, leases given back and the trainer's version, weights pointer and staleness bound
-as they were. Its reply carries the user metadata.
+**A restore** (``Restore``) reads the manifest and refuses, before anything is loaded, a
+checkpoint partition whose name a live partition has (unless ``replace``) or one partition
+past ``max_partitions``. Each checkpoint partition gets a uid this controller never gave out
+(its own in a fresh or restarted controller, else a new one: the units store its payload
+under it, ``LoadUnit.uids``), so nothing of it meets a live partition's samples, leases,
+grants or pending drops. It gives each old unit's files to a live unit (to the unit of the
+same name, the rest the largest first, to the unit given least so far: any number of units
+takes any checkpoint), waits for every unit to load them (a failure drops what was loaded,
+and the live partitions are as they were), then, in one step of the loop, forgets the live
+partitions it replaces (their waiters told, as by a clear) and rebuilds the checkpoint's under
+their names, their samples on their new units, leases given back. Only then is the replaced
+partitions' payload dropped on every unit. The trainer's version, weights pointer and
+staleness bound come from the checkpoint when the cluster had no partitions; a live
+cluster's stay as they are. Its reply carries the user metadata.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
@@ -61,6 +69,7 @@ from ..wire import (
     UnitSaved,
 )
 from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
+from ._partition import Partition
 from ._samples import COMMITTED, EXCLUDED
 from ._snapshot import Image, capture, read_image, rebuild, write_image
 from ._state import ControllerState
@@ -72,14 +81,18 @@ MOVES_WAIT: Final = 30.0  # seconds a checkpoint waits for moves under way to la
 
 class Checkpoints:
     """Handlers of ``Checkpoint`` and ``Restore`` over ``state``; ``wake`` serves readers
-    parked on a partition that a restore brought back."""
+    parked on a partition that a restore brought back; ``forget`` and ``free`` clear a live
+    partition that a restore replaces (``Cleanup.forget``, ``Cleanup.drop_everywhere``)."""
 
     def __init__(
-        self, state: ControllerState, *, wake: Callable[[str], None], copy_again: Callable[[], None] = lambda: None
+        self, state: ControllerState, *, wake: Callable[[str], None], copy_again: Callable[[], None] = lambda: None,
+        forget: Callable[[Partition, str], object], free: Callable[[Partition], Awaitable[None]],
     ) -> None:
         self._copy_again = copy_again  # a restored replicated partition holds one copy: copy them again
         self.state = state
         self._wake = wake
+        self._forget = forget
+        self._free = free
         self._busy = ""  # "a checkpoint" or "a restore" while one runs
 
     async def save(self, ident: bytes, msg: Checkpoint, bufs: list[Any]) -> CheckpointReply:
@@ -172,19 +185,18 @@ class Checkpoints:
         directory = _absolute(msg.directory)
         self._start("a restore")
         try:
-            return await self._restore(directory)
+            return await self._restore(directory, replace=msg.replace)
         finally:
             self._busy = ""
 
-    async def _restore(self, directory: str) -> Restored:
+    async def _restore(self, directory: str, *, replace: bool = False) -> Restored:
         started = time.perf_counter()
         state = self.state
-        self._check_fresh()
+        fresh = not state.partitions  # a fresh (or restarted) cluster takes the trainer's state too
         manifest, images = await asyncio.to_thread(read_checkpoint, directory)
         gen_dir = os.path.join(directory, manifest["generation"])
-        self._check_fresh()
-        # partitions created from now on get uids past the restored ones
-        state.uids = itertools.count(max(max([img.uid for img in images], default=0) + 1, next(state.uids)))
+        self._check_room(images, replace)
+        uids = self._new_uids(images)
         live = sorted(uid for uid, u in state.units.items() if u.alive and not u.suspect and uid in state.unit_peers)
         old_units = [(u["unit_id"], [msgspec.convert(f, UnitFile) for f in u["files"]]) for u in manifest["units"]]
         if not live and any(files for _, files in old_units):
@@ -196,14 +208,79 @@ class Checkpoints:
         for old, files in old_units:
             loads.setdefault(mapping[old], []).extend(files)
         try:
-            replies = [reply for reply, _ in await all_or_none(*(
-                state.unit_peers[new].request(LoadUnit(directory=gen_dir, files=files), expect=UnitLoaded, timeout=math.inf)
+            # every unit's load runs to its end, failed or not, before what they loaded is
+            # dropped: a drop overtaking a load still under way would leave its payload there
+            results = await asyncio.gather(*(
+                state.unit_peers[new].request(
+                    LoadUnit(directory=gen_dir, files=files, uids=uids), expect=UnitLoaded, timeout=math.inf
+                )
                 for new, files in loads.items()
-            ))]
-            self._check_fresh()
+            ), return_exceptions=True)
+            replies: list[UnitLoaded] = []
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+                replies.append(result[0])
+            self._check_room(images, replace)  # partitions made while the payload loaded
         except BaseException:
             await self._unload(list(loads), [img.uid for img in images])
             raise
+        # --- one loop step: the partitions replaced, the checkpoint's in their place ---
+        replaced = [state.partitions[img.name] for img in images if img.name in state.partitions]
+        for old_part in replaced:
+            self._forget(old_part, f"partition {old_part.name!r} was replaced by load_checkpoint while get_meta waited")
+        self._install(images, mapping, dict(zip(loads, replies)))
+        if fresh:
+            self._trainer(manifest["trainer"])
+        for img in images:
+            self._wake(img.name)
+        self._copy_again()
+        await all_or_none(*(self._free(p) for p in replaced))  # their payload, freed on every unit
+        log.info(
+            "loaded %s: %d partitions (%d replaced), units %s, uids %s",
+            directory, len(images), len(replaced), mapping, {o: n for o, n in uids.items() if o != n},
+        )
+        return Restored(
+            metadata=json.dumps(manifest["metadata"]), partitions=len(images),
+            samples=sum(_live(img) for img in images),
+            payload_bytes=sum(f.nbytes for _, files in old_units for f in files),
+            seconds=time.perf_counter() - started, units=mapping,
+        )
+
+    def _check_room(self, images: list[Image], replace: bool) -> None:
+        """Refuse a load whose partitions' names are taken here (unless ``replace``), or that
+        would pass ``max_partitions``; nothing is changed."""
+        state = self.state
+        names = [img.name for img in images]
+        clash = sorted(set(names) & set(state.partitions))
+        if clash and not replace:
+            raise InvalidArgumentError(
+                f"load_checkpoint: {len(clash)} of the checkpoint's partitions exist in this cluster "
+                f"({', '.join(repr(n) for n in clash[:5])}{', ...' if len(clash) > 5 else ''}); clear them first, "
+                "or pass replace=True to replace them with the checkpoint's"
+            )
+        total = len(state.partitions) - len(clash) + len(set(names))
+        if total > state.config.max_partitions:
+            raise InvalidArgumentError(
+                f"load_checkpoint would make {total} partitions: max_partitions={state.config.max_partitions}"
+            )
+
+    def _new_uids(self, images: list[Image]) -> dict[int, int]:
+        """Give each image a partition uid this controller never gave out: its own where it
+        can (a fresh or restarted controller: every uid), else a new one. Returns the
+        checkpoint's uid -> the new one; the images carry the new."""
+        state = self.state
+        first = next(state.uids)  # every uid below it was given out here
+        kept = [img.uid for img in images if img.uid >= first]
+        counter = itertools.count(max([first, *(u + 1 for u in kept)]))
+        uids = {img.uid: img.uid if img.uid >= first else next(counter) for img in images}
+        state.uids = counter  # partitions created from now on get uids past these
+        for img in images:
+            img.header["uid"] = uids[img.uid]
+        return uids
+
+    def _install(self, images: list[Image], mapping: dict[int, int], loaded: dict[int, UnitLoaded]) -> None:
+        state = self.state
         config = state.config
         for img in images:
             part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
@@ -211,27 +288,20 @@ class Checkpoints:
                 part.single = int(((part.samples.mask[: part.n] & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
             state.partitions[part.name] = part
             state.by_uid[part.uid] = part
-        for new, reply in zip(loads, replies):
+            state.tombstones.pop(part.name, None)  # an explicit new start, as create_partition
+        for new, reply in loaded.items():
             for uid, nbytes in reply.partition_bytes.items():
                 owner = state.by_uid.get(uid)
                 if owner is not None:
                     owner.unit_bytes[new] = nbytes
             state.units[new].nbytes = reply.unit_bytes
-        trainer = manifest["trainer"]
+
+    def _trainer(self, trainer: dict[str, Any]) -> None:
+        state = self.state
         state.version, state.weights = int(trainer["version"]), str(trainer["weights"])
         admission = trainer["admission"]
         state.admission = (int(admission[0]), int(admission[1])) if admission is not None else None
         state.admitted = int(trainer["admitted"])
-        for part in list(state.partitions.values()):
-            self._wake(part.name)
-        self._copy_again()
-        log.info("restored %s: %d partitions, units %s", directory, len(images), mapping)
-        return Restored(
-            metadata=json.dumps(manifest["metadata"]), partitions=len(images),
-            samples=sum(_live(img) for img in images),
-            payload_bytes=sum(f.nbytes for _, files in old_units for f in files),
-            seconds=time.perf_counter() - started, units=mapping,
-        )
 
     async def resume(self, directory: str, manifest: dict[str, Any], registered: asyncio.Event, wait: float) -> None:
         """A restarted controller's restore: once every unit the checkpoint names has
@@ -266,26 +336,21 @@ class Checkpoints:
     async def _unload(self, units: list[int], uids: list[int]) -> None:
         """Drop what a failed restore may have loaded (best effort: the restore failed anyway)."""
         calls = [
-            peer.request(Drop(partition_uid=uid), expect=Dropped, timeout=self.state.config.unit_timeout)
+            (unit, peer.request(Drop(partition_uid=uid), expect=Dropped, timeout=self.state.config.unit_timeout))
             for unit in units if (peer := self.state.unit_peers.get(unit)) is not None
             for uid in uids
         ]
-        for result in await asyncio.gather(*calls, return_exceptions=True):
+        results = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)
+        for (unit_id, _), result in zip(calls, results):
             if isinstance(result, BaseException):
                 log.warning("dropping a failed restore's payload: %s", result)
+            elif (unit := self.state.units.get(unit_id)) is not None:
+                unit.nbytes = result[0].unit_bytes
 
     def _start(self, what: str) -> None:
         if self._busy:
             raise UnavailableError(f"{what} cannot start: {self._busy} is under way")
         self._busy = what
-
-    def _check_fresh(self) -> None:
-        if self.state.partitions:
-            names = sorted(self.state.partitions)
-            raise InvalidArgumentError(
-                f"load_checkpoint needs a cluster without partitions; this one has {len(names)} "
-                f"({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''})"
-            )
 
 
 def _absolute(directory: str) -> str:
@@ -354,7 +419,7 @@ def kept_on(unit_id: int, images: list[Image], by_uid: dict[int, Any]) -> dict[i
     out: dict[int, np.ndarray] = {}
     for img in images:
         part = by_uid.get(img.uid)
-        if part is None:
+        if part is None or part.name != img.name:  # gone, or the checkpoint was loaded under other uids
             continue
         s, a = part.samples, img.arrays
         n = min(part.n, int(img.header["n"]))

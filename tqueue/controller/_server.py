@@ -124,7 +124,10 @@ class Controller:
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease,
             copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
         )
-        self.checkpoints = Checkpoints(self.state, wake=self._wake_soon, copy_again=self.replicas.wake)
+        self.checkpoints = Checkpoints(
+            self.state, wake=self._wake_soon, copy_again=self.replicas.wake, forget=self.cleanup.forget,
+            free=lambda part: self.cleanup.drop_everywhere(part, None),
+        )
         # a controller restarted from a checkpoint: its units get their ids back, and requests
         # wait until the checkpoint is loaded (a missing or damaged one fails the start here)
         self._manifest: dict[str, Any] | None = None

@@ -20,7 +20,8 @@ JSON: the partition, its uid, the field and its spec. pyarrow alone reads them.
 **Loading.** ``LoadUnit`` names files; a thread reads each into buffers of its own (one copy
 out of the page cache; the files stay closed, so a later checkpoint may delete them), and
 the loop installs each batch as a write, committed at once (the controller restores the
-metadata that makes them visible).
+metadata that makes them visible), under the partition uid ``LoadUnit.uids`` gives the
+file's (a checkpoint loaded into a live cluster is given uids of its own there).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class UnitCheckpoints:
     async def _load(self, msg: LoadUnit) -> UnitLoaded:
         loaded = await self._in_thread(_read_all, msg.directory, msg.files)
         uids = set()
-        for uid, name, indexes, block, frame in loaded:
+        for old, name, indexes, block, frame in loaded:
+            uid = msg.uids.get(old, old)
             self.store.write(uid, name, indexes, [block], [frame]).commit()
             uids.add(uid)
         parts = self.store.partitions
@@ -295,18 +297,28 @@ def _read_all(directory: str, files: list[UnitFile]) -> list[tuple[int, str, np.
     out = []
     for entry in files:
         path = os.path.join(directory, entry.path)
-        with pa.memory_map(path) as source:
-            reader = pa.ipc.open_file(source)
-            header = _header(reader.schema, path)
-            if header.get("partition_uid") != entry.partition_uid or header.get("field") != entry.field:
-                raise ProtocolError(f"{path} holds {header.get('field')!r} of partition uid {header.get('partition_uid')}, "
-                                    f"the manifest says {entry.field!r} of uid {entry.partition_uid}")
-            try:
-                spec = msgspec.convert(header.get("spec"), FieldSpec)
-            except msgspec.ValidationError as exc:
-                raise ProtocolError(f"{path}: the field's spec is not one: {exc}") from exc
-            for i in range(reader.num_record_batches):
-                out.append((entry.partition_uid, entry.partition, *_batch(reader.get_batch(i), spec, entry.field, path)))
+        try:
+            out.extend(_read_file(pa, path, entry))
+        except (pa.ArrowException, OSError) as exc:
+            raise ProtocolError(f"{path} is not a readable payload file: {exc}") from exc
+    return out
+
+
+def _read_file(pa: Any, path: str, entry: UnitFile) -> list[tuple[int, str, np.ndarray, FieldBlock, np.ndarray]]:
+    """One payload file's record batches as writes (a file pyarrow cannot read raises its own error)."""
+    out = []
+    with pa.memory_map(path) as source:
+        reader = pa.ipc.open_file(source)
+        header = _header(reader.schema, path)
+        if header.get("partition_uid") != entry.partition_uid or header.get("field") != entry.field:
+            raise ProtocolError(f"{path} holds {header.get('field')!r} of partition uid {header.get('partition_uid')}, "
+                                f"the manifest says {entry.field!r} of uid {entry.partition_uid}")
+        try:
+            spec = msgspec.convert(header.get("spec"), FieldSpec)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"{path}: the field's spec is not one: {exc}") from exc
+        for i in range(reader.num_record_batches):
+            out.append((entry.partition_uid, entry.partition, *_batch(reader.get_batch(i), spec, entry.field, path)))
     return out
 
 

@@ -71,10 +71,13 @@ class CheckpointReply(Message):
 
 
 class Restore(Message):
-    """Load the checkpoint in ``directory`` into this (fresh) cluster."""
+    """Load the checkpoint in ``directory`` into this cluster, beside its partitions.
+    ``replace``: a live partition of the same name as one of the checkpoint's is replaced
+    by it (else the load is refused)."""
 
     KIND = Kind.RESTORE
     directory: str
+    replace: bool = False
 
 
 class Restored(Message):
@@ -124,6 +127,9 @@ class LoadUnit(Message):
     KIND = Kind.LOAD_UNIT
     directory: str
     files: list[UnitFile]
+    # a file's partition uid -> the uid this unit stores its samples under (absent: its own):
+    # a checkpoint loaded into a live cluster gets uids no partition there has had
+    uids: dict[int, int] = {}
 
 
 class UnitLoaded(Message):
