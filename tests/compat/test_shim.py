@@ -296,6 +296,26 @@ def test_checkpoint_round_trip_with_user_metadata(tmp_path: Any) -> None:
     assert not (tmp_path / "metadata.json.tmp").exists()
 
 
+def test_a_checkpoint_loads_into_the_running_queue(shim: Any, tmp_path: Any) -> None:
+    """verl's resume (test_reissue_inflight_on_cpu): keys saved, cleared, loaded back into the
+    running cluster, while another partition lives on; a partition in both is replaced."""
+    shim.kv_batch_put(["p0", "p1"], "prompts", TensorDict({"x": torch.tensor([[1], [2]])}, batch_size=[2]),
+                      tags=[{"status": "pending"}, {"status": "running"}])
+    shim.kv_batch_put(["other"], "live", TensorDict({"x": torch.tensor([[9]])}, batch_size=[1]))
+    shim.save_checkpoint(tmp_path / "ck", metadata={"global_steps": 3})
+    shim.kv_clear(["p0", "p1"], "prompts")
+    shim.kv_batch_put(["p2"], "prompts", TensorDict({"x": torch.tensor([[7]])}, batch_size=[1]))  # replaced by the load
+    shim.kv_batch_put(["late"], "after", TensorDict({"x": torch.tensor([[5]])}, batch_size=[1]))  # not in the checkpoint
+    shim.load_checkpoint(tmp_path / "ck")
+    listing = shim.kv_list()
+    assert listing["prompts"] == {"p0": {"status": "pending"}, "p1": {"status": "running"}}
+    assert shim.kv_batch_get(["p0", "p1"], "prompts", "x")["x"].values().tolist() == [1, 2]
+    assert shim.kv_batch_get(["late"], "after", "x")["x"].values().tolist() == [5]
+    assert shim.kv_batch_get(["other"], "live", "x")["x"].values().tolist() == [9]
+    for partition in ("prompts", "live", "after"):
+        shim.get_client().clear_partition(partition)
+
+
 def test_transfer_queue_checkpoints_are_refused(shim: Any, tmp_path: Any) -> None:
     (tmp_path / "controller_state.pkl").write_bytes(b"")
     with pytest.raises(NotImplementedError, match="TransferQueue checkpoint .pickle.* refused"):

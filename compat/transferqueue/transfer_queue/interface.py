@@ -331,8 +331,11 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
-    """Load a checkpoint of ``save_checkpoint`` into this cluster, which must have no partitions
-    yet (``Client.load_checkpoint``). TransferQueue's own checkpoints (pickle) cannot be read."""
+    """Load a checkpoint of ``save_checkpoint`` into this cluster, fresh or running, as
+    TransferQueue does: a partition of the checkpoint replaces the live one of its name
+    (``Client.load_checkpoint(replace=True)``: only once the checkpoint is fully loaded), the
+    live partitions it does not hold go on. The job's settings stay this cluster's.
+    TransferQueue's own checkpoints (pickle) cannot be read."""
     directory = Path(checkpoint_dir).absolute()
     if not (directory / "manifest.json").exists() and (directory / "controller_state.pkl").exists():
         raise refused(f"{directory} is a TransferQueue checkpoint (pickle)", "tqueue reads only its own checkpoints")
@@ -346,7 +349,7 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     settings = client.lookup_keys(SHIM_PARTITION, ["config"]).tags[0]
     client.clear(SHIM_PARTITION)
     try:
-        client.load_checkpoint(directory)
+        client.load_checkpoint(directory, replace=True)
     finally:
         if settings is not None:
             client.tag_keys(SHIM_PARTITION, ["config"], [settings])
