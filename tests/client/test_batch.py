@@ -124,12 +124,14 @@ def test_fields_outside_the_schema_are_refused(any_client, jagged_meta):
 
 def test_to_tensordict(any_client, partition):
     pytest.importorskip("tensordict")
-    any_client.put(partition, {"x": torch.ones(2, 3), "ids": [torch.ones(2), torch.ones(5)], "s": ["a", "b"]})
-    td = any_client.get_data(partition, ["x", "ids", "s"], 2, task="t", timeout=10).to_tensordict()
+    any_client.put(partition, {"x": torch.ones(2, 3), "ids": [torch.ones(2), torch.ones(5)], "s": ["a", "b"],
+                               "mm": [torch.ones(2), None]})  # a nested value (a tensor) beside None
+    td = any_client.get_data(partition, ["x", "ids", "s", "mm"], 2, task="t", timeout=10).to_tensordict()
     assert td.batch_size == torch.Size([2])
     assert td["x"].shape == (2, 3)
     assert td["ids"].is_nested
     assert list(td["s"]) == ["a", "b"] and td[1]["s"] == "b"
+    assert torch.equal(td[0]["mm"], torch.ones(2)) and td[1]["mm"] is None
 
 
 # micro-batches shaped for the trainer: padded per micro-batch, packed (THD)
@@ -305,3 +307,17 @@ def test_a_short_last_round_fills_fixed_micro_batches_with_pad_rows(client, part
             assert mb.size == 2
             assert mb.lengths().tolist() == [0 if i < 0 else [3, 5, 2, 6, 4, 1][i] for i in mb.meta.indexes]
             assert mb.is_pad.tolist() == [i < 0 for i in mb.meta.indexes]
+
+
+def test_an_object_field_of_0d_tensors_stays_a_list_in_micro_batches():
+    """Nested values may be bare tensors; a micro-batch keeps an object field's values as
+    they are, where a jagged field of scalars is stacked."""
+    from tqueue.client._batch import Batch
+    from tqueue.wire import BatchMeta, FieldSpec
+
+    schema = {"mm": FieldSpec(kind="object", layout="jagged"), "j": FieldSpec(kind="tensor", dtype="float32", layout="jagged")}
+    meta = BatchMeta(partition="p", partition_uid=0, indexes=[0, 1], units=[0, 0], fields=["mm", "j"], schema=schema)
+    scalars = [torch.tensor(1.0), torch.tensor(2.0)]
+    (mb,) = Batch(meta, {"mm": scalars, "j": scalars}, {}).micro_batches()
+    assert isinstance(mb["mm"], list) and mb["mm"][1] is scalars[1]
+    assert torch.equal(mb["j"], torch.tensor([1.0, 2.0]))

@@ -182,13 +182,18 @@ class Batch(Mapping[str, Any]):
         for name, value in self._values.items():
             if isinstance(value, torch.Tensor):
                 out[name] = value
-            elif value and isinstance(value[0], torch.Tensor) and value[0].dim() >= 1:
+            elif value and isinstance(value[0], torch.Tensor) and value[0].dim() >= 1 and not self._objects(name):
                 out[name] = torch.nested.as_nested_tensor(list(value), layout=torch.jagged)
             elif isinstance(value, np.ndarray):
                 out[name] = torch.from_numpy(value)
             else:
                 out[name] = td.NonTensorStack.from_list(list(value))
         return out
+
+    def _objects(self, field: str) -> bool:
+        """Whether ``field`` is an object field: its values may be tensors beside other values."""
+        spec = self._meta.schema.get(field)
+        return spec is not None and spec.kind == "object"
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {_describe(v)}" for k, v in self._values.items())

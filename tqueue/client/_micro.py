@@ -222,6 +222,8 @@ def shape(
     size = len(meta.indexes)
     groups = meta.micro_batch_indices or [list(range(size))]
     jagged = {name for name in names if _is_jagged(meta, name, values[name])}
+    # an object field's values stay values, tensors among them too (nested values)
+    objects = {name for name in names if (spec := meta.schema.get(name)) is not None and spec.kind == "object"}
     out = []
     for rows in groups:
         mb_values: dict[str, Any] = {}
@@ -236,7 +238,7 @@ def shape(
                 mb_values[name] = value.index_select(0, torch.tensor(rows, dtype=torch.int64, device=value.device))
             elif isinstance(value, np.ndarray):
                 mb_values[name] = value[rows]
-            elif value and all(isinstance(value[i], torch.Tensor) and value[i].dim() == 0 for i in rows):
+            elif name not in objects and value and all(isinstance(value[i], torch.Tensor) and value[i].dim() == 0 for i in rows):
                 mb_values[name] = torch.stack([value[i] for i in rows])  # a jagged field of scalars
             else:
                 mb_values[name] = [value[i] for i in rows]
