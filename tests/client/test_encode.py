@@ -251,6 +251,9 @@ def test_a_nested_value_counts_its_leaf_bytes():
     big = torch.zeros(1000, dtype=torch.float32)
     out = enc({"mm": [{"x": big}, None]})
     assert out.blocks[0].sizes[0] > big.nbytes and out.nbytes == sum(out.blocks[0].sizes)
+    assert out.copied == big.nbytes + sum(out.blocks[0].sizes)  # into its extension, then the sample's bytes
+    strided = enc({"mm": [{"x": torch.zeros(1000, 2)[:, 0]}]})
+    assert strided.copied == 2 * big.nbytes + sum(strided.blocks[0].sizes)  # made contiguous first
 
 
 def deep(levels):

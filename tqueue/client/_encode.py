@@ -512,7 +512,7 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
     in_buf = 0
     for i, v in enumerate(values):
         if _not_plain(v) is not None:
-            v = tree(v, ctx, i)  # tensor or array leaves; raises for anything else
+            v = tree(v, ctx, i, out)  # tensor or array leaves; raises for anything else
         before = len(buf)
         try:
             _ENCODER.encode_into(v, buf, -1)
@@ -559,11 +559,12 @@ def _not_plain(v: Any) -> type | None:
     return t
 
 
-def tree(v: Any, ctx: _Ctx, sample: int, path: tuple[Any, ...] = ()) -> Any:
+def tree(v: Any, ctx: _Ctx, sample: int, out: Encoded, path: tuple[Any, ...] = ()) -> Any:
     """``v`` (a sample's value, or the part of it at ``path``) with each tensor and array
-    leaf made a MessagePack extension; a :class:`FieldTypeError` names the field, sample and
-    path of anything else that is not a plain value, and of lists or dicts nested past
-    :data:`MAX_DEPTH`."""
+    leaf made a MessagePack extension (its bytes copied into it, counted in ``out.copied``,
+    before they are copied once more with the sample's MessagePack); a
+    :class:`FieldTypeError` names the field, sample and path of anything else that is not a
+    plain value, and of lists or dicts nested past :data:`MAX_DEPTH`."""
     t = type(v)
     if t in _PLAIN:
         return v
@@ -574,23 +575,24 @@ def tree(v: Any, ctx: _Ctx, sample: int, path: tuple[Any, ...] = ()) -> Any:
                 f"a value that holds tensors or arrays may nest at most {MAX_DEPTH} deep"
             )
         if t is list:
-            return [x if type(x) in _PLAIN else tree(x, ctx, sample, (*path, k)) for k, x in enumerate(v)]
-        out = {}
+            return [x if type(x) in _PLAIN else tree(x, ctx, sample, out, (*path, k)) for k, x in enumerate(v)]
+        items = {}
         for k, x in v.items():
             if type(k) not in _KEYS:
                 raise FieldTypeError(
                     f"{ctx.where(sample)} has a key of type {_qualname(type(k))}{_at(path)}; "
                     f"dict keys are str or int"
                 )
-            out[k] = x if type(x) in _PLAIN else tree(x, ctx, sample, (*path, k))
-        return out
+            items[k] = x if type(x) in _PLAIN else tree(x, ctx, sample, out, (*path, k))
+        return items
     if isinstance(v, torch.Tensor):
         if v.is_nested or v.layout != torch.strided or v.dtype not in DTYPE_NAMES:
             raise FieldTypeError(
                 f"{ctx.where(sample)} holds a tensor of dtype {v.dtype} and layout {v.layout}"
                 f"{_at(path)}, which cannot travel"
             )
-        buf, dtype, shape, _ = _tensor_bytes(v, ctx, sample)  # a CUDA tensor: copied here
+        buf, dtype, shape, copied = _tensor_bytes(v, ctx, sample)  # a CUDA tensor: copied here
+        out.copied += copied + buf.nbytes
         return _leaf(EXT_TENSOR, dtype, shape, buf, ctx, sample, path)
     if isinstance(v, np.ndarray):
         if v.dtype.kind not in "biufcmM" or v.dtype.fields is not None:
@@ -598,7 +600,8 @@ def tree(v: Any, ctx: _Ctx, sample: int, path: tuple[Any, ...] = ()) -> Any:
                 f"{ctx.where(sample)} holds a numpy array of dtype {v.dtype}{_at(path)}, "
                 f"which cannot travel (numeric and datetime arrays can)"
             )
-        buf, dtype, shape, _ = _array_bytes(v, ctx, sample)
+        buf, dtype, shape, copied = _array_bytes(v, ctx, sample)
+        out.copied += copied + buf.nbytes
         return _leaf(EXT_NDARRAY, dtype, shape, buf, ctx, sample, path)
     raise FieldTypeError(
         f"{ctx.where(sample)} holds a value of type {_qualname(t)}{_at(path)}, which the "
