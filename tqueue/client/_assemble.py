@@ -7,7 +7,7 @@ with zero copies when one frame already holds the whole batch in order, or when 
 received the frames straight into the batch's rows, else with one copy into a pooled buffer.
 A jagged field becomes per-sample views of the received frames (no copy), or on request one
 padded tensor or one nested tensor (one copy). Object fields are decoded from MessagePack;
-the tensor and array leaves of nested values (tqueue/client/_encode.py, :func:`leaf`) are
+the tensor and array leaves of nested values (tqueue/client/_encode.py) are, by :func:`leaf`,
 copied out of the frames, so they are writable and hold no frame or arena page.
 """
 

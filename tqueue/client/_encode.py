@@ -46,7 +46,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 # or array leaf is a MessagePack extension (EXT_TENSOR, EXT_NDARRAY) whose data is the byte
 # count of a MessagePack ``[dtype, shape]`` header (LEAF_HEAD), that header, then the leaf's
 # raw bytes; readers get them back through the decoder's extension hook (client/_assemble.py).
-# Values without such leaves keep their plain encoding: only they pay for the walk.
+# Values without such leaves keep their plain encoding; only values with them are walked.
 MAX_DEPTH = 8  # lists and dicts a nested value may have around one another
 MAX_DIMS = 64  # dimensions of a leaf (torch's own limit)
 EXT_TENSOR = 1
