@@ -439,7 +439,7 @@ def test_an_init_that_fails_leaves_no_cluster(monkeypatch: pytest.MonkeyPatch) -
         raise tqueue.ControllerUnavailableError("simulated: the controller went away")
 
     monkeypatch.delenv("TQUEUE_ADDRESS", raising=False)
-    monkeypatch.setattr(iface, "_state", {"config": None, "cluster": None, "client": None})  # not the module's shim
+    monkeypatch.setattr(iface, "_state", {"config": None, "cluster": None, "client": None, "registry": []})  # not the module's shim
     started: list[tqueue.LocalCluster] = []
     real_start = tqueue.LocalCluster.start
 

@@ -201,7 +201,7 @@ def _start_cluster(config: DictConfig, policies: list[str], ray: Any) -> str:
 def _stop_cluster() -> None:
     cluster = _state["cluster"]
     _state["cluster"] = None
-    registry, _state["registry"] = _state["registry"], []
+    registry, _state["registry"] = _state.get("registry") or [], []
     ray = _discovery.ray_if_running()
     if registry and ray is not None:
         _discovery.withdraw(ray, registry)
