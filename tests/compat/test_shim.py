@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,6 +74,32 @@ def test_arbitrary_objects_are_refused_at_put(shim: Any) -> None:
     td = TensorDict({"obj": NonTensorStack(object(), object())}, batch_size=[2])
     with pytest.raises(tqueue.FieldTypeError, match="obj"):
         shim.get_client().put(td, partition_id="objs")
+
+
+def test_vlm_values_with_tensors_inside_travel_without_pickle(shim: Any) -> None:
+    """vime's multimodal_train_inputs (a dict of tensors, None for a text-only sample) and its
+    ragged micro_batch_indices, in one put, come back exactly."""
+    from tensordict import NonTensorStack
+
+    image = {"pixel_values": torch.randn(4, 3, dtype=torch.bfloat16), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    grid = np.arange(6, dtype=np.int32).reshape(2, 3)
+    td = TensorDict({
+        "multimodal_train_inputs": NonTensorStack(image, None, {"grid": grid}),
+        "micro_batch_indices": NonTensorStack([[0, 1], [2]], [[0]], []),
+        "x": torch.arange(3),
+    }, batch_size=[3])
+    meta = shim.get_client().put(td, partition_id="vlm")
+    back = shim.get_client().get_data(meta)
+    mm = back["multimodal_train_inputs"].tolist()
+    assert mm[1] is None and set(mm[0]) == {"pixel_values", "image_grid_thw"}
+    assert mm[0]["pixel_values"].dtype == torch.bfloat16 and torch.equal(mm[0]["pixel_values"], image["pixel_values"])
+    assert torch.equal(mm[0]["image_grid_thw"], image["image_grid_thw"])
+    assert isinstance(mm[2]["grid"], np.ndarray) and mm[2]["grid"].dtype == np.int32 and (mm[2]["grid"] == grid).all()
+    assert back["micro_batch_indices"].tolist() == [[[0, 1], [2]], [[0]], []]
+    with pytest.raises(tqueue.FieldTypeError, match=r"multimodal_train_inputs.*\['pixel_values'\]"):
+        shim.get_client().put(TensorDict({"multimodal_train_inputs": NonTensorStack({"pixel_values": {1, 2}})},
+                                         batch_size=[1]), partition_id="vlm")
+    shim.get_client().clear_partition("vlm")
 
 
 def test_data_parser_is_refused_by_design(shim: Any) -> None:

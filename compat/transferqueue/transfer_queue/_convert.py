@@ -6,8 +6,10 @@ tensor field is stored jagged (one tensor per sample), because TransferQueue ret
 field as a nested tensor and lets its per-sample shape change from one put to the next. A
 field's ``is_nested`` is TransferQueue's: False until two of the partition's samples had
 different shapes (tqueue's jagged spec keeps the one shape until then).
-Non-tensor values are tqueue object fields: MessagePack values only (tqueue refuses other
-objects at ``put`` with ``FieldTypeError`` naming the field).
+Non-tensor values are tqueue object fields: MessagePack values, and lists and dicts of them
+whose leaves may be tensors and numpy arrays (a VLM sample's ``{"pixel_values": ...}``, None
+for a text-only one); tqueue refuses other objects at ``put`` with ``FieldTypeError`` naming
+the field, the sample and the path inside the value.
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor):
             out[name] = value if value.dim() == 1 else [t.contiguous() for t in value.unbind(0)]
         elif isinstance(value, NonTensorStack):
-            out[name] = [plain(v) for v in value.tolist()]
+            out[name] = [_scalar(v) for v in value.tolist()]
         elif isinstance(value, NonTensorData):
             data = value.data
             # a sequence of one value per row is per sample, as TransferQueue reads it; else one
             # value for every row
             per_row = isinstance(data, list | tuple | np.ndarray) and len(data) == n
-            out[name] = [plain(v) for v in data] if per_row else [plain(data)] * n
+            out[name] = [_scalar(v) for v in data] if per_row else [_scalar(data)] * n
         elif isinstance(value, TensorDict):
             raise tqueue.FieldTypeError(
                 f"field {name!r} is a nested TensorDict: tqueue fields are flat; put its keys as "
@@ -57,6 +59,11 @@ def to_fields(td: TensorDict) -> dict[str, Any]:
         else:
             out[name] = list(value)
     return out
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar as a plain number; arrays, tensors and containers travel as they are."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def plain(value: Any) -> Any:
