@@ -62,7 +62,7 @@ def dead(client: tqueue.Client, unit_id: int) -> bool:
 @pytest.mark.parametrize("policy", ["drop_group", "mask_member"])
 def test_a_killed_unit_is_dead_and_its_samples_lost_counted_and_never_served(cluster, policy):
     with cluster.client() as c:
-        c.create_partition("p", group_size=4, on_member_failure=policy)
+        c.create_partition("p", group_size=4, on_member_failure=policy, tasks=["train", "eval", "reward"])
         on = put_groups(c, "p", 8)
         assert len(on) == 2, on  # both units hold samples
         leased = c.get_meta("p", ["x"], 8, task="train", policy="groups")  # two whole groups
@@ -106,6 +106,12 @@ def test_a_killed_unit_is_dead_and_its_samples_lost_counted_and_never_served(clu
             assert sorted(served) == sorted(i for g in whole for i in range(g * 4, g * 4 + 4))
         else:
             assert sorted(served) == sorted(on[survivor])
+        # a task that first read after the death, and a declared one that never read, count every
+        # lost sample too: consumed + lost reaches the partition's samples for a drained task
+        tasks = c.status().partitions[0].tasks
+        assert tasks["eval"].lost == tasks["reward"].lost == len(lost)
+        if policy == "mask_member":
+            assert tasks["eval"].lost + len(served) == 32
 
         # every new put goes to the survivor, and is read back exactly
         for k in range(4):

@@ -352,6 +352,7 @@ class Partition:
                     f"would pass max_tasks_per_partition={self.max_tasks}"
                 )
             state = self.tasks[name] = TaskState(self.samples)
+            state.lost = self.lost  # what died before this task's first read, it never consumed
         return state
 
     def count_ready(self, task: TaskState | None, mask: np.uint64) -> int:

@@ -384,10 +384,14 @@ class Controller:
                 samples=p.committed,
                 fields=dict(p.specs),
                 tasks={
-                    name: TaskStatus(
-                        leased=t.leased, consumed=t.consumed, refused=t.refused, expired=t.expired, lost=t.lost
-                    )
-                    for name, t in p.tasks.items()
+                    # a declared task that has not read yet has lost every lost sample
+                    **{name: TaskStatus(leased=0, consumed=0, lost=p.lost) for name in p.options.tasks or ()},
+                    **{
+                        name: TaskStatus(
+                            leased=t.leased, consumed=t.consumed, refused=t.refused, expired=t.expired, lost=t.lost
+                        )
+                        for name, t in p.tasks.items()
+                    },
                 },
                 nbytes=p.nbytes,
                 ready=p.committed - p.excluded,
