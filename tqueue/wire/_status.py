@@ -12,7 +12,9 @@ class StatusRequest(Message):
 
 
 class TaskStatus(msgspec.Struct, kw_only=True):
-    """``lost``: samples this task had not consumed when their storage unit died."""
+    """``lost``: samples this task had not consumed when their storage unit died, counted from
+    the partition's first sample (a task that first reads after a death counts it too, and a
+    task declared with the partition is listed, with its losses, before it reads)."""
 
     leased: int
     consumed: int
