@@ -174,3 +174,18 @@ def test_two_jobs_on_one_ray_cluster_each_find_their_own(ray_cluster: str, tmp_p
     finally:
         ray.get(runner.close.remote(), timeout=60)
         ray.kill(runner)
+
+
+def test_two_task_runners_that_start_at_once_end_on_one_cluster(ray_cluster: str) -> None:
+    """Both inits start a cluster; the second to register stops its own and attaches to the
+    first's, so the job never has two."""
+    runners = [TaskRunner.remote(), TaskRunner.remote()]
+    worker = Worker.remote()
+    try:
+        addresses = ray.get([r.init.remote(CONF) for r in runners], timeout=180)
+        assert addresses[0] == addresses[1]
+        assert ray.get(worker.init.remote(), timeout=60) == addresses[0]
+    finally:
+        ray.get([worker.close.remote(), *[r.close.remote() for r in runners]], timeout=60)
+        for actor in [worker, *runners]:
+            ray.kill(actor)
