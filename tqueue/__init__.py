@@ -17,6 +17,7 @@ from .config import ClientConfig, ControllerConfig, StorageConfig
 from .errors import (
     AuthenticationError,
     ControllerUnavailableError,
+    DataCorruptionError,
     DataLostError,
     DiscoveryError,
     EngineError,
@@ -54,6 +55,7 @@ __all__ = [
     "ClientStats",
     "ControllerConfig",
     "ControllerUnavailableError",
+    "DataCorruptionError",
     "DataLostError",
     "DiscoveryError",
     "EngineError",

@@ -18,6 +18,8 @@
     │   ├── ControllerUnavailableError
     │   └── StorageUnitUnavailableError
     │       └── DataLostError           samples whose storage unit is gone
+    │           └── DataCorruptionError a sample's bytes fail their checksum (memory,
+    │                                   wire or disk); names partition, sample, field, unit
     ├── PermissionDeniedError           (also PermissionError) another role's message, or
     │                                   another client's lease or hold
     ├── AuthenticationError             (also PermissionError) a server refused this peer's
@@ -44,6 +46,7 @@ __all__ = [
     "AuthenticationError",
     "CODES",
     "ControllerUnavailableError",
+    "DataCorruptionError",
     "DataLostError",
     "DiscoveryError",
     "EngineError",
@@ -156,6 +159,15 @@ class DataLostError(StorageUnitUnavailableError):
     code = "data_lost"
 
 
+class DataCorruptionError(DataLostError):
+    """A sample's bytes do not match the CRC-32C its producer computed: they changed after
+    the put, in a unit's memory, on the wire or in a checkpoint file. The message names the
+    partition, the sample, the field and the unit (or file). The bytes are never served; with
+    copies, the reader takes another copy and the bad one is dropped and copied again."""
+
+    code = "data_corrupt"
+
+
 class PermissionDeniedError(TQueueError, PermissionError):
     """The peer may not do this: the message is for another role (a unit's, with auth on),
     or the lease or hold it names belongs to another client."""
@@ -226,6 +238,7 @@ CODES: dict[str, type[TQueueError]] = {
         ControllerUnavailableError,
         StorageUnitUnavailableError,
         DataLostError,
+        DataCorruptionError,
         PermissionDeniedError,
         AuthenticationError,
         ForkedClientError,
