@@ -102,6 +102,10 @@ class ControllerConfig:
         "", "a checkpoint directory (save_checkpoint) to load at start: a controller restarted after a crash resumes "
         "from it once the units it names have registered again, or restore_wait seconds have passed; requests other "
         "than status wait until then (empty: start without partitions)")
+    checkpoint_root: str = _setting(
+        "", "the folder checkpoints go in: a client's save_checkpoint / load_checkpoint directory is then a name "
+        "under it (no absolute path, no '..', no symbolic link below it followed), and restore a name under it or a "
+        "path inside it; required with auth_dir; empty: any path (bind to loopback or a private network)")
     restore_wait: float = _setting(
         30.0, "seconds a restoring controller waits for the checkpoint's units to register before it loads the "
         "checkpoint into the units it has (at least one)")
@@ -185,6 +189,10 @@ class StorageConfig:
         "checkpoint holds as they still are; what changed or came since is lost (empty: start empty)")
     auth_dir: str = _setting(
         "", "directory of the cluster's CurveZMQ keys (see tqueue/transport/_auth.py); empty: no authentication")
+    checkpoint_root: str = _setting(
+        "", "the folder checkpoints go in (the controller's checkpoint_root, as this host reaches it): the unit "
+        "writes and loads payload files only under it, following no symbolic link below it; required with "
+        "auth_dir; empty: wherever the controller says")
     advertise: str = _setting("", _ADVERTISE)
     metrics_port: int = _setting(-1, _METRICS)
 
@@ -235,6 +243,12 @@ class ClientConfig:
     bulk_lanes: int = _setting(
         2, "a big fetch from one unit is split over this many bulk streams at once (one TCP stream on loopback leaves "
         "the cores half idle)")
+    checksums: bool = _setting(
+        True, "a CRC-32C of each sample's bytes, computed at put, kept by the unit and checked at get, on every "
+        "route that crosses a socket (a mismatch: DataCorruptionError; the copy is dropped, another is read)")
+    arena_checksums: bool = _setting(
+        False, "checksums on the same-host arena route too (puts into a unit's arena, reads of its pages); off by "
+        "default: there the check costs more than the bytes' trip (docs/performance.md)")
     pack_ints: bool = _setting(
         True, "a dense integer field whose values all fit a narrower signed type (token ids in int32, masks in int8) "
         "is sent and stored in that type; readers get the field's own dtype back (see tqueue.wire._pack)")

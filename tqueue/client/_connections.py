@@ -40,7 +40,8 @@ class ClientStats:
     ``copied_bytes`` counts copies tqueue made in this process (contiguous copies, joins
     and narrowing on put, assembly and widening on get, staging into bounce buffers on a
     read onto a device); kernel socket copies are not included. ``device_bytes`` counts what
-    reads copied to a device.
+    reads copied to a device; ``corrupt`` the samples this client read whose bytes failed
+    their checksum.
     """
 
     puts: int = 0
@@ -50,6 +51,7 @@ class ClientStats:
     copied_bytes: int = 0
     wire_bytes: int = 0
     device_bytes: int = 0  # copied to a device by reads with get_data(device=...)
+    corrupt: int = 0  # samples whose bytes failed their CRC-32C here (reported, never served)
 
 
 class Connections:

@@ -123,6 +123,7 @@ def join(partition: str, encs: Sequence[Encoded]) -> Encoded:
                 shapes=None if block.shapes is None else [d for p in parts for d in p.shapes or ()],
                 sizes=None if block.sizes is None else [z for p in parts for z in p.sizes or ()],
                 packed=packed,
+                crcs=[c for p in parts for c in p.crcs or ()] if all(p.crcs is not None for p in parts) else None,
             )
         )
         for e, at in zip(encs, starts):
@@ -418,7 +419,9 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
         packed, name = narrowed
         buf = memoryview(packed.view(np.uint8))
         counts = _chunks(buf, enc.count, chunk, out.buffers)
-        out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
+        out.blocks.append(
+            FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts), crcs=block.crcs)
+        )
         out.whole.append(buf)
         out.nbytes += buf.nbytes
         out.copied += buf.nbytes  # the narrow values were written once: a copy
@@ -439,7 +442,9 @@ def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: En
     out.buffers.extend(Narrowing(values[a * per_row : b * per_row], dtype) for a, b in runs)
     counts = [b - a for a, b in runs]
     out.deferred = True
-    out.blocks.append(FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts)))
+    out.blocks.append(
+        FieldBlock(name=block.name, spec=block.spec, counts=counts, packed=[name] * len(counts), crcs=block.crcs)
+    )
     out.whole.append(None)
     nbytes = len(values) * dtype.itemsize
     out.nbytes += nbytes

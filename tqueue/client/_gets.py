@@ -3,6 +3,7 @@ payload fetched from the storage units in parallel and assembled into a :class:`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -12,6 +13,7 @@ import numpy as np
 from .._memory import BufferPool
 from .._tasks import all_or_none
 from ..errors import (
+    DataCorruptionError,
     DataLostError,
     InvalidArgumentError,
     PartitionClearedError,
@@ -20,14 +22,17 @@ from ..errors import (
     did_you_mean,
 )
 from ..transport import _zmq
-from ..wire import Ack, BatchMeta, GetMeta, Locate, Located, Meta, Ok, Renew
+from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, Meta, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
 from ._batch import Batch
+from ._integrity import verify
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
 from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
+
+log = logging.getLogger(__name__)
 
 # seconds a read waits, after its unit closed the connection, for ZeroMQ to learn whether the
 # unit is gone (a reconnect refused: its samples are lost) or back (restarted, or a network blip)
@@ -214,9 +219,13 @@ class Gets:
         unit is gone and the partition keeps copies, from the units of the copies."""
         try:
             part = await route.fetch(meta, pos, idx, fields, rows)
+            if self.config.checksums and (not route.local or self.config.arena_checksums):
+                verify(meta, route.info.unit_id, part)
             if dense is not None:
                 dense.add(part)
             return [part]
+        except DataCorruptionError as exc:
+            return await self._corrupt(exc, route, meta, pos, idx, fields, rows, dense)
         except StorageUnitUnavailableError as exc:
             unit_id = route.info.unit_id
             where = await self._locate(meta, idx, unit_id)
@@ -235,6 +244,31 @@ class Gets:
                 f"{samples} cannot be read now: {exc}. They are not lost unless the controller declares the unit "
                 "dead (it has been silent for the liveness window); read them again later"
             ) from exc
+
+    async def _corrupt(
+        self, exc: DataCorruptionError, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int],
+        fields: list[str], rows: Rows, dense: DenseOnDevice | None,
+    ) -> list[Part]:
+        """Samples read from ``route``'s unit failed their checksum: reported, so that the
+        controller drops that copy; read again, the bad ones from their other copy where
+        the partition keeps one. Else (no good copy left) the error, once they are lost."""
+        unit_id = route.info.unit_id
+        bad: list[int] = exc.samples  # type: ignore[attr-defined]
+        self.stats.corrupt += len(bad)
+        ctl = await self._conns.ctl()
+        where, _ = await ctl.request(
+            Corrupt(partition=meta.partition, partition_uid=meta.partition_uid, unit_id=unit_id, indexes=bad,
+                    field=exc.field),  # type: ignore[attr-defined]
+            expect=Located,
+        )
+        if not where.replicated or any(where.gone) or unit_id in where.units:
+            raise exc
+        units = np.full(len(idx), unit_id, dtype=np.int64)
+        at = {i: k for k, i in enumerate(idx)}
+        for i, u in zip(bad, where.units):
+            units[at[i]] = u
+        log.warning("%s; reading them from their other copy", exc)
+        return await self._fetch_copies(meta, pos, np.asarray(idx, dtype=np.int64), units, fields, rows, dense)
 
     async def _locate(self, meta: BatchMeta, idx: list[int], failed: int) -> Located | None:
         """Where samples read from unit ``failed`` live, as the controller knows: for a

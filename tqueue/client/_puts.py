@@ -24,6 +24,7 @@ from ._args import _groups, _versions, _wait, listed
 from ._ask import PutAsk
 from ._connections import ClientStats, Connections
 from ._encode import Encoded, encode, join, pack, sample_count
+from ._integrity import checksum
 from ._routes import Outgoing
 
 log = logging.getLogger(__name__)
@@ -261,11 +262,15 @@ class Puts:
             timeout=self.config.request_timeout,
         )
         chunk, take = self.config.chunk_bytes, self._pool.take
+        sums = (lambda: checksum(enc)) if self.config.checksums else (lambda: None)
+        if not route.local or self.config.arena_checksums:
+            sums()
         sent = await route.store(
             Outgoing(
                 wide=enc,
                 narrow=(lambda defer: pack(enc, chunk, take, defer=defer)) if self.config.pack_ints else None,
                 split=lambda sizes, lanes: split_lanes(sizes, lanes),
+                checksum=sums,
             ),
             store,
         )

@@ -30,7 +30,7 @@ class Cleanup:
         self.state = state
         self._wake_soon = wake_soon  # serve parked reads of a partition after this reply
         self._retry_parked = retry_parked  # memory was freed: parked writes may fit now
-        self.drops = PendingDrops(state.loop, state.tasks, self._drop_on)
+        self.drops = PendingDrops(state.loop, state.tasks, self.drop_on)
 
     def fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
         part = self.state.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.state.partition(msg.partition)
@@ -102,10 +102,10 @@ class Cleanup:
     async def drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
         listed = None if indexes is None else indexes.tolist()
-        await all_or_none(*(self._drop_on(unit_id, part.uid, listed) for unit_id in list(self.state.unit_peers)))
+        await all_or_none(*(self.drop_on(unit_id, part.uid, listed) for unit_id in list(self.state.unit_peers)))
         self._retry_parked()
 
-    async def _drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:
+    async def drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:
         """Ask one unit to drop; a failure is remembered and retried (see _drops)."""
         peer = self.state.unit_peers.get(unit_id)
         if peer is None:

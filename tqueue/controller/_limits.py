@@ -26,6 +26,7 @@ from ..wire import (
     FieldBlock,
     GetMeta,
     Grant,
+    Corrupt,
     Locate,
     Postpone,
     RegisterUnit,
@@ -216,6 +217,12 @@ def _locate(msg: Locate, config: ControllerConfig) -> None:
     seconds("timeout", msg.timeout)
 
 
+def _corrupt(msg: Corrupt, config: ControllerConfig) -> None:
+    indexes("indexes", msg.indexes, config)
+    if msg.field:
+        name("field", msg.field)
+
+
 def _register(msg: RegisterUnit, config: ControllerConfig) -> None:
     count("capacity", msg.capacity, 1 << 62)
 
@@ -237,4 +244,5 @@ _CHECKS: dict[type, Callable[[Any, ControllerConfig], None]] = {
     RegisterUnit: _register,
     AllocateRows: _allocate_rows,
     Locate: _locate,
+    Corrupt: _corrupt,
 }

@@ -76,7 +76,7 @@ class Partition:
     __slots__ = (
         "name", "uid", "options", "step", "max_samples", "max_tasks", "schema", "samples", "tasks", "unit_bytes",
         "committed", "excluded", "lost", "reasons", "in_flight", "sealed", "complete", "promised", "groups_done",
-        "keys", "single",
+        "keys", "twice", "corrupt",
     )
 
     def __init__(
@@ -95,7 +95,8 @@ class Partition:
         self.committed = 0
         self.excluded = 0
         self.lost = 0  # samples whose storage unit died (excluded, reason "lost")
-        self.single = 0  # samples of a replicated partition left with one copy by a unit's death
+        self.twice = self.options.replicas > 1  # its samples are meant to be held by two units (see ``single``)
+        self.corrupt = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
         self.reasons: collections.Counter[str] = collections.Counter()
         self.in_flight = 0  # grants not yet committed
         self.sealed = False  # no more samples will be put
@@ -107,6 +108,29 @@ class Partition:
     @property
     def n(self) -> int:
         return self.samples.n
+
+    def held_once(self) -> np.ndarray:
+        """Samples meant to be held by two units that one unit alone holds now (after a
+        unit's death, a put no second unit had room for, a restore): committed, stored, not
+        excluded (lost, aborted, failed, cleared, moved away), without a second copy."""
+        if not self.twice:
+            return np.zeros(0, dtype=np.int64)
+        n, s = self.n, self.samples
+        live = (s.mask[:n] & (COMMITTED | EXCLUDED)) == COMMITTED
+        return np.flatnonzero(live & (s.replica[:n] < 0) & (s.unit[:n] >= 0))
+
+    @property
+    def single(self) -> int:
+        """How many samples are held once now (:meth:`held_once`), as ``status()`` reports."""
+        return len(self.held_once())
+
+    @single.setter
+    def single(self, value: int) -> None:
+        # Writers that leave samples held once (a put no second unit had room for, a restored
+        # checkpoint) add them here; the count is the samples' own, so what this records is
+        # that the partition's samples are meant to be held twice (a cluster's default).
+        if value > 0:
+            self.twice = True
 
     @property
     def specs(self) -> dict[str, FieldSpec]:
@@ -307,7 +331,8 @@ class Partition:
     def promote(self, unit_id: int, alive: set[int]) -> int:
         """Before :meth:`lose`: samples with a copy on a live unit are served from it."""
         promoted, gone = self.samples.promote(unit_id, alive)
-        self.single += promoted + gone
+        if promoted or gone:  # held once now (``single``), until copied again
+            self.twice = True
         return promoted
 
     def lose(self, unit_id: int, keep: np.ndarray | None = None) -> int:
@@ -318,12 +343,18 @@ class Partition:
         idx = self.samples.on_unit(unit_id)
         if keep is not None and len(keep):
             idx = np.setdiff1d(idx, keep, assume_unique=True)
+        return self.lose_samples(idx, "lost")
+
+    def lose_samples(self, idx: np.ndarray, reason: str) -> int:
+        """Samples whose bytes are gone (their unit died, or their only copy failed its
+        checksum): excluded for good under ``reason``, lost for every task that had not
+        consumed them, their groups treated as with failed members."""
         if not len(idx):
             return 0
         for task in self.tasks.values():
             state = task.state[idx]
             task.lost += int(((state == AVAILABLE) | (state == LEASED)).sum())
-        self.lost += self.exclude(idx, "lost")
+        self.lost += self.exclude(idx, reason)
         self._abort_groups_of(idx, "member lost")
         return len(idx)
 

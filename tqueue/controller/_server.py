@@ -48,6 +48,7 @@ from ..wire import (
     Hello,
     HelloReply,
     ListKeys,
+    Corrupt,
     Locate,
     LookupKeys,
     Message,
@@ -83,6 +84,7 @@ from ._moves import Moves
 from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
+from ._integrity import Corruption
 from ._replicas import Replicas
 from ._resets import Resets
 from ._rows import Rows
@@ -134,10 +136,14 @@ class Controller:
         self._restored: asyncio.Event | None = None
         self._registered = asyncio.Event()
         if self.config.restore:
-            self._manifest = read_manifest(self.config.restore)
+            self._manifest = read_manifest(self.config.restore, self.config.checkpoint_root)
             self.liveness.known([(int(u["unit_id"]), str(u["name"])) for u in self._manifest["units"]])
             self._restored = asyncio.Event()
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
+        self.corruption = Corruption(
+            self.state, drop_on=self.cleanup.drop_on, copy_again=self.replicas.wake, wake_soon=self._wake_soon,
+            free=self.cleanup.maybe_free,
+        )
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
         self._server.on_undelivered = self._undelivered
         # what only the units may send (with auth on: the cluster's key)
@@ -179,6 +185,7 @@ class Controller:
             (ResetConsumption, self.resets.reset),
             (AllocateRows, self.rows.allocate),
             (Locate, self.rows.locate),
+            (Corrupt, self.corruption.report),
         )
         ungated = (Hello, StatusRequest, Cancel)
         for msg_type, handler in anyone:
@@ -404,6 +411,7 @@ class Controller:
                 lost=p.lost,
                 replicas=p.options.replicas or self.config.replicas,
                 single=p.single,
+                corrupt=p.corrupt,
             )
             for p in self.state.partitions.values()
         ]

@@ -62,6 +62,8 @@ def _cost(piece: Piece, *, frames: bool) -> int:
     parts: list[Any] = [piece, piece.frame_of, piece.offsets, piece.sizes, piece.frames, piece.arena, spec, spec.shape]
     if piece.shapes is not None:
         parts.append(piece.shapes)
+    if piece.crcs is not None:
+        parts.append(piece.crcs)
     held = sum(sys.getsizeof(x) + _OBJECT for x in parts) + _ENTRY
     if frames:
         for view in piece.frames:
@@ -72,7 +74,10 @@ def _cost(piece: Piece, *, frames: bool) -> int:
 
 
 class Piece:
-    __slots__ = ("spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed", "cost")
+    __slots__ = (
+        "spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed",
+        "crcs", "cost",
+    )
 
     def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
         self.frame_of, self.offsets, self.sizes = frame_layout(block, frames)
@@ -86,6 +91,7 @@ class Piece:
         self.live = len(self.sizes)
         self.nbytes = sum(nbytes(f) for f in frames)
         self.packed = block.packed  # per frame: "" or the narrower int type its values are in
+        self.crcs = checked_crcs(block, len(self.sizes))  # per row: the producer's CRC-32C, -1: none
         self.cost = _cost(self, frames=True)
 
     def subset(self, rows: np.ndarray) -> Piece:
@@ -95,10 +101,24 @@ class Piece:
         sub.packed = self.packed
         sub.frame_of, sub.offsets, sub.sizes = self.frame_of[rows], self.offsets[rows], self.sizes[rows]
         sub.shapes = None if self.shapes is None else self.shapes[rows]
+        sub.crcs = None if self.crcs is None else self.crcs[rows]
         sub.live = len(rows)
         sub.nbytes = int(sub.sizes.sum())
         sub.cost = _cost(sub, frames=False) + sub.nbytes
         return sub
+
+
+def checked_crcs(block: FieldBlock, n: int) -> np.ndarray | None:
+    """A block's per-sample CRC-32Cs as a unit keeps them (int64, -1: none computed), after
+    checking there is one per sample and each is a 32-bit value or -1."""
+    if block.crcs is None:
+        return None
+    crcs = np.asarray(block.crcs, dtype=np.int64)
+    if crcs.shape != (n,):
+        raise ProtocolError(f"field {block.name!r}: {len(block.crcs)} checksums for {n} samples")
+    if n and (int(crcs.min()) < -1 or int(crcs.max()) > 0xFFFFFFFF):
+        raise ProtocolError(f"field {block.name!r}: a checksum outside [-1, 2**32)")
+    return crcs
 
 
 class Column:
@@ -490,6 +510,7 @@ class PayloadStore:
         key = np.empty(n, dtype=np.int64)
         start = np.empty(n, dtype=np.int64)
         size = np.empty(n, dtype=np.int64)
+        crcs: np.ndarray | None = None
         sources: list[tuple[Piece, int]] = []
         layouts = set()
         first = int(pids[0])
@@ -502,10 +523,14 @@ class PayloadStore:
             key[sel] = piece.frame_of[r] + len(sources)
             start[sel] = piece.offsets[r]
             size[sel] = piece.sizes[r]
+            if piece.crcs is not None:
+                if crcs is None:
+                    crcs = np.full(n, -1, dtype=np.int64)
+                crcs[sel] = piece.crcs[r]
             sources.extend((piece, i) for i in range(len(piece.frames)))
             layouts.add(tuple(piece.spec.shape) if piece.shapes is None else None)
         spec = col.pieces[unique[0]].spec
-        block = FieldBlock(name=field, spec=spec, counts=[])
+        block = FieldBlock(name=field, spec=spec, counts=[], crcs=None if crcs is None else crcs.tolist())
         if spec.kind == "object":
             block.sizes = size.tolist()
         elif len(layouts) == 1 and (shape := next(iter(layouts))) is not None:

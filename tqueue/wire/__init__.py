@@ -83,7 +83,7 @@ from ._messages import (
     error_reply,
     salvage_rid,
 )
-from ._rows import AllocateRows, Locate, Located
+from ._rows import AllocateRows, Corrupt, Locate, Located
 from ._status import (
     PartitionStatus,
     StatusReply,
@@ -96,6 +96,7 @@ from ._versions import Admission, Reserve, SetVersion, VersionReply, VersionWait
 
 __all__ = [
     "AllocateRows",
+    "Corrupt",
     "Locate",
     "Located",
     "Ack",

@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 8  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone)
+PROTOCOL_VERSION = 9  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -116,6 +116,7 @@ class Kind(enum.IntEnum):
     ALLOCATE_ROWS = 70
     LOCATE = 71
     LOCATED = 72
+    CORRUPT = 73
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -155,6 +156,10 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``packed`` (integer fields only): per frame, ``""`` or the narrower signed integer dtype
     (``int8``, ``int16``, ``int32``) its values travel and are stored in; they all fit it,
     and readers get them back in ``spec.dtype``. See tqueue/wire/_pack.py.
+
+    ``crcs``: per sample, the CRC-32C of its bytes as the producer put them (before any
+    packing: what readers get back), or -1 where none was computed; computed once by the
+    producer, kept by the unit, checked by the reader (tqueue/client/_integrity.py).
     """
 
     name: str
@@ -163,6 +168,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     shapes: list[int] | None = None
     sizes: list[int] | None = None
     packed: list[PackedType] | None = None
+    crcs: list[int] | None = None
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):

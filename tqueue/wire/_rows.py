@@ -43,4 +43,18 @@ class Located(Message):
     replicas: list[int] = []  # per sample, the unit of its second copy (-1: none)
 
 
+class Corrupt(Message):
+    """A reader found ``indexes`` of ``field`` on unit ``unit_id`` failing their CRC-32C: the
+    controller drops that copy (the unit frees it), serves the samples from their other copy
+    where there is one (and copies them again), else counts them lost for every task.
+    Answered with ``Located`` (``gone`` where a sample has no good copy left)."""
+
+    KIND = Kind.CORRUPT
+    partition: str
+    partition_uid: int
+    unit_id: int
+    indexes: list[int]
+    field: str = ""
+
+
 register(globals())

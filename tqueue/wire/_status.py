@@ -43,6 +43,7 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     recycle_to: str = ""  # where puts after the seal go, as partial samples
     replicas: int = 1  # copies of each put
     single: int = 0  # samples held once after a unit's death (not copied again yet)
+    corrupt: int = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):

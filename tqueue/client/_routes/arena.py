@@ -65,6 +65,7 @@ class ArenaRoute(Route):
     put, at most ``lease_bytes``), so that most puts skip the ``Alloc`` round trip."""
 
     device_writes = True
+    local = True
 
     def __init__(
         self, info: UnitInfo, peer: _zmq.Peer, arena: ArenaMap, releases: Releases, min_bytes: int,
@@ -89,6 +90,7 @@ class ArenaRoute(Route):
         placed = await self._place(enc) if enc.nbytes >= self._min_bytes else None
         if placed is None:
             enc.materialize()
+            put.checksum()  # over the socket after all
             return await self.inline.store(put, msg)
         (msg.blocks, msg.shm, msg.region), staged, lease = placed
         msg.keep = lease is not None
@@ -232,5 +234,5 @@ def in_one_range(block: FieldBlock) -> FieldBlock:
     frame (the arena and NIXL routes)."""
     return FieldBlock(
         name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
-        sizes=block.sizes, packed=block.packed[:1] if block.packed else None,
+        sizes=block.sizes, packed=block.packed[:1] if block.packed else None, crcs=block.crcs,
     )

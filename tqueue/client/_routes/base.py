@@ -32,6 +32,9 @@ class Outgoing:
     wide: Encoded
     narrow: Callable[[bool], Encoded] | None
     split: Callable[[list[int], int], list[int]]
+    # give the put its samples' CRC-32Cs (ClientConfig.checksums): for bytes that cross a
+    # socket; a same-host route calls it only where ClientConfig.arena_checksums is on
+    checksum: Callable[[], None] = lambda: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +86,9 @@ class Route(abc.ABC):
     # whether store() takes a put whose dense CUDA fields are still on their device
     # (Encoded.on_device); for the other routes the put copies them to the host first
     device_writes = False
+    # whether its bytes stay on this host, in memory shared with the unit (no socket): checked
+    # only where ClientConfig.arena_checksums is on
+    local = False
 
     def __init__(self, info: UnitInfo) -> None:
         self.info = info

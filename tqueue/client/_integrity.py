@@ -1,0 +1,90 @@
+"""Checksums end to end: each sample's CRC-32C, computed once by its producer over the bytes
+it put, kept by the unit beside them, and checked by every reader as the bytes arrive.
+
+The CRC covers a sample's bytes as readers get them back: a tensor's raw bytes in C order,
+an object value's MessagePack bytes. Integers narrowed for the trip (``pack_ints``) are
+checked once widened. A mismatch is a :class:`~tqueue.errors.DataCorruptionError` naming the
+partition, the samples, the field and the unit; :mod:`._gets` reports it to the controller,
+which drops that copy, and reads the other copy where the partition keeps one.
+
+``ClientConfig.checksums`` turns it on for every route that crosses a socket (the default);
+``ClientConfig.arena_checksums`` adds the same-host arena, where checking costs more than the
+bytes' trip (docs/performance.md gives the figures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataCorruptionError
+from ..wire import BatchMeta, FieldBlock
+from ..wire._crc import crc
+from ..wire._layout import frame_layout
+from ._args import listed
+from ._assemble import Part, unpack
+from ._encode import Encoded
+
+__all__ = ["checksum", "crcs_of", "verify"]
+
+
+def _bytes(frame: Any) -> np.ndarray:
+    return np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+
+
+def crcs_of(block: FieldBlock, frames: Sequence[Any]) -> np.ndarray:
+    """Per sample of ``block`` (wide frames, checked against it), the CRC-32C of its bytes."""
+    frame_of, offsets, sizes = frame_layout(block, frames)
+    n = len(sizes)
+    out = np.empty(n, dtype=np.int64)
+    if not n:
+        return out
+    bufs = [_bytes(f) for f in frames]
+    if len(bufs) == 1 and n > 1 and int(sizes[0]) and bool((sizes == sizes[0]).all()):
+        rows = bufs[0].reshape(n, int(sizes[0]))  # one dense frame: its rows
+        out[:] = [crc(r) for r in rows]
+        return out
+    out[:] = [
+        crc(bufs[f][o : o + s])
+        for f, o, s in zip(frame_of.tolist(), offsets.tolist(), sizes.tolist())
+    ]
+    return out
+
+
+def checksum(enc: Encoded) -> None:
+    """Give every block of ``enc`` whose bytes are on the host its samples' CRC-32Cs (once;
+    the blocks of a put travel to every copy, narrowed or not, with them)."""
+    at = 0
+    for i, block in enumerate(enc.blocks):
+        k = len(block.counts)
+        frames = enc.buffers[at : at + k]
+        at += k
+        if block.crcs is not None or i in enc.on_device:
+            continue  # done, or still on its device (the arena route copies it there directly)
+        block.crcs = crcs_of(block, frames).tolist()
+
+
+def verify(meta: BatchMeta, unit_id: int, part: Part) -> None:
+    """Check every sample of ``part`` (one unit's answer) against its CRC-32C; raise
+    :class:`DataCorruptionError` naming the samples of the first field that fails."""
+    indexes = np.asarray(meta.indexes, dtype=np.int64)[part.positions]
+    for name, (block, frames) in part.blocks.items():
+        if block.crcs is None:
+            continue
+        want = np.asarray(block.crcs, dtype=np.int64)
+        if block.packed is not None and any(block.packed):
+            block, frames = unpack(block, frames)
+        got = crcs_of(block, frames)
+        bad = np.flatnonzero((want >= 0) & (got != want)) if len(want) == len(got) else np.arange(len(got))
+        if len(bad):
+            samples = indexes[bad].tolist()
+            err = DataCorruptionError(
+                f"partition {meta.partition!r}: field {name!r} of samples {listed(samples)} on storage unit "
+                f"{unit_id} fails its CRC-32C check (stored {int(want[bad[0]]):#010x}, read "
+                f"{int(got[bad[0]]):#010x} for sample {samples[0]}): the bytes changed after the put; "
+                "they are not served"
+            )
+            err.partition, err.field, err.samples, err.unit_id = meta.partition, name, samples, unit_id  # type: ignore[attr-defined]
+            raise err
