@@ -71,7 +71,8 @@ class _Formatter(argparse.HelpFormatter):
         return f"{help} (default: {shown.replace('%', '%%')})" if shown else help
 
 
-_METAVARS = {"bind": "ENDPOINT", "host": "HOST", "advertise": "HOST", "auth_dir": "DIR", "name": "NAME", "restore": "DIR"}
+_METAVARS = {"bind": "ENDPOINT", "host": "HOST", "advertise": "HOST", "auth_dir": "DIR", "name": "NAME", "restore": "DIR",
+             "checkpoint_root": "DIR"}
 
 
 def _metavar(name: str, default: Any) -> str:
@@ -151,11 +152,13 @@ def _parser() -> argparse.ArgumentParser:
     ck = command("checkpoint", "write a running cluster's data plane into DIRECTORY (docs/api.md, save_checkpoint)")
     ck.add_argument("controller", metavar="ADDR", help="the controller's address")
     ck.add_argument("directory", metavar="DIRECTORY",
-                    help="where the checkpoint goes: the same path on the controller's and every unit's host")
+                    help="where the checkpoint goes: a name under the servers' --checkpoint-root where they have one, "
+                    "else a path, the same on the controller's and every unit's host")
     ck.add_argument("--metadata", default="null", metavar="JSON", help="JSON kept in the manifest, given back by restore")
     rs = command("restore", "load the checkpoint in DIRECTORY into a cluster, beside its partitions (docs/api.md, load_checkpoint)")
     rs.add_argument("controller", metavar="ADDR", help="the controller's address")
-    rs.add_argument("directory", metavar="DIRECTORY", help="a directory that save_checkpoint or tqueue checkpoint wrote")
+    rs.add_argument("directory", metavar="DIRECTORY",
+                    help="a checkpoint that save_checkpoint or tqueue checkpoint wrote, named as it was named there")
     rs.add_argument("--replace", action="store_true",
                     help="replace the live partitions that have a checkpoint partition's name (default: refuse the load)")
 

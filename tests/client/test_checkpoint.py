@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.errors import InvalidArgumentError, ProtocolError
+from tqueue.errors import DataCorruptionError, InvalidArgumentError
 
 STEP = "train/step-3"
 NEXT = "train/step-4"
@@ -150,7 +150,7 @@ def test_the_files_are_read_by_pyarrow_alone(tmp_path: pathlib.Path, client: tqu
 
 
 def test_loading_refuses_a_clash_and_what_is_not_a_checkpoint(tmp_path: pathlib.Path, client: tqueue.Client) -> None:
-    with pytest.raises(InvalidArgumentError, match="no checkpoint in .*manifest.json is not there"):
+    with pytest.raises(InvalidArgumentError, match="no checkpoint in .*nothing: the folder is not there"):
         client.load_checkpoint(tmp_path / "nothing")
     with pytest.raises(InvalidArgumentError, match="checkpoint metadata must be JSON .*bytes"):
         client.save_checkpoint(tmp_path, metadata={"k": b"raw"})
@@ -164,11 +164,11 @@ def test_loading_refuses_a_clash_and_what_is_not_a_checkpoint(tmp_path: pathlib.
         unit_file = tmp_path / manifest["generation"] / first["path"]
         data = unit_file.read_bytes()
         unit_file.write_bytes(data[:-10])
-        with pytest.raises(ProtocolError, match="has .* bytes, the manifest says .*: the checkpoint is damaged"):
+        with pytest.raises(DataCorruptionError, match="unit-.* has .* bytes, the manifest says .*: the checkpoint is damaged"):
             c.load_checkpoint(tmp_path)
         unit_file.write_bytes(data)
         (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
-        with pytest.raises(ProtocolError, match="a checkpoint of format version 99; this version of tqueue reads version 1"):
+        with pytest.raises(InvalidArgumentError, match="a checkpoint of format version 99; this version of tqueue reads versions 1, 2"):
             c.load_checkpoint(tmp_path)
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
         assert c.load_checkpoint(tmp_path) == [1]
@@ -220,11 +220,13 @@ def test_puts_and_gets_go_on_while_a_checkpoint_is_written(tmp_path: pathlib.Pat
 def test_a_checkpoint_moves_between_clusters_with_auth_on(tmp_path: pathlib.Path) -> None:
     """With CurveZMQ on, the controller's SaveUnit and LoadUnit reach the units under the
     cluster's key; a checkpoint of one cluster loads into another with keys of its own."""
-    with tqueue.LocalCluster(num_storage_units=2, auth=True) as old, old.client() as c:
+    root = {"checkpoint_root": str(tmp_path)}  # required with auth: both clusters keep checkpoints there
+    with tqueue.LocalCluster(num_storage_units=2, auth=True, controller=root) as old, old.client() as c:
         meta = c.put("secure", {"x": torch.arange(8, dtype=torch.float64).reshape(4, 2)})
-        assert c.save_checkpoint(tmp_path, metadata="s").samples == 4
-    with tqueue.LocalCluster(num_storage_units=1, auth=True) as new, new.client() as c:
-        assert c.load_checkpoint(tmp_path) == "s"
+        assert c.save_checkpoint("run/1", metadata="s").samples == 4
+    assert (tmp_path / "run" / "1" / "manifest.json").is_file()
+    with tqueue.LocalCluster(num_storage_units=1, auth=True, controller=root) as new, new.client() as c:
+        assert c.load_checkpoint("run/1") == "s"
         got = c.get_meta("secure", ["x"], 4, task="t", timeout=10)
         assert got.indexes == meta.indexes
         assert c.get_data(got)["x"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
@@ -302,8 +304,8 @@ def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_pat
         assert len(files) == 2  # one on each unit: one loads, the other fails
         damaged = tmp_path / manifest["generation"] / files[1]["path"]
         data = damaged.read_bytes()
-        damaged.write_bytes(b"\0" * len(data))  # the size the manifest says, not an Arrow file
-        with pytest.raises(ProtocolError, match=r"p1-f1\.arrow is not a readable payload file"):
+        damaged.write_bytes(b"\0" * len(data))  # the size the manifest says, not its bytes
+        with pytest.raises(DataCorruptionError, match=r"p1-f1\.arrow \(field 'big' of partition 'ck/prompts', unit \d\) fails its CRC-32C"):
             c.load_checkpoint(tmp_path, replace=True)
         assert {p.name: p.uid for p in c.status().partitions}[CK] == old.partition_uid
         serves(c, CK, now_rows)

@@ -4,6 +4,7 @@ samples move to the units that took their payload."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy as np
@@ -14,8 +15,17 @@ from tqueue.controller._records import GrantRecord
 from tqueue.controller._samples import COMMITTED, EXCLUDED
 from tqueue.controller._serving import AVAILABLE, CONSUMED
 from tqueue.controller._snapshot import capture, read_image, rebuild, write_image
-from tqueue.errors import ProtocolError
+from tqueue.errors import InvalidArgumentError
 from tqueue.wire import FieldSpec
+from tqueue.wire._crc import crc
+
+
+def _write(folder: pathlib.Path, name: str, image) -> tuple[int, int]:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return write_image(fd, name, image)
+    finally:
+        os.close(fd)
 
 
 def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
@@ -32,9 +42,10 @@ def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
     task = part.task("a")
     task.take(np.array([0, 1]), 99)
     task.ack(np.array([0]), 99)  # 0 consumed, 1 still leased
-    path = tmp_path / "p.arrow"
-    write_image(str(path), capture(part))
-    back = rebuild(read_image(str(path)), {0: 4}, max_samples=1 << 20, max_tasks=16)
+    size, crc32c = _write(tmp_path, "p.arrow", capture(part))
+    data = (tmp_path / "p.arrow").read_bytes()
+    assert (size, crc32c) == (len(data), crc(data))
+    back = rebuild(read_image(data, "p.arrow"), {0: 4}, max_samples=1 << 20, max_tasks=16)
 
     assert (back.name, back.uid, back.options, back.step) == (part.name, part.uid, part.options, 2)
     assert back.specs == part.specs and back.schema.bits == part.schema.bits
@@ -60,5 +71,5 @@ def test_a_file_that_is_not_an_image_is_refused(tmp_path: pathlib.Path) -> None:
     table = pa.table({"mask": pa.array([1], type=pa.uint64())})
     with pa.ipc.new_file(str(path), table.schema) as w:
         w.write_table(table)
-    with pytest.raises(ProtocolError, match="other.arrow is not a tqueue partition file"):
-        read_image(str(path))
+    with pytest.raises(InvalidArgumentError, match="other.arrow: not a tqueue partition file"):
+        read_image(path.read_bytes(), "other.arrow")

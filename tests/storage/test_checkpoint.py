@@ -12,6 +12,15 @@ import numpy as np
 from tqueue.storage._checkpoint import UnitCheckpoints, _read_all, _write_all
 from tqueue.storage._store import PayloadStore
 from tqueue.wire import FieldBlock, FieldSpec
+from tqueue.wire._crc import crc
+from tqueue.wire._durable import Place
+
+MAX_INDEX = 1 << 20
+
+
+def _place(folder: pathlib.Path) -> Place:
+    folder.mkdir(parents=True, exist_ok=True)  # the generation's folder: the controller makes it
+    return Place(str(folder))
 
 
 def _read(store: PayloadStore, uid: int, name: str, field: str, indexes: list[int]) -> tuple[FieldBlock, bytes]:
@@ -31,12 +40,13 @@ def test_the_payload_comes_back_from_its_files(tmp_path: pathlib.Path) -> None:
     columns = UnitCheckpoints(store, None, lambda r: None).snapshot([9, 404])
     # overwritten after the snapshot: the snapshot keeps the piece it saw
     store.write(9, "p", np.array([1]), [FieldBlock(name="o", spec=obj, counts=[1], sizes=[1])], [b"z"]).commit()
-    files = _write_all(str(tmp_path), "unit-3", columns)
+    files = _write_all(_place(tmp_path), "unit-3", columns)
     assert sorted((f.field, f.rows) for f in files) == [("ids", 3), ("o", 3)]
     assert all((tmp_path / f.path).stat().st_size == f.nbytes for f in files)
+    assert all(f.crc32c == crc((tmp_path / f.path).read_bytes()) for f in files)
 
     fresh = PayloadStore()
-    for uid, name, indexes, block, frame in _read_all(str(tmp_path), files):
+    for uid, name, indexes, block, frame in _read_all(Place(str(tmp_path)), files, MAX_INDEX):
         fresh.write(uid, name, indexes, [block], [frame]).commit()
     block, data = _read(fresh, 9, "p", "ids", [0, 1, 2])
     assert block.shapes == [2, 1, 3] and not block.packed
@@ -60,9 +70,9 @@ def test_a_write_the_controller_had_not_committed_is_left_out(tmp_path: pathlib.
     checkpoints = UnitCheckpoints(store, None, lambda r: None)
     for exclude, want in (([2, 3], b"aabbccnn"), ([], b"XXbbZZnn")):
         folder = tmp_path / f"e{len(exclude)}"
-        files = _write_all(str(folder), "unit-0", checkpoints.snapshot([4], exclude))
+        files = _write_all(_place(folder), "unit-0", checkpoints.snapshot([4], exclude))
         fresh = PayloadStore()
-        for uid, name, indexes, block, frame in _read_all(str(folder), files):
+        for uid, name, indexes, block, frame in _read_all(Place(str(folder)), files, MAX_INDEX):
             fresh.write(uid, name, indexes, [block], [frame]).commit()
         held = fresh.partitions[4].columns["x"]
         n = int((held.piece_of[: held.top] > 0).sum())

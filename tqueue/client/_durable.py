@@ -14,14 +14,16 @@ from ._connections import Connections
 
 
 def _directory(directory: str | os.PathLike[str]) -> str:
-    """An absolute path: the servers resolve nothing against their own working directory."""
+    """The directory as given: servers with a checkpoint root take it as a name under the
+    root; others take a relative one from this client's working directory (``base``), never
+    from their own."""
     try:
         path = os.fspath(directory)
     except TypeError:
         raise InvalidArgumentError(f"a checkpoint directory is a path, got {type(directory).__name__}") from None
     if not isinstance(path, str) or not path:
         raise InvalidArgumentError(f"a checkpoint directory is a non-empty path, got {directory!r}")
-    return os.path.abspath(path)
+    return path
 
 
 async def save(conns: Connections, directory: str | os.PathLike[str], metadata: Any) -> CheckpointReply:
@@ -33,7 +35,7 @@ async def save(conns: Connections, directory: str | os.PathLike[str], metadata: 
         ) from None
     ctl = await conns.ctl()
     reply, _ = await ctl.request(
-        Checkpoint(directory=_directory(directory), metadata=text), expect=CheckpointReply, timeout=math.inf
+        Checkpoint(directory=_directory(directory), metadata=text, base=os.getcwd()), expect=CheckpointReply, timeout=math.inf
     )
     return reply
 
@@ -42,6 +44,6 @@ async def load(conns: Connections, directory: str | os.PathLike[str], *, replace
     if not isinstance(replace, bool):
         raise InvalidArgumentError(f"replace is True or False, got {replace!r}")
     ctl = await conns.ctl()
-    restore = Restore(directory=_directory(directory), replace=replace)
+    restore = Restore(directory=_directory(directory), replace=replace, base=os.getcwd())
     reply, _ = await ctl.request(restore, expect=Restored, timeout=math.inf)
     return json.loads(reply.metadata)

@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -54,7 +53,7 @@ import msgspec
 import numpy as np
 
 from .._tasks import all_or_none
-from ..errors import InvalidArgumentError, ProtocolError, UnavailableError
+from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError, UnavailableError
 from ..wire import (
     Checkpoint,
     CheckpointReply,
@@ -68,6 +67,7 @@ from ..wire import (
     UnitLoaded,
     UnitSaved,
 )
+from ..wire import _durable
 from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
 from ._partition import Partition
 from ._samples import COMMITTED, EXCLUDED
@@ -94,29 +94,48 @@ class Checkpoints:
         self._forget = forget
         self._free = free
         self._busy = ""  # "a checkpoint" or "a restore" while one runs
+        self.root = state.config.checkpoint_root
+        if state.config.auth_dir and not self.root:
+            raise InvalidArgumentError(
+                "controller: with authentication on (auth_dir) a checkpoint root is required: set checkpoint_root "
+                "(--checkpoint-root) to the folder clients' checkpoints may be written to and loaded from"
+            )
 
     async def save(self, ident: bytes, msg: Checkpoint, bufs: list[Any]) -> CheckpointReply:
-        directory = _absolute(msg.directory)
+        place = _durable.asked(msg.directory, msg.base, self.root)
         try:
             metadata = json.loads(msg.metadata)
         except ValueError as exc:
             raise InvalidArgumentError(f"checkpoint metadata is JSON text: {exc}") from exc
         self._start("a checkpoint")
         try:
-            return await self._save(directory, metadata)
+            return await self._save(place, metadata)
         finally:
             self._busy = ""
 
-    async def _save(self, directory: str, metadata: Any) -> CheckpointReply:
+    async def _save(self, place: _durable.Place, metadata: Any) -> CheckpointReply:
         started = time.perf_counter()
+        generation = f"gen-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}-{secrets.token_hex(4)}"
+        dir_fd, gen_fd = await asyncio.to_thread(_make_generation, place, generation)
+        try:
+            return await self._save_into(place, dir_fd, gen_fd, generation, metadata, started)
+        except BaseException:
+            await asyncio.to_thread(_durable.remove_generation, dir_fd, generation)
+            raise
+        finally:
+            os.close(gen_fd)
+            os.close(dir_fd)
+
+    async def _save_into(
+        self, place: _durable.Place, dir_fd: int, gen_fd: int, generation: str, metadata: Any, started: float
+    ) -> CheckpointReply:
         await self._moves_landed()
         # --- one loop step: the metadata's copy, and SaveUnit on its way to every unit ---
         t0 = time.perf_counter()
         state = self.state
         images = [capture(p) for p in state.partitions.values()]
         uids = [img.uid for img in images]
-        generation = f"gen-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}-{secrets.token_hex(4)}"
-        gen_dir = os.path.join(directory, generation)
+        gen_dir = os.path.join(place.path, generation)
         units = [(uid, u) for uid, u in state.units.items() if u.alive and uid in state.unit_peers]
         pending = list(state.grants)  # writes the copy does not hold: the units leave them out
         saves = [
@@ -134,12 +153,11 @@ class Checkpoints:
         controller_pause = time.perf_counter() - t0
         # --- the files, in threads here and on the units ---
         try:
-            sizes = await asyncio.to_thread(_write_images, gen_dir, images)
+            written = await asyncio.to_thread(_write_images, gen_fd, images)
             saved = [reply for reply, _ in await all_or_none(*saves)]
         except BaseException:
             for fut in saves:
                 fut.cancel()
-            await asyncio.to_thread(shutil.rmtree, gen_dir, True)
             raise
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "generation": generation,
@@ -147,15 +165,16 @@ class Checkpoints:
             "metadata": metadata, "trainer": trainer,
             "partitions": [
                 {"name": img.name, "uid": img.uid, "path": f"partitions/p{img.uid}.arrow", "nbytes": size,
-                 "samples": _live(img)}
-                for img, size in zip(images, sizes)
+                 "samples": _live(img), "crc32c": crc}
+                for img, (size, crc) in zip(images, written)
             ],
             "units": [
                 {"unit_id": uid, "name": u.name, "files": [msgspec.to_builtins(f) for f in reply.files]}
                 for (uid, u), reply in zip(units, saved)
             ],
         }
-        path = await asyncio.to_thread(_commit_manifest, directory, manifest)
+        await asyncio.to_thread(_durable.commit_manifest, dir_fd, manifest, place.name)
+        path = os.path.join(place.path, MANIFEST)
         unit_pause = max((r.pause for r in saved), default=0.0)
         reply = CheckpointReply(
             manifest=path, generation=generation, partitions=len(images),
@@ -182,28 +201,36 @@ class Checkpoints:
                 ) from None
 
     async def restore(self, ident: bytes, msg: Restore, bufs: list[Any]) -> Restored:
-        directory = _absolute(msg.directory)
+        place = _durable.asked(msg.directory, msg.base, self.root)
         self._start("a restore")
         try:
-            return await self._restore(directory, replace=msg.replace)
+            return await self._restore(place, replace=msg.replace)
         finally:
             self._busy = ""
 
-    async def _restore(self, directory: str, *, replace: bool = False) -> Restored:
+    async def _restore(self, place: _durable.Place, *, replace: bool = False) -> Restored:
         started = time.perf_counter()
         state = self.state
+        config = state.config
         fresh = not state.partitions  # a fresh (or restarted) cluster takes the trainer's state too
-        manifest, images = await asyncio.to_thread(read_checkpoint, directory)
-        gen_dir = os.path.join(directory, manifest["generation"])
+        # every path and number of the checkpoint checked, in a thread, before anything is sized by one
+        manifest, images = await asyncio.to_thread(read_checkpoint, place, config)
+        gen_dir = os.path.join(place.path, manifest["generation"])
         self._check_room(images, replace)
-        uids = self._new_uids(images)
         live = sorted(uid for uid, u in state.units.items() if u.alive and not u.suspect and uid in state.unit_peers)
         old_units = [(u["unit_id"], [msgspec.convert(f, UnitFile) for f in u["files"]]) for u in manifest["units"]]
         if not live and any(files for _, files in old_units):
             raise UnavailableError("load_checkpoint needs at least one live storage unit to take the payload")
+        uids = self._new_uids(images)
         by_name = {state.units[uid].name: uid for uid in live}
         same = {int(u["unit_id"]): by_name[u["name"]] for u in manifest["units"] if u["name"] in by_name}
         mapping = _assign(old_units, live, same)
+        try:
+            parts = await asyncio.to_thread(_rebuild_all, images, mapping, config, place.name)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            if isinstance(exc, TQueueError):
+                raise
+            raise InvalidArgumentError(f"checkpoint {place.name}: a partition file does not rebuild: {exc!r}") from None
         loads: dict[int, list[UnitFile]] = {}
         for old, files in old_units:
             loads.setdefault(mapping[old], []).extend(files)
@@ -222,14 +249,14 @@ class Checkpoints:
                     raise result
                 replies.append(result[0])
             self._check_room(images, replace)  # partitions made while the payload loaded
+            # --- one loop step: the partitions replaced, the checkpoint's in their place ---
+            replaced = [state.partitions[img.name] for img in images if img.name in state.partitions]
+            for old_part in replaced:
+                self._forget(old_part, f"partition {old_part.name!r} was replaced by load_checkpoint while get_meta waited")
+            self._install(parts, dict(zip(loads, replies)))
         except BaseException:
             await self._unload(list(loads), [img.uid for img in images])
             raise
-        # --- one loop step: the partitions replaced, the checkpoint's in their place ---
-        replaced = [state.partitions[img.name] for img in images if img.name in state.partitions]
-        for old_part in replaced:
-            self._forget(old_part, f"partition {old_part.name!r} was replaced by load_checkpoint while get_meta waited")
-        self._install(images, mapping, dict(zip(loads, replies)))
         if fresh:
             self._trainer(manifest["trainer"])
         for img in images:
@@ -238,7 +265,7 @@ class Checkpoints:
         await all_or_none(*(self._free(p) for p in replaced))  # their payload, freed on every unit
         log.info(
             "loaded %s: %d partitions (%d replaced), units %s, uids %s",
-            directory, len(images), len(replaced), mapping, {o: n for o, n in uids.items() if o != n},
+            place.name, len(images), len(replaced), mapping, {o: n for o, n in uids.items() if o != n},
         )
         return Restored(
             metadata=json.dumps(manifest["metadata"]), partitions=len(images),
@@ -279,13 +306,9 @@ class Checkpoints:
             img.header["uid"] = uids[img.uid]
         return uids
 
-    def _install(self, images: list[Image], mapping: dict[int, int], loaded: dict[int, UnitLoaded]) -> None:
+    def _install(self, parts: list[Partition], loaded: dict[int, UnitLoaded]) -> None:
         state = self.state
-        config = state.config
-        for img in images:
-            part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
-            if (part.options.replicas or config.replicas) > 1:  # a checkpoint holds one copy of each
-                part.single = int(((part.samples.mask[: part.n] & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
+        for part in parts:
             state.partitions[part.name] = part
             state.by_uid[part.uid] = part
             state.tombstones.pop(part.name, None)  # an explicit new start, as create_partition
@@ -325,7 +348,7 @@ class Checkpoints:
             )
         self._start("a restore")
         try:
-            reply = await self._restore(directory)
+            reply = await self._restore(_durable.confined(directory, self.root))
         finally:
             self._busy = ""
         log.info(
@@ -351,12 +374,6 @@ class Checkpoints:
         if self._busy:
             raise UnavailableError(f"{what} cannot start: {self._busy} is under way")
         self._busy = what
-
-
-def _absolute(directory: str) -> str:
-    if not isinstance(directory, str) or not os.path.isabs(directory):
-        raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {directory!r}")
-    return os.path.normpath(directory)
 
 
 def _live(img: Image) -> int:
@@ -386,30 +403,43 @@ def _assign(old_units: list[tuple[int, list[UnitFile]]], live: list[int], same: 
 # --- files (in a thread) ---------------------------------------------------------------
 
 
-def _write_images(gen_dir: str, images: list[Image]) -> list[int]:
-    folder = os.path.join(gen_dir, "partitions")
-    os.makedirs(folder, exist_ok=True)
-    sizes = [write_image(os.path.join(folder, f"p{img.uid}.arrow"), img) for img in images]
-    _fsync_dir(folder)
-    _fsync_dir(gen_dir)
-    return sizes
+def _make_generation(place: _durable.Place, generation: str) -> tuple[int, int]:
+    """The checkpoint's folder (made where missing) and its new generation folder, with
+    ``partitions/`` in it, as descriptors; refused where the folder holds a manifest that is
+    not a checkpoint's."""
+    dir_fd = _durable.open_folder(place, create=True)
+    try:
+        _durable.foreign_manifest(dir_fd, place.name)
+        gen_fd = _durable.make_generation(dir_fd, generation)
+        os.mkdir("partitions", dir_fd=gen_fd)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd, gen_fd
 
 
-def _commit_manifest(directory: str, manifest: dict[str, Any]) -> str:
-    """Write the manifest beside the old one, then rename it over: the checkpoint's commit.
-    Generations the new manifest does not name are deleted after."""
-    path = os.path.join(directory, MANIFEST)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(directory)
-    for entry in os.listdir(directory):
-        if entry.startswith("gen-") and entry != manifest["generation"]:
-            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-    return path
+def _write_images(gen_fd: int, images: list[Image]) -> list[tuple[int, int]]:
+    """Each image's file, fsynced, then the folders: their sizes and CRC-32Cs."""
+    folder = _durable.subfolder(gen_fd, "partitions", "partitions")
+    try:
+        written = [write_image(folder, f"p{img.uid}.arrow", img) for img in images]
+        _durable.fsync_dir(folder)
+    finally:
+        os.close(folder)
+    _durable.fsync_dir(gen_fd)
+    return written
+
+
+def _rebuild_all(images: list[Image], mapping: dict[int, int], config: Any, what: str) -> list[Partition]:
+    """The checkpoint's partitions, made before any payload is loaded (in a thread: they are
+    nobody's until installed)."""
+    parts = []
+    for img in images:
+        part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
+        if (part.options.replicas or config.replicas) > 1:  # a checkpoint holds one copy of each
+            part.single = int(((part.samples.mask[: part.n] & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
+        parts.append(part)
+    return parts
 
 
 def kept_on(unit_id: int, images: list[Image], by_uid: dict[int, Any]) -> dict[int, np.ndarray]:
@@ -433,28 +463,62 @@ def kept_on(unit_id: int, images: list[Image], by_uid: dict[int, Any]) -> dict[i
     return out
 
 
-def read_checkpoint(directory: str) -> tuple[dict[str, Any], list[Image]]:
-    manifest = read_manifest(directory)
-    gen_dir = os.path.join(directory, str(manifest["generation"]))
-    images = []
-    for entry in manifest["partitions"]:
-        file = os.path.join(gen_dir, entry["path"])
-        size = os.path.getsize(file) if os.path.exists(file) else -1
-        if size != entry["nbytes"]:
-            raise ProtocolError(f"{file} has {size} bytes, the manifest says {entry['nbytes']}: the checkpoint is damaged")
-        images.append(read_image(file))
-    for unit in manifest["units"]:
-        for entry in unit["files"]:
-            file = os.path.join(gen_dir, entry["path"])
-            size = os.path.getsize(file) if os.path.exists(file) else -1
-            if size != entry["nbytes"]:
-                raise ProtocolError(f"{file} has {size} bytes, the manifest says {entry['nbytes']}: the checkpoint is damaged")
-    return manifest, images
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def read_checkpoint(where: _durable.Place | str, config: Any = None) -> tuple[dict[str, Any], list[Image]]:
+    """The manifest and partition images of a checkpoint, every one checked (paths inside its
+    folder, no link followed; sizes and CRC-32Cs as the manifest says; numbers within
+    ``config``'s limits) before anything is sized by them. ``where``: a place, or an absolute
+    path (under ``config.checkpoint_root`` where it has one)."""
+    root = getattr(config, "checkpoint_root", "")
+    place = where if isinstance(where, _durable.Place) else _durable.confined(where, root)
+    max_samples = getattr(config, "max_partition_samples", 1 << 40)
+    max_tasks = getattr(config, "max_tasks_per_partition", 1 << 20)
+    what = place.name
+    dir_fd = _durable.open_folder(place)
     try:
-        os.fsync(fd)
+        manifest = _durable.manifest_of(dir_fd, what)
+        generation = manifest["generation"]
+        gen_fd = _durable.subfolder(dir_fd, generation, what)
     finally:
-        os.close(fd)
+        os.close(dir_fd)
+    images = []
+    try:
+        if manifest["partitions"]:
+            folder = _durable.subfolder(gen_fd, "partitions", what)
+            try:
+                for entry in manifest["partitions"]:
+                    name = entry["path"].split("/")[1]
+                    data = _durable.read_file(folder, name, what)
+                    file = f"{generation}/{entry['path']}"
+                    detail = f" (partition {entry['name']!r})"
+                    if len(data) != entry["nbytes"]:
+                        raise DataCorruptionError(
+                            f"checkpoint {what}: {file}{detail} has {len(data)} bytes, the manifest says "
+                            f"{entry['nbytes']}: the checkpoint is damaged"
+                        )
+                    _durable.verify(data, entry["crc32c"], what, file, detail)
+                    img = read_image(data, f"checkpoint {what}: {file}{detail}", max_samples=max_samples, max_tasks=max_tasks)
+                    if img.uid != entry["uid"] or img.name != entry["name"]:
+                        raise InvalidArgumentError(f"checkpoint {what}: {file} holds partition {img.name!r} (uid "
+                                                   f"{img.uid}), the manifest says {entry['name']!r} (uid {entry['uid']})")
+                    images.append(img)
+            finally:
+                os.close(folder)
+        for unit in manifest["units"]:
+            folders: dict[str, int] = {}
+            try:
+                for entry in unit["files"]:
+                    sub, name = entry["path"].split("/")
+                    if sub not in folders:
+                        folders[sub] = _durable.subfolder(gen_fd, sub, what)
+                    size = _durable.file_size(folders[sub], name, what)
+                    if size != entry["nbytes"]:
+                        raise DataCorruptionError(
+                            f"checkpoint {what}: {generation}/{entry['path']} has {size} bytes, the manifest says "
+                            f"{entry['nbytes']}: the checkpoint is damaged"
+                        )
+            finally:
+                for fd in folders.values():
+                    os.close(fd)
+    finally:
+        os.close(gen_fd)
+    return manifest, images

@@ -114,7 +114,7 @@ class Liveness:
         old.suspect = True  # no placements while the checkpoint is read
         images = None
         try:
-            manifest, images = await asyncio.to_thread(read_checkpoint, msg.restored)
+            manifest, images = await asyncio.to_thread(read_checkpoint, msg.restored, self.state.config)
             if manifest["generation"] != msg.generation:
                 log.warning("unit %d restored generation %s of %s, which now holds %s: it keeps nothing",
                             unit_id, msg.generation, msg.restored, manifest["generation"])

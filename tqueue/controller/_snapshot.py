@@ -9,9 +9,13 @@ flags of ``_samples``), ``unit``, ``version``, ``version_max``, ``revision``, ``
 ``task/<name>`` (that task's state of each sample: 0 available, 1 leased, 2 consumed, 3
 refused) and ``length/<field>`` (dim 0 of each sample of a jagged tensor field); everything
 else (options, field specs in bit order, counters, groups, rollout segments) is JSON in the
-schema's metadata ``tqueue``. :func:`rebuild` makes a :class:`Partition` of an image, with
-leases given back (a leased sample is available again) and puts that never committed
-excluded.
+schema's metadata ``tqueue``. :func:`write_image` gives the file's size and CRC-32C (for the
+manifest); :func:`read_image` takes the file's bytes (checked against them by the caller)
+and bounds every number in them before anything is sized by one: rows at most
+``max_samples``, tasks at most ``max_tasks``, units within the ids a controller gives,
+groups, task states and lengths within their ranges. :func:`rebuild` makes a
+:class:`Partition` of an image, with leases given back (a leased sample is available again)
+and puts that never committed excluded.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import InvalidArgumentError
 from ..wire import FieldSpec
+from ..wire._durable import MAX_UNIT_ID, Summed
 from ._keyindex import KeyIndex
 from ._partition import Options, Partition
 from ._samples import COMMITTED, EXCLUDED, Groups
@@ -99,39 +104,113 @@ def _fit(arr: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def write_image(path: str, image: Image) -> int:
-    """Write ``image`` to ``path`` and fsync it; its size in bytes."""
+def write_image(dir_fd: int, name: str, image: Image) -> tuple[int, int]:
+    """Write ``image`` to the new file ``name`` in ``dir_fd`` and fsync it; its size in bytes
+    and CRC-32C."""
     import pyarrow as pa
 
     names = list(image.arrays)
     table = pa.table([pa.array(image.arrays[k]) for k in names], names=names)
     table = table.replace_schema_metadata({"tqueue": json.dumps(image.header)})
-    with open(path, "wb") as sink:
+    with Summed(dir_fd, name) as sink:
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
-        sink.flush()
-        os.fsync(sink.fileno())
-    return os.path.getsize(path)
+        sink.sync()
+    return sink.size, sink.crc
 
 
-def read_image(path: str) -> Image:
+def read_image(data: Any, what: str, *, max_samples: int = 1 << 40, max_tasks: int = 1 << 20) -> Image:
+    """The image in a partition file's bytes ``data`` (``what`` names the file in errors),
+    every number bounded (``InvalidArgumentError`` naming the file and the value)."""
     import pyarrow as pa
 
-    with pa.memory_map(path) as source:
-        table = pa.ipc.open_file(source).read_all()
-        raw = (table.schema.metadata or {}).get(b"tqueue")
-        try:
-            header = json.loads(raw) if raw is not None else None
-        except ValueError:
-            header = None
+    def bad(text: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"{what}: {text}")
+
+    try:
+        reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(data)))
+        raw = (reader.schema.metadata or {}).get(b"tqueue")
+        header = json.loads(raw) if raw is not None else None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise ProtocolError(f"{path} is not a tqueue partition file")
+            raise bad("not a tqueue partition file")
         if header.get("version") != FORMAT_VERSION:
-            raise ProtocolError(f"{path} is a partition file of version {header.get('version')}; this controller reads {FORMAT_VERSION}")
+            raise bad(f"a partition file of version {header.get('version')!r}; this controller reads {FORMAT_VERSION}")
+        msgspec.convert(header, _Header)
+        n = header["n"]
+        if n > max_samples:
+            raise bad(f"{n} samples, past max_partition_samples={max_samples}")
+        if len(header["tasks"]) > max_tasks:
+            raise bad(f"{len(header['tasks'])} tasks, past max_tasks_per_partition={max_tasks}")
+        if reader.num_record_batches > n + 1 or sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches)) != n:
+            raise bad(f"its columns do not all have {n} rows")
+        table = reader.read_all()
+        table.validate(full=True)
         arrays = {name: table.column(name).to_numpy().copy() for name in table.column_names}
-    if any(len(a) != header["n"] for a in arrays.values()):
-        raise ProtocolError(f"{path}: its columns do not all have {header['n']} rows")
+    except msgspec.ValidationError as exc:
+        raise bad(f"not a valid partition header: {exc}") from None
+    except (pa.ArrowException, ValueError, TypeError) as exc:
+        if isinstance(exc, InvalidArgumentError):
+            raise
+        raise bad(f"not a readable partition file: {exc}") from None
+    _check_arrays(header, arrays, bad)
     return Image(header, arrays)
+
+
+class _Groups(msgspec.Struct):
+    ids: list[Any]
+    committed: list[int]
+    failed: list[int]
+    aborted: list[bool]
+    complete: list[bool]
+    order: list[int]
+
+
+class _Header(msgspec.Struct):
+    """What :func:`rebuild` reads of an image's header, typed (other keys are ignored)."""
+
+    name: str
+    uid: Annotated[int, msgspec.Meta(ge=1)]
+    n: Annotated[int, msgspec.Meta(ge=0)]
+    options: dict[str, Any]
+    fields: Annotated[list[tuple[str, FieldSpec]], msgspec.Meta(max_length=64)]  # a bit of a uint64 mask each
+    committed: int
+    excluded: int
+    lost: int
+    reasons: dict[str, int]
+    sealed: bool
+    complete: int
+    groups_done: int
+    tasks: dict[str, dict[str, int]]
+    has_groups: bool
+    groups: _Groups
+    segments: list[tuple[int, list[tuple[int, int]]]]
+    keys: Any = None
+
+
+def _check_arrays(header: dict[str, Any], arrays: dict[str, np.ndarray], bad: Any) -> None:
+    n = header["n"]
+    groups = header["groups"]
+    if any(len(groups[k]) != len(groups["ids"]) for k in ("committed", "failed", "aborted", "complete")):
+        raise bad("its groups' lists differ in length")
+    if len(groups["ids"]) > max(n, 1) or len(header["segments"]) > n:
+        raise bad("more groups or rollout segments than samples")
+    want = {*_SAMPLE_ARRAYS, *(f"task/{t}" for t in header["tasks"])}
+    lengths = {f"length/{name}" for name, _ in header["fields"]}
+    if not want <= set(arrays) or not set(arrays) <= want | lengths:
+        raise bad(f"columns {sorted(arrays)}, expected {sorted(want)} and lengths of its fields")
+    for name, a in arrays.items():
+        if a.dtype.kind not in "iu" or len(a) != n:
+            raise bad(f"column {name!r} is not {n} integers")
+    ranges = {"unit": (-1, MAX_UNIT_ID), "group": (-1, len(groups["ids"]) - 1)}
+    ranges.update({f"task/{t}": (0, 3) for t in header["tasks"]})
+    ranges.update({name: (0, 1 << 62) for name in lengths & set(arrays)})
+    for name, (lo, hi) in ranges.items():
+        a = arrays[name]
+        if n and (int(a.min()) < lo or int(a.max()) > hi):
+            raise bad(f"column {name!r} holds values outside [{lo}, {hi}]")
+    for i, segs in header["segments"]:
+        if not 0 <= i < n:
+            raise bad(f"a rollout segment of sample {i}, outside [0, {n})")
 
 
 def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks: int) -> Partition:
@@ -152,7 +231,8 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
     s.n = n
     for name in _SAMPLE_ARRAYS:
         setattr(s, name, a[name].astype(getattr(s, name).dtype, copy=True))
-    table = np.full(max([*units, *a["unit"].tolist(), 0]) + 2, -1, dtype=np.int16)
+    top = max([*units, int(a["unit"].max()) if n else 0, 0])  # unit ids are bounded (read_image)
+    table = np.full(top + 2, -1, dtype=np.int16)
     for old, new in units.items():
         table[old] = new
     s.unit = table[s.unit.astype(np.int64)]  # -1 (never placed) maps to the last entry: -1

@@ -64,7 +64,9 @@ class LocalCluster:
     the children also stop by themselves if this process dies (their stdin closes).
     ``auth=True`` turns on CurveZMQ with keys made for this cluster (removed with it), and
     ``auth="DIR"`` with the keys in DIR (see tqueue/transport/_auth.py); :meth:`client` and
-    :meth:`client_config` carry the client's keys::
+    :meth:`client_config` carry the client's keys. With auth on, checkpoints go under
+    ``checkpoint_root`` (given in ``controller``; by default a private folder removed with the
+    cluster, its path in :attr:`checkpoint_root`)::
 
         with tqueue.LocalCluster(num_storage_units=2) as cluster:
             client = tqueue.Client(cluster.address)
@@ -106,7 +108,16 @@ class LocalCluster:
         if self.auth_dir:
             self.unit_args += ["--auth-dir", self.auth_dir]
             self.controller_args += ["--auth-dir", self.auth_dir]
-        self._finalizer = weakref.finalize(self, _stop_all, self._procs, made)
+        # checkpoints: under the root given in controller= (and storage=, else the same); with
+        # auth on and none given, under a private one, removed with the cluster
+        self.checkpoint_root = str((controller or {}).get("checkpoint_root", ""))
+        root_made = ""
+        if self.auth_dir and not self.checkpoint_root:
+            self.checkpoint_root = root_made = tempfile.mkdtemp(prefix="tqueue-checkpoints-")
+            self.controller_args += ["--checkpoint-root", root_made]
+        if self.checkpoint_root and "checkpoint_root" not in (storage or {}):
+            self.unit_args += ["--checkpoint-root", self.checkpoint_root]
+        self._finalizer = weakref.finalize(self, _stop_all, self._procs, made, root_made)
 
     @property
     def pids(self) -> list[int]:
@@ -236,7 +247,7 @@ class LocalCluster:
         self.close()
 
 
-def _stop_all(procs: list[subprocess.Popen[bytes]], auth_dir: str = "") -> None:
+def _stop_all(procs: list[subprocess.Popen[bytes]], auth_dir: str = "", checkpoint_root: str = "") -> None:
     for proc in reversed(procs):
         if proc.stdin is not None and not proc.stdin.closed:
             try:
@@ -256,5 +267,6 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], auth_dir: str = "") -> None:
                 proc.wait()
         if proc.stdout is not None and not proc.stdout.closed:
             proc.stdout.close()
-    if auth_dir:
-        shutil.rmtree(auth_dir, ignore_errors=True)
+    for made in (auth_dir, checkpoint_root):
+        if made:
+            shutil.rmtree(made, ignore_errors=True)

@@ -15,13 +15,20 @@ on.
 per run of samples, columns ``index`` (int64), ``value`` (large_binary: each sample's bytes,
 integers widened back to the field's dtype, objects as MessagePack) and, for tensor and
 ndarray fields, ``shape`` (fixed-size list of int64). The schema's metadata ``tqueue`` is
-JSON: the partition, its uid, the field and its spec. pyarrow alone reads them.
+JSON: the partition, its uid, the field and its spec. pyarrow alone reads them. The unit's
+folder is new (the controller made the generation's folder), each file is created with
+``O_EXCL`` and no link followed, and its CRC-32C (of the whole file, computed as it is
+written) goes into its ``UnitFile``.
 
-**Loading.** ``LoadUnit`` names files; a thread reads each into buffers of its own (one copy
-out of the page cache; the files stay closed, so a later checkpoint may delete them), and
-the loop installs each batch as a write, committed at once (the controller restores the
-metadata that makes them visible), under the partition uid ``LoadUnit.uids`` gives the
-file's (a checkpoint loaded into a live cluster is given uids of its own there).
+**Loading.** ``LoadUnit`` names files; a thread opens each inside the generation's folder
+(no link followed; under a checkpoint root, the folder must lie under it), checks its size
+and CRC-32C before reading a byte of it as Arrow (a mismatch: ``DataCorruptionError`` naming
+the file, field, partition and unit), checks every index against ``max_index``, and copies
+each batch into buffers of its own (the files stay closed, so a later checkpoint may delete
+them). Only once every file is read does the loop install each batch as a write, committed
+at once (the controller restores the metadata that makes them visible), under the partition
+uid ``LoadUnit.uids`` gives the file's (a checkpoint loaded into a live cluster is given
+uids of its own there); an install that fails drops every partition of the load again.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import msgspec
 import numpy as np
 
 from .. import _threads
-from ..errors import InvalidArgumentError, ProtocolError
+from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError
 from ..transport._arena import Arena, Region
 from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved
+from ..wire import _durable
 from ..wire._layout import int_dtype
 from ..wire._pack import PACKED
 from ._store import PayloadStore, Piece
@@ -67,7 +75,16 @@ class _Column:
 class UnitCheckpoints:
     """Saves and loads the payload of ``store``; ``decref`` lets go of an arena region."""
 
-    def __init__(self, store: PayloadStore, arena: Arena | None, decref: Callable[[Region], None]) -> None:
+    def __init__(
+        self, store: PayloadStore, arena: Arena | None, decref: Callable[[Region], None], *, root: str = "",
+        auth: bool = False,
+    ) -> None:
+        if auth and not root:
+            raise InvalidArgumentError(
+                "storage unit: with authentication on (auth_dir) a checkpoint root is required: set checkpoint_root "
+                "(--checkpoint-root) to the folder checkpoints may be written to and loaded from"
+            )
+        self.root = root
         self.store = store
         self.arena = arena
         self._decref = decref
@@ -77,8 +94,7 @@ class UnitCheckpoints:
 
     def save(self, msg: SaveUnit) -> Awaitable[UnitSaved]:
         """Take the snapshot now (in the handler's own step), write it in the background."""
-        if not os.path.isabs(msg.directory):
-            raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {msg.directory!r}")
+        place = _durable.confined(msg.directory, self.root)
         started = time.perf_counter()
         columns = self.snapshot(msg.partitions, msg.exclude)
         regions = {p.region.offset: p.region for c in columns for p in c.pieces.values() if p.region is not None}
@@ -86,7 +102,7 @@ class UnitCheckpoints:
             assert self.arena is not None
             self.arena.incref(region)  # its pages stay ours until the file is written
         pause = time.perf_counter() - started
-        return self._write(msg, columns, list(regions.values()), pause)
+        return self._write(place, msg, columns, list(regions.values()), pause)
 
     def snapshot(self, uids: Sequence[int], exclude: Sequence[int] = ()) -> list[_Column]:
         """Which piece and row hold each sample of every field of ``uids`` (copies of the
@@ -113,10 +129,12 @@ class UnitCheckpoints:
                     out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces))
         return out
 
-    async def _write(self, msg: SaveUnit, columns: list[_Column], regions: list[Region], pause: float) -> UnitSaved:
+    async def _write(
+        self, place: _durable.Place, msg: SaveUnit, columns: list[_Column], regions: list[Region], pause: float
+    ) -> UnitSaved:
         folder = f"unit-{msg.unit}"
         try:
-            files = await self._in_thread(_write_all, msg.directory, folder, columns)
+            files = await self._in_thread(_write_all, place, folder, columns)
         finally:
             for region in regions:
                 self._decref(region)
@@ -125,17 +143,18 @@ class UnitCheckpoints:
     # --- loading --------------------------------------------------------------------
 
     def load(self, msg: LoadUnit) -> Awaitable[UnitLoaded]:
-        if not os.path.isabs(msg.directory):
-            raise InvalidArgumentError(f"a checkpoint directory is an absolute path, got {msg.directory!r}")
-        return self._load(msg)
+        return self._load(_durable.confined(msg.directory, self.root), msg)
 
-    async def _load(self, msg: LoadUnit) -> UnitLoaded:
-        loaded = await self._in_thread(_read_all, msg.directory, msg.files)
-        uids = set()
-        for old, name, indexes, block, frame in loaded:
-            uid = msg.uids.get(old, old)
-            self.store.write(uid, name, indexes, [block], [frame]).commit()
-            uids.add(uid)
+    async def _load(self, place: _durable.Place, msg: LoadUnit) -> UnitLoaded:
+        loaded = await self._in_thread(_read_all, place, msg.files, self.store.max_index)
+        uids = {msg.uids.get(f.partition_uid, f.partition_uid) for f in msg.files}
+        try:
+            for old, name, indexes, block, frame in loaded:
+                self.store.write(msg.uids.get(old, old), name, indexes, [block], [frame]).commit()
+        except BaseException:
+            for uid in uids:  # uids of the load alone: none of them held anything here before
+                self.store.drop(uid)
+            raise
         parts = self.store.partitions
         return UnitLoaded(
             partition_bytes={uid: parts[uid].nbytes for uid in uids if uid in parts}, unit_bytes=self.store.resident
@@ -184,48 +203,64 @@ def _before_write(
 # --- files (in the checkpoint thread) -------------------------------------------------
 
 
-def _write_all(directory: str, folder: str, columns: list[_Column]) -> list[UnitFile]:
+def _write_all(place: _durable.Place, folder: str, columns: list[_Column]) -> list[UnitFile]:
     import pyarrow as pa
 
-    os.makedirs(os.path.join(directory, folder), exist_ok=True)
-    files = []
+    gen_fd = _durable.open_folder(place)  # the controller made it, with its marker
+    try:
+        os.mkdir(folder, dir_fd=gen_fd)  # new: a folder already there is not this checkpoint's
+        fd = _durable.subfolder(gen_fd, folder, place.name)
+        try:
+            files = [_write_file(pa, fd, folder, col, k) for col, k in _numbered(columns)]
+            _durable.fsync_dir(fd)
+        finally:
+            os.close(fd)
+        _durable.fsync_dir(gen_fd)
+    finally:
+        os.close(gen_fd)
+    return files
+
+
+def _numbered(columns: list[_Column]) -> list[tuple[_Column, int]]:
     per_partition: dict[int, int] = {}
+    out = []
     for col in columns:
         k = per_partition[col.uid] = per_partition.get(col.uid, -1) + 1
-        rel = f"{folder}/p{col.uid}-f{k}.arrow"
-        spec = _file_spec(col)
-        header = {
-            "format": FORMAT, "version": FORMAT_VERSION, "partition": col.partition, "partition_uid": col.uid,
-            "field": col.field, "spec": {"kind": spec.kind, "dtype": spec.dtype, "layout": spec.layout,
-                                         "shape": list(spec.shape), "ndim": spec.ndim},
-        }
-        columns_ = [pa.field("index", pa.int64()), pa.field("value", pa.large_binary(), nullable=False)]
-        ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
-        if spec.kind != "object" and ndim:
-            columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
-        schema = pa.schema(columns_, metadata={"tqueue": json.dumps(header)})
-        rows = payload = 0
-        path = os.path.join(directory, rel)
-        with open(path, "wb") as sink:
-            with pa.ipc.new_file(sink, schema) as writer:
-                for indexes, data, offsets, shapes in _runs(col):
-                    arrays = [
-                        pa.array(indexes, type=pa.int64()),
-                        pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
-                    ]
-                    if len(columns_) == 3:
-                        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
-                    writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
-                    rows += len(indexes)
-                    payload += int(offsets[-1])
-            sink.flush()
-            os.fsync(sink.fileno())
-        files.append(UnitFile(
-            path=rel, partition_uid=col.uid, partition=col.partition, field=col.field, rows=rows,
-            nbytes=os.path.getsize(path), payload=payload,
-        ))
-    _fsync_dir(os.path.join(directory, folder))
-    return files
+        out.append((col, k))
+    return out
+
+
+def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> UnitFile:
+    name = f"p{col.uid}-f{k}.arrow"
+    spec = _file_spec(col)
+    header = {
+        "format": FORMAT, "version": FORMAT_VERSION, "partition": col.partition, "partition_uid": col.uid,
+        "field": col.field, "spec": {"kind": spec.kind, "dtype": spec.dtype, "layout": spec.layout,
+                                     "shape": list(spec.shape), "ndim": spec.ndim},
+    }
+    columns_ = [pa.field("index", pa.int64()), pa.field("value", pa.large_binary(), nullable=False)]
+    ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
+    if spec.kind != "object" and ndim:
+        columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
+    schema = pa.schema(columns_, metadata={"tqueue": json.dumps(header)})
+    rows = payload = 0
+    with _durable.Summed(dir_fd, name) as sink:
+        with pa.ipc.new_file(sink, schema) as writer:
+            for indexes, data, offsets, shapes in _runs(col):
+                arrays = [
+                    pa.array(indexes, type=pa.int64()),
+                    pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
+                ]
+                if len(columns_) == 3:
+                    arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
+                writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                rows += len(indexes)
+                payload += int(offsets[-1])
+        sink.sync()
+    return UnitFile(
+        path=f"{folder}/{name}", partition_uid=col.uid, partition=col.partition, field=col.field, rows=rows,
+        nbytes=sink.size, payload=payload, crc32c=sink.crc,
+    )
 
 
 def _file_spec(col: _Column) -> FieldSpec:
@@ -283,74 +318,117 @@ def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
         start = stop
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_Write = tuple[int, str, np.ndarray, FieldBlock, np.ndarray]
 
 
-def _read_all(directory: str, files: list[UnitFile]) -> list[tuple[int, str, np.ndarray, FieldBlock, np.ndarray]]:
+def _read_all(place: _durable.Place, files: list[UnitFile], max_index: int) -> list[_Write]:
+    """Every file's batches as writes; nothing is installed until all of them are read."""
     import pyarrow as pa
 
-    out = []
-    for entry in files:
-        path = os.path.join(directory, entry.path)
-        try:
-            out.extend(_read_file(pa, path, entry))
-        except (pa.ArrowException, OSError) as exc:
-            raise ProtocolError(f"{path} is not a readable payload file: {exc}") from exc
+    out: list[_Write] = []
+    gen_fd = _durable.open_folder(place)
+    folders: dict[str, int] = {}
+    try:
+        for entry in files:
+            folder, name = entry.path.split("/")
+            if folder not in folders:
+                folders[folder] = _durable.subfolder(gen_fd, folder, place.name)
+            where = _Where(place.name, entry)
+            data = _durable.read_file(folders[folder], name, place.name)
+            if len(data) != entry.nbytes:
+                raise DataCorruptionError(f"{where}: has {len(data)} bytes, the manifest says {entry.nbytes}: "
+                                          "the checkpoint is damaged")
+            _durable.verify(data, entry.crc32c, place.name, entry.path, where.detail)
+            try:
+                out.extend(_read_file(pa, data, entry, where, max_index))
+            except (pa.ArrowException, ValueError, TypeError, IndexError, OverflowError) as exc:
+                if isinstance(exc, TQueueError):
+                    raise
+                raise InvalidArgumentError(f"{where}: not a readable payload file: {exc}") from None
+            del data
+    finally:
+        for fd in [*folders.values(), gen_fd]:
+            os.close(fd)
     return out
 
 
-def _read_file(pa: Any, path: str, entry: UnitFile) -> list[tuple[int, str, np.ndarray, FieldBlock, np.ndarray]]:
-    """One payload file's record batches as writes (a file pyarrow cannot read raises its own error)."""
+@dataclasses.dataclass
+class _Where:
+    """A payload file, as an error names it."""
+
+    checkpoint: str
+    entry: UnitFile
+
+    @property
+    def detail(self) -> str:
+        e = self.entry
+        return f" (field {e.field!r} of partition {e.partition!r}, {e.path.split('/')[0].replace('-', ' ')})"
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.checkpoint}: {self.entry.path}{self.detail}"
+
+
+def _read_file(pa: Any, data: Any, entry: UnitFile, where: _Where, max_index: int) -> list[_Write]:
+    """One payload file's record batches as writes, each index checked against ``max_index``."""
+    reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(data)))
+    header = _header(reader.schema, where)
+    if header.get("partition_uid") != entry.partition_uid or header.get("field") != entry.field:
+        raise InvalidArgumentError(f"{where}: holds {header.get('field')!r} of partition uid {header.get('partition_uid')}, "
+                                   f"the manifest says {entry.field!r} of uid {entry.partition_uid}")
+    try:
+        spec = msgspec.convert(header.get("spec"), FieldSpec)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgumentError(f"{where}: the field's spec is not one: {exc}") from None
     out = []
-    with pa.memory_map(path) as source:
-        reader = pa.ipc.open_file(source)
-        header = _header(reader.schema, path)
-        if header.get("partition_uid") != entry.partition_uid or header.get("field") != entry.field:
-            raise ProtocolError(f"{path} holds {header.get('field')!r} of partition uid {header.get('partition_uid')}, "
-                                f"the manifest says {entry.field!r} of uid {entry.partition_uid}")
-        try:
-            spec = msgspec.convert(header.get("spec"), FieldSpec)
-        except msgspec.ValidationError as exc:
-            raise ProtocolError(f"{path}: the field's spec is not one: {exc}") from exc
-        for i in range(reader.num_record_batches):
-            out.append((entry.partition_uid, entry.partition, *_batch(reader.get_batch(i), spec, entry.field, path)))
+    rows = 0
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i)
+        batch.validate(full=True)  # offsets inside their buffers, lengths as declared
+        rows += batch.num_rows
+        if rows > entry.rows:
+            raise InvalidArgumentError(f"{where}: holds more than the {entry.rows} samples the manifest says")
+        out.append((entry.partition_uid, entry.partition, *_batch(batch, spec, entry.field, where, max_index)))
+    if rows != entry.rows:
+        raise InvalidArgumentError(f"{where}: holds {rows} samples, the manifest says {entry.rows}")
     return out
 
 
-def _header(schema: Any, path: str) -> dict[str, Any]:
+def _header(schema: Any, where: _Where) -> dict[str, Any]:
     raw = (schema.metadata or {}).get(b"tqueue")
     try:
         header = json.loads(raw) if raw is not None else None
     except ValueError:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise ProtocolError(f"{path} is not a tqueue payload file")
+        raise InvalidArgumentError(f"{where}: not a tqueue payload file")
     if header.get("version") != FORMAT_VERSION:
-        raise ProtocolError(f"{path} is a payload file of version {header.get('version')}; this unit reads version {FORMAT_VERSION}")
+        raise InvalidArgumentError(f"{where}: a payload file of version {header.get('version')!r}; this unit reads version {FORMAT_VERSION}")
     return header
 
 
-def _batch(batch: Any, spec: FieldSpec, field: str, path: str) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
+def _batch(batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: int) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
     """A record batch as a write: its indexes, its block, its one frame (a copy of its values)."""
     n = batch.num_rows
+    names = batch.schema.names
+    if names[:2] != ["index", "value"] or str(batch.schema.field("value").type) != "large_binary":
+        raise InvalidArgumentError(f"{where}: columns {names}, not index and value")
+    indexes = batch.column("index").to_numpy(zero_copy_only=False).astype(np.int64)
+    if n and (int(indexes.min()) < 0 or int(indexes.max()) >= max_index):
+        raise InvalidArgumentError(f"{where}: sample indexes outside [0, {max_index}) (StorageConfig.max_index)")
     values = batch.column("value")
     if values.null_count:
-        raise ProtocolError(f"{path}: field {field!r} has samples without a value")
+        raise InvalidArgumentError(f"{where}: samples without a value")
     _, offsets_buf, data_buf = values.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int64)[values.offset : values.offset + n + 1]
-    frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])].copy()
-    indexes = batch.column("index").to_numpy().astype(np.int64)
+    frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])].copy() if n else np.zeros(0, np.uint8)
     block = FieldBlock(name=field, spec=spec, counts=[n])
     if spec.kind == "object":
         block.sizes = np.diff(offsets).tolist()
     elif spec.layout == "jagged":
         if spec.ndim:
-            block.shapes = batch.column("shape").flatten().to_numpy().astype(np.int64).tolist()
+            if "shape" not in names:
+                raise InvalidArgumentError(f"{where}: a jagged field without its shape column")
+            block.shapes = batch.column("shape").flatten().to_numpy(zero_copy_only=False).astype(np.int64).tolist()
         else:
             block.shapes = []
     return indexes, block, frame

@@ -53,7 +53,7 @@ from ..wire import (
     Stored,
     UnitFile,
 )
-from ..wire._durable import read_manifest
+from ..wire._durable import confined, read_manifest
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
 from ._checkpoint import UnitCheckpoints
@@ -114,7 +114,9 @@ class StorageUnit:
         self.holds = Holds(config, self.arena, self._decref, lambda: f"unit {self.unit_id}")
         self.commits = CommitQueue(self.membership.ctl, lambda: (self.unit_id, self.data.resident))
         self.metrics: MetricsEndpoint | None = None
-        self.checkpoints = UnitCheckpoints(self.data, self.arena, self._decref)
+        self.checkpoints = UnitCheckpoints(
+            self.data, self.arena, self._decref, root=config.checkpoint_root, auth=bool(config.auth_dir)
+        )
         self._server.sessions.on_gone(self.holds.session_gone)
         s = self._server
         s.route(Hello, self._hello)
@@ -142,7 +144,8 @@ class StorageUnit:
     async def _restore(self, directory: str) -> None:
         """Load this unit's payload (by name) from the checkpoint in ``directory``, before
         registering: the id it had goes with the registration."""
-        manifest = read_manifest(directory)
+        place = confined(directory, self.config.checkpoint_root)
+        manifest = read_manifest(place.path, place.root)
         name = self.config.name or self.address
         mine = [u for u in manifest["units"] if u["name"] == name]
         if not mine:
@@ -152,10 +155,10 @@ class StorageUnit:
                 "give the unit the name it had (StorageConfig.name)"
             )
         files = [msgspec.convert(f, UnitFile) for f in mine[0]["files"]]
-        gen_dir = os.path.join(os.path.normpath(directory), str(manifest["generation"]))
+        gen_dir = os.path.join(place.path, str(manifest["generation"]))
         await self.checkpoints.load(LoadUnit(directory=gen_dir, files=files))
         self.membership.unit_id = int(mine[0]["unit_id"])
-        self._restored = (os.path.normpath(directory), str(manifest["generation"]))
+        self._restored = (place.path, str(manifest["generation"]))
         log.info("unit %s: loaded %d files of the checkpoint in %s", name, len(files), directory)
 
     @property
