@@ -286,3 +286,111 @@ def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
     s.unit[3] = 1  # its holder died meanwhile (promoted elsewhere): unit 1 is not alive
     assert record_copy(part, grant, 2, alive={0, 2}) == 2
     assert s.replica[:4].tolist() == [2, -1, 2, -1] and part.single == 2
+
+
+def unit_of(client: tqueue.Client, address: str) -> tqueue.wire.UnitStatus:
+    """The unit at ``address`` (its live incarnation, where a restart reused the address)."""
+    units = [u for u in client.status().units if u.address == address]
+    return next((u for u in units if u.alive), units[0])
+
+
+def test_a_copy_made_while_an_update_is_in_flight_is_made_again_once_it_commits(partition, monkeypatch):
+    """Samples held once (their second unit SIGKILLed, no unit to copy to) are updated: the
+    update is granted while they are held once, so it writes the holder alone, and its store
+    is held back (a hook on this client) while a new unit joins and the controller copies the
+    samples onto it. That copy lacks the update: it is not recorded (``single`` stays 8),
+    and it is tried again, with backoff, until the update has committed; then the copy holds
+    it, and once the holder dies too the copy serves ``r``. (Before, the copy was recorded;
+    once the holder died, the copy was the only one and had "no field 'r' on this unit", and
+    copying it again failed the same way at every try: samples stayed held once.)"""
+    import asyncio
+    import time
+
+    from tqueue.client._puts import Puts
+
+    with (
+        tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": INTERVAL}) as cluster,
+        tqueue.Client(cluster.address) as c,
+        tqueue.Client(cluster.address) as writer,
+    ):
+        c.create_partition(partition, replicas=2)
+        x = rows(0, 8)
+        c.put(partition, {"x": x})
+        kill_unit(cluster, c, c.select(partition, ["x"]).units[0])
+        until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
+        assert status_of(c, partition).single == 8  # one unit left: nowhere to copy to
+        meta = c.select(partition, ["x"])
+        holder = meta.units[0]
+
+        granted, release = threading.Event(), threading.Event()
+        real = Puts._store
+
+        async def held_back(self, unit, part, grant, enc, indexes):
+            if indexes is not None:  # the update's store, after its grant
+                granted.set()
+                await asyncio.to_thread(release.wait, 30)
+            return await real(self, unit, part, grant, enc, indexes)
+
+        monkeypatch.setattr(Puts, "_store", held_back)
+        updating = threading.Thread(target=writer.update, args=(meta, {"r": torch.arange(8.0)}))
+        updating.start()
+        try:
+            assert granted.wait(30)
+            cluster.start_unit()  # somewhere to copy to: the controller copies at once
+            new = cluster.unit_addresses[-1]
+            until(lambda: unit_of(c, new).nbytes > 0, 30, "the copy stored on the new unit")
+            assert status_of(c, partition).single == 8  # stored, not recorded: it lacks the update
+        finally:
+            release.set()
+            updating.join(timeout=30)
+        monkeypatch.undo()
+        t0 = time.monotonic()
+        until(lambda: status_of(c, partition).single == 0, 30, "the samples copied again, update and all")
+        print(f"copied again {time.monotonic() - t0:.2f} s after the update committed")
+        kill_unit(cluster, c, holder)
+        until(lambda: sum(not u.alive for u in c.status().units) == 2, 30, "the holder declared dead")
+        every = c.select(partition, ["x", "r"])
+        assert set(every.units) == {unit_of(c, new).unit_id}
+        batch = c.get_data(every)
+        assert batch["r"].tolist() == [float(i) for i in every.indexes] and torch.equal(batch["x"], x[every.indexes])
+        part = status_of(c, partition)
+        assert part.lost == 0 and part.single == 8  # held once again, on the copy: nowhere else to go
+
+
+def test_a_copy_whose_target_is_killed_mid_copy_is_made_on_another_unit_without_waiting_for_its_death(partition):
+    """Two units hold every sample; a third (another host) is SIGSTOPped, then the second
+    unit restarts (its old incarnation is dead at once, its samples held once). The copier
+    picks the stopped unit (another host first), whose store hangs; it is SIGKILLed in the
+    middle. The copy fails at once (its connection closed) and is tried again 50 ms later on
+    the restarted unit, long before the killed one's silence (10 s) declares it dead: before,
+    a failed copy waited for the next death or registration."""
+    import time
+
+    with (
+        tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": 2.0}) as cluster,
+        tqueue.Client(cluster.address) as c,
+    ):
+        c.create_partition(partition, replicas=2)
+        x = rows(0, 16)
+        c.put(partition, {"x": x})
+        assert status_of(c, partition).single == 0
+        stopped = cluster.start_unit(host="elsewhere")
+        target = cluster.unit_addresses[-1]
+        until(lambda: unit_of(c, target).alive, 30, "the third unit registered")
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            cluster.restart_unit(1)  # the old incarnation is dead at its successor's registration
+            assert status_of(c, partition).single == 16  # held once: the copy to the stopped unit hangs
+            os.kill(stopped, signal.SIGKILL)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        t0 = time.monotonic()
+        until(lambda: status_of(c, partition).single == 0, 30, "the samples copied to the restarted unit")
+        took = time.monotonic() - t0
+        assert unit_of(c, target).alive, "the retry came from the killed unit's death, not the backoff"
+        print(f"copied again {took:.2f} s after the target was killed")
+        cluster.restart_unit(0)  # the holder's turn: everything is read from the copies
+        until(lambda: status_of(c, partition).single == 0, 30, "copied again after the holder's death")
+        part = status_of(c, partition)
+        assert part.lost == 0
+        assert torch.equal(c.get_data(c.select(partition, ["x"]))["x"], x)

@@ -1,17 +1,26 @@
-"""Re-replication: samples of a replicated partition left with one copy by a unit's death are
-copied again, in the background, a bounded batch at a time.
+"""Re-replication: samples of a replicated partition held by one unit (a unit's death, a put
+no second unit had room for, a restored checkpoint) are copied again, in the background, a
+bounded batch at a time.
 
 A batch is up to :data:`BATCH` samples of one partition, on one holder unit, with the same
-fields. The controller reads them from the holder (``Fetch``, no arena, no bulk stream) and
-stores them on another live unit (another host first) under a grant of their indexes; that
-unit commits as it does for any write, and the commit records the copy, for the samples whose
-revision did not move in between (an update meanwhile wrote the holder alone: those are copied
-again next time) and whose unit still lives. A batch that fails (a unit gone in between) is
-given up on for this round; the next unit death or commit of a copy starts another.
+fields. The controller notes their revisions and fields, reads them from the holder
+(``Fetch``, no arena, no bulk stream) and stores them on another live unit (another host
+first) under a grant of their indexes; that unit commits as it does for any write, and the
+commit records the copy for the samples still as they were read: their revision did not move
+(no update committed in between) and no update of them is in flight (one granted while they
+were held once writes the holder alone, so the copy would lack it: a reader of the copy after
+the holder's death found "no field 'reward' on this unit"), and their holder still lives.
+
+A sample whose copy failed (a unit gone in between) or was not recorded is tried again after
+a backoff of its own, from :data:`RETRY_FIRST` doubling to :data:`RETRY_MAX`, woken by a
+timer of the controller's loop; a target whose store failed is passed over for as long while
+another unit can take the copy. Without a unit to copy to, nothing is tried: a registration
+wakes the copier.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -21,12 +30,53 @@ from ..errors import InvalidArgumentError, PartitionClearedError
 from ..wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
 from ._partition import Partition
 from ._records import GrantRecord, Unit
-from ._samples import COMMITTED, EXCLUDED
 from ._state import ControllerState
 
 log = logging.getLogger(__name__)
 
 BATCH = 64  # samples copied per round trip: a bound on the bytes the controller relays at once
+RETRY_FIRST = 0.05  # seconds before a sample whose copy failed is tried again; doubled at each failure
+RETRY_MAX = 5.0  # the longest wait between two tries of one sample
+
+
+class _Backoff:
+    """The retries of one partition's samples: failed tries and when the next may start."""
+
+    __slots__ = ("tries", "after")
+
+    def __init__(self) -> None:
+        self.tries = np.zeros(0, dtype=np.int16)
+        self.after = np.zeros(0, dtype=np.float64)
+
+    def due(self, idx: np.ndarray, now: float) -> np.ndarray:
+        inside = idx < len(self.after)
+        ok = np.ones(len(idx), dtype=bool)
+        ok[inside] = self.after[idx[inside]] <= now
+        return idx[ok]
+
+    def fail(self, idx: np.ndarray, now: float) -> float:
+        """Count a failed try of ``idx``; the delay before the first of them is due again."""
+        if len(idx) and int(idx.max()) >= len(self.after):
+            size = max(int(idx.max()) + 1, 2 * len(self.after))
+            self.tries = np.concatenate([self.tries, np.zeros(size - len(self.tries), dtype=np.int16)])
+            self.after = np.concatenate([self.after, np.zeros(size - len(self.after), dtype=np.float64)])
+        self.tries[idx] = np.minimum(self.tries[idx] + 1, 32)
+        delay = np.minimum(RETRY_MAX, RETRY_FIRST * 2.0 ** (self.tries[idx].astype(np.float64) - 1))
+        self.after[idx] = now + delay
+        return float(delay.min()) if len(idx) else 0.0
+
+    def forget(self, idx: np.ndarray) -> None:
+        """``idx`` were copied: a later loss of their copy starts from the first delay."""
+        idx = idx[idx < len(self.after)]
+        self.tries[idx] = 0
+        self.after[idx] = 0.0
+
+    def pending(self, held: np.ndarray, now: float) -> float | None:
+        """The earliest time one of ``held`` (held once still) is due, if any waits."""
+        held = held[held < len(self.after)]
+        later = self.after[held]
+        later = later[later > now]
+        return float(later.min()) if len(later) else None
 
 
 class Replicas:
@@ -35,62 +85,157 @@ class Replicas:
     def __init__(self, state: ControllerState) -> None:
         self.state = state
         self._running = False
-        self._skip: set[tuple[int, int]] = set()  # (partition uid, first index) of batches that failed this round
+        self._again = False  # woken while running: look for work again before stopping
+        self._backoff: dict[int, _Backoff] = {}  # partition uid -> retries of its samples
+        self._avoid: dict[int, float] = {}  # unit id -> loop time until which it is not a target (a store failed)
+        self._timer: asyncio.TimerHandle | None = None  # wakes the copier when the next retry is due
 
     def wake(self) -> None:
-        """Copy what is held once, unless that is under way already."""
-        if not self._running and not self.state.tasks.closed:
-            self._running = True
-            self.state.tasks.start(self._run(), "copy samples held once")
+        """Copy what is held once (and due), unless that is under way already."""
+        if self.state.tasks.closed:
+            return
+        if self._running:
+            self._again = True
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._running = True
+        self.state.tasks.start(self._run(), "copy samples held once")
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.wake()
 
     async def _run(self) -> None:
         try:
             while True:
-                job = self._next()
-                if job is None:
+                self._again = False
+                tried = 0
+                for part, idx, holder_id in self._plan():
+                    job = self._recheck(part, idx, holder_id)
+                    if job is not None:
+                        tried += 1
+                        await self._attempt(part, *job)
+                if not tried and not self._again:
                     return
-                part, idx, holder, target = job
-                try:
-                    await self._copy(part, idx, holder, target)
-                except Exception as exc:  # a unit gone in between, say: the next death or commit retries
-                    log.warning("partition %r: copying %d samples from unit %d to unit %d failed: %s",
-                                part.name, len(idx), holder.info.unit_id, target.info.unit_id, exc)
-                    self._skip.add((part.uid, int(idx[0])))
         finally:
             self._running = False
-            self._skip.clear()
+            self._arm()
 
-    def _next(self) -> tuple[Partition, np.ndarray, Unit, Unit] | None:
-        units = self.state.units
+    def _replicated(self, part: Partition) -> bool:
+        if (part.options.replicas or self.state.config.replicas) < 2:
+            return False
+        part.twice = True  # a cluster's default of two copies: its samples are meant to be held twice
+        return True
+
+    def _plan(self) -> list[tuple[Partition, np.ndarray, int]]:
+        """Batches of samples held once and due, each on a live holder that has a unit to
+        copy to: (partition, indexes, holder's unit id)."""
+        now = self.state.loop.time()
+        jobs = []
         for part in list(self.state.partitions.values()):
-            if not part.single or (part.options.replicas or self.state.config.replicas) < 2:
+            if not self._replicated(part):
                 continue
+            held = part.held_once()
+            backoff = self._backoff.get(part.uid)
+            if backoff is not None:
+                held = backoff.due(held, now)
             s = part.samples
-            n = s.n
-            held = np.flatnonzero(((s.mask[:n] & (COMMITTED | EXCLUDED)) == COMMITTED) & (s.replica[:n] < 0) & (s.unit[:n] >= 0))
             for holder_id in np.unique(s.unit[held]).tolist():
-                holder = units.get(holder_id)
-                if holder is None or not holder.alive:
+                holder = self.state.units.get(holder_id)
+                if holder is None or not holder.alive or self._target(holder) is None:
                     continue
                 on = held[s.unit[held] == holder_id]
                 masks = s.mask[on]
-                same = on[masks == masks[0]][:BATCH]
-                if (part.uid, int(same[0])) in self._skip:
-                    continue
-                target = self._target(holder)
-                if target is not None:
-                    return part, same, holder, target
-        return None
+                for mask in np.unique(masks):
+                    same = on[masks == mask]
+                    jobs += [(part, same[k : k + BATCH], holder_id) for k in range(0, len(same), BATCH)]
+        return jobs
+
+    def _recheck(self, part: Partition, idx: np.ndarray, holder_id: int) -> tuple[np.ndarray, Unit, Unit] | None:
+        """What of a planned batch is still to copy now (an earlier copy of the round may have
+        taken time): its samples still held once on that holder, with the same fields."""
+        if self.state.by_uid.get(part.uid) is not part:
+            return None
+        holder = self.state.units.get(holder_id)
+        if holder is None or not holder.alive:
+            return None
+        s = part.samples
+        idx = np.intersect1d(idx, part.held_once(), assume_unique=True)
+        idx = idx[s.unit[idx] == holder_id]
+        if not len(idx):
+            return None
+        idx = idx[s.mask[idx] == s.mask[idx[0]]]
+        target = self._target(holder)
+        return (idx, holder, target) if target is not None else None
 
     def _target(self, holder: Unit) -> Unit | None:
-        others = [u for u in self.state.units.values() if u.alive and not u.suspect and u is not holder]
+        """A unit to copy ``holder``'s samples to: live, not being probed, not known gone (its
+        address refuses connections), not one whose store just failed where another can take
+        it; another host first, then the least loaded."""
+        now = self.state.loop.time()
+        peers = self.state.unit_peers
+        others = [
+            u for u in self.state.units.values()
+            if u.alive and not u.suspect and u is not holder
+            and (peer := peers.get(u.info.unit_id)) is not None and not peer.refusing
+        ]
+        others = [u for u in others if self._avoid.get(u.info.unit_id, 0.0) <= now] or others
         apart = [u for u in others if u.info.host != holder.info.host]
         pool = apart or others
         return min(pool, key=lambda u: (u.load, u.info.unit_id)) if pool else None
 
+    async def _attempt(self, part: Partition, idx: np.ndarray, holder: Unit, target: Unit) -> None:
+        """One try of a batch; what it did not copy is tried again after its backoff."""
+        failure: Exception | None = None
+        try:
+            await self._copy(part, idx, holder, target)
+        except Exception as exc:  # a unit gone in between, say: retried after the backoff
+            failure = exc
+        now = self.state.loop.time()
+        backoff = self._backoff.setdefault(part.uid, _Backoff())
+        left = np.intersect1d(idx, part.held_once(), assume_unique=True)
+        backoff.forget(np.setdiff1d(idx, left, assume_unique=True))
+        if not len(left):
+            return
+        delay = backoff.fail(left, now)
+        if failure is not None:
+            self._avoid[target.info.unit_id] = now + delay
+            log.warning("partition %r: copying %d samples from unit %d to unit %d failed (%s); tried again in %.2f s",
+                        part.name, len(idx), holder.info.unit_id, target.info.unit_id, failure, delay)
+        else:
+            log.info("partition %r: %d of %d samples copied to unit %d were updated meanwhile; copied again in %.2f s",
+                     part.name, len(left), len(idx), target.info.unit_id, delay)
+
+    def _arm(self) -> None:
+        """A timer for the next retry due, if a sample held once waits for one."""
+        if self.state.tasks.closed:
+            return
+        now = self.state.loop.time()
+        first: float | None = None
+        for uid, backoff in list(self._backoff.items()):
+            part = self.state.by_uid.get(uid)
+            held = part.held_once() if part is not None else np.zeros(0, dtype=np.int64)
+            if not len(held):
+                del self._backoff[uid]  # freed, or nothing held once: nothing to retry
+                continue
+            due = backoff.pending(held, now)
+            if due is not None and (first is None or due < first):
+                first = due
+        if first is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.state.loop.call_at(first, self._fire)
+        elif self._again:
+            self.wake()
+
     async def _copy(self, part: Partition, idx: np.ndarray, holder: Unit, target: Unit) -> None:
         s = part.samples
+        # what is read is what the mask says now: its revision is taken here, before the read,
+        # so an update that commits after this point leaves the copy unrecorded
         fields = [name for name, bit in part.schema.bits.items() if s.mask[idx[0]] & bit]
+        revision = s.revision[idx].copy()
         source = self.state.unit_peers.get(holder.info.unit_id)
         sink = self.state.unit_peers.get(target.info.unit_id)
         if source is None or sink is None:
@@ -102,8 +247,7 @@ class Replicas:
         )
         grant_id = next(self.state.grant_ids)
         self.state.grants[grant_id] = GrantRecord(
-            grant_id, part.uid, target.info.unit_id, 0, len(idx), idx, frozenset(fields),
-            copy_of=s.revision[idx].copy(),
+            grant_id, part.uid, target.info.unit_id, 0, len(idx), idx, frozenset(fields), copy_of=revision,
         )
         try:
             await sink.request(
@@ -115,16 +259,22 @@ class Replicas:
             self.state.grants.pop(grant_id, None)  # committed (see ``copied``), or given up on
 
 
-def record_copy(part: Partition, grant: GrantRecord, unit_id: int, alive: set[int]) -> int:
-    """The commit of a re-replication grant: record the new copy of each sample it holds whose
-    revision is the one read and whose first copy still lives; how many."""
+def record_copy(
+    part: Partition, grant: GrantRecord, unit_id: int, alive: set[int], updating: np.ndarray | None = None
+) -> int:
+    """The commit of a re-replication grant: record the new copy of each sample it holds that
+    is as it was read (its revision did not move, and it is not in ``updating``: the indexes
+    of updates in flight, which write its first copy alone), still live, and whose first copy
+    still lives; how many."""
     assert grant.copy_of is not None and grant.indexes is not None
     s = part.samples
     idx = grant.indexes
     ok = (s.revision[idx] == grant.copy_of) & (s.replica[idx] < 0) & np.isin(s.unit[idx], list(alive))
     ok &= s.unit[idx] != unit_id
+    ok &= np.isin(idx, part.held_once(), assume_unique=True)
+    if updating is not None and len(updating):
+        ok &= ~np.isin(idx, updating)
     s.replica[idx[ok]] = unit_id
-    part.single = max(0, part.single - int(ok.sum()))
     return int(ok.sum())
 
 
@@ -134,7 +284,7 @@ class Copies:
 
     def __init__(self, state: ControllerState, copy_again: Callable[[], None]) -> None:
         self.state = state
-        self._copy_again = copy_again
+        self._copy_again = copy_again  # re-replication (its own loop goes from one batch to the next)
 
     def place(self, msg: Grant, first: Unit) -> Unit | None:
         """A second unit for a replicated put: on another host where one has room, else
@@ -157,14 +307,19 @@ class Copies:
         if part is None:
             raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its copy was stored")
         alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
-        n = record_copy(part, grant, msg.unit_id, alive)
+        n = record_copy(part, grant, msg.unit_id, alive, self._updating(part.uid))
         log.info("partition %r: %d samples held once have a second copy on unit %d", part.name, n, msg.unit_id)
         unit = self.state.units.get(msg.unit_id)
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
-        self.state.loop.call_soon(self._copy_again)  # the next batch
         return Committed(sealed=part.sealed)
+
+    def _updating(self, uid: int) -> np.ndarray:
+        """The samples of partition ``uid`` that an update granted and not yet committed writes."""
+        pending = [g.indexes for g in self.state.grants.values()
+                   if g.partition_uid == uid and g.indexes is not None and g.copy_of is None]
+        return np.concatenate(pending) if pending else np.zeros(0, dtype=np.int64)
 
     def first(self, grant: GrantRecord, msg: Commit) -> Committed:
         """One unit of a replicated put holds its copy; the samples are ready once the other
