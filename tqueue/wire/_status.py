@@ -42,7 +42,7 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
     recycle_to: str = ""  # where puts after the seal go, as partial samples
     replicas: int = 1  # copies of each put
-    single: int = 0  # samples held once after a unit's death (not copied again yet)
+    single: int = 0  # samples held once now (a unit died, no second unit had room): not lost, aborted or cleared ones
     corrupt: int = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
 
 
