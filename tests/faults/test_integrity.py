@@ -160,3 +160,21 @@ def test_checksums_are_per_sample_over_the_bytes_readers_get():
     import crc32c
 
     assert crcs_of(block, [b"abcdef"]).tolist() == [crc32c.crc32c(b"abc"), crc32c.crc32c(b"def")]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_packed_integers_are_checked_once_widened_in_the_batch(pair, partition, replicas):
+    """Token ids that travel narrowed (pack_ints): the unit holds int16 values, the CRC covers
+    the int64 values readers get; a flipped bit is caught in the batch's rows."""
+    ids = torch.from_numpy(np.random.default_rng(7).integers(-30000, 30000, size=(4, 8192), dtype=np.int64))
+    with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
+        c.create_partition(partition, replicas=replicas)
+        put = c.put(partition, {"ids": ids})
+        narrow = ids[3, :32].numpy().astype(np.int16).tobytes()
+        assert flip_in_memory(_unit_pid(pair, c, put.units[3]), narrow, at=11) >= 1
+        if replicas == 1:
+            with pytest.raises(tqueue.DataCorruptionError, match=r"field 'ids' of samples \[3\]"):
+                c.get_data(put)
+        else:
+            assert torch.equal(c.get_data(put)["ids"], ids)
+        assert c.stats.corrupt == 1

@@ -89,6 +89,8 @@ class Part:
     blocks: dict[str, tuple[FieldBlock, list[Any]]]
     wire: int = -1  # bytes received, where frames do not say (some were widened on arrival)
     widened: int = 0  # bytes written by widening packed frames on arrival
+    unit: int = -1  # the unit it came from
+    unchecked: list[str] = dataclasses.field(default_factory=list)  # dense packed fields checked once assembled
 
 
 @contextlib.contextmanager

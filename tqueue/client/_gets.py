@@ -27,7 +27,7 @@ from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
 from ._batch import Batch
-from ._integrity import verify
+from ._integrity import verify, verify_rows
 from ._connections import ClientStats, Connections
 from ._routes import Route, Rows
 from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
@@ -193,6 +193,15 @@ class Gets:
         on_device = dense.finish() if dense is not None else {}
         on_host = [f for f in fields if f not in on_device]
         batch, tally = assemble(meta, on_host, parts, options, pool, rows.buffers)
+        if any(part.unchecked for part in parts):
+            try:
+                verify_rows(meta, parts, batch)
+            except DataCorruptionError as exc:  # read again: the bad samples from their other copy
+                where = await self._report(exc, meta)
+                units = dict(zip(exc.samples, where.units))  # type: ignore[attr-defined]
+                moved = msgspec.structs.replace(meta, units=[units.get(i, u) for i, u in zip(meta.indexes, meta.units)])
+                log.warning("%s; reading them from their other copy", exc)
+                return await self._fetch(moved, fields, options, acc)
         self.stats.gets += 1
         self.stats.get_bytes += tally.logical
         self.stats.wire_bytes += tally.wire
@@ -220,7 +229,7 @@ class Gets:
         try:
             part = await route.fetch(meta, pos, idx, fields, rows)
             if self.config.checksums and (not route.local or self.config.arena_checksums):
-                verify(meta, route.info.unit_id, part)
+                verify(meta, route.info.unit_id, part, assembled=dense is None)
             if dense is not None:
                 dense.add(part)
             return [part]
@@ -254,6 +263,19 @@ class Gets:
         the partition keeps one. Else (no good copy left) the error, once they are lost."""
         unit_id = route.info.unit_id
         bad: list[int] = exc.samples  # type: ignore[attr-defined]
+        where = await self._report(exc, meta)
+        units = np.full(len(idx), unit_id, dtype=np.int64)
+        at = {i: k for k, i in enumerate(idx)}
+        for i, u in zip(bad, where.units):
+            units[at[i]] = u
+        log.warning("%s; reading them from their other copy", exc)
+        return await self._fetch_copies(meta, pos, np.asarray(idx, dtype=np.int64), units, fields, rows, dense)
+
+    async def _report(self, exc: DataCorruptionError, meta: BatchMeta) -> Located:
+        """Tell the controller which copies failed their checksum; where the samples are now.
+        Raises ``exc`` where some have no good copy left (they are lost now, counted)."""
+        bad: list[int] = exc.samples  # type: ignore[attr-defined]
+        unit_id: int = exc.unit_id  # type: ignore[attr-defined]
         self.stats.corrupt += len(bad)
         ctl = await self._conns.ctl()
         where, _ = await ctl.request(
@@ -263,12 +285,7 @@ class Gets:
         )
         if not where.replicated or any(where.gone) or unit_id in where.units:
             raise exc
-        units = np.full(len(idx), unit_id, dtype=np.int64)
-        at = {i: k for k, i in enumerate(idx)}
-        for i, u in zip(bad, where.units):
-            units[at[i]] = u
-        log.warning("%s; reading them from their other copy", exc)
-        return await self._fetch_copies(meta, pos, np.asarray(idx, dtype=np.int64), units, fields, rows, dense)
+        return where
 
     async def _locate(self, meta: BatchMeta, idx: list[int], failed: int) -> Located | None:
         """Where samples read from unit ``failed`` live, as the controller knows: for a

@@ -14,11 +14,13 @@ bytes' trip (docs/performance.md gives the figures).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from .._threads import on_two_threads, worth_splitting
 from ..errors import DataCorruptionError
 from ..wire import BatchMeta, FieldBlock
 from ..wire._crc import crc
@@ -27,7 +29,7 @@ from ._args import listed
 from ._assemble import Part, unpack
 from ._encode import Encoded
 
-__all__ = ["checksum", "crcs_of", "verify"]
+__all__ = ["checksum", "crcs_of", "verify", "verify_rows"]
 
 
 def _bytes(frame: Any) -> np.ndarray:
@@ -35,7 +37,8 @@ def _bytes(frame: Any) -> np.ndarray:
 
 
 def crcs_of(block: FieldBlock, frames: Sequence[Any]) -> np.ndarray:
-    """Per sample of ``block`` (wide frames, checked against it), the CRC-32C of its bytes."""
+    """Per sample of ``block`` (wide frames, checked against it), the CRC-32C of its bytes;
+    a big block's samples on two threads (the CRC releases the GIL)."""
     frame_of, offsets, sizes = frame_layout(block, frames)
     n = len(sizes)
     out = np.empty(n, dtype=np.int64)
@@ -44,12 +47,20 @@ def crcs_of(block: FieldBlock, frames: Sequence[Any]) -> np.ndarray:
     bufs = [_bytes(f) for f in frames]
     if len(bufs) == 1 and n > 1 and int(sizes[0]) and bool((sizes == sizes[0]).all()):
         rows = bufs[0].reshape(n, int(sizes[0]))  # one dense frame: its rows
-        out[:] = [crc(r) for r in rows]
-        return out
-    out[:] = [
-        crc(bufs[f][o : o + s])
-        for f, o, s in zip(frame_of.tolist(), offsets.tolist(), sizes.tolist())
-    ]
+
+        def some(a: int, b: int) -> None:
+            out[a:b] = [crc(r) for r in rows[a:b]]
+    else:
+        where = list(zip(frame_of.tolist(), offsets.tolist(), sizes.tolist()))
+
+        def some(a: int, b: int) -> None:
+            out[a:b] = [crc(bufs[f][o : o + s]) for f, o, s in where[a:b]]
+
+    if n > 1 and worth_splitting(int(sizes.sum())):
+        half = n // 2
+        on_two_threads(lambda: some(0, half), lambda: some(half, n))
+    else:
+        some(0, n)
     return out
 
 
@@ -66,25 +77,47 @@ def checksum(enc: Encoded) -> None:
         block.crcs = crcs_of(block, frames).tolist()
 
 
-def verify(meta: BatchMeta, unit_id: int, part: Part) -> None:
+def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True) -> None:
     """Check every sample of ``part`` (one unit's answer) against its CRC-32C; raise
-    :class:`DataCorruptionError` naming the samples of the first field that fails."""
-    indexes = np.asarray(meta.indexes, dtype=np.int64)[part.positions]
+    :class:`DataCorruptionError` naming the samples of the first field that fails. With
+    ``assembled``, dense fields whose frames are packed are left to :func:`verify_rows`
+    (listed in ``part.unchecked``): they are checked in the batch's rows, once widened there,
+    rather than widened once more here."""
+    part.unit = unit_id
     for name, (block, frames) in part.blocks.items():
         if block.crcs is None:
             continue
         want = np.asarray(block.crcs, dtype=np.int64)
         if block.packed is not None and any(block.packed):
+            if assembled and block.spec.layout == "dense":
+                part.unchecked.append(name)
+                continue
             block, frames = unpack(block, frames)
-        got = crcs_of(block, frames)
-        bad = np.flatnonzero((want >= 0) & (got != want)) if len(want) == len(got) else np.arange(len(got))
-        if len(bad):
-            samples = indexes[bad].tolist()
-            err = DataCorruptionError(
-                f"partition {meta.partition!r}: field {name!r} of samples {listed(samples)} on storage unit "
-                f"{unit_id} fails its CRC-32C check (stored {int(want[bad[0]]):#010x}, read "
-                f"{int(got[bad[0]]):#010x} for sample {samples[0]}): the bytes changed after the put; "
-                "they are not served"
-            )
-            err.partition, err.field, err.samples, err.unit_id = meta.partition, name, samples, unit_id  # type: ignore[attr-defined]
-            raise err
+        _compare(meta, unit_id, name, part.positions, want, crcs_of(block, frames))
+
+
+def verify_rows(meta: BatchMeta, parts: Sequence[Part], values: Mapping[str, Any]) -> None:
+    """Check the fields :func:`verify` left for later in the assembled batch ``values``."""
+    for part in parts:
+        for name in part.unchecked:
+            block = part.blocks[name][0]
+            value = values[name]
+            rows = (value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)).view(np.uint8)
+            rows = rows.reshape(len(meta.indexes), -1)[part.positions]
+            got = np.asarray([crc(r) for r in rows], dtype=np.int64)
+            _compare(meta, part.unit, name, part.positions, np.asarray(block.crcs, dtype=np.int64), got)
+
+
+def _compare(meta: BatchMeta, unit_id: int, name: str, positions: np.ndarray, want: np.ndarray, got: np.ndarray) -> None:
+    bad = np.flatnonzero((want >= 0) & (got != want)) if len(want) == len(got) else np.arange(len(got))
+    if not len(bad):
+        return
+    samples = np.asarray(meta.indexes, dtype=np.int64)[positions][bad].tolist()
+    err = DataCorruptionError(
+        f"partition {meta.partition!r}: field {name!r} of samples {listed(samples)} on storage unit "
+        f"{unit_id} fails its CRC-32C check (stored {int(want[bad[0]]):#010x}, read "
+        f"{int(got[bad[0]]):#010x} for sample {samples[0]}): the bytes changed after the put; "
+        "they are not served"
+    )
+    err.partition, err.field, err.samples, err.unit_id = meta.partition, name, samples, unit_id  # type: ignore[attr-defined]
+    raise err
