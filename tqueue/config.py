@@ -112,6 +112,20 @@ class ControllerConfig:
     tombstone_seconds: float = _setting(
         600.0, "seconds puts to the name of a partition that sealed and freed itself are refused (stragglers start no "
         "partition nobody consumes); create_partition lifts it")
+    max_tag_bytes: int = _setting(
+        16 * 1024, "bytes of one sample's (or one key's) tags, as MessagePack; a bind_keys, tag_keys or set_tags with "
+        "larger tags is refused with InvalidArgumentError naming the partition, and changes nothing")
+    max_tag_bytes_per_partition: int = _setting(
+        64 * MiB, "bytes of tags (as MessagePack) one partition may hold; a tag write past it is refused likewise "
+        "(status().keys shows the use of each bound)")
+    max_tag_bytes_total: int = _setting(
+        256 * MiB, "bytes of tags (as MessagePack) all partitions together may hold; a tag write past it is refused "
+        "likewise, until tags are dropped or their partitions freed")
+    max_keys_per_partition: int = _setting(
+        1_000_000, "keys one partition may hold (each costs the controller about 220 bytes, tags aside); a bind_keys "
+        "or tag_keys that would make more is refused with InvalidArgumentError")
+    max_keys_total: int = _setting(
+        4_000_000, "keys all partitions together may hold; a bind_keys or tag_keys past it is refused likewise")
 
 
 @_documented

@@ -456,6 +456,7 @@ class Controller:
             admission_limit=limit,
             metrics=self.metrics.url if self.metrics is not None else "",
             weights=self.state.weights,
+            keys=self.keys.status(),
         )
 
 

@@ -76,6 +76,28 @@ def expected(reply: Message, expect: type[R], *, peer: str, request: Message) ->
     return reply
 
 
+_RID_KEY = b"\xa3rid"  # MessagePack's "rid": a header's last key (the base's field comes after the message's own)
+_UINTS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def tail_rid(frames: Sequence[Any]) -> int:
+    """The request id at the end of a header that cannot be decoded whole (too large for the
+    server's ``max_header``, or nested too deep for the decoder), read from its last 13
+    bytes: a reply the requester can match, at once, at no cost beyond the look (0: none)."""
+    if len(frames) < 2:
+        return 0
+    view = memoryview(frames[1].buffer if isinstance(frames[1], zmq.Frame) else frames[1]).cast("B")
+    tail = bytes(view[-13:])
+    at = tail.rfind(_RID_KEY)
+    if at < 0:
+        return 0
+    value = tail[at + len(_RID_KEY) :]
+    if len(value) == 1 and value[0] < 0x80:  # a positive fixint
+        return value[0]
+    width = _UINTS.get(value[0], 0) if value else 0
+    return int.from_bytes(value[1:], "big") if width and len(value) == 1 + width else 0
+
+
 def _malformed(peer: str, exc: TQueueError) -> ProtocolError:
     return ProtocolError(f"{peer} sent a malformed reply: {exc}")
 
@@ -313,7 +335,7 @@ class Peer:
                 msg, buffers = decode(frames)
         except ProtocolError as exc:
             # its caller learns now, not at its timeout, where the request id can be read
-            fut = self._pending.get(salvage_rid(frames))
+            fut = self._pending.get(salvage_rid(frames) or tail_rid(frames))
             if fut is not None and not fut.done():
                 fut.set_exception(_malformed(f"{self.name} at {self.address}", exc))
             else:
@@ -479,7 +501,7 @@ class BlockingPeer:
                     with self._decoding:
                         reply, _ = decode(frames)
                 except ProtocolError as exc:
-                    if salvage_rid(frames) == rid:
+                    if (salvage_rid(frames) or tail_rid(frames)) == rid:
                         raise _malformed(f"{self.name} at {self.address}", exc) from exc
                     log.warning("dropping malformed reply from %s: %s", self.address, exc)
                     continue
@@ -658,7 +680,7 @@ class Server:
             self.queues.malformed += 1
             self.queues.log_once(ident, "sent a malformed request (%d so far): %s", self.queues.malformed, exc)
             if bytes(body[0].buffer if body else b"") != _CANCEL_KIND:
-                self.reply_error(ident, salvage_rid(body), exc)
+                self.reply_error(ident, salvage_rid(body) or tail_rid(body), exc)
             return
         if isinstance(msg, Ping):
             self.reply(ident, msg.rid, Pong())

@@ -73,6 +73,28 @@ class WaiterStatus(msgspec.Struct, kw_only=True):
     cause: WaitCause = "samples"  # samples to be ready (a read), memory or the staleness bound (a write)
 
 
+class KeyUse(msgspec.Struct, kw_only=True):
+    """One partition's keys, and the bytes of its tags as MessagePack."""
+
+    keys: int = 0
+    tag_bytes: int = 0
+
+
+class KeyStatus(msgspec.Struct, kw_only=True):
+    """Keys and tags held, in all and per partition (those with keys or tags), with the
+    controller's bounds on them (``ControllerConfig.max_keys_total`` and the rest): a write
+    past a bound is refused with ``InvalidArgumentError``."""
+
+    keys: int = 0
+    tag_bytes: int = 0
+    max_keys_total: int = 0
+    max_tag_bytes_total: int = 0
+    max_keys_per_partition: int = 0
+    max_tag_bytes_per_partition: int = 0
+    max_tag_bytes: int = 0  # one sample's (or key's) tags
+    partitions: dict[str, KeyUse] = {}
+
+
 class StatusReply(Message):
     KIND = Kind.STATUS_REPLY
     partitions: list[PartitionStatus]
@@ -83,6 +105,7 @@ class StatusReply(Message):
     admission_limit: int = -1
     metrics: str = ""  # the controller's Prometheus endpoint ("": none)
     weights: str = ""  # where the weights of ``version`` are (SetVersion.weights)
+    keys: KeyStatus = msgspec.field(default_factory=KeyStatus)
 
 
 register(globals())
