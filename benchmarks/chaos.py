@@ -29,6 +29,9 @@ the controller reports (``select(consumed_by=task)`` lists the live samples a ta
   neither the ledger nor the controller can tell consumed from lost (a consumer whose update or
   ack fails writes so, ``not_acked``: those samples count as lost, not as in a kill window);
 * every byte read matched its CRC and its generator, every reward its id;
+* the controller's own counts agree: for each task, consumed + lost == samples; no sample is
+  held once at the end (after up to ``SETTLE`` s for its copy to be made again), and none was
+  found corrupt (``status().corrupt``);
 * the controller, never killed, ends with its fds and threads where they started and its
   resident memory within ``RSS_SLACK`` of the start.
 
@@ -68,6 +71,7 @@ LEASE = 3.0  # seconds a killed consumer's lease lasts
 INTERVAL = 0.5  # the cluster's heartbeat interval
 BACKLOG = 2048  # producers pause while the trainer has this many samples left to read
 RSS_SLACK = 64 << 20  # the controller's resident memory may end this much above its start
+SETTLE = 30.0  # seconds the end waits for samples held once to be copied again (replicas=2)
 # the errors a worker meets when a process it talks to is killed: counted, then it goes on
 EXPECTED = (errors.DataLostError, errors.StorageUnitUnavailableError, errors.WaitTimeoutError, errors.UnavailableError)
 
@@ -278,6 +282,11 @@ def _drained(client: tqueue.Client) -> bool:
     )
 
 
+def _held_once(client: tqueue.Client) -> int:
+    part = next((p for p in client.status().partitions if p.name == PARTITION), None)
+    return part.single if part is not None else 0
+
+
 def run(
     *, seconds: float = 120.0, units: int = 3, producers: int = 3, kill_every: float = 3.0, seed: int = 1,
     rows: int = 256, drain_timeout: float = 120.0, replicas: int = 1,
@@ -313,6 +322,11 @@ def run(
                 pause.wait(0.5)
             drained = _drained(client)
             job.finish("consumer", timeout=60.0)
+            # re-replication goes on in the background: held once at the end is a finding
+            # only once it had time to settle (a bounded wait on the controller's own state)
+            settle = time.monotonic() + SETTLE
+            while _held_once(client) and time.monotonic() < settle:
+                pause.wait(0.2)
             status = next(p for p in client.status().partitions if p.name == PARTITION)
             live = client.select(PARTITION, ["x"])
             consumed = {t: client.select(PARTITION, ["x"], consumed_by=t) for t in TASKS}
@@ -387,10 +401,13 @@ def _check(
         lost = [i for i in gone if acking[task][i] <= 0]
         missing = [i for i, idx in put.items() if i not in recorded and idx in live and idx not in server]
         task_lost = status.tasks[task].lost
+        counted = status.tasks[task].consumed
         totals[task] = {"consumed": len(recorded), "consumed_unrecorded": len(unrecorded), "lost": len(lost),
                         "gone_in_a_kill_window": len(window),
-                        "lost_counted": task_lost, "twice": twice, "missing": len(missing),
+                        "lost_counted": task_lost, "consumed_counted": counted, "twice": twice, "missing": len(missing),
                         "consumed_unacknowledged_puts": unacked}
+        if drained and counted + task_lost != status.samples:
+            breaches.append(f"{task}: consumed {counted} + lost {task_lost} != {status.samples} samples (status)")
         if twice:
             breaches.append(f"{task}: {twice} samples consumed twice")
         if missing:
@@ -401,8 +418,16 @@ def _check(
             breaches.append(f"{task}: {len(window)} samples gone in kill windows, more than {killed.get(task, 0)} kills explain")
     if corrupt or bad_reward:
         breaches.append(f"{corrupt} samples with bad bytes, {bad_reward} with a wrong reward")
+    totals["samples"] = status.samples
     totals["partition_lost"] = status.lost
     totals["held_once"] = status.single
+    if status.single:
+        breaches.append(f"{status.single} samples still held once at the end (one more death would lose them)")
+    corrupt_counted = getattr(status, "corrupt", None)  # copies the controller dropped for bad bytes
+    if corrupt_counted is not None:
+        totals["corrupt"] = corrupt_counted
+        if corrupt_counted:
+            breaches.append(f"{corrupt_counted} copies found corrupt")
     totals["breaches"] = breaches
     return totals
 
