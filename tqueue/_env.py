@@ -13,6 +13,8 @@
 ``TQUEUE_BULK``             0: keep all payload on ZeroMQ, never on the units' bulk streams
 ``TQUEUE_BULK_LANES``       bulk streams one big transfer is split over
 ``TQUEUE_PACK_INTS``        0: send integer fields in their own dtype, never narrowed
+``TQUEUE_CHECKSUMS``        0: no CRC-32C of samples' bytes at put, none checked at get
+``TQUEUE_ARENA_CHECKSUMS``  1: CRC-32C on the same-host arena route too
 ``TQUEUE_DISCOVERY_TIMEOUT`` seconds a Ray worker waits for its job's cluster to be
                           registered (``tqueue.ray.address``, the transfer_queue shim's ``init()``)
 """

@@ -314,6 +314,8 @@ class ClientConfig:
             keep_freed_bytes=int(_env.number("TQUEUE_KEEP_FREED_BYTES", cls.keep_freed_bytes)),
             bulk=bool(_env.number("TQUEUE_BULK", 1)),
             bulk_lanes=int(_env.number("TQUEUE_BULK_LANES", cls.bulk_lanes)),
+            checksums=bool(_env.number("TQUEUE_CHECKSUMS", 1)),
+            arena_checksums=bool(_env.number("TQUEUE_ARENA_CHECKSUMS", 0)),
             pack_ints=bool(_env.number("TQUEUE_PACK_INTS", 1)),
             pin_memory=bool(_env.number("TQUEUE_PIN_MEMORY", 0)),
             coalesce_puts=bool(_env.number("TQUEUE_COALESCE_PUTS", 0)),
