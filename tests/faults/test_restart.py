@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.errors import ControllerUnavailableError, TQueueError, WaitTimeoutError
+from tqueue.errors import ControllerUnavailableError, InvalidArgumentError, TQueueError, WaitTimeoutError
 
 from ._proc import until
 
@@ -199,3 +199,42 @@ def test_a_unit_told_to_restore_a_checkpoint_without_its_name_does_not_start(tmp
         )
     assert out.returncode != 0 and "TQUEUE-READY" not in out.stdout
     assert f"holds no payload of a unit named 'other' (it names ['{named}'])" in out.stderr, out.stderr[-2000:]
+
+
+def test_an_ack_or_renew_of_a_lease_from_before_the_restart_is_refused_and_its_samples_come_again(tmp_path: pathlib.Path) -> None:
+    """The controller SIGKILLed by pid and started again from its checkpoint: the lease a
+    trainer held then is unknown to the new one. Its ack (and renew) fails loudly, naming the
+    lease and the restart, instead of succeeding and consuming nothing; the samples it named
+    are served again, and acked under their new lease they are consumed."""
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": INTERVAL}) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 4))
+        old = c.get_meta("roll", ["x", "i"], 4, task="train")
+        c.save_checkpoint(tmp_path)
+        pid = cluster.pids[0]
+        new_pid = cluster.restart_controller(restore=str(tmp_path))
+        assert new_pid != pid
+        with pytest.raises(InvalidArgumentError, match=rf"lease {old.lease} of task 'train' on partition 'roll' is unknown: "
+                           r"it is from before a controller restart .* nothing was acknowledged; its samples are served again"):
+            c.ack(old)
+        with pytest.raises(InvalidArgumentError, match=rf"lease {old.lease} .* from before a controller restart .* nothing was renewed"):
+            c.renew(old)
+        again = c.get_meta("roll", ["x", "i"], 4, task="train", timeout=30)
+        assert sorted(again.indexes) == sorted(old.indexes) and again.lease != old.lease
+        c.ack(again)
+        c.ack(again)  # acked twice in this incarnation: harmless, as before
+        tasks = {p.name: p for p in c.status().partitions}["roll"].tasks["train"]
+        assert (tasks.consumed, tasks.leased) == (4, 0)
+
+
+def test_a_lease_from_before_a_restart_without_a_checkpoint_is_refused_too() -> None:
+    """Without a checkpoint the new controller starts empty and may make the partition again
+    (its uid can match the old one's): the old lease is still refused, not taken for a new one."""
+    with tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": INTERVAL}) as cluster, cluster.client() as c:
+        c.put("roll", payload(0, 2))
+        old = c.get_meta("roll", ["x", "i"], 2, task="train")
+        cluster.restart_controller()
+        c.put("roll", payload(0, 2))
+        with pytest.raises(InvalidArgumentError, match=r"from before a controller restart"):
+            c.ack(old)
+        fresh = c.get_meta("roll", ["x", "i"], 2, task="train", timeout=30)
+        c.ack(fresh)

@@ -3,12 +3,21 @@ ready), DP rounds, leases (expiry, renewal, acknowledgement) and waking parked r
 
 A parked read is served after the handler that made it servable has replied; any exception
 while serving one (a policy's or the planner's, typed or not) is that read's error reply alone.
+
+A lease id carries the controller's incarnation in its high bits (``LEASE_EPOCH_BITS``, drawn at
+random when the controller starts), its low bits are random too: an ack or renew of a lease that
+an earlier controller at this address gave (before a restart, with or without ``restore``) is
+refused with ``InvalidArgumentError`` saying so, and never matches a lease of this one. An ack
+of a lease this controller gave that is no longer held (acked already, or lapsed and its samples
+ready again or leased to another reader) consumes nothing and succeeds: a retried ack, and a
+restarted data-parallel rank acking its round's share again, are normal.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
@@ -26,6 +35,10 @@ from ._serving import CONSUMED, LEASED
 from ._state import MAX_SERVED, ControllerState, Lease, Waiter
 
 log = logging.getLogger(__name__)
+
+LEASE_EPOCH_BITS = 20  # high bits of a lease id: the controller incarnation that gave it
+_LEASE_BITS = 63 - LEASE_EPOCH_BITS  # ids stay positive 63-bit integers
+_LEASE_MASK = (1 << _LEASE_BITS) - 1
 
 # prefetch(partition, request, count, field mask, min_version): True if samples are on their way in
 Prefetch = Callable[[Partition, GetMeta, int, np.uint64, "int | None"], bool]
@@ -46,6 +59,7 @@ class Reads:
         self._free = free  # free a partition if every task consumed it
         self._prefetch = prefetch
         self._needed = needed  # a consumer parked on this partition: its puts are admitted
+        self.epoch = secrets.randbits(LEASE_EPOCH_BITS) or 1  # this incarnation's, in every lease id
 
     def get_meta(self, ident: bytes, msg: GetMeta, bufs: list[Any]) -> Meta | None:
         _check_get(msg)
@@ -275,7 +289,7 @@ class Reads:
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:
-        lease_id = next(self.state.lease_ids)
+        lease_id = (self.epoch << _LEASE_BITS) | (next(self.state.lease_ids) & _LEASE_MASK) | 1
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
         part.task(task).take(indexes, lease_id)
         record = Lease(lease_id, part.uid, task, indexes)
@@ -324,7 +338,17 @@ class Reads:
                 f"may not {what} it"
             )
 
+    def _check_incarnation(self, lease_id: int, task: str, partition: str, what: str) -> None:
+        """Refuse a lease an earlier controller gave (before a restart at this address)."""
+        if lease_id and lease_id >> _LEASE_BITS != self.epoch:
+            raise InvalidArgumentError(
+                f"lease {lease_id} of task {task!r} on partition {partition!r} is unknown: it is from before a "
+                f"controller restart (another incarnation gave it), so nothing was {what}; its samples are served "
+                f"again (a controller restored from a checkpoint makes the samples leased then ready again)"
+            )
+
     def renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
+        self._check_incarnation(msg.lease, msg.task, msg.partition, "renewed")
         self._check_owner(msg.lease, msg.task, "renew")
         record = self.state.leases.get(msg.lease)
         if record is None:
@@ -388,6 +412,7 @@ class Reads:
         )
 
     def ack(self, ident: bytes, msg: Ack, bufs: list[Any]) -> Ok:
+        self._check_incarnation(msg.lease, msg.task, msg.partition, "acknowledged")
         self._check_owner(msg.lease, msg.task, "ack")
         part = self.state.partitions.get(msg.partition)
         if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
