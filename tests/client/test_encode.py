@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tqueue.client._assemble import _DECODER
-from tqueue.client._encode import EXT_TENSOR, LEAF_HEAD, MAX_DEPTH, OWN_FRAME, encode
+from tqueue.client._encode import EXT_TENSOR, LEAF_HEAD, MAX_DEPTH, MAX_NESTING, OWN_FRAME, encode
 from tqueue.errors import FieldTypeError, InvalidArgumentError, ProtocolError, SchemaError
 
 CHUNK = 1 << 20
@@ -294,6 +294,35 @@ def test_depth_limit_is_inclusive():
 def test_bad_nested_values_name_field_sample_and_path(value, match):
     with pytest.raises(FieldTypeError, match=match):
         enc({"f": [None, value]})
+
+
+def plain_deep(levels, inner=1):
+    v = inner
+    for _ in range(levels):
+        v = [v] if levels % 2 else {"k": v}
+    return v
+
+
+def test_plain_values_nest_up_to_the_documented_depth_and_no_further():
+    """A value nested 10,000 deep is a FieldTypeError naming the field and sample, not a
+    RecursionError; MAX_NESTING itself round-trips."""
+    assert samples(enc({"d": [plain_deep(MAX_NESTING)]}))[0] == plain_deep(MAX_NESTING)
+    for levels in (MAX_NESTING + 1, 10_000):
+        with pytest.raises(FieldTypeError, match=rf"sample 1 of field 'f' of partition 'p': .* deeper than {MAX_NESTING}"):
+            enc({"f": [None, plain_deep(levels)]})
+
+
+def test_a_value_too_deep_to_decode_is_a_protocol_error_naming_its_position():
+    """What a hostile producer could store (raw MessagePack 10,000 arrays deep): the reader
+    names the batch position, it does not raise RecursionError."""
+    from tqueue.client._assemble import _one_by_one, Pieces
+    from tqueue.wire import FieldSpec
+
+    raw = np.frombuffer(b"\x91" * 10_000 + b"\xc0", dtype=np.uint8)
+    p = Pieces(spec=FieldSpec(kind="object", layout="jagged"), positions=np.array([3]), buffers=[raw],
+               buffer_of=np.array([0]), offsets=np.array([0]), sizes=np.array([raw.nbytes]), shapes=None, counts=[(0, 1)])
+    with pytest.raises(ProtocolError, match="batch position 3 nests lists and maps too deep"):
+        _one_by_one(p, [3], 0, 1)
 
 
 def leaf_bytes(dtype, shape, raw, code=EXT_TENSOR):

@@ -343,7 +343,7 @@ def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:
                 packed[:5] = np.frombuffer(_ARRAY32.pack(0xDD, b - a), dtype=np.uint8)
                 packed[5:] = buf[start:end]
                 values = _DECODER.decode(packed)
-        except (msgspec.DecodeError, ProtocolError):  # one by one, to name the sample
+        except (msgspec.DecodeError, ProtocolError, RecursionError):  # one by one, to name the sample
             values = None
         if values is None or len(values) != b - a:
             values = _one_by_one(p, pos, a, b)
@@ -364,6 +364,10 @@ def _one_by_one(p: Pieces, pos: list[int], a: int, b: int) -> list[Any]:
             values.append(_DECODER.decode(buf[off : off + n]))
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"object value for batch position {pos[k]} is not valid MessagePack") from exc
+        except RecursionError:
+            raise ProtocolError(
+                f"object value for batch position {pos[k]} nests lists and maps too deep to decode"
+            ) from None
         except ProtocolError as exc:
             raise ProtocolError(f"object value for batch position {pos[k]}: {exc}") from exc
     return values

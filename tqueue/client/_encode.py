@@ -47,6 +47,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 # count of a MessagePack ``[dtype, shape]`` header (LEAF_HEAD), that header, then the leaf's
 # raw bytes; readers get them back through the decoder's extension hook (client/_assemble.py).
 # Values without such leaves keep their plain encoding; only values with them are walked.
+MAX_NESTING = 100  # lists and dicts an object value may have around one another (FieldTypeError past it)
 MAX_DEPTH = 8  # lists and dicts a nested value may have around one another
 MAX_DIMS = 64  # dimensions of a leaf (torch's own limit)
 EXT_TENSOR = 1
@@ -516,7 +517,14 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
     buf = bytearray()
     in_buf = 0
     for i, v in enumerate(values):
-        if _not_plain(v) is not None:
+        try:
+            odd = _not_plain(v)
+        except _TooDeep:
+            raise FieldTypeError(
+                f"{ctx.where(i)}: lists and dicts nested deeper than {MAX_NESTING}; an object value may nest at "
+                f"most {MAX_NESTING} deep"
+            ) from None
+        if odd is not None:
             v = tree(v, ctx, i, out)  # tensor or array leaves; raises for anything else
         before = len(buf)
         try:
@@ -539,16 +547,23 @@ def _objects(values: Sequence[Any], ctx: _Ctx, chunk: int, out: Encoded) -> None
     out.copied += sum(sizes)
 
 
-def _not_plain(v: Any) -> type | None:
+class _TooDeep(Exception):
+    """A plain value nested past MAX_NESTING (turned into the field's FieldTypeError)."""
+
+
+def _not_plain(v: Any, depth: int = 0) -> type | None:
     """The first type in ``v`` that is not a plain value, or None. Scalars inside lists and
-    dicts are checked inline: metadata dicts of scalars are the common case."""
+    dicts are checked inline: metadata dicts of scalars are the common case. Raises
+    :class:`_TooDeep` for lists and dicts nested past :data:`MAX_NESTING`."""
     t = type(v)
     if t in _PLAIN:
         return None
+    if depth == MAX_NESTING and (t is list or t is dict):
+        raise _TooDeep
     if t is list:
         for x in v:
             if type(x) not in _PLAIN:
-                bad = _not_plain(x)
+                bad = _not_plain(x, depth + 1)
                 if bad is not None:
                     return bad
         return None
@@ -557,7 +572,7 @@ def _not_plain(v: Any) -> type | None:
             if type(k) not in _KEYS:
                 return type(k)
             if type(x) not in _PLAIN:
-                bad = _not_plain(x)
+                bad = _not_plain(x, depth + 1)
                 if bad is not None:
                     return bad
         return None
