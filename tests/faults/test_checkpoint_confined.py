@@ -293,3 +293,33 @@ def test_a_checkpoint_written_before_checksums_loads_unverified(
     meta = c.get_meta("confined/old", ["x"], 8, task="t", timeout=10)
     assert sorted(c.get_data(meta)["x"][:, 0].tolist()) == [0xA0] * 4 + [0xA1] * 4
     c.clear("confined/old")
+
+
+def test_a_crafted_partition_file_is_refused_before_it_is_rebuilt(
+    c: tqueue.Client, cluster: tqueue.LocalCluster, places: tuple[pathlib.Path, pathlib.Path]
+) -> None:
+    """A partition file with a valid CRC (a crafter's) whose unit column names unit 2**29 (a
+    rebuild would size a table by it: 1 GiB), or whose header claims 2**40 samples."""
+    root, _ = places
+    manifest = saved(c, root, "part", "confined/part")
+    entry = manifest["partitions"][0]
+    path = root / "part" / manifest["generation"] / entry["path"]
+    table = pa.ipc.open_file(pa.py_buffer(path.read_bytes())).read_all()
+    header = json.loads(table.schema.metadata[b"tqueue"])
+    units = table.column("unit").to_pylist()
+    crafted = {
+        "column 'unit' holds values outside": table.set_column(
+            table.schema.get_field_index("unit"), "unit", pa.array([2**29, *units[1:]], type=pa.int64())),
+        "past max_partition_samples": table.replace_schema_metadata({"tqueue": json.dumps({**header, "n": 2**40})}),
+    }
+    before, peaks = resident(c), [peak_rss(pid) for pid in cluster.pids]
+    for what, bad in crafted.items():
+        with pa.ipc.new_file(str(path), bad.schema) as w:
+            w.write_table(bad)
+        data = path.read_bytes()
+        rewrite(root, "part", {**manifest, "partitions": [{**entry, "nbytes": len(data), "crc32c": crc(data)}]})
+        started = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match=rf"checkpoint part: gen-\S+/partitions/p\d+\.arrow \(partition 'confined/part'\): .*{what}"):
+            c.load_checkpoint("part")
+        assert time.monotonic() - started < FAST
+    assert resident(c) == before and all(peak_rss(pid) < peak + (64 << 20) for pid, peak in zip(cluster.pids, peaks))
