@@ -66,9 +66,9 @@ from ..wire import (
     UnitFile,
     UnitLoaded,
     UnitSaved,
+    _durable,
 )
-from ..wire import _durable
-from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
+from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest  # noqa: F401 (the server reads it from here)
 from ._partition import Partition
 from ._samples import COMMITTED, EXCLUDED
 from ._snapshot import Image, capture, read_image, rebuild, write_image

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -208,7 +207,7 @@ def _check_arrays(header: dict[str, Any], arrays: dict[str, np.ndarray], bad: An
         a = arrays[name]
         if n and (int(a.min()) < lo or int(a.max()) > hi):
             raise bad(f"column {name!r} holds values outside [{lo}, {hi}]")
-    for i, segs in header["segments"]:
+    for i, _ in header["segments"]:
         if not 0 <= i < n:
             raise bad(f"a rollout segment of sample {i}, outside [0, {n})")
 

@@ -47,8 +47,7 @@ import numpy as np
 from .. import _threads
 from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError
 from ..transport._arena import Arena, Region
-from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved
-from ..wire import _durable
+from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _durable
 from ..wire._layout import int_dtype
 from ..wire._pack import PACKED
 from ._store import PayloadStore, Piece

@@ -38,7 +38,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from ..errors import DataCorruptionError, InvalidArgumentError, PermissionDeniedError, ProtocolError, TQueueError
+from ..errors import DataCorruptionError, InvalidArgumentError, PermissionDeniedError, TQueueError
 from ._crc import crc, extend
 from ._messages import Kind, Message, register
 
@@ -548,7 +548,7 @@ def manifest_of(dir_fd: int, what: str) -> dict[str, Any]:
     _consistent(manifest, what)
     if version < 2:
         log.warning("checkpoint %s was written before checksums (format version 1): its files are not verified", what)
-    return msgspec.to_builtins(manifest)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(manifest)
 
 
 def _consistent(m: Manifest, what: str) -> None:
