@@ -13,9 +13,14 @@
 2. The partitions' files (``partitions/p<uid>.arrow``) are written by a thread, the units'
    (``unit-<id>/...``) by theirs, all into a new folder ``gen-<time>-<random>`` inside the
    directory, each file fsynced, then the folders.
-3. Once all are written, ``manifest.json`` is written as ``manifest.json.tmp``, fsynced and
-   renamed over the old one (then the directory is fsynced): the rename is the commit. Older
-   generations are deleted after it. A checkpoint that stops anywhere before the rename
+   The generation's folder is made first, with a marker (``.tqueue-generation``); the
+   directory is confined to the checkpoint root and opened following no link
+   (``wire/_durable.py``).
+3. Once all are written, ``manifest.json`` (with the CRC-32C of every file, and its own) is
+   written under a random temporary name (``O_EXCL``), fsynced and renamed over the old one
+   (then the directory is fsynced): the rename is the commit. A ``manifest.json`` that is not
+   a checkpoint's is never replaced. Older generations that carry the marker are deleted
+   after it, nothing else. A checkpoint that stops anywhere before the rename
    leaves the previous manifest, and the generation it names, as they were.
 
 **A restore** (``Restore``) reads the manifest and refuses, before anything is loaded, a
@@ -23,7 +28,9 @@ checkpoint partition whose name a live partition has (unless ``replace``) or one
 past ``max_partitions``. Each checkpoint partition gets a uid this controller never gave out
 (its own in a fresh or restarted controller, else a new one: the units store its payload
 under it, ``LoadUnit.uids``), so nothing of it meets a live partition's samples, leases,
-grants or pending drops. It gives each old unit's files to a live unit (to the unit of the
+grants or pending drops. Every path and number of the manifest and the partition files is checked,
+and each file's CRC-32C, in a thread, and the partitions are rebuilt there, before any unit
+loads a byte. It gives each old unit's files to a live unit (to the unit of the
 same name, the rest the largest first, to the unit given least so far: any number of units
 takes any checkpoint), waits for every unit to load them (a failure drops what was loaded,
 and the live partitions are as they were), then, in one step of the loop, forgets the live
