@@ -386,6 +386,8 @@ def _check(
             bad_reward += "bad_reward" in rec
     live = set(live_meta.indexes) if live_meta is not None else set()
     breaches = [] if drained else ["the consumers did not drain the partition in time"]
+    if not put:
+        breaches.append("no put was acknowledged: the job did not run")
     totals: dict[str, Any] = {"acknowledged_puts": len(put), "errors_met": errors_seen}
     for task in TASKS:
         ids = acked[task]
