@@ -29,6 +29,7 @@ _BIND = "ZeroMQ endpoint to listen on; port 0: the OS picks one, and the ready l
 _HEADER = "largest request header accepted; a larger one gets a protocol error reply"
 _ADVERTISE = "the host peers reach this server at when it binds to a wildcard (0.0.0.0, *); empty: this machine's address"
 _METRICS = "serve Prometheus metrics over HTTP on this port of the bind host (0: the OS picks; -1: none)"
+FROM_CAPACITY = -1  # a bound of StorageConfig made from the unit's capacity_bytes (queued_bounds)
 
 
 def _setting(default: _T, help: str) -> _T:
@@ -185,12 +186,15 @@ class StorageConfig:
         "bulk_stall_timeout + N / bulk_min_rate seconds have passed since it began, so a reader that trickles holds "
         "it no longer (0: no rate bound)")
     max_queued_bytes: int = _setting(
-        1024 * MiB, "reply bytes queued for one peer that does not read them; past it that peer's fetches get "
-        "UnavailableError replies instead, until it reads")
+        FROM_CAPACITY, "reply bytes queued for one peer that does not read them; past it that peer's fetches get "
+        "UnavailableError replies instead, until it reads (-1: capacity_bytes / 32, between 16 MiB and 256 MiB; "
+        "256 MiB without a capacity)")
     max_queued_bytes_total: int = _setting(
-        4096 * MiB, "reply bytes queued on ZeroMQ for all peers together (status() counts them in held_bytes, with "
-        "what bulk streams have yet to send); past it fetches get UnavailableError replies instead, until readers "
-        "catch up")
+        FROM_CAPACITY, "reply bytes queued on ZeroMQ for all peers together (status() counts them in held_bytes, "
+        "with what bulk streams have yet to send); past it fetches get UnavailableError replies instead, until "
+        "readers catch up. A peer that holds replies of a cleared partition and takes none of their bytes for a "
+        "second, or whose session ends, is cut off and they are freed (-1: capacity_bytes / 8, between 64 MiB and "
+        "1 GiB; 1 GiB without a capacity)")
     max_queued_replies: int = _setting(
         10_000, "replies queued for one peer (ZeroMQ's send high-water mark); past it replies to that peer are "
         "dropped, counted and logged")
@@ -209,6 +213,17 @@ class StorageConfig:
         "auth_dir; empty: wherever the controller says")
     advertise: str = _setting("", _ADVERTISE)
     metrics_port: int = _setting(-1, _METRICS)
+
+    def queued_bounds(self) -> tuple[int, int]:
+        """``(max_queued_bytes, max_queued_bytes_total)``, each one left at FROM_CAPACITY made
+        from ``capacity_bytes`` (see the fields)."""
+        cap = self.capacity_bytes
+        peer, total = self.max_queued_bytes, self.max_queued_bytes_total
+        if total == FROM_CAPACITY:
+            total = min(max(cap // 8, 64 * MiB), 1024 * MiB) if cap > 0 else 1024 * MiB
+        if peer == FROM_CAPACITY:
+            peer = min(max(cap // 32, 16 * MiB), 256 * MiB, total) if cap > 0 else min(256 * MiB, total)
+        return peer, total
 
 
 @_documented

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +17,7 @@ import tqueue
 from tqueue.transport import _zmq
 from tqueue.wire import _messages as _wire
 
-from ._proc import peak_rss, reset_peak, rss
+from ._proc import peak_rss, reset_peak, rss, until
 
 MiB = 1 << 20
 BOUND = 32 * MiB
@@ -113,3 +114,83 @@ def test_a_reply_to_a_vanished_peer_is_counted_and_logged_once(caplog):
     assert queues.unreachable == 2
     gone = [r for r in caplog.records if "is gone" in r.getMessage()]
     assert len(gone) == 1 and re.search(r"test server: peer [0-9a-f]+ is gone", gone[0].getMessage())
+
+
+# --- a stalled reader's bytes: bounded relative to capacity, freed within seconds -----------
+
+CAPACITY = 512 * MiB  # per peer capacity / 32 = 16 MiB, in all capacity / 8 = 64 MiB
+INTERVAL = 0.5  # the cluster's heartbeat: status() shows the unit's held_bytes this fresh
+
+
+def stall(cluster: tqueue.LocalCluster, client: tqueue.Client, partition: str, fetches: int) -> tuple[zmq.Context, zmq.Socket]:
+    """A raw socket that asks for ``fetches`` replies of about 4 MB and never reads them."""
+    rows = torch.arange(1024 * ROW, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(1024, ROW)
+    metas = [client.put(partition, {"x": rows[i : i + 16]}) for i in range(0, 1024, 16)]
+    indexes = [i for m in metas for i in m.indexes]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.unit_addresses[0])
+    for rid in range(1, fetches + 1):
+        fetch = _wire.Fetch(rid=rid, partition=partition, partition_uid=metas[0].partition_uid, indexes=indexes, fields=["x"])
+        sock.send_multipart(_wire.encode(fetch))
+    return ctx, sock
+
+
+def held(client: tqueue.Client) -> int:
+    return client.status().units[0].held_bytes
+
+
+@pytest.fixture
+def capped() -> Iterator[tqueue.LocalCluster]:
+    storage = {"capacity_bytes": CAPACITY, "retain_bytes": 0}
+    with tqueue.LocalCluster(num_storage_units=1, storage=storage, controller={"heartbeat_interval": INTERVAL}) as c:
+        yield c
+
+
+def test_a_stalled_readers_replies_of_a_cleared_partition_are_freed_within_seconds(capped, partition):
+    """The defaults follow the unit's capacity (16 MiB a peer at 512 MiB); the stalled reader
+    keeps its session (it pings) but takes none of its replies: once their partition is
+    cleared, the unit cuts it off and status() shows the bytes gone within seconds."""
+    per_peer, total = tqueue.StorageConfig(controller="", capacity_bytes=CAPACITY).queued_bounds()
+    assert (per_peer, total) == (16 * MiB, 64 * MiB)
+    with capped.client(config=tqueue.ClientConfig(shm=False, bulk=False)) as c:
+        ctx, sock = stall(capped, c, partition, 20)
+        ping = _wire.encode(_wire.Ping())
+        try:
+            def shown(condition):
+                sock.send_multipart(ping)  # a sign of life: the session stays, only reading stopped
+                return condition(held(c))
+
+            until(lambda: shown(lambda n: n > 0), 10, "the unread replies in held_bytes", every=INTERVAL / 5)
+            most = held(c)
+            assert most <= per_peer + 8 * MiB, most / MiB  # one reply past the bound at most
+            c.clear(partition)
+            cleared = time.monotonic()
+            until(lambda: shown(lambda n: n == 0), 10, "the cleared partition's replies freed", every=INTERVAL / 5)
+            took = time.monotonic() - cleared
+            print(f"stalled reader: held {most / MiB:.1f} MiB (bound {per_peer >> 20} MiB a peer), freed {took:.2f} s after the clear")
+            assert took < 5
+        finally:
+            sock.close()
+            ctx.term()
+        c.put(partition, {"x": torch.arange(4)})  # the unit serves on
+        assert c.get_data(c.get_meta(partition, ["x"], 4, task="t", timeout=10))["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_stalled_reader_whose_session_ends_has_its_replies_freed(capped, partition):
+    """A reader that stops reading and goes silent (no pings: its process hangs) is gone at
+    the end of its liveness window; what the unit queued for it goes then, the partition alive."""
+    with capped.client(config=tqueue.ClientConfig(shm=False, bulk=False)) as c:
+        ctx, sock = stall(capped, c, partition, 20)
+        try:
+            until(lambda: held(c) > 0, 10, "the unread replies in held_bytes", every=INTERVAL / 5)
+            seen = time.monotonic()
+            until(lambda: held(c) == 0, 10, "the silent reader's replies freed", every=INTERVAL / 5)
+            print(f"silent stalled reader: its replies freed {time.monotonic() - seen:.2f} s after status() showed them")
+        finally:
+            sock.close()
+            ctx.term()
+        assert c.get_data(c.get_meta(partition, ["x"], 1024, task="t", timeout=10))["x"].shape == (1024, ROW)

@@ -78,14 +78,15 @@ class StorageUnit:
             _nixl.load()  # an ImportError naming the extra where it is missing
         self.config = config
         self.host = config.host or _env.host()
+        per_peer, total = config.queued_bounds()
         self._server = _zmq.Server(
             config.bind,
             name="storage unit",
             max_header=config.max_header_bytes,
             max_frames=config.max_frames,
             max_frame_bytes=config.max_frame_bytes,
-            max_queued_bytes=config.max_queued_bytes,
-            max_queued_bytes_total=config.max_queued_bytes_total,
+            max_queued_bytes=per_peer,
+            max_queued_bytes_total=total,
             max_queued_replies=config.max_queued_replies,
             heartbeat=0.0,  # the cluster's interval comes with the registration
             curve=_auth.server_keys(config.auth_dir),
@@ -347,7 +348,7 @@ class StorageUnit:
             ttl=self.config.alloc_timeout, token=self.holds.allocs[region.offset][3],
         )
 
-    def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any]]:
+    def _fetch(self, ident: bytes, msg: Fetch, bufs: list[Any]) -> tuple[Fetched, list[Any], int]:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         shm = msg.shm and self.arena is not None
         reply = self.data.read(msg.partition_uid, msg.partition, indexes, msg.fields, shm=shm)
@@ -357,9 +358,10 @@ class StorageUnit:
         elif msg.bulk and self.bulk is not None:
             total = sum(nbytes_of(f) for f in reply.frames)
             if total >= _bulk.MIN_BYTES and self.bulk.send(msg.bulk, reply.frames):
-                return Fetched(blocks=reply.blocks, bulk=total), []
+                return Fetched(blocks=reply.blocks, bulk=total), [], 0
         epoch = self.arena.epoch if self.arena is not None else 0
-        return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold, epoch=epoch), reply.frames
+        # the frames' bytes counted under their partition's uid: a clear frees them (free_stalled)
+        return Fetched(blocks=reply.blocks, shm=reply.refs, hold=hold, epoch=epoch), reply.frames, msg.partition_uid
 
     def _move(self, ident: bytes, msg: Move, bufs: list[Any]) -> Ok:
         src = np.asarray(msg.src_indexes, dtype=np.int64)
@@ -406,6 +408,7 @@ class StorageUnit:
             freed = self.data.drop(msg.partition_uid)
         else:
             freed = self.data.drop_samples(msg.partition_uid, np.asarray(msg.indexes, dtype=np.int64))
+        self._server.free_stalled(msg.partition_uid)  # what replies to stalled readers hold of it
         if freed:
             self.trim.freed()
             log.info("unit %d freed %d bytes of partition uid %d", self.unit_id, freed, msg.partition_uid)
@@ -421,7 +424,7 @@ def _bulk_server(config: StorageConfig, address: str, on_sent: Callable[[], None
     try:
         return _bulk.BulkServer(
             host, max_streams=config.bulk_streams, max_per_peer=config.bulk_streams_per_peer,
-            max_queued=config.max_queued_bytes, stall=config.bulk_stall_timeout, min_rate=config.bulk_min_rate,
+            max_queued=config.queued_bounds()[0], stall=config.bulk_stall_timeout, min_rate=config.bulk_min_rate,
             on_sent=on_sent,
         )
     except UnavailableError as exc:

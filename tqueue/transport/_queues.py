@@ -1,5 +1,10 @@
 """What a server has queued for each peer: its replies' zero-copy bytes counted until ZeroMQ
 lets go of them, bounded per peer and in total, and the replies it could not deliver.
+
+A reply may carry a tag (a storage unit's: the partition uid of a fetch), so that the server
+can tell which peers still hold bytes of a partition that was cleared, and whether they take
+any of them (``holding``, ``sent``): one that takes none is stalled, and is cut off (see
+``Server.free_stalled``), which is the only way to make ZeroMQ let go of what it queued.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from ..errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_BYTES = 1 << 30  # reply bytes a server queues for one peer that does not read
-MAX_QUEUED_BYTES_TOTAL = 4 << 30  # ... and for all its peers together
+MAX_QUEUED_BYTES = 256 << 20  # reply bytes a server queues for one peer that does not read
+MAX_QUEUED_BYTES_TOTAL = 1 << 30  # ... and for all its peers together (a unit's: see StorageConfig)
 
 
 class SendQueues:
@@ -45,6 +50,8 @@ class SendQueues:
         self.malformed = 0  # requests that could not be decoded
         self._queued: dict[bytes, int] = {}
         self._total = 0
+        self._sent: dict[bytes, int] = {}  # bytes ZeroMQ let go of, per peer with some queued
+        self._tagged: dict[int, dict[bytes, int]] = {}  # tag -> peer -> its bytes queued
         self._lock = threading.Lock()  # releases come from ZeroMQ's thread
         self._logged: set[tuple[bytes, str]] = set()
 
@@ -79,29 +86,56 @@ class SendQueues:
             f"would pass the limit of {self.max_total} (StorageConfig.max_queued_bytes_total)"
         )
 
-    def track(self, ident: bytes, buffers: Sequence[Any]) -> list[Any]:
-        """``buffers`` as views whose release by ZeroMQ takes their bytes off the count."""
+    def track(self, ident: bytes, buffers: Sequence[Any], tag: int = 0) -> list[Any]:
+        """``buffers`` as views whose release by ZeroMQ takes their bytes off the count (and
+        off ``tag``'s)."""
         out = []
         total = 0
         for b in buffers:
             view = memoryview(b)
             if view.nbytes >= zmq.COPY_THRESHOLD:  # smaller ones are copied at the send
                 total += view.nbytes
-                weakref.finalize(view, self._release, ident, view.nbytes)
+                weakref.finalize(view, self._release, ident, view.nbytes, tag)
             out.append(view)
+        if not total:
+            return out
         with self._lock:
             self._queued[ident] = self._queued.get(ident, 0) + total
             self._total += total
+            if tag:
+                peers = self._tagged.setdefault(tag, {})
+                peers[ident] = peers.get(ident, 0) + total
         return out
 
-    def _release(self, ident: bytes, nbytes: int) -> None:
+    def _release(self, ident: bytes, nbytes: int, tag: int = 0) -> None:
         with self._lock:
             self._total -= nbytes
             left = self._queued.get(ident, 0) - nbytes
             if left > 0:
                 self._queued[ident] = left
+                self._sent[ident] = self._sent.get(ident, 0) + nbytes
             else:
                 self._queued.pop(ident, None)
+                self._sent.pop(ident, None)
+            peers = self._tagged.get(tag) if tag else None
+            if peers is not None:
+                mine = peers.get(ident, 0) - nbytes
+                if mine > 0:
+                    peers[ident] = mine
+                else:
+                    peers.pop(ident, None)
+                    if not peers:
+                        del self._tagged[tag]
+
+    def holding(self, tag: int) -> dict[bytes, int]:
+        """The peers with bytes of ``tag`` queued, each with what it has taken so far (``sent``)."""
+        with self._lock:
+            return {ident: self._sent.get(ident, 0) for ident in self._tagged.get(tag, ())}
+
+    def sent(self, ident: bytes) -> int:
+        """Bytes of ``ident``'s replies ZeroMQ has let go of since it last had none queued."""
+        with self._lock:
+            return self._sent.get(ident, 0)
 
     def undelivered(self, ident: bytes, exc: UnavailableError) -> None:
         """A reply ZeroMQ refused: say so (the requester learns at its timeout)."""

@@ -29,6 +29,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -41,7 +42,7 @@ from . import _auth
 from ._auth import Curve
 from ._boundary import DECODE_ERRORS, Boundary, io_errors
 from ._connect import ConnectWatch, endpoint
-from ._liveness import HEARTBEAT_INTERVAL, Sessions, transit, window
+from ._liveness import HEARTBEAT_INTERVAL, Sessions, session_of, transit, window
 from ._loop import LoopSocket
 from ._metrics import Latency
 from ._queues import MAX_QUEUED_BYTES, MAX_QUEUED_BYTES_TOTAL, SendQueues
@@ -63,6 +64,8 @@ MAX_QUEUED_REPLIES = 10_000  # replies a server queues for one peer (its send hi
 MAX_IN_FLIGHT = 1_024  # requests of one peer whose handlers wait at once (on another server)
 _PING_KIND = bytes([Kind.PING])
 MAX_QUEUED_REQUESTS = 1_000  # requests of one peer a server holds unread (its receive high-water mark)
+STALL_GRACE = 1.0  # seconds a peer holding replies of a cleared partition may take none of their bytes
+MAX_CONNECTIONS = 1 << 16  # connections whose descriptor a server remembers (to cut one off); then the oldest go
 
 
 def expected(reply: Message, expect: type[R], *, peer: str, request: Message) -> R:
@@ -578,6 +581,12 @@ class Server:
         if curve is not None:
             curve.serve(self._socket.sock)
         self.address = bind(self._socket.sock, endpoint, advertise)
+        self._bound = self._socket.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # the descriptor each connection's last message came from: ZeroMQ lets go of what it
+        # queued for a peer only once its connection closes, so a stalled one is cut off there
+        self._fds: dict[bytes, int] = {}
+        self._cuttable = self._bound.startswith(("tcp://", "ipc://"))  # connections with a descriptor
+        self.sessions.on_gone(self._session_gone)
         self._handlers: dict[type, Handler] = {}
         self._roles: dict[type, str] = {}
         # the principal (see _auth) of the message being handled; "" with auth off
@@ -608,9 +617,10 @@ class Server:
         if not self._socket.closed:
             self._socket.drain()
 
-    def reply(self, ident: bytes, rid: int, msg: Message, buffers: Sequence[Any] = ()) -> None:
+    def reply(self, ident: bytes, rid: int, msg: Message, buffers: Sequence[Any] = (), tag: int = 0) -> None:
         """Send a reply; one that cannot be sent (the socket closed) is logged: the handler
-        that answers has no caller to tell, and the requester times out."""
+        that answers has no caller to tell, and the requester times out. ``tag``: what its
+        buffers belong to (a partition uid), for :meth:`free_stalled`."""
         if self._socket.closed:
             return
         msg.rid = rid
@@ -619,7 +629,7 @@ class Server:
             if refusal is not None:
                 msg, buffers = error_reply(rid, refusal), ()
             else:
-                buffers = self.queues.track(ident, buffers)
+                buffers = self.queues.track(ident, buffers, tag)
         frames = [ident, *encode(msg, buffers)]
         try:
             # sent now, or (answering from a drain) at the drain's end, failing to _not_sent
@@ -637,6 +647,55 @@ class Server:
                 self.on_undelivered(ident, msg)
             except Exception:  # the reply is lost either way; the server goes on
                 log.exception("%s: taking back an undelivered %s failed", self.name, type(msg).__name__)
+
+    def free_stalled(self, tag: int, grace: float = STALL_GRACE) -> None:
+        """The bytes of ``tag`` (a partition just cleared) must go: a peer that still has
+        replies of it queued and takes none of their bytes for ``grace`` seconds is cut off
+        (its connection closed: ZeroMQ then drops what it queued for it, and the peer's
+        requests in flight fail at once; it reconnects by itself); one that takes some is
+        looked at again after another ``grace``."""
+        held = self.queues.holding(tag)
+        if held:
+            asyncio.get_running_loop().call_later(grace, self._stalled, tag, held, grace)
+
+    def _stalled(self, tag: int, before: dict[bytes, int], grace: float) -> None:
+        if self._socket.closed:
+            return
+        again = {}
+        for ident, sent in self.queues.holding(tag).items():
+            if ident in before and sent == before[ident]:
+                self.cut_off(ident, f"it took none of its replies of a cleared partition for {grace:g} s")
+            else:
+                again[ident] = sent
+        if again:
+            asyncio.get_running_loop().call_later(grace, self._stalled, tag, again, grace)
+
+    def _session_gone(self, session: bytes) -> None:
+        """A session that ended (silent, or said Bye): what is queued for its connections goes."""
+        for ident in [i for i in self._fds if session_of(i) == session]:
+            if self.queues.queued(ident):
+                self.cut_off(ident, "its session is gone")
+            self._fds.pop(ident, None)
+
+    def cut_off(self, ident: bytes, why: str) -> bool:
+        """Close connection ``ident`` from this side (False: its descriptor is unknown, or no
+        longer one of this server's connections)."""
+        fd = self._fds.get(ident, -1)
+        if fd < 0:
+            return False
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return False  # closed since
+        with sock:
+            try:
+                if not _accepted_by(sock, self._bound):
+                    return False  # the number was reused for another descriptor
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                return False
+        self.queues.log_once(ident, "was cut off, %d reply bytes queued for it freed: %s", self.queues.queued(ident), why)
+        return True
 
     def reply_error(self, ident: bytes, rid: int, exc: BaseException) -> None:
         if not isinstance(exc, TQueueError):
@@ -660,6 +719,11 @@ class Server:
         handled); a ``Ping`` is answered at once (True: nothing more to do), ahead of the
         requests queued before it."""
         self.sessions.seen(ident)
+        if self._cuttable:
+            fds = self._fds
+            if ident not in fds and len(fds) >= MAX_CONNECTIONS:
+                del fds[next(iter(fds))]
+            fds[ident] = frames[0].get(zmq.SRCFD)
         if len(frames) == 3 and frames[1].bytes == _PING_KIND:
             self._on_request(frames)
             return True
@@ -746,8 +810,8 @@ class Server:
     def _send_result(self, ident: bytes, rid: int, result: Any) -> None:
         if result is None:
             return
-        if isinstance(result, tuple):
-            self.reply(ident, rid, result[0], result[1])
+        if isinstance(result, tuple):  # (reply, buffers) or (reply, buffers, tag)
+            self.reply(ident, rid, *result)
         else:
             self.reply(ident, rid, result)
 
@@ -761,6 +825,17 @@ class Server:
             _auth.release()
         if not self._stopped.done():
             self._stopped.set_result(None)
+
+
+def _accepted_by(sock: socket.socket, bound: str) -> bool:
+    """Whether ``sock`` is a connection accepted at endpoint ``bound`` (``tcp://host:port``,
+    ``ipc://path``)."""
+    if sock.type != socket.SOCK_STREAM:
+        return False
+    here = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return bound == f"ipc://{here}"
+    return isinstance(here, tuple) and bound.rpartition(":")[2] == str(here[1])
 
 
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
