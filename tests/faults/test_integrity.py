@@ -178,3 +178,23 @@ def test_packed_integers_are_checked_once_widened_in_the_batch(pair, partition, 
         else:
             assert torch.equal(c.get_data(put)["ids"], ids)
         assert c.stats.corrupt == 1
+
+
+def test_a_sample_changed_before_a_checkpoint_is_caught_after_its_restore(tmp_path, partition):
+    """The checkpoint keeps each sample's CRC-32C from its producer (the file's own checksum
+    covers the disk; this covers the unit's memory before the save): after a restore into a
+    fresh cluster the changed sample is reported at its read, the others read back exact."""
+    rows, values = _samples(3, 16 << 10)
+    with tqueue.LocalCluster(num_storage_units=1) as first:
+        with tqueue.Client(first.address, config=ROUTES["inline"]) as c:
+            c.put(partition, {"x": rows, "obj": values})
+            assert flip_in_memory(first.pids[1], values[2][:64], at=300) >= 1
+            c.save_checkpoint(tmp_path / "ckpt")
+    with tqueue.LocalCluster(num_storage_units=1) as second:
+        with tqueue.Client(second.address, config=ROUTES["inline"]) as c:
+            c.load_checkpoint(tmp_path / "ckpt")
+            meta = c.get_meta(partition, ["x", "obj"], batch_size=3, task="t")
+            with pytest.raises(tqueue.DataCorruptionError, match=r"field 'obj' of samples \[2\]"):
+                c.get_data(meta)
+            good = c.get_data(BatchMeta(**{**_as_dict(meta), "indexes": meta.indexes[:2], "units": meta.units[:2]}))
+            assert torch.equal(good["x"], rows[:2]) and good["obj"] == values[:2]

@@ -13,8 +13,10 @@ on.
 
 **The files.** One per field of a partition: ``unit-<id>/p<uid>-f<k>.arrow``, a record batch
 per run of samples, columns ``index`` (int64), ``value`` (large_binary: each sample's bytes,
-integers widened back to the field's dtype, objects as MessagePack) and, for tensor and
-ndarray fields, ``shape`` (fixed-size list of int64). The schema's metadata ``tqueue`` is
+integers widened back to the field's dtype, objects as MessagePack), for tensor and
+ndarray fields ``shape`` (fixed-size list of int64), and ``crc`` (int64: each sample's CRC-32C
+as its producer computed it, -1 for none; a restored unit keeps them, so readers check the
+restored bytes as any others). The schema's metadata ``tqueue`` is
 JSON: the partition, its uid, the field and its spec. pyarrow alone reads them. The unit's
 folder is new (the controller made the generation's folder), each file is created with
 ``O_EXCL`` and no link followed, and its CRC-32C (of the whole file, computed as it is
@@ -241,17 +243,19 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
     ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
     if spec.kind != "object" and ndim:
         columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
+    columns_.append(pa.field("crc", pa.int64()))  # each sample's CRC-32C as its producer computed it (-1: none)
     schema = pa.schema(columns_, metadata={"tqueue": json.dumps(header)})
     rows = payload = 0
     with _durable.Summed(dir_fd, name) as sink:
         with pa.ipc.new_file(sink, schema) as writer:
-            for indexes, data, offsets, shapes in _runs(col):
+            for indexes, data, offsets, shapes, crcs in _runs(col):
                 arrays = [
                     pa.array(indexes, type=pa.int64()),
                     pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
                 ]
-                if len(columns_) == 3:
+                if len(columns_) == 4:
                     arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
+                arrays.append(pa.array(crcs, type=pa.int64()))
                 writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 rows += len(indexes)
                 payload += int(offsets[-1])
@@ -277,8 +281,9 @@ def _file_spec(col: _Column) -> FieldSpec:
 
 
 def _runs(col: _Column) -> Any:
-    """(indexes, values back to back, int64 offsets, shapes [n, ndim]) per run: the samples
-    of one frame of one piece, cut at BATCH_BYTES; packed integers widened."""
+    """(indexes, values back to back, int64 offsets, shapes [n, ndim], CRC-32Cs) per run: the
+    samples of one frame of one piece, cut at BATCH_BYTES; packed integers widened (their
+    CRC-32C is of the wide bytes already)."""
     order = np.argsort(col.pids, kind="stable")  # by piece, each in index order
     cuts = np.flatnonzero(np.diff(col.pids[order])) + 1
     for chunk in np.split(order, cuts) if len(order) else ():
@@ -299,6 +304,7 @@ def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
         shapes = piece.shapes[rows]
     else:
         shapes = np.tile(np.asarray(piece.spec.shape, dtype=np.int64), (len(rows), 1))
+    crcs = piece.crcs[rows] if piece.crcs is not None else np.full(len(rows), -1, dtype=np.int64)
     ends = np.cumsum(sizes)
     start = 0
     while start < len(rows):
@@ -313,7 +319,7 @@ def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
             data = np.frombuffer(data, dtype=PACKED[narrow]).astype(wide).view(np.uint8)
             s = s * (wide.itemsize // PACKED[narrow].itemsize)
         offsets = np.concatenate(([0], np.cumsum(s))).astype(np.int64)
-        yield indexes[start:stop], data, offsets, shapes[start:stop]
+        yield indexes[start:stop], data, offsets, shapes[start:stop], crcs[start:stop]
         start = stop
 
 
@@ -430,4 +436,9 @@ def _batch(batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: in
             block.shapes = batch.column("shape").flatten().to_numpy(zero_copy_only=False).astype(np.int64).tolist()
         else:
             block.shapes = []
+    if "crc" in names:  # each sample's CRC-32C, kept so that readers check the restored bytes too
+        crcs = batch.column("crc").to_numpy(zero_copy_only=False).astype(np.int64)
+        if n and (int(crcs.min()) < -1 or int(crcs.max()) > 0xFFFFFFFF):
+            raise InvalidArgumentError(f"{where}: a sample checksum outside [-1, 2**32)")
+        block.crcs = crcs.tolist() if (crcs >= 0).any() else None
     return indexes, block, frame
