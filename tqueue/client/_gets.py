@@ -27,8 +27,8 @@ from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
 from ._batch import Batch
-from ._integrity import verify, verify_rows
 from ._connections import ClientStats, Connections
+from ._integrity import verify, verify_rows
 from ._routes import Route, Rows
 from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
 
@@ -199,9 +199,9 @@ class Gets:
             except DataCorruptionError as exc:  # read again: the bad samples from their other copy
                 where = await self._report(exc, meta)
                 units = dict(zip(exc.samples, where.units))  # type: ignore[attr-defined]
-                moved = msgspec.structs.replace(meta, units=[units.get(i, u) for i, u in zip(meta.indexes, meta.units)])
+                placed = msgspec.structs.replace(meta, units=[units.get(i, u) for i, u in zip(meta.indexes, meta.units)])
                 log.warning("%s; reading them from their other copy", exc)
-                return await self._fetch(moved, fields, options, acc)
+                return await self._fetch(placed, fields, options, acc)
         self.stats.gets += 1
         self.stats.get_bytes += tally.logical
         self.stats.wire_bytes += tally.wire

@@ -9,7 +9,7 @@ A reader's report is taken at its word: an admitted client may as well clear the
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ class Corruption:
         self,
         state: ControllerState,
         *,
-        drop_on: Callable[[int, int, list[int] | None], Awaitable[bool]],
+        drop_on: Callable[[int, int, list[int] | None], Coroutine[Any, Any, bool]],
         copy_again: Callable[[], None],
         wake_soon: Callable[[str], None],
         free: Callable[[Partition], None],

@@ -37,6 +37,7 @@ from ..wire import (
     Clear,
     Commit,
     Commits,
+    Corrupt,
     CreatePartition,
     DropKeys,
     Fail,
@@ -48,7 +49,6 @@ from ..wire import (
     Hello,
     HelloReply,
     ListKeys,
-    Corrupt,
     Locate,
     LookupKeys,
     Message,
@@ -77,6 +77,7 @@ from ..wire import (
 )
 from ._checkpoint import Checkpoints, read_manifest
 from ._cleanup import Cleanup
+from ._integrity import Corruption
 from ._keys import Keys
 from ._limits import check as check_limits
 from ._liveness import Liveness
@@ -84,7 +85,6 @@ from ._moves import Moves
 from ._partition import FAILURE_POLICIES, Options, Partition
 from ._policies import load as load_policies
 from ._reads import Reads
-from ._integrity import Corruption
 from ._replicas import Replicas
 from ._resets import Resets
 from ._rows import Rows
