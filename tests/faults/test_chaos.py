@@ -153,7 +153,7 @@ def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_fo
                 os.kill(units.pop(which), signal.SIGKILL)
                 units.append(cluster.start_unit())
                 deaths += 1
-                until(lambda: sum(not u.alive for u in c.status().units) == deaths, 30, "the unit declared dead")
+                until(lambda n=deaths: sum(not u.alive for u in c.status().units) == n, 30, "the unit declared dead")
                 if replicas > 1:
                     until(lambda: status_of(c, partition).single == 0, 30, "the samples held once copied again")
             elif victim in abandon:
