@@ -597,3 +597,48 @@ def test_an_empty_partition_costs_the_controller_under_2_kb():
             assert len(c.status().partitions) == 2 * count
     print(f"an empty partition costs the controller {per:.0f} bytes")
     assert per < 2048, per
+
+
+# --- keys and tags, bounded per sample, per partition and in all -------------------------------
+
+
+def keys_snapshot(lt: LoopThread) -> Any:
+    def take() -> Any:
+        return {
+            name: (dict(p.keys.index), dict(p.keys.sample_tags), dict(p.keys.key_tags))
+            for name, p in lt.ctl.s.partitions.items() if p.keys is not None
+        }
+
+    return lt.call(take)
+
+
+def test_tags_and_keys_past_their_bounds_are_refused_by_partition_and_bound_and_change_nothing(inproc, raw):
+    from tqueue.wire import TagKeys
+
+    config = ControllerConfig(
+        max_tag_bytes=1000, max_tag_bytes_per_partition=5000, max_tag_bytes_total=6000,
+        max_keys_per_partition=10, max_keys_total=15,
+    )
+    lt = inproc(config)
+    peer = raw(lt.ctl.address)
+    assert ask(peer, TagKeys(partition="p", keys=["a", "b"], tags=[{"x": 1}, {"y": "z" * 100}])).KIND
+    before = keys_snapshot(lt)
+    refused(ask(peer, TagKeys(partition="p", keys=["c"], tags=[{"x": "y" * 2000}])),
+            r"the tags of key 'c' of partition 'p' are 2006 bytes as MessagePack, more than max_tag_bytes=1000")
+    refused(ask(peer, TagKeys(partition="p", keys=[str(i) for i in range(9)], tags=[{}] * 9)),
+            r"partition 'p' would hold 11 keys, more than max_keys_per_partition=10")
+    refused(ask(peer, TagKeys(partition="p", keys=[str(i) for i in range(6)], tags=[{"x": "y" * 900}] * 6)),
+            r"partition 'p' would hold \d+ bytes of tags, more than max_tag_bytes_per_partition=5000")
+    assert keys_snapshot(lt) == before
+    ask(peer, TagKeys(partition="q", keys=[str(i) for i in range(8)], tags=[{}] * 8))
+    refused(ask(peer, TagKeys(partition="r", keys=[str(i) for i in range(6)], tags=[{}] * 6)),
+            r"partition 'r': 6 new keys would make 16 in all partitions, more than max_keys_total=15")
+    ask(peer, TagKeys(partition="q", keys=["0", "1", "2", "3", "4"], tags=[{"x": "y" * 900}] * 5))
+    refused(ask(peer, TagKeys(partition="p", keys=["a", "b"], tags=[{"x": "y" * 900}] * 2)),
+            r"partition 'p': \d+ more bytes of tags would make \d+ in all partitions, more than max_tag_bytes_total=6000")
+    # a write that takes no more is never refused
+    ask(peer, TagKeys(partition="q", keys=["0", "1", "2", "3", "4"], tags=[{}] * 5))
+    keys = ask(peer, StatusRequest()).keys
+    assert (keys.keys, keys.max_keys_total, keys.max_tag_bytes_total) == (10, 15, 6000)
+    assert keys.partitions["p"].keys == 2 and keys.partitions["q"].keys == 8
+    assert keys.tag_bytes == sum(u.tag_bytes for u in keys.partitions.values()) == 4 + 105 + 8 * 1

@@ -157,3 +157,43 @@ def test_a_cancel_gets_no_reply(cluster, client, raw, partition, server):
     reply = peer.ask(_wire.encode(_wire.Hello(rid=8, protocol=_wire.PROTOCOL_VERSION)))
     assert isinstance(reply, _wire.HelloReply) and reply.rid == 8
     still_serves(client, partition)
+
+
+def deep_tag_keys(rid: int, depth: int = 10_000) -> bytes:
+    """A TagKeys header whose tags nest ``depth`` maps deep, ending with its request id."""
+    return (b"\x84\xa9partition\xa1p\xa4keys\x91\xa1a\xa4tags\x91" + b"\x81\xa1x" * depth + b"\x00" + b"\xa3rid"
+            + bytes([0xCD]) + rid.to_bytes(2, "big"))
+
+
+def test_an_oversized_header_is_answered_at_once_with_its_request_id(cluster, client, raw, partition):
+    """The caller matches the reply by its id, so it learns within a second (not at its
+    30 s request timeout): the id is read from the header's tail, nothing else of it."""
+    peer = raw(cluster.address)
+    from tqueue.wire import TagKeys
+
+    frames = _wire.encode(TagKeys(rid=41, partition=partition, keys=["a"], tags=[{"x": "y" * (17 << 20)}]))
+    reply = peer.ask(frames, timeout=1.0)
+    assert isinstance(reply, _wire.Error) and (reply.code, reply.rid) == ("protocol", 41)
+    assert re.search(r"TagKeys header of \d+ bytes exceeds the limit of 16777216 bytes", reply.message)
+    still_serves(client, partition)
+
+
+def test_a_client_sending_an_oversized_header_gets_protocol_error_at_once(client, partition):
+    import time
+
+    from tqueue.errors import ProtocolError
+
+    start = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"TagKeys header of \d+ bytes exceeds the limit of 16777216 bytes"):
+        client.tag_keys(partition, ["a"], [{"x": "y" * (17 << 20)}])
+    assert time.monotonic() - start < 1.0
+    still_serves(client, partition)
+
+
+@pytest.mark.parametrize("server", ["controller", "unit"])
+def test_a_header_nested_10000_deep_gets_a_protocol_error_with_its_request_id(cluster, client, raw, partition, server):
+    address = cluster.address if server == "controller" else cluster.unit_addresses[0]
+    reply = raw(address).ask([K(Kind.TAG_KEYS), deep_tag_keys(4242)], timeout=1.0)
+    assert isinstance(reply, _wire.Error) and (reply.code, reply.rid) == ("protocol", 4242), reply
+    assert re.search(r"(bad TagKeys header|RecursionError|deep)", reply.message), reply.message
+    still_serves(client, partition)
