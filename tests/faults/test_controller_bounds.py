@@ -642,3 +642,19 @@ def test_tags_and_keys_past_their_bounds_are_refused_by_partition_and_bound_and_
     assert (keys.keys, keys.max_keys_total, keys.max_tag_bytes_total) == (10, 15, 6000)
     assert keys.partitions["p"].keys == 2 and keys.partitions["q"].keys == 8
     assert keys.tag_bytes == sum(u.tag_bytes for u in keys.partitions.values()) == 4 + 105 + 8 * 1
+
+
+def test_a_frame_far_past_the_header_bound_drops_its_connection_and_nothing_else(inproc, raw):
+    """No request to the controller carries payload: a frame over four times
+    ``max_header_bytes`` is never received (ZeroMQ drops that peer's connection as it
+    arrives; no 64 MiB is allocated), and every other peer is served as before."""
+    import zmq
+
+    lt = inproc(ControllerConfig(max_header_bytes=1 << 20))
+    assert lt.ctl._server._socket.sock.getsockopt(zmq.MAXMSGSIZE) == 4 << 20
+    big = raw(lt.ctl.address)
+    big.send([encode(StatusRequest())[0], b"\0" * (64 << 20)])
+    with pytest.raises(TimeoutError):
+        big.recv(timeout=0.5)
+    reply = ask(raw(lt.ctl.address), StatusRequest())
+    assert not isinstance(reply, Error), reply

@@ -104,6 +104,9 @@ class Controller:
             self.config.bind,
             name="controller",
             max_header=self.config.max_header_bytes,
+            # no request to the controller carries payload: a frame far past the header bound
+            # drops its connection before it is received (one a little past it gets a typed reply)
+            max_frame_bytes=4 * self.config.max_header_bytes,
             heartbeat=self.config.heartbeat_interval,
             curve=_auth.server_keys(self.config.auth_dir),
             advertise=self.config.advertise,
