@@ -23,7 +23,7 @@ import torch
 from .._threads import on_two_threads, worth_splitting
 from ..errors import DataCorruptionError
 from ..wire import BatchMeta, FieldBlock
-from ..wire._crc import crc
+from ..wire._crc import ranges
 from ..wire._layout import frame_layout
 from ._args import listed
 from ._assemble import Part, unpack
@@ -40,27 +40,34 @@ def crcs_of(block: FieldBlock, frames: Sequence[Any]) -> np.ndarray:
     """Per sample of ``block`` (wide frames, checked against it), the CRC-32C of its bytes;
     a big block's samples on two threads (the CRC releases the GIL)."""
     frame_of, offsets, sizes = frame_layout(block, frames)
-    n = len(sizes)
-    out = np.empty(n, dtype=np.int64)
-    if not n:
-        return out
+    out = np.empty(len(sizes), dtype=np.int64)
     bufs = [_bytes(f) for f in frames]
-    if len(bufs) == 1 and n > 1 and int(sizes[0]) and bool((sizes == sizes[0]).all()):
-        rows = bufs[0].reshape(n, int(sizes[0]))  # one dense frame: its rows
+    if len(bufs) == 1:
+        _fill(out, bufs[0], offsets, sizes)
+        return out
+    for f, buf in enumerate(bufs):
+        sel = np.flatnonzero(frame_of == f)
+        if len(sel):
+            out[sel] = _fill(np.empty(len(sel), dtype=np.int64), buf, offsets[sel], sizes[sel])
+    return out
 
-        def some(a: int, b: int) -> None:
-            out[a:b] = [crc(r) for r in rows[a:b]]
-    else:
-        where = list(zip(frame_of.tolist(), offsets.tolist(), sizes.tolist()))
 
-        def some(a: int, b: int) -> None:
-            out[a:b] = [crc(bufs[f][o : o + s]) for f, o, s in where[a:b]]
-
+def _fill(out: np.ndarray, buf: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``out[i]``: the CRC-32C of ``buf[offsets[i] : offsets[i] + sizes[i]]``; halves on two
+    threads where the bytes are many."""
+    n = len(out)
     if n > 1 and worth_splitting(int(sizes.sum())):
         half = n // 2
-        on_two_threads(lambda: some(0, half), lambda: some(half, n))
+
+        def lower() -> None:
+            out[:half] = ranges(buf, offsets[:half], sizes[:half])
+
+        def upper() -> None:
+            out[half:] = ranges(buf, offsets[half:], sizes[half:])
+
+        on_two_threads(lower, upper)
     else:
-        some(0, n)
+        out[:] = ranges(buf, offsets, sizes)
     return out
 
 
@@ -102,9 +109,10 @@ def verify_rows(meta: BatchMeta, parts: Sequence[Part], values: Mapping[str, Any
         for name in part.unchecked:
             block = part.blocks[name][0]
             value = values[name]
-            rows = (value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)).view(np.uint8)
-            rows = rows.reshape(len(meta.indexes), -1)[part.positions]
-            got = np.asarray([crc(r) for r in rows], dtype=np.int64)
+            raw = (value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)).reshape(-1).view(np.uint8)
+            row = raw.nbytes // max(len(meta.indexes), 1)
+            got = _fill(np.empty(len(part.positions), dtype=np.int64), raw, part.positions.astype(np.int64) * row,
+                        np.full(len(part.positions), row, dtype=np.int64))
             _compare(meta, part.unit, name, part.positions, np.asarray(block.crcs, dtype=np.int64), got)
 
 
