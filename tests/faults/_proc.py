@@ -66,18 +66,26 @@ def flip_in_memory(pid: int, marker: bytes, at: int = 0) -> int:
                 continue
             flipped += _flip(mem, [(lo, hi)], marker, at)
     seen = set()  # a file open twice is flipped once (twice would flip the bit back)
+    for path in memfds(pid):
+        with open(path, "r+b", buffering=0) as shared:
+            inode = os.fstat(shared.fileno()).st_ino
+            if inode not in seen:
+                seen.add(inode)
+                flipped += _flip(shared, _extents(shared.fileno()), marker, at)
+    return flipped
+
+
+def memfds(pid: int, prefix: str = "/memfd:") -> list[str]:
+    """The /proc paths of the process's open memory files whose names start with ``prefix``."""
+    out = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        if target.startswith("/memfd:"):
-            with open(f"/proc/{pid}/fd/{fd}", "r+b", buffering=0) as shared:
-                inode = os.fstat(shared.fileno()).st_ino
-                if inode not in seen:
-                    seen.add(inode)
-                    flipped += _flip(shared, _extents(shared.fileno()), marker, at)
-    return flipped
+        if target.startswith(prefix):
+            out.append(f"/proc/{pid}/fd/{fd}")
+    return out
 
 
 def _extents(fd: int) -> list[tuple[int, int]]:

@@ -31,6 +31,17 @@ def small_queue() -> Iterator[tqueue.LocalCluster]:
         yield c
 
 
+def reader_that_stalls(address: str) -> tuple[zmq.Context, zmq.Socket]:
+    """A raw DEALER connected to ``address`` that takes as little as ZeroMQ lets it."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return ctx, sock
+
+
 def test_a_peer_that_stops_reading_is_bounded_and_told(small_queue, partition):
     pid = small_queue.pids[1]
     config = tqueue.ClientConfig(shm=False, bulk=False)
@@ -41,12 +52,7 @@ def test_a_peer_that_stops_reading_is_bounded_and_told(small_queue, partition):
         indexes = [i for m in metas for i in m.indexes]
         uid = metas[0].partition_uid
 
-        ctx = zmq.Context()
-        stalled = ctx.socket(zmq.DEALER)
-        stalled.setsockopt(zmq.RCVHWM, 1)
-        stalled.setsockopt(zmq.RCVBUF, 64 << 10)
-        stalled.setsockopt(zmq.LINGER, 0)
-        stalled.connect(small_queue.unit_addresses[0])
+        ctx, stalled = reader_that_stalls(small_queue.unit_addresses[0])
         try:
             reset_peak(pid)
             before = rss(pid)
@@ -127,12 +133,7 @@ def stall(cluster: tqueue.LocalCluster, client: tqueue.Client, partition: str, f
     rows = torch.arange(1024 * ROW, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(1024, ROW)
     metas = [client.put(partition, {"x": rows[i : i + 16]}) for i in range(0, 1024, 16)]
     indexes = [i for m in metas for i in m.indexes]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 64 << 10)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.unit_addresses[0])
+    ctx, sock = reader_that_stalls(cluster.unit_addresses[0])
     for rid in range(1, fetches + 1):
         fetch = _wire.Fetch(rid=rid, partition=partition, partition_uid=metas[0].partition_uid, indexes=indexes, fields=["x"])
         sock.send_multipart(_wire.encode(fetch))

@@ -29,7 +29,7 @@ import tqueue
 from tqueue.transport import _bulk
 from tqueue.wire import _messages as _wire
 
-from ._proc import peak_rss, reset_peak, rss, until
+from ._proc import memfds, peak_rss, reset_peak, rss, until
 from .conftest import bulk_address_of
 
 MiB = 1 << 20
@@ -40,13 +40,8 @@ SLACK = 16 * MiB  # what a unit may keep beyond its baseline once everything is 
 
 def arena_pages(pid: int) -> int:
     """Bytes of the unit's arena backed by memory (its memory file's blocks), whoever maps them."""
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("/memfd:tqueue-arena"):
-            return os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+    for path in memfds(pid, "/memfd:tqueue-arena"):
+        return os.stat(path).st_blocks * 512
     raise AssertionError(f"unit {pid} has no arena")
 
 
