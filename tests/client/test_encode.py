@@ -315,7 +315,7 @@ def test_plain_values_nest_up_to_the_documented_depth_and_no_further():
 def test_a_value_too_deep_to_decode_is_a_protocol_error_naming_its_position():
     """What a hostile producer could store (raw MessagePack 10,000 arrays deep): the reader
     names the batch position, it does not raise RecursionError."""
-    from tqueue.client._assemble import _one_by_one, Pieces
+    from tqueue.client._assemble import Pieces, _one_by_one
     from tqueue.wire import FieldSpec
 
     raw = np.frombuffer(b"\x91" * 10_000 + b"\xc0", dtype=np.uint8)

@@ -19,9 +19,9 @@ try:
     import tqueue.wire._native_crc as _native_crc
 
     if not _native_crc.hardware():
-        _native_crc = None  # type: ignore[assignment]
+        _native_crc = None
 except ImportError:  # built without a C compiler: one call per range
-    _native_crc = None  # type: ignore[assignment]
+    _native_crc = None
 
 __all__ = ["crc", "extend", "ranges"]
 
