@@ -1,4 +1,7 @@
-"""The client library used inside producers and consumers."""
+"""The client library used inside producers and consumers.
+
+Described in docs/api.md, "Clients", "Batch" and "BatchMeta", and docs/architecture.md, "Payload routes".
+"""
 
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch
