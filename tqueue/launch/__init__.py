@@ -1,4 +1,7 @@
-"""Ways to start a cluster; the protocol does not depend on any of them."""
+"""Ways to start a cluster; the protocol does not depend on any of them.
+
+Described in docs/architecture.md, "Launch"; ``LocalCluster`` and the commands in docs/api.md.
+"""
 
 from ._local import LocalCluster
 

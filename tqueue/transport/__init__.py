@@ -6,4 +6,6 @@ shared-memory path (the unit's arena and a client's mapping of it). ZeroMQ, sock
 decode failures become :mod:`tqueue.errors` here and nowhere else, through the boundaries of
 ``_boundary``. The transport imports the wire layer's messages and never its codec of payload
 (``_pack``: packed frames reach the bulk streams through their own protocols) nor a role.
+
+Described in docs/architecture.md, "Bulk streams", "The same-host path", "Liveness" and "Authentication".
 """

@@ -5,6 +5,8 @@ back (decoding validates), ``_status`` the controller's report of itself, ``_dur
 narrows integer fields for the trip and widens them back. Nothing here opens a socket, starts a
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
+
+Described in docs/architecture.md, "The wire", "Fields and their bytes" and "Packed integer fields".
 """
 
 from ._commits import MAX_COMMITS, Commits, CommitsDone
