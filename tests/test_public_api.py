@@ -1,12 +1,28 @@
-"""The public surface is small, sorted and importable without torch for servers."""
+"""The public surface is small, sorted, held here name by name with its stability tiers, and
+importable without torch for servers; the old spellings warn and still work."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import inspect
+import pathlib
+import re
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 import tqueue
 import tqueue.errors
+from tqueue import _api
+from tqueue.client import AsyncClient, Client
+from tqueue.client import _sync as sync_spaces
+from tqueue.client._ask import MetaAsk
+from tqueue.client._spaces import MOVED, AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples
 
 
 def test_all_is_sorted_and_complete():
@@ -31,3 +47,176 @@ def test_servers_do_not_import_torch():
     code = "import sys, tqueue.controller, tqueue.storage, tqueue.launch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+# --- the surface, held: a change here is an API change (docs/api.md) ---------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+PACKAGE = [
+    "AsyncClient", "AuthenticationError", "Batch", "Client", "ClientConfig", "ClientStats", "ControllerConfig",
+    "ControllerUnavailableError", "DataCorruptionError", "DataLostError", "DataParallel", "DiscoveryError",
+    "EngineError", "FieldSpec", "FieldStats", "FieldTypeError", "ForkedClientError", "InvalidArgumentError",
+    "LocalCluster", "Meta", "MicroBatch", "MicroBatches", "PartitionClearedError", "PermissionDeniedError",
+    "ProtocolError", "ProtocolVersionError", "RemoteError", "SchemaError", "StorageConfig", "StorageFullError",
+    "StorageUnitUnavailableError", "TQueueDeprecationWarning", "TQueueError", "Timeouts", "UnavailableError",
+    "UnknownFieldError", "WaitTimeoutError",
+]
+# the verbs a user learns first, and the namespaces that hold the rest
+CORE = {"connect", "close", "create_partition", "put", "update", "get_meta", "get_data", "renew", "ack", "seal",
+        "clear", "status", "set_version"}
+ATTRIBUTES = {"address", "config", "stats"}
+SPACES = {
+    "keys": (AsyncKeys, sync_spaces.Keys, {"bind", "tag", "set_tags", "lookup", "of", "all", "drop"}),
+    "samples": (AsyncSamples, sync_spaces.Samples, {"select", "allocate", "reset", "stats"}),
+    "rollouts": (AsyncRollouts, sync_spaces.Rollouts,
+                 {"complete", "postpone", "fail", "reserve", "wait_sealed", "wait_version", "set_staleness"}),
+    "checkpoints": (AsyncCheckpoints, sync_spaces.Checkpoints, {"save", "load"}),
+}
+
+
+def _methods(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_") and inspect.isfunction(getattr(cls, n))}
+
+
+def test_the_package_surface_is_held():
+    assert tqueue.__all__ == PACKAGE
+    assert "BatchMeta" not in tqueue.__all__ and "PROTOCOL_VERSION" not in tqueue.__all__
+
+
+def test_every_public_name_carries_a_tier():
+    for name in tqueue.__all__:
+        assert _api.tier(f"tqueue.{name}") in ("public", "developer"), name
+    client_names = CORE | ATTRIBUTES | set(SPACES)
+    assert {n for n in _api.PUBLIC if n.startswith("Client.")} == {f"Client.{n}" for n in client_names}
+    assert _api.tier("AsyncClient.thread_route") == "developer"
+    assert not _api.PUBLIC & _api.DEVELOPER
+
+
+def test_the_clients_show_the_core_and_the_old_names_only():
+    """Methods: the core verbs, and for one release the deprecated names (MOVED) that the
+    namespaces replace; AsyncClient has thread_route besides (developer)."""
+    assert _methods(Client) == CORE | set(MOVED)
+    assert _methods(AsyncClient) == CORE | set(MOVED) | {"thread_route"}
+    for name in ("keys", "samples", "rollouts", "checkpoints"):
+        assert isinstance(getattr(Client, name), property), name
+
+
+@pytest.mark.parametrize("space", sorted(SPACES), ids=sorted(SPACES))
+def test_namespaces_are_twins_made_from_the_async_ones(space):
+    async_cls, sync_cls, names = SPACES[space]
+    assert _methods(async_cls) == names and _methods(sync_cls) == names
+    for name in names:
+        a, s = getattr(async_cls, name), getattr(sync_cls, name)
+        assert inspect.iscoroutinefunction(a) and not inspect.iscoroutinefunction(s), name
+        assert s.__wrapped__ is a and s.__doc__ == a.__doc__ and a.__doc__, name
+        assert inspect.signature(s) == inspect.signature(a), name
+    for old, (where, new) in MOVED.items():
+        if where == space:
+            assert inspect.signature(getattr(Client, old)) == inspect.signature(getattr(sync_cls, new)), old
+
+
+def test_an_old_method_name_warns_and_calls_its_namespace():
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    stub = SimpleNamespace(keys=SimpleNamespace(bind=lambda *a, **k: calls.append(("bind", a)) or "bound"))
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"Client\.bind_keys\(\) .* use client\.keys\.bind\(\)") as got:
+        assert Client.bind_keys(stub, "meta", ["k"]) == "bound"  # type: ignore[arg-type]
+    assert calls == [("bind", ("meta", ["k"]))]
+    assert got[0].filename == __file__  # at the caller's line
+
+    async def listed() -> str:
+        return "listed"
+
+    async def awaited(call: Any) -> Any:  # a user's coroutine: the warning names its line
+        return await call
+
+    astub = SimpleNamespace(keys=SimpleNamespace(all=lambda *a: listed()))
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"AsyncClient\.list_keys\(\) .* client\.keys\.all\(\)") as got:
+        assert asyncio.run(awaited(AsyncClient.list_keys(astub))) == "listed"  # type: ignore[arg-type]
+    assert got[0].filename == __file__
+
+
+def test_flat_lease_keywords_warn_and_the_option_objects_are_spread():
+    seen: list[MetaAsk] = []
+
+    async def get_meta(ask: MetaAsk) -> MetaAsk:
+        seen.append(ask)
+        return ask
+
+    stub = SimpleNamespace(_gets=SimpleNamespace(get_meta=get_meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        ask = asyncio.run(AsyncClient.get_meta(
+            stub, "p", ["x"], 8, task="t",  # type: ignore[arg-type]
+            data_parallel=tqueue.DataParallel(1, 4, replica_group="g"), micro_batches=tqueue.MicroBatches(size=2)))
+    assert (ask.dp_rank, ask.dp_size, ask.replica_group, ask.micro_batch_size) == (1, 4, "g", 2)
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"get_meta\(dp_rank=, dp_size=\) is deprecated.*DataParallel"):
+        flat = asyncio.run(AsyncClient.get_meta(stub, "p", ["x"], 8, task="t", dp_rank=1, dp_size=4))  # type: ignore[arg-type]
+    assert (flat.dp_rank, flat.dp_size) == (1, 4)
+    with pytest.raises(tqueue.InvalidArgumentError, match="give data_parallel or dp_rank, not both"):
+        MetaAsk("p", ["x"], 8, task="t", data_parallel=tqueue.DataParallel(0, 2), dp_rank=1)
+    with pytest.raises(tqueue.InvalidArgumentError, match="0 <= rank < size"):
+        tqueue.DataParallel(2, 2)
+
+
+def test_the_wire_struct_and_version_left_the_package_and_still_work_for_a_release():
+    from tqueue import wire
+
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"tqueue\.BatchMeta .* tqueue\.wire\.BatchMeta"):
+        assert tqueue.BatchMeta is wire.BatchMeta
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"tqueue\.PROTOCOL_VERSION"):
+        assert tqueue.PROTOCOL_VERSION == wire.PROTOCOL_VERSION
+    meta = wire.BatchMeta(partition="p", partition_uid=1, indexes=[0, 1], units=[0, 0], fields=["x"], schema={})
+    assert isinstance(meta, tqueue.Meta)  # the struct is a Meta as it is
+
+
+def test_config_groups_name_every_field_once_and_timeouts_travel_together():
+    from tqueue.config import grouped
+
+    for cls in (tqueue.ClientConfig, tqueue.ControllerConfig, tqueue.StorageConfig):
+        names = [n for group in cls.GROUPS.values() for n in group]
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert len(names) == len(set(names)) and set(names) <= fields, cls.__name__
+    config = tqueue.ClientConfig(shm=False).replace(timeouts=tqueue.Timeouts(get=5.0))
+    assert config.timeouts == tqueue.Timeouts(get=5.0) and config.get_timeout == 5.0 and not config.shm
+    assert grouped(config)["timeouts"] == {"request_timeout": 30.0, "get_timeout": 5.0, "put_timeout": 60.0,
+                                           "lease_timeout": 600.0}
+
+
+FLAT = re.compile(r"\b(dp_rank|dp_size|max_tokens_per_micro_batch|micro_batch_size|num_microbatches_multiple_of"
+                  r"|min_num_microbatches)=")
+
+
+def test_the_shim_bridges_and_demos_use_the_new_spellings():
+    """No client call under an old name, and no flat lease keyword passed to the client, in
+    the TransferQueue shim, the bridges, the demos and the command line."""
+    files = [*(ROOT / "compat/transferqueue/transfer_queue").rglob("*.py"), *(ROOT / "tqueue/bridges").glob("*.py"),
+             *(ROOT / "tqueue/demos").glob("*.py"), ROOT / "tqueue/cli.py"]
+    found = []
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if re.search(r"client\w*\)?\.(%s)\(" % "|".join(sorted(MOVED)), code) or (
+                    "get_meta(" in code and FLAT.search(code)):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert found == []
+
+
+def test_the_shim_in_use_raises_no_deprecation_warning():
+    tq = pytest.importorskip("transfer_queue")
+    TensorDict = pytest.importorskip("tensordict").TensorDict
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+        try:
+            client = tq.get_client()
+            client.put(TensorDict({"ids": torch.arange(6).reshape(3, 2)}, batch_size=[3]), partition_id="dep")
+            meta = client.get_meta(["ids"], 3, "dep", task_name="train")
+            assert torch.equal(client.get_data(meta)["ids"], torch.arange(6).reshape(3, 2))
+            tq.kv_put("k", "kv", fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=[1]), tag={"n": 1})
+            assert "k" in tq.kv_list("kv")["kv"]
+            tq.kv_clear("k", "kv")
+        finally:
+            tq.close()

@@ -5,7 +5,11 @@ need for their task and ``ack`` them. A controller owns metadata, storage units 
 clients talk to both over ZeroMQ.
 
 The client names (which need torch) load on first use, so server processes start
-without importing torch.
+without importing torch. Each name carries a stability tier, public or developer
+(:mod:`tqueue._api`, docs/api.md). The wire's own struct and version
+(``tqueue.wire.BatchMeta``, ``tqueue.wire.PROTOCOL_VERSION``) are not part of the API: a user
+reads a meta through :class:`Meta`; ``tqueue.BatchMeta`` and ``tqueue.PROTOCOL_VERSION`` still
+work for one release, with a :class:`TQueueDeprecationWarning`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import ClientConfig, ControllerConfig, StorageConfig
+from ._api import TQueueDeprecationWarning, deprecated
+from ._meta import Meta
+from .config import ClientConfig, ControllerConfig, StorageConfig, Timeouts
 from .errors import (
     AuthenticationError,
     ControllerUnavailableError,
@@ -38,10 +44,10 @@ from .errors import (
     WaitTimeoutError,
 )
 from .launch import LocalCluster
-from .wire import PROTOCOL_VERSION, BatchMeta, FieldSpec
+from .wire import FieldSpec
 
 if TYPE_CHECKING:
-    from .client import AsyncClient, Batch, Client, ClientStats, FieldStats, MicroBatch
+    from .client import AsyncClient, Batch, Client, ClientStats, DataParallel, FieldStats, MicroBatch, MicroBatches
 
 __version__ = "0.1.0"
 
@@ -49,7 +55,6 @@ __all__ = [
     "AsyncClient",
     "AuthenticationError",
     "Batch",
-    "BatchMeta",
     "Client",
     "ClientConfig",
     "ClientStats",
@@ -57,6 +62,7 @@ __all__ = [
     "ControllerUnavailableError",
     "DataCorruptionError",
     "DataLostError",
+    "DataParallel",
     "DiscoveryError",
     "EngineError",
     "FieldSpec",
@@ -65,8 +71,9 @@ __all__ = [
     "ForkedClientError",
     "InvalidArgumentError",
     "LocalCluster",
+    "Meta",
     "MicroBatch",
-    "PROTOCOL_VERSION",
+    "MicroBatches",
     "PartitionClearedError",
     "PermissionDeniedError",
     "ProtocolError",
@@ -76,13 +83,17 @@ __all__ = [
     "StorageConfig",
     "StorageFullError",
     "StorageUnitUnavailableError",
+    "TQueueDeprecationWarning",
     "TQueueError",
+    "Timeouts",
     "UnavailableError",
     "UnknownFieldError",
     "WaitTimeoutError",
 ]
 
-_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "FieldStats", "MicroBatch"}
+_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "DataParallel", "FieldStats", "MicroBatch", "MicroBatches"}
+# names that left the API, still reached here for one release: where they live now
+_MOVED = {"BatchMeta": "tqueue.wire.BatchMeta (a user reads tqueue.Meta)", "PROTOCOL_VERSION": "tqueue.wire.PROTOCOL_VERSION"}
 
 
 def __getattr__(name: str) -> Any:
@@ -90,4 +101,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(".client", __name__), name)
         globals()[name] = value
         return value
+    if name in _MOVED:
+        deprecated(f"tqueue.{name}", _MOVED[name], stacklevel=3)
+        return getattr(importlib.import_module(".wire", __name__), name)  # not cached: each use warns
     raise AttributeError(f"module 'tqueue' has no attribute {name!r}")

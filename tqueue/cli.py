@@ -344,7 +344,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--metadata is JSON: {exc}") from None
     with Client(args.controller) as client:
-        info = client.save_checkpoint(args.directory, metadata=metadata)
+        info = client.checkpoints.save(args.directory, metadata=metadata)
     print(
         f"tqueue checkpoint: {info.manifest}: {info.partitions} partitions, {info.samples} samples, "
         f"{info.payload_bytes} payload bytes in {info.seconds:.2f} s (loops held {1e3 * info.pause:.1f} ms at most)"
@@ -358,7 +358,7 @@ def _restore(args: argparse.Namespace) -> int:
     from .client import Client
 
     with Client(args.controller) as client:
-        metadata = client.load_checkpoint(args.directory, replace=args.replace)
+        metadata = client.checkpoints.load(args.directory, replace=args.replace)
         parts = len(client.status().partitions)
     print(f"tqueue restore: {parts} partitions from {args.directory}; metadata {json.dumps(metadata)}")
     return 0

@@ -1,20 +1,25 @@
 """Typed, frozen configuration of each component.
 
 Every field carries its meaning in its ``help`` metadata: the class docstrings list them,
-and ``tqueue controller --help`` / ``tqueue storage-unit --help`` (and the flag tables of
+grouped by concern (each class's ``GROUPS``: network, memory, limits, liveness...; see
+:func:`grouped`), and ``tqueue controller --help`` / ``tqueue storage-unit --help`` (and the flag tables of
 docs/operations.md) show the same text. Defaults come from :mod:`tqueue._env` (environment
 overrides) when built with ``from_env()``; plain construction uses the literal defaults below.
+
+The fields stay flat (``ClientConfig(shm=False)``, the command-line flags and the environment
+name them so); options that travel together are also one object: :class:`Timeouts` is
+``ClientConfig.timeouts``, and ``config.replace(timeouts=Timeouts(get=5))`` sets them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from . import _env
 
-__all__ = ["ClientConfig", "ControllerConfig", "StorageConfig"]
+__all__ = ["ClientConfig", "ControllerConfig", "StorageConfig", "Timeouts", "grouped"]
 
 MiB = 1 << 20
 # Seconds of silence after which a peer pings its server (see tqueue/transport/_liveness.py).
@@ -37,14 +42,48 @@ def _setting(default: _T, help: str) -> _T:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def _groups(cls: type[Any]) -> dict[str, list[dataclasses.Field[Any]]]:
+    """The fields of a config class by concern, in its ``GROUPS`` order; a field no group
+    names is under ``"other"``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {group: [fields[n] for n in names if n in fields] for group, names in getattr(cls, "GROUPS", {}).items()}
+    named = {n for names in getattr(cls, "GROUPS", {}).values() for n in names}
+    rest = [f for name, f in fields.items() if name not in named]
+    if rest:
+        out["other"] = rest
+    return out
+
+
+def grouped(config: Any) -> dict[str, dict[str, Any]]:
+    """A config's values by concern: ``{"timeouts": {"request_timeout": 30.0, ...}, ...}``."""
+    return {group: {f.name: getattr(config, f.name) for f in fields} for group, fields in _groups(type(config)).items()}
+
+
 def _documented(cls: _C) -> _C:
-    """Append each field's default and meaning to the class docstring (``help(cls)``)."""
+    """Append each field's default and meaning to the class docstring (``help(cls)``), by group."""
     lines = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
-        lines.append(f"    ``{f.name}`` ({default}): {f.metadata['help']}.")
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Fields:\n\n" + "\n".join(lines) + "\n"
+    for group, fields in _groups(cls).items():  # type: ignore[arg-type]
+        lines.append(f"    {group.capitalize()}:\n")
+        for f in fields:
+            default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+            lines.append(f"    ``{f.name}`` ({default}): {f.metadata['help']}.")
+        lines.append("")
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Fields:\n\n" + "\n".join(lines)
     return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """A client's default timeouts, in seconds (``ClientConfig.timeouts``): ``request``, how
+    long a server may take to answer; ``get``, how long ``get_meta`` waits for samples;
+    ``put``, how long a put waits for memory or admission; ``lease``, how long a consumer
+    holds samples before they return to its task's pool unless acked. ``math.inf``: no
+    limit (not for ``request``)."""
+
+    request: float = 30.0
+    get: float = 60.0
+    put: float = 60.0
+    lease: float = 600.0
 
 
 def field_help(config: type[Any], name: str) -> str:
@@ -63,6 +102,16 @@ class ControllerConfig:
     ``heartbeat_interval``, see tqueue/transport/_liveness.py; keys for ``auth_dir``,
     tqueue/transport/_auth.py.
     """
+
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "network": ("bind", "advertise", "metrics_port", "auth_dir"),
+        "data": ("capacity_bytes", "replicas", "policies", "tombstone_seconds"),
+        "liveness": ("heartbeat_interval", "cycle_notice", "grant_timeout", "unit_timeout"),
+        "checkpoints": ("restore", "checkpoint_root", "restore_wait"),
+        "limits": ("max_header_bytes", "max_samples_per_request", "max_partition_samples", "max_tasks_per_partition",
+                   "max_partitions", "max_parked", "max_tag_bytes", "max_tag_bytes_per_partition", "max_tag_bytes_total",
+                   "max_keys_per_partition", "max_keys_total"),
+    }
 
     bind: str = _setting("tcp://127.0.0.1:0", _BIND)
     max_header_bytes: int = _setting(16 * MiB, _HEADER)
@@ -137,6 +186,15 @@ class StorageConfig:
     ``max_index`` to ``max_queued_replies`` bound what one peer or one message can make the
     unit hold: each refusal is a typed error or a closed connection, never an allocation.
     """
+
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "network": ("controller", "bind", "host", "name", "advertise", "metrics_port", "auth_dir"),
+        "memory": ("capacity_bytes", "retain_bytes", "trim_delay", "shm_bytes", "nixl", "hold_timeout", "alloc_timeout"),
+        "bulk": ("bulk", "bulk_streams", "bulk_streams_per_peer", "bulk_stall_timeout", "bulk_min_rate"),
+        "checkpoints": ("restore", "checkpoint_root"),
+        "limits": ("max_header_bytes", "max_index", "max_frames", "max_frame_bytes", "max_queued_bytes",
+                   "max_queued_bytes_total", "max_queued_replies"),
+    }
 
     controller: str = dataclasses.field(metadata={"help": "the controller's address, where the unit registers"})
     bind: str = _setting("tcp://127.0.0.1:0", _BIND)
@@ -231,6 +289,15 @@ class StorageConfig:
 class ClientConfig:
     """A client inside a producer or consumer."""
 
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "timeouts": ("request_timeout", "get_timeout", "put_timeout", "lease_timeout"),
+        "routes": ("host", "shm", "shm_min_bytes", "arena_lease_bytes", "nixl", "bulk", "bulk_lanes", "bulk_put_min_bytes",
+                   "bulk_lane_min_bytes", "chunk_bytes", "coalesce_puts"),
+        "memory": ("buffer_pool_bytes", "keep_freed_bytes", "pin_memory", "device_chunk_bytes", "device_lock_bytes"),
+        "integrity": ("checksums", "arena_checksums", "pack_ints"),
+        "security": ("auth_dir",),
+    }
+
     request_timeout: float = _setting(
         30.0, "seconds a server may take to answer before the client raises UnavailableError (a get_meta wait is "
         "added on top)")
@@ -311,6 +378,18 @@ class ClientConfig:
     auth_dir: str = _setting(
         "", "this client's CurveZMQ keys (client.key_secret, cluster.key; see tqueue/transport/_auth.py), or "
         "TQUEUE_AUTH_DIR; empty: no authentication")
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The four timeouts as one object."""
+        return Timeouts(self.request_timeout, self.get_timeout, self.put_timeout, self.lease_timeout)
+
+    def replace(self, *, timeouts: Timeouts | None = None, **fields: Any) -> ClientConfig:
+        """A copy with ``fields`` changed, and with ``timeouts`` all four timeouts."""
+        if timeouts is not None:
+            fields = {"request_timeout": timeouts.request, "get_timeout": timeouts.get, "put_timeout": timeouts.put,
+                      "lease_timeout": timeouts.lease, **fields}
+        return dataclasses.replace(self, **fields)
 
     @classmethod
     def from_env(cls) -> ClientConfig:

@@ -288,7 +288,7 @@ class _Step:
     async def watch(self) -> None:
         """Park on the partition's seal; then stop the step."""
         try:
-            await self.d.client.sealed(self.partition, timeout=math.inf)
+            await self.d.client.rollouts.wait_sealed(self.partition, timeout=math.inf)
         except PartitionClearedError:
             return
         self.sealed_at = time.monotonic()
@@ -386,9 +386,9 @@ class _Step:
         self.halted = True
         self.stop()
         if meta is not None:
-            await self.d.client.fail(meta, reason=FAILED)
+            await self.d.client.rollouts.fail(meta, reason=FAILED)
         elif group is not None:
-            await self.d.client.fail(self.partition, reason=FAILED, group=group, count=1)
+            await self.d.client.rollouts.fail(self.partition, reason=FAILED, group=group, count=1)
 
     def ended(self, traj: Trajectory) -> None:
         if traj.finish == "abort" and self.stopped_at is not None:
@@ -455,13 +455,13 @@ class _Step:
         if finished and self.d.extra is not None:
             data.update(self.d.extra(p.group, traj.prompt_ids, traj))
         columns = {name: [value] for name, value in data.items()}
-        refused = await self.d.client.complete(
+        refused = await self.d.client.rollouts.complete(
             p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
             finished=finished,
         )
         if refused:  # the step's target filled first: keep the tokens, still partial, for the next step
             finished = False
-            await self.d.client.complete(
+            await self.d.client.rollouts.complete(
                 p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
                 finished=False,
             )
@@ -478,7 +478,7 @@ class _Step:
             await self.d.client.clear(p.meta)
             self.report.discarded += 1
             return
-        moved = await self.d.client.postpone(p.meta, nxt)
+        moved = await self.d.client.rollouts.postpone(p.meta, nxt)
         self.d._partials.append(dataclasses.replace(p, meta=moved))
         self.report.recycled += 1
 

@@ -356,7 +356,7 @@ class Ingest:
         from anywhere: the controller takes the version (for staleness) with the pointer to
         its weights, and this server answers the fleet's waits with them."""
         await self.client.set_version(version, weights=where)
-        reply = await self.client.wait_version(version - 1, timeout=0)  # the controller's, at once
+        reply = await self.client.rollouts.wait_version(version - 1, timeout=0)  # the controller's, at once
         self._learn(reply.version, reply.weights)
 
     # --- the trainer's version, followed at the controller -----------------------------
@@ -375,7 +375,7 @@ class Ingest:
         reached); the waits here then answer 503."""
         while True:
             try:
-                reply = await self.client.wait_version(self.version, timeout=FOLLOW_SECONDS)
+                reply = await self.client.rollouts.wait_version(self.version, timeout=FOLLOW_SECONDS)
             except WaitTimeoutError:
                 continue  # no new version in that long: wait again
             self._learn(reply.version, reply.weights)
@@ -564,7 +564,7 @@ class Ingest:
     async def _sealed(self, request: web.Request) -> web.Response:
         partition = request.match_info["partition"]
         try:
-            await self._parked(self.client.sealed(partition, timeout=self._timeout(request)))
+            await self._parked(self.client.rollouts.wait_sealed(partition, timeout=self._timeout(request)))
         except WaitTimeoutError:
             return web.json_response({"partition": partition, "sealed": False})
         except PartitionClearedError:
@@ -582,7 +582,7 @@ class Ingest:
 
         async def seal(name: str) -> None:
             try:
-                await self.client.sealed(name, timeout=math.inf)
+                await self.client.rollouts.wait_sealed(name, timeout=math.inf)
             except PartitionClearedError:
                 pass
             await queue.put(("sealed", {"partition": name}))

@@ -46,6 +46,7 @@ import msgspec
 import torch
 
 from .._extras import optional
+from ..client._ask import DataParallel, MicroBatches
 from ..client._micro import Form, check_options, shape
 from ..errors import (
     InvalidArgumentError,
@@ -396,10 +397,10 @@ class StepReader:
         if form is not None:
             check_options(form, pad_to_multiple_of)
             jagged = "list"
-        ask = dict(task=self.task, timeout=timeout, policy=policy, dp_rank=self.layout.dp_rank,
-                   dp_size=self.layout.dp_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                   balance_by=balance_by, lease_timeout=self.lease_timeout, micro_batch_size=micro_batch_size,
-                   num_microbatches_multiple_of=num_microbatches_multiple_of, min_num_microbatches=min_num_microbatches)
+        micro = MicroBatches(max_tokens=max_tokens_per_micro_batch, size=micro_batch_size,
+                             multiple_of=num_microbatches_multiple_of, min_count=min_num_microbatches)
+        ask = dict(task=self.task, timeout=timeout, policy=policy, balance_by=balance_by, lease_timeout=self.lease_timeout,
+                   data_parallel=DataParallel(self.layout.dp_rank, self.layout.dp_size), micro_batches=micro)
         # onto the device by the client's device route: from page-locked memory only, in chunks
         on = None if self.device.type == "cpu" else self.device
 

@@ -3,10 +3,29 @@
 Described in docs/api.md, "Clients", "Batch" and "BatchMeta", and docs/architecture.md, "Payload routes".
 """
 
+from ._ask import DataParallel, MicroBatches
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch
 from ._lifecycle import FieldStats
 from ._micro import MicroBatch
-from ._sync import Client
+from ._spaces import AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples
+from ._sync import Checkpoints, Client, Keys, Rollouts, Samples
 
-__all__ = ["AsyncClient", "Batch", "Client", "ClientStats", "FieldStats", "MicroBatch"]
+__all__ = [
+    "AsyncCheckpoints",
+    "AsyncClient",
+    "AsyncKeys",
+    "AsyncRollouts",
+    "AsyncSamples",
+    "Batch",
+    "Checkpoints",
+    "Client",
+    "ClientStats",
+    "DataParallel",
+    "FieldStats",
+    "Keys",
+    "MicroBatch",
+    "MicroBatches",
+    "Rollouts",
+    "Samples",
+]

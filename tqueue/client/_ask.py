@@ -11,6 +11,13 @@ list is written twice.
 The options of a lease (``timeout`` ... ``pad``) belong to both ``get_meta`` and the one-call
 form of ``get_data``: they are :class:`LeaseOptions`, a base of both. How a read presents
 jagged fields is :class:`Options`, a base of :class:`DataAsk`.
+
+Options that travel together are small objects: :class:`DataParallel` (this rank's share of
+a round) and :class:`MicroBatches` (how a share is cut). The flat keywords they replace
+(``dp_rank``, ``dp_size``, ``round``, ``replica_group``, ``max_tokens_per_micro_batch``,
+``micro_batch_size``, ``num_microbatches_multiple_of``, ``min_num_microbatches``) still work
+for one release, with a :class:`~tqueue.TQueueDeprecationWarning` (:func:`warn_flat`);
+inside, the objects are spread into those fields, which the read path reads.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
+from .._api import deprecated
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -80,6 +89,67 @@ class Options:
             raise InvalidArgumentError(f"padding_side is 'right' or 'left', got {self.padding_side!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """This reader's place among data-parallel ranks: ``rank`` of ``size``. A read takes
+    this rank's token-balanced share of a round of ``size * batch_size`` samples; every
+    caller asking for the same round and rank (its tensor and pipeline parallel peers) gets
+    the identical meta. Rounds count per client; ``round`` names one instead.
+    ``replica_group``: rounds are formed and counted for this group of ranks alone (groups
+    that do not share one ``size`` then take disjoint samples of the task)."""
+
+    rank: int
+    size: int
+    round: int | None = None
+    replica_group: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rank, int) and isinstance(self.size, int) and 0 <= self.rank < self.size):
+            raise InvalidArgumentError(f"DataParallel needs 0 <= rank < size, got rank {self.rank!r} of size {self.size!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MicroBatches:
+    """How a read's share is cut into micro-batches (``meta.micro_batch_indices``), the same
+    number on every data-parallel rank: ``max_tokens`` caps each one's tokens, or ``size``
+    fixes its samples; their count is at least ``min_count`` and a multiple of
+    ``multiple_of`` (a virtual pipeline's size)."""
+
+    max_tokens: int | None = None
+    size: int | None = None
+    multiple_of: int = 1
+    min_count: int = 1
+
+
+# the flat keywords of a lease that DataParallel and MicroBatches replace, with their defaults
+_DP_FLAT = {"dp_rank": None, "dp_size": None, "round": None, "replica_group": None}
+_MICRO_FLAT = {"max_tokens_per_micro_batch": None, "micro_batch_size": None,
+               "num_microbatches_multiple_of": 1, "min_num_microbatches": 1}
+_QUIET = threading.local()  # .flat: this thread's calls were warned about already (the Client's loop)
+
+
+def quiet_flat() -> None:
+    """Warn no more about flat keywords in this thread: the blocking client's loop thread,
+    whose calls the client warned about in the caller's thread."""
+    _QUIET.flat = True
+
+
+def warn_flat(call: str, kwargs: Mapping[str, Any]) -> None:
+    """Warn, at the caller of the caller of this, if a lease is asked for with the flat
+    keywords that :class:`DataParallel` and :class:`MicroBatches` replace."""
+    if getattr(_QUIET, "flat", False):
+        return
+    used = [k for k in (*_DP_FLAT, *_MICRO_FLAT) if k in kwargs]
+    if not used:
+        return
+    new = []
+    if any(k in _DP_FLAT for k in used):
+        new.append("data_parallel=tqueue.DataParallel(rank, size, round=..., replica_group=...)")
+    if any(k in _MICRO_FLAT for k in used):
+        new.append("micro_batches=tqueue.MicroBatches(max_tokens=..., size=..., multiple_of=..., min_count=...)")
+    deprecated(f"{call}({'=, '.join(used)}=)", " and ".join(new), stacklevel=4)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LeaseOptions:
     """How a lease is asked for, as :meth:`AsyncClient.get_meta` documents it."""
@@ -87,18 +157,39 @@ class LeaseOptions:
     timeout: float | None = None
     lease_timeout: float | None = None
     policy: str = "first_ready"
+    data_parallel: DataParallel | None = None
+    micro_batches: MicroBatches | None = None
+    balance_by: Sequence[str] | None = None
+    max_staleness: int | None = None
+    pad: bool = False
+    policy_args: Mapping[str, Any] | None = None
+    # deprecated: data_parallel and micro_batches replace them (and are spread into them)
     dp_rank: int | None = None
     dp_size: int | None = None
     round: int | None = None
+    replica_group: str | None = None
     max_tokens_per_micro_batch: int | None = None
-    balance_by: Sequence[str] | None = None
     micro_batch_size: int | None = None
     num_microbatches_multiple_of: int = 1
     min_num_microbatches: int = 1
-    max_staleness: int | None = None
-    pad: bool = False
-    replica_group: str | None = None
-    policy_args: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        dp, micro = self.data_parallel, self.micro_batches
+        if dp is not None:
+            if not isinstance(dp, DataParallel):
+                raise InvalidArgumentError(f"data_parallel is a tqueue.DataParallel, got {type(dp).__name__}")
+            self._spread(_DP_FLAT, "data_parallel", (dp.rank, dp.size, dp.round, dp.replica_group))
+        if micro is not None:
+            if not isinstance(micro, MicroBatches):
+                raise InvalidArgumentError(f"micro_batches is a tqueue.MicroBatches, got {type(micro).__name__}")
+            self._spread(_MICRO_FLAT, "micro_batches", (micro.max_tokens, micro.size, micro.multiple_of, micro.min_count))
+
+    def _spread(self, flat: Mapping[str, Any], name: str, values: Sequence[Any]) -> None:
+        given = [k for k, default in flat.items() if getattr(self, k) != default]
+        if given:
+            raise InvalidArgumentError(f"give {name} or {', '.join(given)}, not both")
+        for key, value in zip(flat, values):
+            object.__setattr__(self, key, value)  # frozen: set once, while it is made
 
 
 # bases in this order put ``task`` first among the keyword-only parameters
@@ -124,7 +215,9 @@ class DataAsk(Options, LeaseOptions, _AnyTask):
 
     def lease(self, partition: str, fields: Sequence[str], batch_size: int, task: str) -> MetaAsk:
         """The ``get_meta`` of the one-call form: a lease with these options."""
-        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(LeaseOptions)}
+        # the objects are spread into the flat fields already: those carry them
+        skip = ("data_parallel", "micro_batches")
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(LeaseOptions) if f.name not in skip}
         return MetaAsk(partition, fields, batch_size, task=task, **options)
 
 
@@ -162,8 +255,12 @@ def takes(
     def decorate(body: Callable[[S, A], Coroutine[Any, Any, R]]) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
         name = body.__name__
 
+        leases = isinstance(kind, type) and issubclass(kind, LeaseOptions)
+
         @functools.wraps(body)
         async def method(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+            if leases:
+                warn_flat(name, kwargs)
             return await body(self, ask(kind, name, *args, **kwargs))
 
         parameters = list(inspect.signature(body).parameters.values())[:1]  # self

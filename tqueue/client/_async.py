@@ -13,43 +13,32 @@ the blocking :class:`~tqueue.client.Client` takes its methods from these.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from .._api import deprecated
 from .._memory import BufferPool
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, CheckpointReply, Clear, CreatePartition, Ok, StatusReply, StatusRequest
+from ..wire import BatchMeta, Clear, CreatePartition, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
-from . import _durable
-from ._ask import Completion, DataAsk, MetaAsk, PutAsk, takes
+from ._ask import DataAsk, MetaAsk, PutAsk, takes
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
 from ._keys import KeyCalls
 from ._lifecycle import Lifecycle
 from ._puts import Puts
+from ._spaces import MOVED, AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples
 
 __all__ = ["AsyncClient", "ClientStats"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-
-def _keyed(
-    method: Callable[Concatenate[KeyCalls, P], Coroutine[Any, Any, T]],
-) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
-    """An :class:`AsyncClient` method that hands the call to the client's :class:`KeyCalls`."""
-
-    @functools.wraps(method)
-    async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await method(self._keys, *args, **kwargs)
-
-    return call
+N = TypeVar("N")
 
 
 def _handed_on(
@@ -65,6 +54,26 @@ def _handed_on(
     return call
 
 
+def _moved(
+    method: Callable[Concatenate[N, P], Coroutine[Any, Any, T]], old: str
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """The deprecated method ``old`` of :class:`AsyncClient`: it warns
+    (:class:`~tqueue.TQueueDeprecationWarning`) and hands the call to ``method`` of the
+    namespace that holds it now (``MOVED``)."""
+    space, name = MOVED[old]
+
+    @functools.wraps(method)
+    async def alias(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        deprecated(f"AsyncClient.{old}()", f"client.{space}.{name}()")
+        result: T = await getattr(getattr(self, space), name)(*args, **kwargs)
+        return result
+
+    alias.__name__ = old
+    alias.__qualname__ = f"AsyncClient.{old}"
+    alias.__doc__ = f"Deprecated: use ``client.{space}.{name}()``, which this calls.\n\n{method.__doc__ or ''}"
+    return alias
+
+
 class AsyncClient:
     """Talks to a tqueue cluster from inside an asyncio program.
 
@@ -74,9 +83,13 @@ class AsyncClient:
     (:class:`~tqueue.errors.ControllerUnavailableError`), and a refused CurveZMQ handshake
     raises :class:`~tqueue.errors.AuthenticationError`.
 
-    Flow control and the rollout lifecycle (``seal``, ``fail``, ``reserve``, ``set_version``,
-    ``complete``, ``postpone``...) come from :class:`~tqueue.client._lifecycle.Lifecycle`.
-    Every call has a timeout: ``request_timeout`` from the
+    The verbs a user learns first are its methods: ``connect``, ``put``, ``get_meta``,
+    ``get_data``, ``ack``, ``seal``, ``clear``, ``status``, ``close``, and ``create_partition``,
+    ``update``, ``renew``, ``set_version``. The rest live in namespaces
+    (``client/_spaces.py``): ``keys`` (user keys and tags), ``samples`` (reads without a
+    lease, allocation, consumption reset, field statistics), ``rollouts`` (partial
+    rollouts, failures, admission, seal and version waits, the staleness bound) and
+    ``checkpoints`` (save, load). Every call has a timeout: ``request_timeout`` from the
     config bounds how long a server may take to answer; ``get_meta`` additionally waits
     up to its own ``timeout`` for samples to become ready.
     """
@@ -99,6 +112,10 @@ class AsyncClient:
         self._gets = Gets(self._conns, pool, self.stats)
         self._lifecycle = Lifecycle(self._conns, self._puts, self._gets)
         self._keys = KeyCalls(self._conns)
+        self.keys = AsyncKeys(self._keys)
+        self.samples = AsyncSamples(self._keys, self._lifecycle)
+        self.rollouts = AsyncRollouts(self._lifecycle)
+        self.checkpoints = AsyncCheckpoints(self._conns)
 
     # --- connection -----------------------------------------------------------------
 
@@ -153,7 +170,7 @@ class AsyncClient:
         ``prefetch``: a consumer short of samples here, once this partition is sealed and
         drained, takes ready samples from that (later) partition; they count as taken there.
         ``step``: the trainer version that reads this partition, for the staleness bound
-        (:meth:`set_staleness`); None takes it from a name ending in ``step-N`` (``step_N``,
+        (``rollouts.set_staleness``); None takes it from a name ending in ``step-N`` (``step_N``,
         ``stepN``), else the partition has no step.
         ``replicas``: 2 stores each put on two units (on different hosts where there are) and
         acknowledges it once both hold it, so that one unit's death loses no acknowledged
@@ -201,42 +218,6 @@ class AsyncClient:
         reply, _ = await ctl.request(StatusRequest(), expect=StatusReply)
         return reply
 
-    # --- durability -----------------------------------------------------------------
-
-    async def save_checkpoint(self, directory: str | os.PathLike[str], *, metadata: Any = None) -> CheckpointReply:
-        """Write the whole data plane into ``directory``: every partition's metadata (samples,
-        fields, groups, versions and segments, each task's consumption, partial and recycled
-        samples), the trainer's version and staleness bound, and every unit's payload, as
-        Apache Arrow IPC files beside a JSON manifest, with ``metadata`` (JSON values only)
-        kept in it. The directory must be reachable under the same path by the controller
-        and every storage unit (one host, or a shared filesystem).
-
-        Atomic: files go into a new folder, are fsynced, and the manifest is renamed into
-        place last; a checkpoint that stops halfway leaves the previous one as it was. Puts
-        and gets go on while the bytes are written: the checkpoint holds a server's loop only
-        while it copies that server's bookkeeping (the reply's ``pause``). Waits as long as
-        the controller and units are alive. Returns what was written and what it cost."""
-        return await _durable.save(self._conns, directory, metadata)
-
-    async def load_checkpoint(self, directory: str | os.PathLike[str], *, replace: bool = False) -> Any:
-        """Load the checkpoint in ``directory`` into this cluster, fresh or running, with any
-        number of storage units. Every sample comes back bit-exact, with every task's
-        consumption and its keys; samples that were leased come back ready. Returns the
-        ``metadata`` given to :meth:`save_checkpoint`. Nothing in a checkpoint is executed:
-        JSON, and Arrow files read as bytes.
-
-        The cluster's partitions that the checkpoint does not hold are untouched and serve
-        on. A checkpoint partition whose name a live partition has: by default the whole
-        load is refused before anything is loaded (:class:`InvalidArgumentError` naming
-        them); with ``replace=True`` the live one is replaced, as by :meth:`clear` (its
-        waiting readers get :class:`PartitionClearedError`, its payload is freed), but only
-        once the checkpoint's payload is fully loaded: a load that fails keeps it, and
-        leaves nothing of the checkpoint behind. Loaded partitions get partition uids of
-        their own in a running cluster (a meta made before the load no longer reads them:
-        take samples anew, or look them up by key). The trainer's version, weights and
-        staleness bound come from the checkpoint only into a cluster without partitions."""
-        return await _durable.load(self._conns, directory, replace=replace)
-
     # --- writes ---------------------------------------------------------------------
 
     @takes(PutAsk)
@@ -254,7 +235,7 @@ class AsyncClient:
         raises :class:`StorageFullError` (memory) or :class:`WaitTimeoutError` (staleness),
         saying what it asked for and what was used and allowed.
 
-        ``partial``: unfinished rollouts; stored but never served until :meth:`complete`.
+        ``partial``: unfinished rollouts; stored but never served until ``rollouts.complete``.
         A put to a sealed partition (its over-sampling target was reached) sends nothing and
         returns a meta with ``status="aborted"``, or, where the partition recycles late
         samples, stores them as partial samples there (``status="recycled"``). A put that
@@ -272,34 +253,6 @@ class AsyncClient:
         Atomic per sample: all of a sample's fields live on one unit, which installs a write
         whole, so a reader gets every field old or every field new, never a mix."""
         await self._puts.update(meta, data)
-
-    @takes(Completion)
-    async def complete(self, call: Completion) -> list[int]:
-        """Finish (or, with ``finished=False``, extend) partial rollouts after a weight
-        update: a new segment of tokens produced by ``version``, starting at response token
-        ``first_token``. Token offsets count response tokens, prompt left out (0: the
-        first generated token); ``first_token`` is how many response tokens the sample
-        held before this segment.
-
-        Fields in ``append`` (the new response tokens, their log-probs) are appended to
-        what is stored. Fields in ``splice`` map to a row offset (one, or one per sample):
-        the engine returned the field for the whole sequence (routed experts
-        ``[tokens, layers, top_k]``), and the stored rows before the offset, produced by
-        earlier segments' weights, are kept; the new array supplies the rest. That offset
-        counts rows of the field, prompt included: the prompt length plus ``first_token``.
-        With ``lengths`` each spliced result must have exactly that many rows (prompt plus
-        response tokens). Other fields are replaced. The samples record the segment
-        ``(version, first_token)``; once ``finished`` they are visible to consumers.
-        :meth:`Batch.token_versions` gives each row's version, given the prompt lengths
-        for a whole-sequence field.
-
-        Finishing samples takes places of the partition's ``target``, as a put does: where
-        it has no room left (sealed), the samples stay partial and untouched, and their
-        indexes are returned (an empty list: all done), so that the caller may
-        :meth:`postpone` them to the next step. Each storage unit's share is written whole
-        or not at all.
-        """
-        return await self._lifecycle.complete(call)
 
     # --- reads ----------------------------------------------------------------------
 
@@ -383,27 +336,30 @@ class AsyncClient:
         """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""
         await self._gets.ack(meta)
 
-    # --- flow control and the rollout lifecycle: handed to the Lifecycle, which documents them
+    # --- the trainer's version and the seal: handed to the Lifecycle, which documents them
 
     seal = _handed_on(Lifecycle.seal)
-    fail = _handed_on(Lifecycle.fail)
     set_version = _handed_on(Lifecycle.set_version)
-    wait_version = _handed_on(Lifecycle.wait_version)
-    set_staleness = _handed_on(Lifecycle.set_staleness)
-    reserve = _handed_on(Lifecycle.reserve)
-    postpone = _handed_on(Lifecycle.postpone)
-    sealed = _handed_on(Lifecycle.sealed)
-    field_stats = _handed_on(Lifecycle.field_stats)
 
-    # --- keys, tags and reads without a lease: handed to KeyCalls, which documents them
+    # --- the old names of what the namespaces hold: deprecated, for one more release
 
-    bind_keys = _keyed(KeyCalls.bind_keys)
-    tag_keys = _keyed(KeyCalls.tag_keys)
-    set_tags = _keyed(KeyCalls.set_tags)
-    lookup_keys = _keyed(KeyCalls.lookup_keys)
-    keys_of = _keyed(KeyCalls.keys_of)
-    list_keys = _keyed(KeyCalls.list_keys)
-    drop_keys = _keyed(KeyCalls.drop_keys)
-    select = _keyed(KeyCalls.select)
-    reset_consumption = _keyed(KeyCalls.reset_consumption)
-    allocate = _keyed(KeyCalls.allocate)
+    bind_keys = _moved(AsyncKeys.bind, "bind_keys")
+    tag_keys = _moved(AsyncKeys.tag, "tag_keys")
+    set_tags = _moved(AsyncKeys.set_tags, "set_tags")
+    lookup_keys = _moved(AsyncKeys.lookup, "lookup_keys")
+    keys_of = _moved(AsyncKeys.of, "keys_of")
+    list_keys = _moved(AsyncKeys.all, "list_keys")
+    drop_keys = _moved(AsyncKeys.drop, "drop_keys")
+    select = _moved(AsyncSamples.select, "select")
+    allocate = _moved(AsyncSamples.allocate, "allocate")
+    reset_consumption = _moved(AsyncSamples.reset, "reset_consumption")
+    field_stats = _moved(AsyncSamples.stats, "field_stats")
+    complete = _moved(AsyncRollouts.complete, "complete")
+    postpone = _moved(AsyncRollouts.postpone, "postpone")
+    fail = _moved(AsyncRollouts.fail, "fail")
+    reserve = _moved(AsyncRollouts.reserve, "reserve")
+    sealed = _moved(AsyncRollouts.wait_sealed, "sealed")
+    wait_version = _moved(AsyncRollouts.wait_version, "wait_version")
+    set_staleness = _moved(AsyncRollouts.set_staleness, "set_staleness")
+    save_checkpoint = _moved(AsyncCheckpoints.save, "save_checkpoint")
+    load_checkpoint = _moved(AsyncCheckpoints.load, "load_checkpoint")

@@ -2,7 +2,9 @@
 
 Its methods are made from :class:`~tqueue.client.AsyncClient`'s (:func:`_twin`): the same
 name, signature and docstring, and a body that runs the async method on the loop thread and
-waits. A caller interrupted while it waits (``KeyboardInterrupt``, or any exception raised
+waits. Its namespaces (``keys``, ``samples``, ``rollouts``, ``checkpoints``) are made the same
+way from the async client's (:func:`_twin_in`), and the deprecated old names hand the call to
+them (:func:`_moved`). A caller interrupted while it waits (``KeyboardInterrupt``, or any exception raised
 in its thread) cancels the call: what the call had parked at a server is withdrawn there
 before the exception goes on.
 """
@@ -17,16 +19,27 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
+from .._api import deprecated
 from ..config import ClientConfig
 from ..errors import ForkedClientError
+from ._ask import quiet_flat, warn_flat
 from ._async import AsyncClient, ClientStats
 from ._gets import ThreadRoute
+from ._spaces import MOVED, AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples
 
 T = TypeVar("T")
 P = ParamSpec("P")
+A = TypeVar("A")
 # seconds an interrupted caller waits for its cancelled call to withdraw what it had parked
 # (the Cancel is sent from the loop thread); the loop never blocks, so this is a bound only
 CANCEL_GRACE: Final = 5.0
+# the calls whose flat data-parallel and micro-batch keywords are deprecated (client/_ask.py)
+LEASES: Final = frozenset({"get_meta", "get_data"})
+
+
+def _loop_thread(loop: asyncio.AbstractEventLoop) -> None:
+    quiet_flat()  # the calls it runs were warned about in their callers' threads
+    loop.run_forever()
 
 
 def _shutdown(
@@ -59,18 +72,94 @@ def _twin(
     interrupted). ``from_thread(route, *args, **kwargs)``: a method of
     :class:`~tqueue.client._gets.ThreadRoute` that the calling thread runs itself, on its own
     route, instead."""
+    name = method.__name__
+    leases = name in LEASES
     if from_thread is None:
 
         def twin(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            if leases:
+                warn_flat(name, kwargs)  # in the caller's thread; the loop thread is quiet
             return self._run(method(self._inner, *args, **kwargs))
 
     else:
         on_route = from_thread
 
         def twin(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            if leases:
+                warn_flat(name, kwargs)
             return on_route(self._thread_route(), *args, **kwargs)
 
     return functools.wraps(method)(twin)
+
+
+class _Space:
+    """A namespace of the blocking client: each method runs its twin of the async client's
+    namespace (``inner``) on the client's loop thread (``run``: the client's ``_run``). Made
+    at each access, so that it keeps its client alive but the client does not keep it."""
+
+    def __init__(self, run: Callable[[Coroutine[Any, Any, Any]], Any], inner: Any) -> None:
+        self._run = run
+        self._inner = inner
+
+
+def _twin_in(method: Callable[Concatenate[A, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[_Space, P], T]:
+    """The blocking twin of a method of one of :class:`AsyncClient`'s namespaces."""
+
+    def twin(self: _Space, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        result: T = self._run(method(self._inner, *args, **kwargs))
+        return result
+
+    return functools.wraps(method)(twin)
+
+
+def _moved(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[Client, P], T]:
+    """The blocking twin of a deprecated method of :class:`AsyncClient`: it warns in the
+    calling thread and calls the namespace method that replaces it."""
+    old = method.__name__
+    space, name = MOVED[old]
+
+    def alias(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        deprecated(f"Client.{old}()", f"client.{space}.{name}()")
+        result: T = getattr(getattr(self, space), name)(*args, **kwargs)
+        return result
+
+    return functools.wraps(method)(alias)
+
+
+class Keys(_Space):
+    __doc__ = AsyncKeys.__doc__
+    bind = _twin_in(AsyncKeys.bind)
+    tag = _twin_in(AsyncKeys.tag)
+    set_tags = _twin_in(AsyncKeys.set_tags)
+    lookup = _twin_in(AsyncKeys.lookup)
+    of = _twin_in(AsyncKeys.of)
+    all = _twin_in(AsyncKeys.all)
+    drop = _twin_in(AsyncKeys.drop)
+
+
+class Samples(_Space):
+    __doc__ = AsyncSamples.__doc__
+    select = _twin_in(AsyncSamples.select)
+    allocate = _twin_in(AsyncSamples.allocate)
+    reset = _twin_in(AsyncSamples.reset)
+    stats = _twin_in(AsyncSamples.stats)
+
+
+class Rollouts(_Space):
+    __doc__ = AsyncRollouts.__doc__
+    complete = _twin_in(AsyncRollouts.complete)
+    postpone = _twin_in(AsyncRollouts.postpone)
+    fail = _twin_in(AsyncRollouts.fail)
+    reserve = _twin_in(AsyncRollouts.reserve)
+    wait_sealed = _twin_in(AsyncRollouts.wait_sealed)
+    wait_version = _twin_in(AsyncRollouts.wait_version)
+    set_staleness = _twin_in(AsyncRollouts.set_staleness)
+
+
+class Checkpoints(_Space):
+    __doc__ = AsyncCheckpoints.__doc__
+    save = _twin_in(AsyncCheckpoints.save)
+    load = _twin_in(AsyncCheckpoints.load)
 
 
 class Client:
@@ -89,7 +178,7 @@ class Client:
         self._inner = AsyncClient(address, config=config)  # first: a bad argument starts no thread
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="tqueue-client", daemon=True
+            target=_loop_thread, args=(self._loop,), name="tqueue-client", daemon=True
         )
         self._thread.start()
         self._local = threading.local()
@@ -172,14 +261,27 @@ class Client:
                 self._direct_routes.append(route)
         return route
 
+    @property
+    def keys(self) -> Keys:
+        return Keys(self._run, self._inner.keys)
+
+    @property
+    def samples(self) -> Samples:
+        return Samples(self._run, self._inner.samples)
+
+    @property
+    def rollouts(self) -> Rollouts:
+        return Rollouts(self._run, self._inner.rollouts)
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        return Checkpoints(self._run, self._inner.checkpoints)
+
     create_partition = _twin(AsyncClient.create_partition)
     clear = _twin(AsyncClient.clear)
     status = _twin(AsyncClient.status)
-    save_checkpoint = _twin(AsyncClient.save_checkpoint)
-    load_checkpoint = _twin(AsyncClient.load_checkpoint)
     put = _twin(AsyncClient.put)
     update = _twin(AsyncClient.update)
-    complete = _twin(AsyncClient.complete)
     # sent from the calling thread on its own connection to the controller, not through the
     # loop thread: the answer comes about twice as fast
     get_meta = _twin(AsyncClient.get_meta, from_thread=ThreadRoute.get_meta)
@@ -187,24 +289,29 @@ class Client:
     get_data = _twin(AsyncClient.get_data)
     ack = _twin(AsyncClient.ack)
     seal = _twin(AsyncClient.seal)
-    fail = _twin(AsyncClient.fail)
     set_version = _twin(AsyncClient.set_version)
-    wait_version = _twin(AsyncClient.wait_version)
-    set_staleness = _twin(AsyncClient.set_staleness)
-    reserve = _twin(AsyncClient.reserve)
-    postpone = _twin(AsyncClient.postpone)
-    sealed = _twin(AsyncClient.sealed)
-    field_stats = _twin(AsyncClient.field_stats)
-    bind_keys = _twin(AsyncClient.bind_keys)
-    tag_keys = _twin(AsyncClient.tag_keys)
-    set_tags = _twin(AsyncClient.set_tags)
-    lookup_keys = _twin(AsyncClient.lookup_keys)
-    keys_of = _twin(AsyncClient.keys_of)
-    list_keys = _twin(AsyncClient.list_keys)
-    drop_keys = _twin(AsyncClient.drop_keys)
-    select = _twin(AsyncClient.select)
-    reset_consumption = _twin(AsyncClient.reset_consumption)
-    allocate = _twin(AsyncClient.allocate)
+
+    # the old names of what the namespaces hold: deprecated, for one more release
+    bind_keys = _moved(AsyncClient.bind_keys)
+    tag_keys = _moved(AsyncClient.tag_keys)
+    set_tags = _moved(AsyncClient.set_tags)
+    lookup_keys = _moved(AsyncClient.lookup_keys)
+    keys_of = _moved(AsyncClient.keys_of)
+    list_keys = _moved(AsyncClient.list_keys)
+    drop_keys = _moved(AsyncClient.drop_keys)
+    select = _moved(AsyncClient.select)
+    allocate = _moved(AsyncClient.allocate)
+    reset_consumption = _moved(AsyncClient.reset_consumption)
+    field_stats = _moved(AsyncClient.field_stats)
+    complete = _moved(AsyncClient.complete)
+    postpone = _moved(AsyncClient.postpone)
+    fail = _moved(AsyncClient.fail)
+    reserve = _moved(AsyncClient.reserve)
+    sealed = _moved(AsyncClient.sealed)
+    wait_version = _moved(AsyncClient.wait_version)
+    set_staleness = _moved(AsyncClient.set_staleness)
+    save_checkpoint = _moved(AsyncClient.save_checkpoint)
+    load_checkpoint = _moved(AsyncClient.load_checkpoint)
 
 
 def _forked(parent: int) -> ForkedClientError:

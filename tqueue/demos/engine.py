@@ -217,7 +217,7 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, train
                 await trainer.create_partition(
                     f"rl/step-{k}", target=groups * n, recycle_to=f"rl/step-{k + 1}", tasks=["train"]
                 )
-            await trainer.set_staleness(max_staleness=1, batch_size=groups * n)
+            await trainer.rollouts.set_staleness(max_staleness=1, batch_size=groups * n)
             driver = Rollouts(producer, VLLMEngine(llm, sampling={"temperature": 1.0}), max_new_tokens=96)
             await driver.set_version(0)
             reports: list[Any] = []

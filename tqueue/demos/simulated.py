@@ -157,7 +157,7 @@ def _producer(plan: Plan, rank: int, out: Connection) -> None:
 def _consumer(plan: Plan, rank: int, out: Connection) -> None:
     import torch
 
-    from ..client import Client
+    from ..client import Client, DataParallel, MicroBatches
 
     share = plan.per_step // plan.consumers
     got = 0
@@ -172,9 +172,8 @@ def _consumer(plan: Plan, rank: int, out: Connection) -> None:
                 task="actor_train",
                 timeout=300,
                 policy="groups",
-                dp_rank=rank,
-                dp_size=plan.consumers,
-                max_tokens_per_micro_batch=plan.max_tokens,
+                data_parallel=DataParallel(rank, plan.consumers),
+                micro_batches=MicroBatches(max_tokens=plan.max_tokens),
             )
             t1 = time.perf_counter()
             batch = client.get_data(meta, jagged={"response_ids": "padded", "log_probs": "padded"})
@@ -304,7 +303,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with Client(cluster.address) as admin:
             for step in range(plan.steps):
                 admin.create_partition(f"train/step-{step}", group_size=plan.group_size, tasks=["actor_train"])
-            admin.set_staleness(max_staleness=1, batch_size=plan.per_step)
+            admin.rollouts.set_staleness(max_staleness=1, batch_size=plan.per_step)
         pipes: dict[Connection, str] = {}
         procs = []
         with _sigint_ignored():  # the children inherit it: a Ctrl-C reaches this process, which stops them

@@ -63,23 +63,23 @@ def batch_put(
     if fields is None:
         if tags is None:
             raise ValueError("kv_batch_put needs fields, tags or both")
-        client.tag_keys(partition, names, tags)
+        client.keys.tag(partition, names, tags)
         return _meta(client, names, partition)
     if rows(fields) != len(names):
         raise ValueError(f"kv_batch_put: {len(names)} keys for {rows(fields)} rows of fields")
     data = to_fields(fields)
-    found = client.lookup_keys(partition, names, fields=[])
+    found = client.keys.lookup(partition, names, fields=[])
     old = [r for r, i in enumerate(found.indexes) if i >= 0]
     new = [r for r, i in enumerate(found.indexes) if i < 0]
     if old and found.meta is not None:
         existing = found.meta
         tolerant_put(client, partition, _take(data, old), lambda d: client.update(existing, d))
         if tags is not None:
-            client.set_tags(found.meta, [tags[r] for r in old])
+            client.keys.set_tags(found.meta, [tags[r] for r in old])
     if new:
         meta = tolerant_put(client, partition, _take(data, new), lambda d: client.put(partition, d))
         try:
-            client.bind_keys(meta, [names[r] for r in new], tags=None if tags is None else [tags[r] for r in new])
+            client.keys.bind(meta, [names[r] for r in new], tags=None if tags is None else [tags[r] for r in new])
         except tqueue.InvalidArgumentError:
             # another process named some of these keys meanwhile: drop these samples and write
             # into the samples the keys name now (once; a second refusal is the caller's)
@@ -91,14 +91,14 @@ def batch_put(
 
 
 def _meta(client: tqueue.Client, names: list[str], partition: str) -> KVBatchMeta:
-    found = client.lookup_keys(partition, names)
+    found = client.keys.lookup(partition, names)
     fields = None if found.meta is None else sorted(found.meta.fields)
     return KVBatchMeta(keys=names, tags=[t or {} for t in found.tags], partition_id=partition, fields=fields)
 
 
 def batch_get(client: tqueue.Client, keys: list[str] | str, partition: str, select_fields: list[str] | str | None) -> TensorDict:
     names = _names(keys)
-    found = client.lookup_keys(partition, names)
+    found = client.keys.lookup(partition, names)
     if not names or found.meta is None or any(i < 0 for i in found.indexes):
         raise ValueError(f"keys or partition were not found! partition={partition!r}, keys={names[:8]}")
     have = list(found.meta.fields)
@@ -126,8 +126,8 @@ def get_by_meta(client: tqueue.Client, meta: KVBatchMeta, select_fields: list[st
 def listing(client: tqueue.Client, partition: str | None) -> dict[str, dict[str, Any]]:
     if partition == SHIM_PARTITION:
         return {}
-    return {p: keys for p, keys in client.list_keys(partition).items() if p != SHIM_PARTITION}
+    return {p: keys for p, keys in client.keys.all(partition).items() if p != SHIM_PARTITION}
 
 
 def clear(client: tqueue.Client, keys: list[str] | str, partition: str) -> None:
-    client.drop_keys(partition, _names(keys))
+    client.keys.drop(partition, _names(keys))

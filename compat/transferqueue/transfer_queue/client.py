@@ -104,7 +104,7 @@ class TransferQueueClient:
         """The job's settings as ``init`` recorded them in the cluster: ``polling_mode``, and
         ``sampler`` (``first_ready`` or ``groups`` with ``group_size``)."""
         if self._settings is None:
-            self._settings = dict(self._client.lookup_keys(_kv.SHIM_PARTITION, ["config"]).tags[0] or {})
+            self._settings = dict(self._client.keys.lookup(_kv.SHIM_PARTITION, ["config"]).tags[0] or {})
         return self._settings
 
     def _put_new(self, partition: str, data: TensorDict) -> tqueue.BatchMeta:
@@ -133,7 +133,7 @@ class TransferQueueClient:
     def _with_tags(self, meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
         out = to_meta(meta, fields)
         if len(meta):
-            out.custom_meta = [dict(t or {}) for t in self._client.keys_of(meta.partition, meta.indexes, fields=[]).tags]
+            out.custom_meta = [dict(t or {}) for t in self._client.keys.of(meta.partition, meta.indexes, fields=[]).tags]
         return out
 
     # --- writing and reading ----------------------------------------------------------
@@ -199,9 +199,9 @@ class TransferQueueClient:
         if sampler == "rank_aware" and group is not None:
             # the ranks of one dp_rank read the same samples, round after round (tqueue's rounds
             # of a replica group, counted by this client), other dp_ranks others
-            rounds = {"dp_rank": 0, "dp_size": 1, "replica_group": str(group)}
+            rounds = {"data_parallel": tqueue.DataParallel(0, 1, replica_group=str(group))}
         elif sampler == "seqlen_balanced":  # one token-balanced round over dp_size ranks per batch
-            rounds = {"dp_rank": int(group or 0), "dp_size": int(settings["dp_size"])}
+            rounds = {"data_parallel": tqueue.DataParallel(int(group or 0), int(settings["dp_size"]))}
         grouped = sampler == "groups" or (sampler == "seqlen_balanced" and int(settings.get("group_size", 1)) > 1)
         policy = "groups" if grouped else "first_ready"
         extra: dict[str, Any] = {}
@@ -231,7 +231,7 @@ class TransferQueueClient:
         ``put(data, metadata=...)`` to fill, all at once or field by field."""
         if not fields:
             raise RuntimeError("Must provide data_fields for inserting new data")
-        out = to_meta(self._client.allocate(partition_id, batch_size), [])
+        out = to_meta(self._client.samples.allocate(partition_id, batch_size), [])
         out.field_schema = {n: {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False} for n in fields}
         out.production_status = np.zeros(batch_size, dtype=np.int8)
         return out
@@ -241,9 +241,9 @@ class TransferQueueClient:
         hold ``fields`` yet (``production_status`` says which do, as in TransferQueue), without
         a lease (tqueue's ``select``). Too few: an empty meta in polling mode, else
         ``WaitTimeoutError`` at once (a force_fetch that waits is not supported)."""
-        meta = self._client.select(partition_id, [], limit=batch_size)
+        meta = self._client.samples.select(partition_id, [], limit=batch_size)
         if meta is not None and len(meta) == batch_size:
-            ready = self._client.select(partition_id, fields)
+            ready = self._client.samples.select(partition_id, fields)
             produced = set(ready.indexes) if ready is not None else set()
             out = self._with_tags(msgspec.structs.replace(meta, fields=fields), fields)
             out.production_status = np.array([i in produced for i in meta.indexes], dtype=np.int8)
@@ -272,7 +272,7 @@ class TransferQueueClient:
         """Keep each sample's ``custom_meta`` in the cluster (tqueue's sample tags)."""
         for meta in from_meta(metadata):
             where = {i: r for r, i in enumerate(metadata.global_indexes)}
-            self._client.set_tags(meta, [metadata.custom_meta[where[i]] for i in meta.indexes])
+            self._client.keys.set_tags(meta, [metadata.custom_meta[where[i]] for i in meta.indexes])
 
     # --- partitions and status --------------------------------------------------------
 
@@ -288,10 +288,10 @@ class TransferQueueClient:
 
     def _produced(self, data_fields: list[str], partition_id: str) -> tuple[list[int], list[int]] | None:
         """The live samples of the partition, and those of them that have every field."""
-        every = self._client.select(partition_id, [])
+        every = self._client.samples.select(partition_id, [])
         if every is None:
             return None
-        have = self._client.select(partition_id, list(data_fields))
+        have = self._client.samples.select(partition_id, list(data_fields))
         return list(every.indexes), [] if have is None else list(have.indexes)
 
     def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
@@ -318,17 +318,17 @@ class TransferQueueClient:
     def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
         """``(global indexes, status)``: per live sample, 1 where ``task_name`` consumed it, else
         0; ``(None, None)`` for a partition that does not exist."""
-        every = self._client.select(partition_id, [])
+        every = self._client.samples.select(partition_id, [])
         if every is None:
             return None, None
-        done = self._client.select(partition_id, [], consumed_by=task_name)
+        done = self._client.samples.select(partition_id, [], consumed_by=task_name)
         consumed = set() if done is None else set(done.indexes)
         status = [int(i in consumed) for i in every.indexes]
         return torch.tensor(list(every.indexes), dtype=torch.long), torch.tensor(status, dtype=torch.int8)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Let ``task_name`` (None: every task) read again what it consumed."""
-        self._client.reset_consumption(partition_id, task_name)
+        self._client.samples.reset(partition_id, task_name)
         return True
 
     # --- keys -------------------------------------------------------------------------
@@ -336,18 +336,18 @@ class TransferQueueClient:
     def kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
         """The ``BatchMeta`` of ``keys`` (in order), for ``get_data`` and ``put(metadata=)``;
         ``create``: keys not found get new rows with no data yet (tqueue's ``allocate``)."""
-        found = self._client.lookup_keys(partition_id, list(keys))
+        found = self._client.keys.lookup(partition_id, list(keys))
         missing = [k for k, i in zip(found.keys, found.indexes) if i < 0]
         if missing and create:
-            self._client.bind_keys(self._client.allocate(partition_id, len(missing)), missing)
-            found = self._client.lookup_keys(partition_id, list(keys))
+            self._client.keys.bind(self._client.samples.allocate(partition_id, len(missing)), missing)
+            found = self._client.keys.lookup(partition_id, list(keys))
             missing = [k for k, i in zip(found.keys, found.indexes) if i < 0]
         if missing or found.meta is None:
             raise ValueError(f"keys {missing[:8]} were not found in partition {partition_id!r}")
         return self._with_tags(found.meta)
 
     def kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str]:
-        found = self._client.keys_of(partition_id, list(global_indexes), fields=[])
+        found = self._client.keys.of(partition_id, list(global_indexes), fields=[])
         missing = [i for i, k in zip(global_indexes, found.keys) if k is None]
         if missing:
             raise ValueError(f"samples {missing[:8]} of partition {partition_id!r} have no key")

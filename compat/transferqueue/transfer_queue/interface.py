@@ -144,7 +144,7 @@ def init(conf: DictConfig | dict[str, Any] | None = None) -> DictConfig:
             client = TransferQueueClient("transfer_queue", address)
             if conf is not None or _state["cluster"] is not None:
                 # the job's settings, kept in the cluster for every process that attaches
-                client._client.tag_keys(SHIM_PARTITION, ["config"], [settings])
+                client._client.keys.tag(SHIM_PARTITION, ["config"], [settings])
             else:
                 config.controller.polling_mode = client.settings().get("polling_mode", False)
         except BaseException:
@@ -320,7 +320,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
     ``metadata.json`` says so (``storage_saved: true``).
     """
     directory = Path(checkpoint_dir).absolute()
-    reply = get_client()._client.save_checkpoint(directory, metadata=metadata)
+    reply = get_client()._client.checkpoints.save(directory, metadata=metadata)
     record = {"storage_saved": True, "user_metadata": metadata, "tqueue_manifest": Path(reply.manifest).name}
     tmp = directory / "metadata.json.tmp"
     with open(tmp, "w") as f:
@@ -346,10 +346,10 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
             raise FileNotFoundError(f"{directory} holds no {name}: not a checkpoint of transfer_queue.save_checkpoint")
     client = get_client()._client
     # the shim's own partition (the job's settings) is not data: it steps aside for the load
-    settings = client.lookup_keys(SHIM_PARTITION, ["config"]).tags[0]
+    settings = client.keys.lookup(SHIM_PARTITION, ["config"]).tags[0]
     client.clear(SHIM_PARTITION)
     try:
-        client.load_checkpoint(directory, replace=True)
+        client.checkpoints.load(directory, replace=True)
     finally:
         if settings is not None:
-            client.tag_keys(SHIM_PARTITION, ["config"], [settings])
+            client.keys.tag(SHIM_PARTITION, ["config"], [settings])

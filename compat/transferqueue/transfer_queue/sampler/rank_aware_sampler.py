@@ -1,6 +1,6 @@
 """``RankAwareSampler``: every caller with the same ``(partition, task, dp_rank, batch_index)``
 gets the same batch (the tensor/pipeline-parallel peers of one data-parallel rank). tqueue's
-``get_meta(dp_rank=, dp_size=, round=)`` gives the same guarantee at the controller."""
+``get_meta(data_parallel=DataParallel(rank, size, round=))`` gives the same guarantee at the controller."""
 
 from __future__ import annotations
 

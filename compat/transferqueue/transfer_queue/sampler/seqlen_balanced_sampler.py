@@ -1,7 +1,7 @@
 """``SeqlenBalancedSampler``: whole groups, split among ``dp_size`` ranks so that each rank gets
 about the same number of tokens (a per-sample ``total_lengths`` in ``custom_meta``), by the
-Karmarkar-Karp largest-differencing method. Under tqueue, ``get_meta(dp_rank=, dp_size=,
-balance_by=)`` balances at the controller by the samples' own lengths."""
+Karmarkar-Karp largest-differencing method. Under tqueue, ``get_meta(data_parallel=DataParallel(rank,
+size), balance_by=)`` balances at the controller by the samples' own lengths."""
 
 from __future__ import annotations
 
