@@ -154,3 +154,28 @@ def test_the_resolver_tells_real_names_from_missing_ones(tmp_path):
         "link (nope.md) leads nowhere",
     ]
 
+
+
+def _headings(doc: pathlib.Path) -> set[str]:
+    """A page's section names, without their marks, backticks or the files in brackets after them."""
+    return {re.sub(r"\s*\(`[^)]*\)$", "", line.lstrip("#").strip()).replace("`", "")
+            for line in doc.read_text().splitlines() if line.startswith("#")}
+
+
+_PACKAGES = ["bridges", "client", "demos", "launch", "storage", "transport", "wire"]  # controller: with its restructuring
+
+
+@pytest.mark.parametrize("package", _PACKAGES)
+def test_each_package_docstring_points_at_its_sections_of_the_docs(package):
+    """Each package's docstring names a page of docs/ and, in quotes after it, sections that page has."""
+    doc = ast.get_docstring(ast.parse((ROOT / "tqueue" / package / "__init__.py").read_text())) or ""
+    parts = re.split(r"(docs/[\w-]+\.md)", doc)
+    assert len(parts) > 1, f"tqueue.{package}'s docstring names no page of docs/"
+    misses = []
+    for page, after in zip(parts[1::2], parts[2::2]):
+        if not (ROOT / page).exists():
+            misses.append(f"no page {page}")
+            continue
+        misses += [f'{page} has no section "{name}"' for name in re.findall(r'"([^"]+)"', after)
+                   if name not in _headings(ROOT / page)]
+    assert not misses, f"tqueue.{package}'s docstring: " + "; ".join(misses)
