@@ -214,8 +214,8 @@ def test_the_shim_in_use_raises_no_deprecation_warning():
             client = tq.get_client()
             client.put(TensorDict({"ids": torch.arange(6).reshape(3, 2)}, batch_size=[3]), partition_id="dep")
             meta = client.get_meta(["ids"], 3, "dep", task_name="train")
-            assert torch.equal(client.get_data(meta)["ids"], torch.arange(6).reshape(3, 2))
-            tq.kv_put("k", "kv", fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=[1]), tag={"n": 1})
+            assert torch.equal(client.get_data(meta)["ids"].to_padded_tensor(0), torch.arange(6).reshape(3, 2))
+            tq.kv_put("k", "kv", fields={"x": torch.ones(2)}, tag={"n": 1})
             assert "k" in tq.kv_list("kv")["kv"]
             tq.kv_clear("k", "kv")
         finally:

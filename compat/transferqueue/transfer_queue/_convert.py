@@ -1,5 +1,5 @@
 """Between TransferQueue's shapes (``TensorDict``, its ``BatchMeta``) and tqueue's (a mapping of
-per-sample fields, ``tqueue.BatchMeta``, ``tqueue.Batch``).
+per-sample fields, ``tqueue.wire.BatchMeta``, ``tqueue.Batch``).
 
 Storage rule: a tensor field whose samples are scalars is a dense tqueue field; any other
 tensor field is stored jagged (one tensor per sample), because TransferQueue returns every such
@@ -110,7 +110,7 @@ def spec_schema(spec: tqueue.FieldSpec) -> dict[str, Any]:
     return {"dtype": dtype, "shape": torch.Size(spec.shape or (1,)), "is_nested": False, "is_non_tensor": False}
 
 
-def to_meta(meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
+def to_meta(meta: tqueue.wire.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
     """TransferQueue's ``BatchMeta`` for a tqueue meta; each sample remembers its partition's uid
     and its unit, and each field tqueue's spec, so ``get_data`` can be asked for any
     selection of it, in any process."""
@@ -132,12 +132,12 @@ def _spec_list(spec: tqueue.FieldSpec) -> list[Any]:
     return [spec.kind, spec.dtype, spec.layout, list(spec.shape), spec.ndim]
 
 
-def from_meta(meta: BatchMeta) -> list[tqueue.BatchMeta]:
+def from_meta(meta: BatchMeta) -> list[tqueue.wire.BatchMeta]:
     """tqueue metas (one per partition) for a TransferQueue ``BatchMeta`` that came from tqueue."""
     return [m for m, _ in split(meta)]
 
 
-def split(meta: BatchMeta) -> list[tuple[tqueue.BatchMeta, list[int]]]:
+def split(meta: BatchMeta) -> list[tuple[tqueue.wire.BatchMeta, list[int]]]:
     """A TransferQueue ``BatchMeta`` that came from tqueue as tqueue metas, one per partition,
     each with the rows of ``meta`` it holds (in order)."""
     by_partition: dict[tuple[str, int], list[int]] = {}
@@ -157,7 +157,7 @@ def split(meta: BatchMeta) -> list[tuple[tqueue.BatchMeta, list[int]]]:
             for n, v in first.items()
             if n != _WHERE
         }
-        tq_meta = tqueue.BatchMeta(
+        tq_meta = tqueue.wire.BatchMeta(
             partition=partition,
             partition_uid=uid,
             indexes=[meta.global_indexes[r] for r in picked],

@@ -107,7 +107,7 @@ class TransferQueueClient:
             self._settings = dict(self._client.keys.lookup(_kv.SHIM_PARTITION, ["config"]).tags[0] or {})
         return self._settings
 
-    def _put_new(self, partition: str, data: TensorDict) -> tqueue.BatchMeta:
+    def _put_new(self, partition: str, data: TensorDict) -> tqueue.wire.BatchMeta:
         """A put of new samples; under GRPOGroupNSampler(n) each n consecutive rows of the put
         are one group, named so (tqueue's ``groups`` policy releases whole groups by id)."""
         fields = to_fields(data)
@@ -130,7 +130,7 @@ class TransferQueueClient:
         groups = [f"{tag}-{r // n}" for r in range(rows(data))]
         return tolerant_put(self._client, partition, fields, lambda d: self._client.put(partition, d, groups=groups))
 
-    def _with_tags(self, meta: tqueue.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
+    def _with_tags(self, meta: tqueue.wire.BatchMeta, fields: list[str] | None = None) -> BatchMeta:
         out = to_meta(meta, fields)
         if len(meta):
             out.custom_meta = [dict(t or {}) for t in self._client.keys.of(meta.partition, meta.indexes, fields=[]).tags]
