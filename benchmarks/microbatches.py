@@ -9,7 +9,7 @@ pipeline size, two planners split the step among the ranks and cut every rank's 
 same number of micro-batches under a token cap, that number a multiple of the virtual pipeline
 size:
 
-* tqueue: the controller's planner (``tqueue.controller._balance.plan_round`` with a
+* tqueue: the controller's planner (``tqueue.controller.planning._balance.plan_round`` with a
   ``MicroRule``), whose micro-batches are then shaped by the client's own code
   (``tqueue.client._micro.shape``): the cells counted are those of the tensors it builds;
 * verl: verl's own ``get_seqlen_balanced_partitions`` over ``calculate_workload`` for the ranks
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tqueue.client._micro import shape
-from tqueue.controller._balance import MicroRule, plan_round
+from tqueue.controller.planning._balance import MicroRule, plan_round
 from tqueue.wire import BatchMeta, FieldSpec
 
 

@@ -3,7 +3,9 @@
 Every import of a tqueue module, at module level or inside a function, is resolved to the part of
 the package it lands in; a part may import only the parts of lower layers and itself. Roles
 (controller, storage, client) never import each other, and nothing but the command line, the
-demos and the bridges themselves imports a bridge.
+demos and the bridges themselves imports a bridge. Inside the controller the same holds for its
+sub-packages (its floor plan): the model imports nothing of the rest, planning only the model,
+the parts the model and planning, and the server all of them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tqueue
 
 ROOT = pathlib.Path(tqueue.__file__).parent
 
-BASE = {"errors", "_env", "_extras", "config", "_memory", "_tasks", "_threads"}
+BASE = {"errors", "_env", "_extras", "config", "_memory", "_tasks", "_threads", "_api", "_meta"}
 LAYERS: dict[str, set[str]] = {
     # part: the parts it may import (besides itself)
     **{b: BASE for b in BASE},
@@ -41,9 +43,9 @@ def _part(path: pathlib.Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imported_parts(source: str, rel: pathlib.PurePath) -> set[tuple[str, int]]:
-    """(part, line) for every tqueue module imported by ``source``, the module at ``rel``
-    inside the package."""
+def _imported_modules(source: str, rel: pathlib.PurePath) -> set[tuple[tuple[str, ...], int]]:
+    """(dotted name as parts, line) for every tqueue module imported by ``source``, the module
+    at ``rel`` inside the package."""
     package = ["tqueue", *rel.parts[:-1]]  # the package the module sits in
     found = set()
     for node in ast.walk(ast.parse(source, str(rel))):
@@ -60,10 +62,16 @@ def _imported_parts(source: str, rel: pathlib.PurePath) -> set[tuple[str, int]]:
         else:
             continue
         for name in names:
-            bits = name.split(".")
+            bits = tuple(name.split("."))
             if bits[0] == "tqueue" and len(bits) > 1:
-                found.add((bits[1], node.lineno))
+                found.add((bits[1:], node.lineno))
     return found
+
+
+def _imported_parts(source: str, rel: pathlib.PurePath) -> set[tuple[str, int]]:
+    """(part, line) for every tqueue module imported by ``source``, the module at ``rel``
+    inside the package."""
+    return {(bits[0], line) for bits, line in _imported_modules(source, rel)}
 
 
 MODULES = sorted(p for p in ROOT.rglob("*.py"))
@@ -95,6 +103,55 @@ def test_the_checker_sees_a_wrong_import(source: str, part: str) -> None:
     assert part not in LAYERS["controller"]
 
 
+# the controller's floor plan (docs/architecture.md): sub-package -> what it may import of the
+# controller besides itself; a module at the package's top is the package's face
+CONTROLLER = ROOT / "controller"
+CONTROLLER_LAYERS: dict[str, set[str]] = {
+    "model": set(),
+    "planning": {"model"},
+    "parts": {"model", "planning"},
+    "server": {"model", "planning", "parts"},
+    "__init__": {"server"},
+    "_policies": {"planning"},  # the policy interface where docs/api.md points
+}
+CONTROLLER_MODULES = sorted(CONTROLLER.rglob("*.py"))
+
+
+def _controller_part(rel: pathlib.PurePath) -> str:
+    """The sub-package of the controller module at ``rel`` (relative to the controller)."""
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+@pytest.mark.parametrize("path", CONTROLLER_MODULES, ids=[str(p.relative_to(CONTROLLER)) for p in CONTROLLER_MODULES])
+def test_the_controller_keeps_its_floor_plan(path: pathlib.Path) -> None:
+    part = _controller_part(path.relative_to(CONTROLLER))
+    assert part in CONTROLLER_LAYERS, f"controller/{path.relative_to(CONTROLLER)}: {part!r} has no place in the floor plan"
+    allowed = CONTROLLER_LAYERS[part] | {part}
+    wrong = sorted(
+        f"line {line}: imports tqueue.{'.'.join(bits)}"
+        for bits, line in _imported_modules(path.read_text(), path.relative_to(ROOT))
+        if bits[0] == "controller" and len(bits) > 1 and _controller_part(pathlib.PurePath(*bits[1:])) not in allowed
+    )
+    assert not wrong, f"controller/{path.relative_to(CONTROLLER)} ({part}) " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("source", "part"),
+    [
+        ("from ..parts._reads import Reads\n", "parts"),
+        ("from ..server import _controller\n", "server"),
+        ("def f():\n    from tqueue.controller.planning._rounds import RoundBook\n", "planning"),
+    ],
+    ids=["relative", "submodule-alias", "lazy-absolute"],
+)
+def test_the_checker_sees_a_model_module_reaching_up(source: str, part: str) -> None:
+    """A model module importing a part, the server or planning is caught."""
+    rel = pathlib.PurePath("controller", "model", "_probe.py")
+    imported = {_controller_part(pathlib.PurePath(*bits[1:])) for bits, _ in _imported_modules(source, rel) if bits[0] == "controller"}
+    assert part in imported
+    assert part not in CONTROLLER_LAYERS["model"]
+
+
 def _sibling_imports(path: pathlib.Path) -> set[str]:
     """The modules of its own package that the module at ``path`` imports: at module level, in
     a function (a circle hidden in a function is still a circle) or for type checking only
@@ -109,10 +166,10 @@ def _sibling_imports(path: pathlib.Path) -> set[str]:
     return found - {"__init__"}
 
 
-PACKAGES = sorted(p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+PACKAGES = sorted(p.parent for p in ROOT.rglob("__init__.py") if p.parent != ROOT)
 
 
-@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
+@pytest.mark.parametrize("package", PACKAGES, ids=[str(p.relative_to(ROOT)) for p in PACKAGES])
 def test_no_import_circle_inside_a_package(package: pathlib.Path) -> None:
     graph = {p.stem: _sibling_imports(p) for p in package.glob("*.py") if p.stem != "__init__"}
     done: set[str] = set()

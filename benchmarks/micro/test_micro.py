@@ -99,14 +99,14 @@ def _planner_lengths(n: int) -> np.ndarray:
 def test_dp_split_planner(benchmark, n, cap):
     """Token-balanced split of one round over 8 DP ranks into micro-batches of at most ``cap``
     tokens (skewed lengths): what the controller's loop waits for once per round."""
-    balance = pytest.importorskip("tqueue.controller._balance")
+    balance = pytest.importorskip("tqueue.controller.planning._balance")
     benchmark(balance.plan_round, _planner_lengths(n), 8, max_tokens_per_micro_batch=cap)
 
 
 @pytest.mark.parametrize("dp", [4, 8], ids=lambda d: f"dp{d}")
 def test_dp_split_planner_partition_4096(benchmark, dp):
     """balanced_partition alone (equal sizes, no micro-batches)."""
-    balance = pytest.importorskip("tqueue.controller._balance")
+    balance = pytest.importorskip("tqueue.controller.planning._balance")
     benchmark(balance.balanced_partition, _planner_lengths(4096), dp)
 
 

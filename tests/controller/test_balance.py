@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.controller import _balance
-from tqueue.controller._balance import RoundPlan, balanced_partition, micro_batches, plan_groups, plan_round
+from tqueue.controller.planning import _balance
+from tqueue.controller.planning._balance import RoundPlan, balanced_partition, micro_batches, plan_groups, plan_round
 from tqueue.errors import InvalidArgumentError
 
 
@@ -406,7 +406,7 @@ def test_plan_round_rejects_bad_arguments(lengths, dp_size, cap, match):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, tqueue.controller._balance; print('torch' in sys.modules)"
+    code = "import sys, tqueue.controller.planning._balance; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False"]
 
@@ -574,7 +574,7 @@ def test_group_plan_that_cannot_exist_names_the_groups_and_the_cap():
 def test_round_book_with_a_short_group_plans_or_raises_a_typed_error():
     """The controller's RoundBook: the case above used to raise ValueError from micro_batches
     (the count clamped below one rank's minimum)."""
-    from tqueue.controller._rounds import RoundBook
+    from tqueue.controller.planning._rounds import RoundBook
 
     lengths = np.asarray([600] * 8 + [1500, 1500, 1000] + [200] * 4, dtype=np.int64)
     indexes = np.arange(100, 115, dtype=np.int64)
@@ -719,7 +719,7 @@ def test_a_rule_is_a_cap_or_a_size_not_both():
          "balance-by-the-parts", "no-jagged-field"],
 )
 def test_a_sample_counts_its_sequence_once(fields, balance_by, want):
-    from tqueue.controller._rounds import token_counts
+    from tqueue.controller.planning._rounds import token_counts
 
     seq = np.asarray([10, 20, 30, 99])
     prompt = np.asarray([10, 20, 30, 99])

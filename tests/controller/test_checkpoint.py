@@ -10,11 +10,11 @@ import pathlib
 import numpy as np
 import pytest
 
-from tqueue.controller._partition import Options, Partition
-from tqueue.controller._records import GrantRecord
-from tqueue.controller._samples import COMMITTED, EXCLUDED
-from tqueue.controller._serving import AVAILABLE, CONSUMED
-from tqueue.controller._snapshot import capture, read_image, rebuild, write_image
+from tqueue.controller.model._partition import Options, Partition
+from tqueue.controller.model._records import GrantRecord
+from tqueue.controller.model._samples import COMMITTED, EXCLUDED
+from tqueue.controller.model._serving import AVAILABLE, CONSUMED
+from tqueue.controller.parts._snapshot import capture, read_image, rebuild, write_image
 from tqueue.errors import InvalidArgumentError
 from tqueue.wire import FieldSpec
 from tqueue.wire._crc import crc

@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import tqueue
-from tqueue.controller._metrics import OTHER, Totals
+from tqueue.controller.server._prometheus import OTHER, Totals
 from tqueue.wire import PartitionStatus, TaskStatus
 
 DOCS = pathlib.Path(__file__).parents[2] / "docs" / "operations.md"

@@ -11,7 +11,7 @@ import torch
 
 from tqueue.client._encode import encode
 from tqueue.config import ControllerConfig
-from tqueue.controller._server import Controller
+from tqueue.controller.server._controller import Controller
 from tqueue.errors import RemoteError
 from tqueue.wire import (
     PROTOCOL_VERSION,

@@ -23,7 +23,7 @@ import torch
 
 import tqueue
 from tqueue.config import ControllerConfig, StorageConfig
-from tqueue.controller._server import Controller
+from tqueue.controller.server._controller import Controller
 from tqueue.storage import StorageUnit
 from tqueue.wire import (
     MAX_COMMITS,
@@ -169,7 +169,7 @@ def snapshot(lt: LoopThread) -> Any:
             name: (p.n, p.in_flight, p.sealed, p.committed, p.excluded, len(p.tasks), len(p.groups.ids), dict(p.specs))
             for name, p in s.partitions.items()
         }
-        return parts, len(s.grants), len(s.leases), len(s.waiters), len(s.parked), len(s.sealed_waiters), s.admitted
+        return parts, len(s.grants), len(lt.ctl.reads.leases), len(s.waiters), len(s.parked), len(s.sealed_waiters), s.trainer.admitted
 
     return lt.call(take)
 
@@ -426,9 +426,9 @@ def test_puts_leave_no_timers_and_freeing_leaves_no_records(inproc):
     def records() -> dict[str, int]:
         s = lt.ctl.s
         return {
-            "partitions": len(s.partitions), "grants": len(s.grants), "leases": len(s.leases),
+            "partitions": len(s.partitions), "grants": len(s.grants), "leases": len(lt.ctl.reads.leases),
             "waiters": len(s.waiters), "parked": len(s.parked), "sealed_waiters": len(s.sealed_waiters),
-            "rounds": len(s.rounds),
+            "rounds": len(lt.ctl.reads.rounds),
         }
 
     assert lt.call(records) == dict.fromkeys(records_keys(), 0)

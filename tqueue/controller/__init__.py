@@ -1,6 +1,6 @@
-"""The controller process: all metadata, no payload."""
+"""The controller process: all metadata, no payload (the floor plan: docs/architecture.md)."""
 
 from ..config import ControllerConfig
-from ._server import Controller
+from .server._controller import Controller
 
 __all__ = ["Controller", "ControllerConfig"]

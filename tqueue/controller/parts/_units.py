@@ -31,14 +31,14 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from ..errors import StorageUnitUnavailableError, TQueueError, UnavailableError
-from ..transport import _zmq
-from ..transport._liveness import UNIT_LIVENESS, session_of, window
-from ..wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
-from ._checkpoint import kept_on, read_checkpoint
+from ...errors import StorageUnitUnavailableError, TQueueError, UnavailableError
+from ...transport import _zmq
+from ...transport._liveness import UNIT_LIVENESS, session_of, window
+from ...wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
+from ..model._records import Unit
+from ..model._state import ControllerState
+from ._checkpoints import kept_on, read_checkpoint
 from ._cleanup import Cleanup
-from ._records import Unit
-from ._state import ControllerState
 from ._writes import Writes
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,14 @@ class Liveness:
         writes: Writes,
         cleanup: Cleanup,
         wake: Callable[[str], None],
-        release: Callable[[int, str], None],
+        leases_gone: Callable[[bytes, float], int],
         copy_again: Callable[[], None] = lambda: None,
         unit_gone: Callable[[int], None] = lambda unit_id: None,
     ) -> None:
         self.state = state
-        self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_rows): answered
+        self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_allocations): answered
         self._copy_again = copy_again  # re-replicate samples held once (a death, or a unit to copy onto)
-        self._release = release  # (lease id, why): its samples are ready again for the task
+        self._leases_gone = leases_gone  # (session, silent since): its leases sent since, released (their count)
         self.writes = writes
         self.cleanup = cleanup
         self._wake = wake  # serve parked reads of a partition (lost samples end their wait)
@@ -264,30 +264,15 @@ class Liveness:
             f"the controller heard nothing from this client for {window(self.interval):.1f} s "
             f"(heartbeat every {self.interval:g} s) and ended its session; its parked calls are withdrawn"
         )
-        withdrawn = []
-        for registry in (s.waiters, s.sealed_waiters, s.version_waiters, s.parked):
-            mine = registry.withdraw_session(session)
-            for entry in mine:
-                s.answer(entry.ident, entry.req.rid, ended)
-            withdrawn.append(len(mine))
+        withdrawn = s.withdraw_session(session, ended)
         reads, sealed, versions, parked = withdrawn
-        for key in [k for k in s.served if session_of(k[0]) == session]:
-            del s.served[key]
-        for key in [k for k in s.granted if session_of(k[0]) == session]:
-            del s.granted[key]
         lapsed = self.writes.lapse_owned(session, "belonged to a client that is gone")
-        # a lease sent after the client fell silent never reached anyone who could use it (the
-        # reply went down a connection that was already dead, in the instant before ZeroMQ
-        # knew): its samples go to a live consumer now, not at the lease's expiry
-        silent_since = s.server.sessions.last_heard
-        unheard = [lid for lid, r in s.leases.items() if r.session == session and r.given > silent_since]
-        for lease_id in unheard:
-            self._release(lease_id, "was sent to a client that is gone, after it fell silent")
+        unheard = self._leases_gone(session, s.server.sessions.last_heard)
         if any(withdrawn) or lapsed or unheard:
             log.info(
                 "client session %s ended: %d parked reads, %d seal waits, %d version waits, %d parked writes "
                 "withdrawn, %d grants lapsed, %d leases released", session.hex(), reads, sealed, versions,
-                parked, lapsed, len(unheard),
+                parked, lapsed, unheard,
             )
         if parked:
             self.writes.retry_parked()

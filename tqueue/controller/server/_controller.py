@@ -6,10 +6,12 @@ trainer's version admits more samples. Each is answered the moment that happens,
 typed error at its deadline that says what it waited for, or withdrawn unanswered when its
 caller sends ``Cancel``. Leases expire on timers.
 
-The state is one object (:class:`._state.ControllerState`); what acts on it is composed:
-``Writes`` (grants, commits, budget, admission), ``Reads`` (get_meta, rounds, leases),
-``Moves`` (postpone, prefetch, seals) and ``Cleanup`` (failures, clear, freeing, drops).
-:class:`Controller` owns the server and routes each message to one of them.
+What the parts share is one object (:class:`..model._state.ControllerState`); each part
+(``..parts``) owns the rest of what it acts on: ``Writes`` (grants, commits, budget,
+admission), ``Reads`` (get_meta, rounds, leases), ``Moves`` (postpone, prefetch, seals),
+``Cleanup`` (failures, clear, freeing, drops) and the smaller ones. :class:`Controller` owns
+the server, composes the parts, hands each the few callables it needs of the others, and
+routes each message to one of them (docs/architecture.md, "Controller floor plan").
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ControllerConfig
-from ..errors import InvalidArgumentError, ProtocolVersionError
-from ..transport import _auth, _zmq
-from ..transport._metrics import MetricsEndpoint
-from ..wire import (
+from ...config import ControllerConfig
+from ...errors import InvalidArgumentError, ProtocolVersionError
+from ...transport import _auth, _zmq
+from ...transport._metrics import MetricsEndpoint
+from ...wire import (
     PROTOCOL_VERSION,
     Ack,
     Admission,
@@ -75,22 +77,23 @@ from ..wire import (
     VersionWait,
     WaiterStatus,
 )
-from ._checkpoint import Checkpoints, read_manifest
-from ._cleanup import Cleanup
-from ._integrity import Corruption
-from ._keys import Keys
+from ..model._partition import FAILURE_POLICIES, Options, Partition
+from ..model._state import ControllerState
+from ..parts._allocations import Rows
+from ..parts._checkpoints import Checkpoints, read_manifest
+from ..parts._cleanup import Cleanup
+from ..parts._copies import Replicas
+from ..parts._corruption import Corruption
+from ..parts._moves import Moves
+from ..parts._reads import Reads
+from ..parts._resets import Resets
+from ..parts._trainer import Versions
+from ..parts._units import Liveness
+from ..parts._user_keys import Keys
+from ..parts._writes import Writes
+from ..planning._policies import load as load_policies
 from ._limits import check as check_limits
-from ._liveness import Liveness
-from ._moves import Moves
-from ._partition import FAILURE_POLICIES, Options, Partition
-from ._policies import load as load_policies
-from ._reads import Reads
-from ._replicas import Replicas
-from ._resets import Resets
-from ._rows import Rows
-from ._state import ControllerState
-from ._versions import Versions
-from ._writes import Writes
+from ._prometheus import Totals
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +116,16 @@ class Controller:
         )
         self.address = self._server.address
         self.metrics: MetricsEndpoint | None = None
-        self.state = ControllerState(self.config, self._server, load_policies(self.config.policies))
+        self.state = ControllerState(self.config, self._server)
+        self.totals = Totals()  # freed partitions' counts, for the metrics' counters
         # the parts call each other only through these few bound methods
-        self.cleanup = Cleanup(self.state, wake_soon=self._wake_soon, retry_parked=self._retry_parked)
-        self.reads = Reads(self.state, free=self.cleanup.maybe_free, prefetch=self._prefetch, needed=self._needed)
+        self.cleanup = Cleanup(
+            self.state, wake_soon=self._wake_soon, retry_parked=self._retry_parked, forgotten=self._forgotten,
+        )
+        self.reads = Reads(
+            self.state, policies=load_policies(self.config.policies), free=self.cleanup.maybe_free,
+            prefetch=self._prefetch, needed=self._needed,
+        )
         self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
         self.replicas = Replicas(self.state)
         self.writes = Writes(
@@ -126,12 +135,12 @@ class Controller:
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
         self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self.liveness = Liveness(
-            self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, release=self.reads.expire_lease,
+            self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, leases_gone=self.reads.session_gone,
             copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
         )
         self.checkpoints = Checkpoints(
             self.state, wake=self._wake_soon, copy_again=self.replicas.wake, forget=self.cleanup.forget,
-            free=lambda part: self.cleanup.drop_everywhere(part, None),
+            free=lambda part: self.cleanup.drop_everywhere(part, None), landed=self.moves.landed,
         )
         # a controller restarted from a checkpoint: its units get their ids back, and requests
         # wait until the checkpoint is loaded (a missing or damaged one fails the start here)
@@ -251,12 +260,12 @@ class Controller:
 
     async def _serve(self) -> None:
         if self.config.metrics_port >= 0:
-            from ._metrics import families
+            from ._prometheus import families
 
             self.metrics = MetricsEndpoint(
                 asyncio.get_running_loop(),
                 lambda: families(
-                    self.status(), totals=self.state.totals, staleness=self.state.staleness.tolist(),
+                    self.status(), totals=self.totals, staleness=self.reads.staleness.tolist(),
                     capacity=self.config.capacity_bytes, latency=self._server.latency,
                 ),
                 bind=self.config.bind, address=self.address, port=self.config.metrics_port,
@@ -278,6 +287,13 @@ class Controller:
 
     def _wake_soon(self, partition: str) -> None:
         self.reads.wake_soon(partition)
+
+    def _forgotten(self, part: Partition) -> None:
+        """A partition was forgotten: its counts go to the totals, its grants, leases and
+        rounds go."""
+        self.totals.retire(part)
+        self.writes.forget(part)
+        self.reads.forget(part)
 
     def _retry_parked(self) -> None:
         self.writes.retry_parked()
@@ -448,17 +464,17 @@ class Controller:
             for p in self.state.parked
         ]
         limit = -1
-        if self.state.admission is not None:
-            limit = (self.state.version + self.state.admission[0] + 1) * self.state.admission[1]
+        if self.state.trainer.admission is not None:
+            limit = (self.state.trainer.version + self.state.trainer.admission[0] + 1) * self.state.trainer.admission[1]
         return StatusReply(
             partitions=parts,
             units=units,
             waiting=waiting,
-            version=self.state.version,
-            admitted=self.state.admitted,
+            version=self.state.trainer.version,
+            admitted=self.state.trainer.admitted,
             admission_limit=limit,
             metrics=self.metrics.url if self.metrics is not None else "",
-            weights=self.state.weights,
+            weights=self.state.trainer.weights,
             keys=self.keys.status(),
         )
 

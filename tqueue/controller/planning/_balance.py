@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 __all__ = ["MicroRule", "RoundPlan", "balanced_partition", "micro_batches", "plan_groups", "plan_round"]
 

@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..config import ControllerConfig
-from ..errors import InvalidArgumentError
-from ..wire import (
+from ...config import ControllerConfig
+from ...errors import InvalidArgumentError
+from ...wire import (
     BatchMeta,
     BindKeys,
     DropKeys,
@@ -40,11 +40,11 @@ from ..wire import (
     TagKeys,
     Tags,
 )
-from ..wire._status import KeyStatus, KeyUse
-from ._keyindex import KeyIndex
-from ._partition import Partition
-from ._samples import COMMITTED, EXCLUDED
-from ._state import ControllerState
+from ...wire._status import KeyStatus, KeyUse
+from ..model._keyindex import KeyIndex
+from ..model._partition import Partition
+from ..model._samples import COMMITTED, EXCLUDED
+from ..model._state import ControllerState
 
 MetaOf = Callable[[Partition, np.ndarray, list[str], str | None, int, float], BatchMeta]
 

@@ -15,24 +15,27 @@ restarted data-parallel rank acking its round's share again, are normal.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
-from ..transport._liveness import session_of
-from ..wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
-from ._partition import Partition
-from ._policies import BUILT_IN, Candidates, check
-from ._rounds import Round, RoundBook, token_counts
-from ._serving import CONSUMED, LEASED
-from ._state import MAX_SERVED, ControllerState, Lease, Waiter
+from ...errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
+from ...transport._liveness import session_of
+from ...wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
+from ..model._partition import Partition
+from ..model._serving import CONSUMED, LEASED
+from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
+from ..planning._policies import BUILT_IN, Candidates, Policy, check
+from ..planning._rounds import Round, RoundBook, token_counts
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +47,39 @@ _LEASE_MASK = (1 << _LEASE_BITS) - 1
 Prefetch = Callable[[Partition, GetMeta, int, np.uint64, "int | None"], bool]
 
 
+@dataclasses.dataclass(eq=False)
+class Lease:
+    lease_id: int
+    partition_uid: int
+    task: str
+    indexes: np.ndarray
+    timer: asyncio.TimerHandle | None = None
+    principal: str = ""  # with auth on: the client it was given to, the only one that acks or renews it
+    session: bytes = b""  # the client session it was sent to (not a DP round's share: its peers hold it too)
+    given: float = 0.0  # loop time it was sent
+
+
 class Reads:
-    """Serves, parks and wakes ``get_meta``; owns nothing but what ``state`` holds."""
+    """Serves, parks and wakes ``get_meta``. Owns the leases, the DP rounds, the batch
+    policies and the staleness of what it served; the partitions and parked reads are
+    ``state``'s."""
 
     def __init__(
         self,
         state: ControllerState,
         *,
+        policies: Mapping[str, Policy],
         free: Callable[[Partition], None],
         prefetch: Prefetch,
         needed: Callable[[str], None],
     ) -> None:
         self.state = state
+        self.policies = policies
+        self.leases: dict[int, Lease] = {}
+        self.lease_ids = random_ids()  # not guessable: a lease id is what an ack names
+        self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
+        self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
+        self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self._free = free  # free a partition if every task consumed it
         self._prefetch = prefetch
         self._needed = needed  # a consumer parked on this partition: its puts are admitted
@@ -79,28 +103,28 @@ class Reads:
         """Who holds the lease (with auth on), and which lease answered which request, for a
         cancel that crosses the reply (a DP round's share is not released: its peers on
         other ranks hold the same meta)."""
-        record = self.state.leases.get(served.meta.lease)
+        record = self.leases.get(served.meta.lease)
         if record is not None and not record.principal:
             record.principal = principal
         if msg.dp_size or not served.meta.lease:
             return
         if record is not None:
             record.session, record.given = session_of(ident), self.state.loop.time()
-        self.state.served[(ident, msg.rid)] = served.meta.lease
-        while len(self.state.served) > MAX_SERVED:
-            self.state.served.popitem(last=False)
+        self.served[(ident, msg.rid)] = served.meta.lease
+        while len(self.served) > MAX_SERVED:
+            self.served.popitem(last=False)
 
     def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
-        policy = self.state.policies.get(msg.policy)
+        policy = self.policies.get(msg.policy)
         if policy is None:
-            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.state.policies)}")
+            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.policies)}")
         mask, missing = part.schema.field_mask(msg.fields)
         if missing:
             self._check_can_come(part, missing)
             return None
         task = part.task(msg.task)
-        min_version = None if msg.max_staleness is None else self.state.version - msg.max_staleness
+        min_version = None if msg.max_staleness is None else self.state.trainer.version - msg.max_staleness
         args = MappingProxyType(msg.policy_args) if msg.policy_args else MappingProxyType({})
         candidates = Candidates(part, task, mask, min_version, args)
         found = policy.select(candidates, count)
@@ -157,14 +181,14 @@ class Reads:
 
     def serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
         key = (part.uid, msg.task, msg.replica_group)
-        book = self.state.rounds.get(key)
+        book = self.rounds.get(key)
         if book is None:
-            if msg.replica_group and sum(k[0] == part.uid for k in self.state.rounds) >= self.state.config.max_tasks_per_partition:
+            if msg.replica_group and sum(k[0] == part.uid for k in self.rounds) >= self.state.config.max_tasks_per_partition:
                 raise InvalidArgumentError(
                     f"partition {part.name!r}: rounds of more than max_tasks_per_partition="
                     f"{self.state.config.max_tasks_per_partition} tasks and replica groups at once"
                 )
-            book = self.state.rounds[key] = RoundBook.of(msg)
+            book = self.rounds[key] = RoundBook.of(msg)
         book.check(msg, f"partition {part.name!r}, task {msg.task!r}")
         # a caller counting rounds of an earlier partition of this name starts over
         number = 0 if msg.round_uid and msg.round_uid != part.uid else msg.round
@@ -201,7 +225,7 @@ class Reads:
                 micro_batch_indices=rnd.micro[msg.dp_rank],
             )
             rnd.metas[msg.dp_rank] = meta
-        elif meta.lease not in self.state.leases:  # acked or lapsed: asked again by a restarted rank
+        elif meta.lease not in self.leases:  # acked or lapsed: asked again by a restarted rank
             meta = self._relet(part, msg, rnd, meta)
         return Meta(meta=meta)
 
@@ -259,8 +283,8 @@ class Reads:
         versioned = bool((versions >= 0).any())
         if task is not None and lease and versioned:  # served to a consumer: how far behind the trainer it is
             known = versions[versions >= 0]
-            behind = np.clip(self.state.version - known, 0, len(self.state.staleness) - 1)
-            self.state.staleness += np.bincount(behind, minlength=len(self.state.staleness))
+            behind = np.clip(self.state.trainer.version - known, 0, len(self.staleness) - 1)
+            self.staleness += np.bincount(behind, minlength=len(self.staleness))
         groups = samples.groups_of(safe)
         if groups is not None and padded:
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
@@ -289,17 +313,17 @@ class Reads:
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:
-        lease_id = (self.epoch << _LEASE_BITS) | (next(self.state.lease_ids) & _LEASE_MASK) | 1
+        lease_id = (self.epoch << _LEASE_BITS) | (next(self.lease_ids) & _LEASE_MASK) | 1
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
         part.task(task).take(indexes, lease_id)
         record = Lease(lease_id, part.uid, task, indexes)
         if not math.isinf(timeout):
             record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)
-        self.state.leases[lease_id] = record
+        self.leases[lease_id] = record
         return lease_id
 
     def expire_lease(self, lease_id: int, why: str = "expired") -> None:
-        record = self.state.leases.pop(lease_id, None)
+        record = self.leases.pop(lease_id, None)
         part = self.state.by_uid.get(record.partition_uid) if record else None
         if record is None or part is None:
             return
@@ -316,9 +340,30 @@ class Reads:
     def cancelled(self, ident: bytes, rid: int) -> None:
         """The caller of an answered ``get_meta`` gave up on it (its reply crossed the
         cancel): the lease it never saw is released, its samples go to a live caller."""
-        lease_id = self.state.served.pop((ident, rid), None)
+        lease_id = self.served.pop((ident, rid), None)
         if lease_id is not None:
             self.expire_lease(lease_id, "cancelled by its caller")
+
+    def forget(self, part: Partition) -> None:
+        """A partition is forgotten: so are its leases and DP rounds."""
+        for lease_id in [i for i, r in self.leases.items() if r.partition_uid == part.uid]:
+            record = self.leases.pop(lease_id)
+            if record.timer is not None:
+                record.timer.cancel()
+        for key in [k for k in self.rounds if k[0] == part.uid]:
+            del self.rounds[key]
+
+    def session_gone(self, session: bytes, silent_since: float) -> int:
+        """A client session ended: forget which of its requests got which lease, and release
+        the leases sent to it after it fell silent (the reply went down a connection that
+        was already dead, in the instant before ZeroMQ knew): their samples go to a live
+        consumer now, not at the lease's expiry. The number released."""
+        for key in [k for k in self.served if session_of(k[0]) == session]:
+            del self.served[key]
+        unheard = [lid for lid, r in self.leases.items() if r.session == session and r.given > silent_since]
+        for lease_id in unheard:
+            self.expire_lease(lease_id, "was sent to a client that is gone, after it fell silent")
+        return len(unheard)
 
     def wake_soon(self, partition: str) -> None:
         """Wake the waiters of ``partition`` once the running handler has replied."""
@@ -330,7 +375,7 @@ class Reads:
             return
         if not lease_id:
             raise PermissionDeniedError(f"with authentication on, {what} of task {task!r} must name its lease")
-        record = self.state.leases.get(lease_id)
+        record = self.leases.get(lease_id)
         principal = self.state.server.principal
         if record is not None and record.principal and record.principal != principal:
             raise PermissionDeniedError(
@@ -350,7 +395,7 @@ class Reads:
     def renew(self, ident: bytes, msg: Renew, bufs: list[Any]) -> Ok:
         self._check_incarnation(msg.lease, msg.task, msg.partition, "renewed")
         self._check_owner(msg.lease, msg.task, "renew")
-        record = self.state.leases.get(msg.lease)
+        record = self.leases.get(msg.lease)
         if record is None:
             raise InvalidArgumentError(
                 f"lease {msg.lease} of task {msg.task!r} on partition {msg.partition!r} is "
@@ -403,7 +448,7 @@ class Reads:
         if msg.policy == "groups":
             note += f"; {len(part.groups.order)} groups complete"
         if msg.dp_size:
-            book = self.state.rounds.get((part.uid, msg.task, msg.replica_group))
+            book = self.rounds.get((part.uid, msg.task, msg.replica_group))
             formed = book.next if book else 0
             note += f"; round {msg.round} asked, {formed} rounds formed"
         return (
@@ -426,7 +471,7 @@ class Reads:
         if len(indexes) and not 0 <= _lowest(msg.indexes, indexes) <= _highest(msg.indexes, indexes) < part.n:
             raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
         acked = task.ack(indexes, msg.lease)
-        record = self.state.leases.get(msg.lease)
+        record = self.leases.get(msg.lease)
         if record is not None:
             # the whole lease acknowledged: at once when this ack took every sample of it (the
             # usual case), else when none of it is still held
@@ -434,7 +479,7 @@ class Reads:
                 (task.state[record.indexes] == LEASED) & (task.lease[record.indexes] == msg.lease)
             ).any()
             if whole:
-                del self.state.leases[msg.lease]
+                del self.leases[msg.lease]
                 if record.timer is not None:
                     record.timer.cancel()
         self._free(part)

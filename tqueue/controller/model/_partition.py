@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..wire import FieldBlock, FieldSpec, Grant, GroupId
+from ...errors import InvalidArgumentError
+from ...wire import FieldBlock, FieldSpec, Grant, GroupId
 from ._keyindex import KeyIndex
 from ._records import GrantRecord
 from ._samples import COMMITTED, EXCLUDED, PARTIAL, Groups, Moved, Samples
@@ -103,7 +103,7 @@ class Partition:
         self.complete = 0  # committed, finished and not excluded
         self.promised = 0  # target places held by puts granted but not yet committed
         self.groups_done = 0  # complete groups counted toward target_groups
-        self.keys: KeyIndex | None = None  # user keys and sample tags, made on first use (_keys.py)
+        self.keys: KeyIndex | None = None  # user keys and sample tags, made on first use (parts/_user_keys.py)
 
     @property
     def n(self) -> int:

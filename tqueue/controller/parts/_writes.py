@@ -2,20 +2,22 @@
 
 A grant is answered at once, or parked (no polling) until memory frees or the trainer's
 version admits more samples, or refused with a typed error that says what was asked, used and
-allowed. Acts on the :class:`~tqueue.controller._state.ControllerState` it is given.
+allowed. Acts on the :class:`~tqueue.controller.model._state.ControllerState` it is given.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     InvalidArgumentError,
     PartitionClearedError,
     StorageFullError,
@@ -23,13 +25,13 @@ from ..errors import (
     TQueueError,
     WaitTimeoutError,
 )
-from ..transport._liveness import session_of
-from ..wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
+from ...transport._liveness import session_of
+from ...wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
+from ..model._partition import NO_STEP, Partition
+from ..model._records import GrantRecord, Unit
+from ..model._state import MAX_SERVED, ControllerState, ParkedWrite
+from ._copies import Copies, copies_of
 from ._cycles import Cycles
-from ._partition import NO_STEP, Partition
-from ._records import GrantRecord, Unit
-from ._replicas import Copies, copies_of
-from ._state import MAX_SERVED, ControllerState, ParkedWrite
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,10 @@ class Writes:
         copy_again: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
-        self._copy_again = copy_again  # re-replicate samples held once (_replicas)
+        self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
+        self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
+        self.placements = itertools.count()  # ties between units rotate by it
+        self._copy_again = copy_again  # re-replicate samples held once (_copies)
         self.copies = Copies(state, copy_again)  # the second copies of replicated writes
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
@@ -98,9 +103,9 @@ class Writes:
         if record is not None:
             record.owner = session_of(ident)
         if granted.grant_id:
-            self.state.granted[(ident, rid)] = granted.grant_id
-            while len(self.state.granted) > MAX_SERVED:
-                self.state.granted.popitem(last=False)
+            self.granted[(ident, rid)] = granted.grant_id
+            while len(self.granted) > MAX_SERVED:
+                self.granted.popitem(last=False)
 
     def _replace(self, ident: bytes, msg: Grant) -> Granted | None:
         """A put whose store failed on its unit asks again: its old grant lapses, the unit is
@@ -108,7 +113,7 @@ class Writes:
         grant committed before the failure reached its writer answers ``stored``."""
         record = self.state.grants.get(msg.replaces)
         if record is None:
-            if msg.replaces in self.state.committed:
+            if msg.replaces in self.committed:
                 return Granted(grant_id=msg.replaces, partition_uid=0, start=0, stored=True)
         elif record.owner != session_of(ident) or record.indexes is not None:
             raise InvalidArgumentError(f"grant {msg.replaces} is not a put of this client's to place again")
@@ -121,7 +126,7 @@ class Writes:
     def cancelled(self, ident: bytes, rid: int) -> None:
         """The caller of an answered put gave up on it before seeing its grant: it will
         never store, so the grant lapses now (its memory and target places are freed)."""
-        grant_id = self.state.granted.pop((ident, rid), None)
+        grant_id = self.granted.pop((ident, rid), None)
         if grant_id is not None:
             self._lapse_grant(grant_id, "was cancelled by its caller")
 
@@ -139,7 +144,7 @@ class Writes:
             added = scratch.check_put(msg.count, msg.blocks)
         else:
             added = part.check_put(msg.count, msg.blocks)
-        unit = pick_unit(self.state, msg)
+        unit = pick_unit(self.state, msg, self.placements)
         copies = (part.options.replicas if part is not None else 0) or self.state.config.replicas
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
@@ -233,9 +238,9 @@ class Writes:
             return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
         grant.stop_timer()
-        self.state.committed[msg.grant_id] = None
-        while len(self.state.committed) > MAX_SERVED:
-            self.state.committed.popitem(last=False)
+        self.committed[msg.grant_id] = None
+        while len(self.committed) > MAX_SERVED:
+            self.committed.popitem(last=False)
         unit = self.state.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
@@ -280,7 +285,7 @@ class Writes:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
         where none can take it (no waiting: this is for samples that have their place)."""
         try:
-            return pick_unit(self.state, msg)
+            return pick_unit(self.state, msg, self.placements)
         except _Wait as wait:
             raise StorageUnitUnavailableError(f"partition {msg.partition!r}: no unit can take samples: {wait.reason}") from None
 
@@ -297,10 +302,10 @@ class Writes:
         trainer's version makes room for all of it. Either way a put to a partition that a
         consumer is parked on is admitted at once: the trainer needs it now, and holding it
         back could only deadlock the trainer."""
-        if self.state.admission is None or count <= 0:
+        if self.state.trainer.admission is None or count <= 0:
             return 0
-        k, batch = self.state.admission
-        version = self.state.version
+        k, batch = self.state.trainer.admission
+        version = self.state.trainer.version
         step = self.state.step_of(partition)
         awaited = partition in self.state.waiters
         if step != NO_STEP:
@@ -313,14 +318,14 @@ class Writes:
                 full=False,
             )
         limit = (version + k + 1) * batch
-        if self.state.admitted + count > limit and not awaited:
+        if self.state.trainer.admitted + count > limit and not awaited:
             raise _Wait(
                 f"{count} samples for partition {partition!r} wait for the trainer: "
-                f"{self.state.admitted} samples admitted of {limit} allowed (trainer version "
+                f"{self.state.trainer.admitted} samples admitted of {limit} allowed (trainer version "
                 f"{version}, max_staleness {k}, batch_size {batch})",
                 full=False,  # never "never": the limit grows with each version, so any put fits in time
             )
-        self.state.admitted += count
+        self.state.trainer.admitted += count
         return count
 
     def needed(self, partition: str) -> None:
@@ -388,7 +393,7 @@ class Writes:
             unit = self.state.units.get(unit_id)
             if unit is not None:
                 unit.reserved -= grant.nbytes
-        self.state.admitted -= grant.admitted  # its samples never came: the window is theirs again
+        self.state.trainer.admitted -= grant.admitted  # its samples never came: the window is theirs again
         part = self.state.by_uid.get(grant.partition_uid)
         if part is not None:
             part.forget(grant)
@@ -402,11 +407,23 @@ class Writes:
 
     def lapse_owned(self, session: bytes, why: str) -> int:
         """Lapse every uncommitted grant (a put's or an update's) of a client session that
-        ended."""
+        ended, and forget which of its requests got which grant."""
+        for key in [k for k in self.granted if session_of(k[0]) == session]:
+            del self.granted[key]
         owned = [g.grant_id for g in self.state.grants.values() if g.owner == session and g.copy_of is None]
         for grant_id in owned:
             self._lapse_grant(grant_id, why)
         return len(owned)
+
+    def forget(self, part: Partition) -> None:
+        """A partition is forgotten: so are its grants (their commits will find none)."""
+        for grant_id in [g for g, r in self.state.grants.items() if r.partition_uid == part.uid]:
+            grant = self.state.grants.pop(grant_id)
+            grant.stop_timer()
+            for unit_id in (grant.waiting or {grant.unit_id}) if grant.indexes is None else ():
+                unit = self.state.units.get(unit_id)
+                if unit is not None:
+                    unit.reserved -= grant.nbytes  # its commit will find no grant to release it
 
     def lapse_on(self, unit_id: int, why: str) -> int:
         """Lapse every uncommitted grant placed on a unit that died: a put's, and an
@@ -427,7 +444,7 @@ class Writes:
         return bool((part.samples.unit[grant.indexes] == unit_id).any())
 
 
-def pick_unit(state: ControllerState, msg: Grant) -> Unit:
+def pick_unit(state: ControllerState, msg: Grant, placements: Iterator[int]) -> Unit:
     """Placement: a unit on the producer's host with room, the least loaded among those;
     _Wait where none can take ``msg`` now (saying why, and whether it never will)."""
     units = [u for u in state.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
@@ -462,5 +479,5 @@ def pick_unit(state: ControllerState, msg: Grant) -> Unit:
         )
     local = [u for u in roomy if msg.host and u.info.host == msg.host]
     pool = local or roomy
-    turn = next(state.placements)  # ties rotate so that equal units share the work
+    turn = next(placements)  # ties rotate so that equal units share the work
     return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))

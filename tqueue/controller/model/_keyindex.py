@@ -1,6 +1,6 @@
 """One partition's keys and tags (``Partition.keys``), and their form in a checkpoint.
 
-Plain data, no controller logic (that is ``_keys.Keys``): key -> sample index (-1 for a key
+Plain data, no controller logic (that is ``parts._user_keys.Keys``): key -> sample index (-1 for a key
 made with tags only), index -> key, tags per sample and per key without a sample. Tags are
 MessagePack values, so a checkpoint keeps the index as MessagePack (base64 in the partition's
 JSON header): nothing in it is code.

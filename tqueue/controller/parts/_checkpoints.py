@@ -59,9 +59,9 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from .._tasks import all_or_none
-from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError, UnavailableError
-from ..wire import (
+from ..._tasks import all_or_none
+from ...errors import DataCorruptionError, InvalidArgumentError, TQueueError, UnavailableError
+from ...wire import (
     Checkpoint,
     CheckpointReply,
     Drop,
@@ -75,11 +75,11 @@ from ..wire import (
     UnitSaved,
     _durable,
 )
-from ..wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest  # noqa: F401 (the server reads it from here)
-from ._partition import Partition
-from ._samples import COMMITTED, EXCLUDED
+from ...wire._durable import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest  # noqa: F401 (the server reads it from here)
+from ..model._partition import Partition
+from ..model._samples import COMMITTED, EXCLUDED
+from ..model._state import ControllerState
 from ._snapshot import Image, capture, read_image, rebuild, write_image
-from ._state import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,14 @@ class Checkpoints:
     def __init__(
         self, state: ControllerState, *, wake: Callable[[str], None], copy_again: Callable[[], None] = lambda: None,
         forget: Callable[[Partition, str], object], free: Callable[[Partition], Awaitable[None]],
+        landed: Callable[[float], Awaitable[None]],
     ) -> None:
         self._copy_again = copy_again  # a restored replicated partition holds one copy: copy them again
         self.state = state
         self._wake = wake
         self._forget = forget
         self._free = free
+        self._landed = landed  # (within seconds): no move between partitions is under way (Moves.landed)
         self._busy = ""  # "a checkpoint" or "a restore" while one runs
         self.root = state.config.checkpoint_root
         if state.config.auth_dir and not self.root:
@@ -136,7 +138,7 @@ class Checkpoints:
     async def _save_into(
         self, place: _durable.Place, dir_fd: int, gen_fd: int, generation: str, metadata: Any, started: float
     ) -> CheckpointReply:
-        await self._moves_landed()
+        await self._landed(MOVES_WAIT)
         # --- one loop step: the metadata's copy, and SaveUnit on its way to every unit ---
         t0 = time.perf_counter()
         state = self.state
@@ -152,10 +154,10 @@ class Checkpoints:
             for uid, _ in units
         ]
         trainer = {
-            "version": state.version, "weights": state.weights,
-            "admission": list(state.admission) if state.admission is not None else None,
+            "version": state.trainer.version, "weights": state.trainer.weights,
+            "admission": list(state.trainer.admission) if state.trainer.admission is not None else None,
             # admission taken by puts that will never commit is not the restored cluster's
-            "admitted": state.admitted - sum(g.admitted for g in state.grants.values()),
+            "admitted": state.trainer.admitted - sum(g.admitted for g in state.grants.values()),
         }
         controller_pause = time.perf_counter() - t0
         # --- the files, in threads here and on the units ---
@@ -194,18 +196,6 @@ class Checkpoints:
             path, reply.partitions, reply.samples, reply.payload_bytes, reply.seconds, 1e3 * reply.pause,
         )
         return reply
-
-    async def _moves_landed(self) -> None:
-        state = self.state
-        deadline = time.monotonic() + MOVES_WAIT
-        while state.moving:
-            try:
-                await asyncio.wait_for(state.moved.wait(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise UnavailableError(
-                    f"a checkpoint waits for no move between partitions to be under way; {state.moving} "
-                    f"still were after {MOVES_WAIT:g} s"
-                ) from None
 
     async def restore(self, ident: bytes, msg: Restore, bufs: list[Any]) -> Restored:
         place = _durable.asked(msg.directory, msg.base, self.root)
@@ -328,10 +318,10 @@ class Checkpoints:
 
     def _trainer(self, trainer: dict[str, Any]) -> None:
         state = self.state
-        state.version, state.weights = int(trainer["version"]), str(trainer["weights"])
+        state.trainer.version, state.trainer.weights = int(trainer["version"]), str(trainer["weights"])
         admission = trainer["admission"]
-        state.admission = (int(admission[0]), int(admission[1])) if admission is not None else None
-        state.admitted = int(trainer["admitted"])
+        state.trainer.admission = (int(admission[0]), int(admission[1])) if admission is not None else None
+        state.trainer.admitted = int(trainer["admitted"])
 
     async def resume(self, directory: str, manifest: dict[str, Any], registered: asyncio.Event, wait: float) -> None:
         """A restarted controller's restore: once every unit the checkpoint names has

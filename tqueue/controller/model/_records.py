@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from ..wire import UnitInfo
+from ...wire import UnitInfo
 
 
 @dataclasses.dataclass

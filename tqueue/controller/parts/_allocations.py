@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, TQueueError
-from ..wire import AllocateRows, Grant, Locate, Located, Meta
-from ._partition import Partition
-from ._records import Unit
-from ._samples import COMMITTED
-from ._state import ControllerState
+from ...errors import InvalidArgumentError, TQueueError
+from ...wire import AllocateRows, Grant, Locate, Located, Meta
+from ..model._partition import Partition
+from ..model._records import Unit
+from ..model._samples import COMMITTED
+from ..model._state import ControllerState
 
 MetaOf = Callable[..., Any]
 

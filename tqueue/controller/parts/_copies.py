@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, PartitionClearedError
-from ..wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
-from ._partition import Partition
-from ._records import GrantRecord, Unit
-from ._state import ControllerState
+from ...errors import InvalidArgumentError, PartitionClearedError
+from ...wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
+from ..model._partition import Partition
+from ..model._records import GrantRecord, Unit
+from ..model._state import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class Copies:
         return min(pool, key=lambda u: (u.load, u.info.unit_id))
 
     def copied(self, grant: GrantRecord, msg: Commit) -> Committed:
-        """A re-replication's copy is stored: recorded where still wanted (``_replicas``)."""
+        """A re-replication's copy is stored: recorded where still wanted."""
         del self.state.grants[msg.grant_id]
         part = self.state.by_uid.get(grant.partition_uid)
         if part is None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from ..wire import Grant, Notice
-from ._state import ControllerState, ParkedWrite
+from ...wire import Grant, Notice
+from ..model._state import ControllerState, ParkedWrite
 
 log = logging.getLogger(__name__)
 

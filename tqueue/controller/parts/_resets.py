@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ..wire import Ok, ResetConsumption
-from ._serving import AVAILABLE, CONSUMED
-from ._state import ControllerState
+from ...wire import Ok, ResetConsumption
+from ..model._serving import AVAILABLE, CONSUMED
+from ..model._state import ControllerState
 
 
 class Resets:

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import SchemaError, UnknownFieldError
-from ..wire import FieldBlock, FieldSpec
+from ...errors import SchemaError, UnknownFieldError
+from ...wire import FieldBlock, FieldSpec
 from ._samples import COMMITTED, Moved, grow
 
 MAX_FIELDS = 61

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..wire import Corrupt, Located
-from ._partition import Partition
-from ._samples import COMMITTED, EXCLUDED
-from ._state import ControllerState
+from ...wire import Corrupt, Located
+from ..model._partition import Partition
+from ..model._samples import COMMITTED, EXCLUDED
+from ..model._state import ControllerState
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from .._tasks import Tasks
+from ..._tasks import Tasks
 
 log = logging.getLogger(__name__)
 

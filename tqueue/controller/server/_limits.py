@@ -14,9 +14,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import ControllerConfig
-from ..errors import InvalidArgumentError
-from ..wire import (
+from ...config import ControllerConfig
+from ...errors import InvalidArgumentError
+from ...wire import (
     Ack,
     Admission,
     AllocateRows,
@@ -36,7 +36,7 @@ from ..wire import (
     Select,
     VersionWait,
 )
-from ._schema import MAX_FIELDS
+from ..model._schema import MAX_FIELDS
 
 MAX_DIMS = 32  # dimensions of one sample of a field (torch allows 25)
 MAX_NAME = 4096  # characters of a partition, task or field name

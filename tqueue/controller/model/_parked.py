@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..transport._liveness import session_of
+from ...transport._liveness import session_of
 
 
 class Entry(Protocol):

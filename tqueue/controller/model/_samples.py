@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..wire import FieldSpec, GroupId
+from ...errors import InvalidArgumentError
+from ...wire import FieldSpec, GroupId
 
 COMMITTED = np.uint64(1 << 63)
 EXCLUDED = np.uint64(1 << 62)

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..wire import BatchMeta, GetMeta
+from ...errors import InvalidArgumentError
+from ...wire import BatchMeta, GetMeta
 from . import _balance
 
 KEEP_ROUNDS = 256  # formed rounds remembered per (partition, task), for late peers

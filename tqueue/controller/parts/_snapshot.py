@@ -27,13 +27,13 @@ from typing import Annotated, Any, Final
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..wire import FieldSpec
-from ..wire._durable import MAX_UNIT_ID, Summed
-from ._keyindex import KeyIndex
-from ._partition import Options, Partition
-from ._samples import COMMITTED, EXCLUDED, Groups
-from ._serving import AVAILABLE, LEASED
+from ...errors import InvalidArgumentError
+from ...wire import FieldSpec
+from ...wire._durable import MAX_UNIT_ID, Summed
+from ..model._keyindex import KeyIndex
+from ..model._partition import Options, Partition
+from ..model._samples import COMMITTED, EXCLUDED, Groups
+from ..model._serving import AVAILABLE, LEASED
 
 FORMAT: Final = "tqueue-partition"
 FORMAT_VERSION: Final = 1

@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, PartitionClearedError, RemoteError, WaitTimeoutError
-from ..wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
-from ._partition import Partition
+from ...errors import InvalidArgumentError, PartitionClearedError, RemoteError, UnavailableError, WaitTimeoutError
+from ...wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
+from ..model._partition import Partition
+from ..model._samples import EXCLUDED, HIDDEN, Moved
+from ..model._serving import CONSUMED
+from ..model._state import ControllerState, Waiter
 from ._reads import Reads
-from ._samples import EXCLUDED, HIDDEN, Moved
-from ._serving import CONSUMED
-from ._state import ControllerState, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,22 @@ class Moves:
         self.state = state
         self.reads = reads
         self._free = free  # free a partition if every task consumed it
+        self.moving = 0  # moves sent to units, not landed yet
+        self.moved = asyncio.Event()  # set while no move is under way (a checkpoint waits for it)
+        self.moved.set()
+
+    async def landed(self, within: float) -> None:
+        """Return once no move between partitions is under way (a checkpoint's wait);
+        UnavailableError if some still are after ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while self.moving:
+            try:
+                await asyncio.wait_for(self.moved.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UnavailableError(
+                    f"a checkpoint waits for no move between partitions to be under way; {self.moving} "
+                    f"still were after {within:g} s"
+                ) from None
 
     def prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
         """Move ready samples of the next partition in, to fill a drained one's short batch."""
@@ -61,8 +78,8 @@ class Moves:
         Returns one line per unit that failed, empty if every sample moved. The move counts
         as under way from this call (the samples left their partition in this loop step):
         a checkpoint waits until none is."""
-        self.state.moving += 1
-        self.state.moved.clear()
+        self.moving += 1
+        self.moved.clear()
         return self._landing(moved, dst, idx, reason)
 
     async def _landing(self, moved: Moved, dst: Partition, idx: np.ndarray, reason: str) -> list[str]:
@@ -104,9 +121,9 @@ class Moves:
             self.reads.wake_soon(dst.name)
             return failed
         finally:
-            self.state.moving -= 1
-            if not self.state.moving:
-                self.state.moved.set()
+            self.moving -= 1
+            if not self.moving:
+                self.moved.set()
 
     async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
         part = self.state.live(msg.partition, msg.partition_uid)

@@ -1,11 +1,12 @@
-"""The controller's state, in one object: what every part of the controller reads and changes.
+"""What several parts of the controller share, in one object.
 
-:class:`ControllerState` owns the partitions, the storage units and their peers, the grants
-and parked writes, the parked reads and seal waits, the leases, the DP rounds, the trainer's
-version and the staleness admission counters. The objects that act on it (``Writes``,
-``Reads``, ``Moves``, ``Cleanup``) each take it in their constructor; none holds state of its
-own beyond what it is given. It also answers parked requests (:meth:`answer`), since a parked
-request is state too.
+:class:`ControllerState` holds the partitions, the storage units and their peers, the grant
+records, the parked requests (reads, seal waits, version waits, writes), the partitions a
+prefetch fills, the tombstones of freed partitions and the trainer's version and admission
+(:class:`Trainer`). It also answers parked requests (:meth:`answer`), since a parked request
+is state too. What only one part uses is that part's own: the leases, DP rounds, policies and
+served staleness are ``Reads``', the request-to-grant memory and placement turns ``Writes``',
+the moves under way ``Moves``', the freed partitions' totals the server's.
 """
 
 from __future__ import annotations
@@ -20,19 +21,14 @@ import struct
 from collections.abc import Iterator
 from typing import Any, Final
 
-import numpy as np
-
-from .._tasks import Tasks
-from ..config import ControllerConfig
-from ..errors import InvalidArgumentError, PartitionClearedError, UnavailableError
-from ..transport import _zmq
-from ..wire import Message
-from ._metrics import Totals
+from ..._tasks import Tasks
+from ...config import ControllerConfig
+from ...errors import InvalidArgumentError, PartitionClearedError, UnavailableError
+from ...transport import _zmq
+from ...wire import Message
 from ._parked import Parked
 from ._partition import Options, Partition, step_in
-from ._policies import Policy
 from ._records import GrantRecord, Unit
-from ._rounds import RoundBook
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +49,6 @@ class Waiter:
 
 
 @dataclasses.dataclass(eq=False)
-class Lease:
-    lease_id: int
-    partition_uid: int
-    task: str
-    indexes: np.ndarray
-    timer: asyncio.TimerHandle | None = None
-    principal: str = ""  # with auth on: the client it was given to, the only one that acks or renews it
-    session: bytes = b""  # the client session it was sent to (not a DP round's share: its peers hold it too)
-    given: float = 0.0  # loop time it was sent
-
-
-@dataclasses.dataclass(eq=False)
 class ParkedWrite:
     """A grant (or reserve) waiting for memory or for the trainer's version."""
 
@@ -76,43 +60,38 @@ class ParkedWrite:
     cycle: asyncio.TimerHandle | None = None  # a reader waits for it: warn both if it lasts
 
 
+@dataclasses.dataclass
+class Trainer:
+    """What the trainer said (``SetVersion``, ``Admission``: ``parts._trainer``) and what
+    admission counted of puts (``parts._writes``)."""
+
+    version: int = 0
+    weights: str = ""  # where the weights of ``version`` are, as the trainer said
+    admission: tuple[int, int] | None = None  # (max_staleness, batch_size); None: no bound
+    admitted: int = 0  # samples admitted so far (a lapsed grant gives its back)
+
+
 class ControllerState:
     """Everything the controller knows. Create inside the running loop."""
 
-    def __init__(self, config: ControllerConfig, server: _zmq.Server, policies: dict[str, Policy]) -> None:
+    def __init__(self, config: ControllerConfig, server: _zmq.Server) -> None:
         self.config = config
         self.server = server
         self.loop = asyncio.get_running_loop()
-        self.policies = policies
         self.partitions: dict[str, Partition] = {}
         self.by_uid: dict[int, Partition] = {}
         self.units: dict[int, Unit] = {}
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.grants: dict[int, GrantRecord] = {}
-        self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
-        self.totals = Totals()  # freed partitions' counts, for the metrics' counters
         self.waiters: Parked[Waiter] = Parked(self.loop, _partition_of)  # parked get_meta
         self.sealed_waiters: Parked[Waiter] = Parked(self.loop, _partition_of)
         self.version_waiters: Parked[Waiter] = Parked(self.loop)  # for the trainer's version to pass theirs
         self.parked: Parked[ParkedWrite] = Parked(self.loop)  # writes and reserves waiting for budget, in order
-        self.leases: dict[int, Lease] = {}
-        self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
-        self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
-        self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
-        self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
         self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
-        self.moving = 0  # moves sent to units, not landed yet
-        self.moved = asyncio.Event()  # set while no move is under way (a checkpoint waits for it)
-        self.moved.set()
         self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
-        self.version = 0
-        self.weights = ""  # where the weights of ``version`` are, as the trainer said
-        self.admission: tuple[int, int] | None = None  # (max_staleness, batch_size)
-        self.admitted = 0
+        self.trainer = Trainer()
         self.uids = itertools.count(1)
-        self.grant_ids = _random_ids()  # not guessable: a stray Store naming another writer's grant finds none
-        self.lease_ids = _random_ids()  # not guessable: a lease id is what an ack names
-        self.placements = itertools.count()
+        self.grant_ids = random_ids()  # not guessable: a stray Store naming another writer's grant finds none
         self.tasks = Tasks("controller")  # background work (drops, moves, probes): cancelled at close
 
     # --- partitions -----------------------------------------------------------------
@@ -192,6 +171,17 @@ class ControllerState:
         """Drop the request ``rid`` of connection ``ident`` wherever it is parked, unanswered."""
         return any(parked.withdraw(ident, rid) for parked in self._parked())
 
+    def withdraw_session(self, session: bytes, error: BaseException) -> list[int]:
+        """Withdraw every parked request of a client session that ended, each answered with
+        ``error``: how many of the parked reads, seal waits, version waits and writes."""
+        withdrawn = []
+        for registry in (self.waiters, self.sealed_waiters, self.version_waiters, self.parked):
+            mine = registry.withdraw_session(session)
+            for entry in mine:
+                self.answer(entry.ident, entry.req.rid, error)
+            withdrawn.append(len(mine))
+        return withdrawn
+
     def _parked(self) -> tuple[Parked[Any], ...]:
         return (self.waiters, self.parked, self.sealed_waiters, self.version_waiters)
 
@@ -200,7 +190,7 @@ def _partition_of(waiter: Waiter) -> str:
     return str(waiter.req.partition)
 
 
-def _random_ids() -> Iterator[int]:
+def random_ids() -> Iterator[int]:
     """Random positive 63-bit ids that no peer can guess (distinct but by a chance of about
     n^2 / 2^63), 1024 of them to each read of the OS's random source."""
     while True:

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from .._tasks import all_or_none
-from ..errors import InvalidArgumentError, PartitionClearedError, TQueueError
-from ..wire import Clear, Drop, Dropped, Fail, Ok
+from ..._tasks import all_or_none
+from ...errors import InvalidArgumentError, PartitionClearedError, TQueueError
+from ...wire import Clear, Drop, Dropped, Fail, Ok
+from ..model._partition import Partition
+from ..model._state import ControllerState
 from ._drops import PendingDrops
-from ._partition import Partition
-from ._state import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,15 @@ class Cleanup:
     """Frees partitions and samples, over ``state``."""
 
     def __init__(
-        self, state: ControllerState, *, wake_soon: Callable[[str], None], retry_parked: Callable[[], None]
+        self,
+        state: ControllerState,
+        *,
+        wake_soon: Callable[[str], None],
+        retry_parked: Callable[[], None],
+        forgotten: Callable[[Partition], None],
     ) -> None:
         self.state = state
+        self._forgotten = forgotten  # a partition was forgotten: the parts forget what they hold of it
         self._wake_soon = wake_soon  # serve parked reads of a partition after this reply
         self._retry_parked = retry_parked  # memory was freed: parked writes may fit now
         self.drops = PendingDrops(state.loop, state.tasks, self.drop_on)
@@ -78,25 +84,12 @@ class Cleanup:
         False if it was already forgotten."""
         if self.state.by_uid.pop(part.uid, None) is None:
             return False
-        self.state.totals.retire(part)
         if self.state.partitions.get(part.name) is part:
             del self.state.partitions[part.name]
         if cleared is not None:
             for waiter in self.state.waiters.take(part.name):
                 self.state.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
-        for grant_id in [g for g, r in self.state.grants.items() if r.partition_uid == part.uid]:
-            grant = self.state.grants.pop(grant_id)
-            grant.stop_timer()
-            for unit_id in (grant.waiting or {grant.unit_id}) if grant.indexes is None else ():
-                unit = self.state.units.get(unit_id)
-                if unit is not None:
-                    unit.reserved -= grant.nbytes  # its commit will find no grant to release it
-        for lease_id in [i for i, r in self.state.leases.items() if r.partition_uid == part.uid]:
-            record = self.state.leases.pop(lease_id)
-            if record.timer is not None:
-                record.timer.cancel()
-        for key in [k for k in self.state.rounds if k[0] == part.uid]:
-            del self.state.rounds[key]
+        self._forgotten(part)  # its grants, leases and rounds, its counts kept for the metrics
         return True
 
     async def drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..transport._metrics import Latency, latency_family
-from ..wire import PartitionStatus, StatusReply
+from ...transport._metrics import Latency, latency_family
+from ...wire import PartitionStatus, StatusReply
 
 if TYPE_CHECKING:
-    from ._partition import Partition
+    from ..model._partition import Partition
 
 #: task names, and exclusion reasons, that get series of their own in the cumulative
 #: counters; those first seen after this many are counted together under ``OTHER``

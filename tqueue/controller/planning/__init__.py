@@ -1,0 +1,2 @@
+"""Which samples a read gets: batch policies, DP rounds and their token balance. Imports
+only the model."""
