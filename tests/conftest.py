@@ -1,8 +1,14 @@
-"""Shared fixtures: one local cluster per test module, real processes on 127.0.0.1."""
+"""Shared fixtures. ``cluster`` is a local cluster, real processes on 127.0.0.1: one for the
+whole session in the directories whose tests neither kill, stop nor reconfigure it and keep
+to partitions of their own (``SHARED``: the `partition` fixture names them), one per module
+elsewhere. A module that needs a cluster of its own (one it kills, other options, global
+state such as the version) defines a ``cluster`` fixture of its own, or starts one in the
+test: ``tests.servers.LoopCluster`` where the servers need not be processes."""
 
 from __future__ import annotations
 
 import itertools
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,10 +20,23 @@ import tqueue
 from tqueue.wire import _messages as _wire
 
 _names = itertools.count()
+_TESTS = pathlib.Path(__file__).parent
+# directories (and "" for the modules at the top) whose modules share the session's cluster
+SHARED = {"", "client", "storage", "transport", "wire", "lifecycle"}
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[tqueue.LocalCluster]:
+    with tqueue.LocalCluster(num_storage_units=2) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tqueue.LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[tqueue.LocalCluster]:
+    where = request.path.parent.relative_to(_TESTS).parts
+    if (where[0] if where else "") in SHARED:
+        yield request.getfixturevalue("shared_cluster")
+        return
     with tqueue.LocalCluster(num_storage_units=2) as c:
         yield c
 

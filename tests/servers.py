@@ -1,15 +1,25 @@
-"""Servers started the way an operator starts them: ``python -m tqueue ...`` as a process."""
+"""Servers for tests: started the way an operator starts them (``python -m tqueue ...`` as a
+process, :func:`server`), or served in this process on a loop thread (:class:`LoopCluster`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+from tqueue.config import ControllerConfig, StorageConfig
+from tqueue.controller import Controller
 from tqueue.launch._serve import READY
+from tqueue.storage import StorageUnit
+
+T = TypeVar("T")
 
 
 def _ready_address(line: str) -> str:
@@ -34,3 +44,108 @@ def server(*args: str, ready: Callable[[str], str] = _ready_address) -> Iterator
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+class LoopCluster:
+    """What :class:`tqueue.LocalCluster` starts as child processes, a controller and
+    ``num_storage_units`` storage units, served instead by one event loop on a thread of this
+    process: for tests that need the servers' behaviour, not their isolation (there are no
+    pids to kill or stop). It starts in milliseconds where a child process, which imports
+    torch, takes more than a second. ``storage`` and ``controller`` are options of
+    :class:`~tqueue.config.StorageConfig` and :class:`~tqueue.config.ControllerConfig`, as
+    for LocalCluster; ``unit_hosts`` the host name each unit reports."""
+
+    def __init__(
+        self,
+        num_storage_units: int = 2,
+        *,
+        unit_hosts: Sequence[str] | None = None,
+        storage: Mapping[str, Any] | None = None,
+        controller: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.num_storage_units = num_storage_units
+        self.unit_hosts = list(unit_hosts) if unit_hosts is not None else [""] * num_storage_units
+        self.storage = dict(storage or {})
+        self.controller_config = ControllerConfig(**(controller or {}))
+        self.address = ""
+        self.unit_addresses: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tests-loop-cluster", daemon=True)
+        self._serving: list[asyncio.Task[None]] = []
+        self._servers: list[Any] = []
+
+    def start(self) -> LoopCluster:
+        self._thread.start()
+        try:
+            self.run(self._start())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        ctl = Controller(self.controller_config)
+        self._servers.append(ctl)
+        self._serving.append(asyncio.ensure_future(ctl.serve()))
+        self.address = ctl.address
+        for host in self.unit_hosts:
+            unit = StorageUnit(StorageConfig(controller=ctl.address, host=host, **self.storage))
+            await unit.start()
+            self._servers.append(unit)
+            self._serving.append(asyncio.ensure_future(unit.serve()))
+            self.unit_addresses.append(unit.address)
+
+    @property
+    def controller(self) -> Any:
+        """The controller object itself (look at it only through :meth:`call`)."""
+        return self._servers[0]
+
+    @property
+    def units(self) -> list[Any]:
+        return self._servers[1:]
+
+    def client(self, **kwargs: Any) -> Any:
+        """A :class:`tqueue.Client` connected to these servers."""
+        from tqueue import Client
+
+        return Client(self.address, **kwargs)
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        """Run a coroutine on the servers' loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        """Run ``fn`` on the servers' loop, between their requests; its result."""
+
+        async def body() -> T:
+            return fn()
+
+        return self.run(body(), timeout)
+
+    def close(self) -> None:
+        """Stop the servers (units first) and the loop. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            self.run(self._stop())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+        self.loop.close()
+        # the servers' objects go now, with their finalizers, not at some later test's
+        # collection (where a signal that test sends itself could land in one of them)
+        self._servers.clear()
+        self._serving.clear()
+        gc.collect()
+
+    async def _stop(self) -> None:
+        for server in reversed(self._servers):
+            await server.close()
+        for task in self._serving:
+            task.cancel()
+        await asyncio.gather(*self._serving, return_exceptions=True)
+
+    def __enter__(self) -> LoopCluster:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

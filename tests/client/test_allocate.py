@@ -11,6 +11,8 @@ import torch
 import tqueue
 from tqueue.errors import InvalidArgumentError, WaitTimeoutError
 
+from ..servers import LoopCluster
+
 
 def part_of(meta: tqueue.BatchMeta, a: int, b: int) -> tqueue.BatchMeta:
     """Samples ``a`` to ``b`` of ``meta``, as the caller kept it (units as they were then)."""
@@ -67,11 +69,11 @@ def test_rows_that_a_partition_cannot_count_are_refused(client, partition):
 
 
 def test_a_half_filled_allocation_comes_back_from_a_checkpoint_and_fills_there(partition, tmp_path):
-    with tqueue.LocalCluster(num_storage_units=2) as old, tqueue.Client(old.address) as c:
+    with LoopCluster(num_storage_units=2) as old, tqueue.Client(old.address) as c:
         alloc = c.allocate(partition, 8)
         c.update(part_of(alloc, 0, 4), {"x": torch.arange(4.0)})
         c.save_checkpoint(str(tmp_path / "ck"))
-    with tqueue.LocalCluster(num_storage_units=3) as new, tqueue.Client(new.address) as c:
+    with LoopCluster(num_storage_units=3) as new, tqueue.Client(new.address) as c:
         c.load_checkpoint(str(tmp_path / "ck"))
         assert c.select(partition, ["x"]).indexes == [0, 1, 2, 3]
         c.update(part_of(alloc, 4, 8), {"x": torch.arange(4.0, 8.0)})

@@ -1,7 +1,9 @@
 """save_checkpoint / load_checkpoint: the whole data plane into Arrow IPC files and a JSON
 manifest, and back into a fresh cluster of another size, bit-exact, with every task's
-consumption, leases given back and partial rollouts still resumable. Real processes; the
-old cluster is SIGKILLed (by pid) before the restore."""
+consumption, leases given back and partial rollouts still resumable. The old cluster is
+real processes, SIGKILLed (by pid) before the restore; the cluster of the module's tests is
+one of their own, as they checkpoint all it holds, and the clusters that take a checkpoint
+back are served in this process (tests/servers.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.ipc
@@ -20,6 +23,15 @@ import torch
 
 import tqueue
 from tqueue.errors import DataCorruptionError, InvalidArgumentError
+
+from ..servers import LoopCluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tqueue.LocalCluster]:
+    with tqueue.LocalCluster(num_storage_units=2) as c:
+        yield c
+
 
 STEP = "train/step-3"
 NEXT = "train/step-4"
@@ -92,7 +104,7 @@ def test_a_checkpoint_comes_back_bit_exact_in_a_cluster_of_another_size(tmp_path
             assert info.pause < 1.0 and info.controller_pause <= info.pause and info.unit_pause <= info.pause
         kill(old)
 
-    with tqueue.LocalCluster(num_storage_units=3) as new, tqueue.Client(new.address) as c:
+    with LoopCluster(num_storage_units=3) as new, tqueue.Client(new.address) as c:
         assert c.load_checkpoint(tmp_path) == {"step": 3, "note": ["resume", 1.5]}
         status = c.status()
         step = next(p for p in status.partitions if p.name == STEP)
@@ -159,7 +171,7 @@ def test_loading_refuses_a_clash_and_what_is_not_a_checkpoint(tmp_path: pathlib.
     with pytest.raises(InvalidArgumentError, match=r"load_checkpoint: \d+ of the checkpoint's partitions exist in this cluster .*replace=True"):
         client.load_checkpoint(tmp_path)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    with tqueue.LocalCluster(num_storage_units=1) as fresh, tqueue.Client(fresh.address) as c:
+    with LoopCluster(num_storage_units=1) as fresh, tqueue.Client(fresh.address) as c:
         first = next(f for u in manifest["units"] for f in u["files"])
         unit_file = tmp_path / manifest["generation"] / first["path"]
         data = unit_file.read_bytes()
@@ -258,7 +270,7 @@ def test_a_checkpoint_loads_into_a_running_cluster_beside_its_partitions(tmp_pat
     the trainer's version as they were; CK back by key under a uid no live partition has; a
     live CK refuses the load, naming it, and nothing changes."""
     ck_rows, live_rows = rows(0, 6), rows(100, 3)
-    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
+    with LoopCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
         meta = c.put(CK, ck_rows)
         c.bind_keys(meta, [f"prompt-{i}" for i in range(6)])
         c.set_version(2)
@@ -292,7 +304,7 @@ def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_pat
     live CK and LIVE serving their bytes and nothing of the checkpoint on the units; one that
     succeeds serves the checkpoint's bytes and frees the live CK's (the units' bytes back)."""
     ck_rows, now_rows, live_rows = rows(0, 8), rows(50, 8), rows(100, 2)
-    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
+    with LoopCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as c:
         assert len({u for half in (ck_rows[:4], ck_rows[4:]) for u in c.put(CK, half).units}) == 2
         c.save_checkpoint(tmp_path)
         c.clear(CK)

@@ -13,6 +13,8 @@ import torch
 import tqueue
 from tqueue.errors import FieldTypeError
 
+from ..servers import LoopCluster
+
 PATHS = {"socket": False, "shm": True}
 
 
@@ -115,7 +117,7 @@ def test_puts_that_every_caller_gave_up_on_are_withdrawn(cluster, partition):
     """Puts waiting for memory at the controller, coalesced, all cancelled: withdrawn, as one
     put alone is (nothing is stored, and memory freed later is not granted to them)."""
     small = dataclasses.replace(_config(False), put_timeout=30.0)
-    with tqueue.LocalCluster(num_storage_units=1, controller={"capacity_bytes": 4 << 20}) as own:
+    with LoopCluster(num_storage_units=1, controller={"capacity_bytes": 4 << 20}) as own:
 
         async def bounded():
             async with tqueue.AsyncClient(own.address, config=small) as c:

@@ -19,6 +19,8 @@ from tqueue.client._routes import device as device_route
 from tqueue.client._routes.device import Accelerator, Delivery
 from tqueue.errors import InvalidArgumentError
 
+from ..servers import LoopCluster
+
 ROUTES = {
     "inline": tqueue.ClientConfig(shm=False, bulk=False),
     "bulk": tqueue.ClientConfig(shm=False, bulk_lanes=2, bulk_lane_min_bytes=1 << 16, bulk_put_min_bytes=1),
@@ -229,7 +231,7 @@ def test_a_device_that_cannot_be_had_is_a_clear_error(cluster, partition, device
 @pytest.fixture
 def empty_pair() -> Any:
     """Two empty units: two equal puts are placed one on each (the least loaded unit)."""
-    with tqueue.LocalCluster(num_storage_units=2) as c:
+    with LoopCluster(num_storage_units=2) as c:
         yield c
 
 
@@ -366,7 +368,7 @@ def test_a_punched_arena_is_registered_again_before_it_is_read(partition, monkey
     first, second = batch_data(seed=5), batch_data(seed=6)
     # no lease: a kept range is never punched, and the second put would go into it unasked
     config = dataclasses.replace(ROUTES["arena"], arena_lease_bytes=0)
-    with tqueue.LocalCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
+    with LoopCluster(num_storage_units=1, storage={"retain_bytes": 0}) as cluster:
         with tqueue.Client(cluster.address, config=config) as c:
             c.put(partition, first)
             assert torch.equal(c.get_data(partition, ["ids"], 32, task="t", device="cpu", timeout=10)["ids"], first["ids"])

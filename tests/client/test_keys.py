@@ -13,6 +13,8 @@ import torch
 
 import tqueue
 
+from ..servers import LoopCluster
+
 
 def _values(client: tqueue.Client, partition: str, n: int) -> tqueue.BatchMeta:
     return client.put(partition, {"x": torch.arange(float(n))})
@@ -96,7 +98,7 @@ def test_cleared_samples_and_partitions_take_their_keys(client: tqueue.Client, p
 
 
 def test_bounds_of_a_request() -> None:
-    with tqueue.LocalCluster(num_storage_units=1, controller={"max_samples_per_request": 3}) as cluster, tqueue.Client(
+    with LoopCluster(num_storage_units=1, controller={"max_samples_per_request": 3}) as cluster, tqueue.Client(
         cluster.address
     ) as client:
         with pytest.raises(tqueue.InvalidArgumentError, match="4 keys in one request, more than max_samples_per_request=3"):
@@ -125,12 +127,12 @@ def test_async_twin(async_client: str, partition: str) -> None:
 
 
 def test_keys_and_tags_survive_a_checkpoint(tmp_path: Path) -> None:
-    with tqueue.LocalCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address) as client:
+    with LoopCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address) as client:
         meta = _values(client, "kv", 2)
         client.bind_keys(meta, ["a", "b"], tags=[{"n": 1, "raw": b"\x00\xff"}, {"n": 2}])
         client.tag_keys("kv", ["later"], [{"status": "pending"}])
         client.save_checkpoint(tmp_path)
-    with tqueue.LocalCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as client:
+    with LoopCluster(num_storage_units=2) as cluster, tqueue.Client(cluster.address) as client:
         client.load_checkpoint(tmp_path)
         assert client.list_keys() == {
             "kv": {"a": {"n": 1, "raw": b"\x00\xff"}, "b": {"n": 2}, "later": {"status": "pending"}}

@@ -22,11 +22,14 @@ from tqueue.transport import _zmq
 from tqueue.wire import FieldBlock, FieldSpec, Store, Stored
 
 from ..faults._proc import until
+from ..servers import LoopCluster
 
 KiB = 1 << 10
 PUT = 128 * KiB  # a put's arena bytes: 8 samples of 4096 float32
 LEASE = 1 << 20  # eight puts a lease
 CONFIG = tqueue.ClientConfig(shm=True, shm_min_bytes=0, arena_lease_bytes=LEASE)
+# the unit reports its arena with its heartbeats: a short interval, for the waits on them
+BEATS = {"heartbeat_interval": 0.25}
 
 
 def group(i: int) -> dict[str, torch.Tensor]:
@@ -49,7 +52,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 @pytest.fixture
 def unit() -> Iterator[tqueue.LocalCluster]:
-    with tqueue.LocalCluster(num_storage_units=1, storage={"alloc_timeout": 60.0}) as c:
+    with LoopCluster(num_storage_units=1, storage={"alloc_timeout": 60.0}, controller=BEATS) as c:
         yield c
 
 
@@ -128,7 +131,7 @@ def test_a_lease_that_lapsed_on_the_unit_is_not_put_into_and_its_late_release_sp
     into a lease only within half of that. After the lapse the next put takes a new lease,
     which first-fit hands out at the same offset; the old lease's release rides on that
     put's Store, and its token keeps it from ending the new allocation there."""
-    with tqueue.LocalCluster(num_storage_units=1, storage={"alloc_timeout": 0.5}) as cluster:
+    with LoopCluster(num_storage_units=1, storage={"alloc_timeout": 0.5}, controller=BEATS) as cluster:
         with tqueue.Client(cluster.address, config=CONFIG) as c:
             c.put(partition, group(0))
             old = route_of(c).lease

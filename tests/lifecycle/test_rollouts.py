@@ -4,12 +4,23 @@ with splicing, postpone and prefetch, over-sampling with abort, padding, atomic 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import tqueue
 from tqueue.errors import InvalidArgumentError, SchemaError, WaitTimeoutError
+
+from ..servers import LoopCluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopCluster]:
+    """Servers of this module's own: its tests set the trainer's version, which is the
+    cluster's (served in this process: they need no process of their own)."""
+    with LoopCluster(num_storage_units=2) as c:
+        yield c
 
 
 def status(client, partition):

@@ -28,6 +28,8 @@ from tqueue.client._routes import BulkRoute
 from tqueue.transport import _bulk
 from tqueue.wire._layout import split_lanes
 
+from ..servers import LoopCluster
+
 HOSTS = ("bulk-a", "bulk-b")  # the units' host names: a producer on one puts to its unit
 
 # Units without the bulk listener (test_local_cluster_storage_bulk_false_turns_the_listener_off
@@ -168,7 +170,7 @@ def streams(monkeypatch: pytest.MonkeyPatch) -> StreamLog:
 
 @pytest.fixture(scope="module")
 def bulk_cluster() -> Iterator[tqueue.LocalCluster]:
-    with tqueue.LocalCluster(num_storage_units=2, unit_hosts=HOSTS) as c:
+    with LoopCluster(num_storage_units=2, unit_hosts=HOSTS) as c:
         yield c
 
 
@@ -243,7 +245,7 @@ def test_bulk_off_on_the_client_or_on_the_unit_gives_the_same_bytes(connect, str
     assert streams.opened[address] == 1  # the client without bulk opened no stream
     assert off.stats.copied_bytes > copied  # ZeroMQ frames assembled by copying
 
-    with tqueue.LocalCluster(num_storage_units=1, storage=UNITS_WITHOUT_BULK) as plain:
+    with LoopCluster(num_storage_units=1, storage=UNITS_WITHOUT_BULK) as plain:
         p = connect(address=plain.address)
         plain_meta = p.put(partition, data)
         c = connect(address=plain.address)

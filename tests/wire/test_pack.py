@@ -23,6 +23,8 @@ from tqueue.errors import ProtocolError
 from tqueue.wire import FieldBlock, FieldSpec, _pack
 from tqueue.wire._layout import frame_layout, sample_sizes
 
+from ..servers import LoopCluster
+
 SOCKET = tqueue.ClientConfig(shm=False, request_timeout=10)
 SHM = tqueue.ClientConfig(shm=True, shm_min_bytes=0, request_timeout=10)
 
@@ -184,7 +186,7 @@ def assert_same(batch: Any, data: dict[str, Any], rows: list[int] | None = None)
 
 @pytest.fixture(scope="module")
 def cluster() -> Any:
-    with tqueue.LocalCluster(num_storage_units=1) as c:
+    with LoopCluster(num_storage_units=1) as c:
         yield c
 
 
