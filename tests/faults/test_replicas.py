@@ -271,8 +271,8 @@ def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
 
     from tqueue.controller.model._partition import Partition
     from tqueue.controller.model._records import GrantRecord
-    from tqueue.controller.parts._copies import record_copy
     from tqueue.controller.model._samples import COMMITTED
+    from tqueue.controller.parts._copies import record_copy
 
     part = Partition("p", 1)
     part.allocate(4, None, None)

@@ -1,5 +1,5 @@
 """Checkpoint and restore, as a client asks for them (the work is the controller's and the
-units': see ``tqueue/controller/_checkpoint.py``)."""
+units': see ``tqueue/controller/parts/_checkpoints.py``)."""
 
 from __future__ import annotations
 

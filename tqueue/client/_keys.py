@@ -1,5 +1,5 @@
 """Keys, tags and reads without a lease, as a client asks for them: a partition's index from
-user keys to samples, each sample's tags (``tqueue/controller/_keys.py`` keeps them), and the
+user keys to samples, each sample's tags (``tqueue/controller/parts/_user_keys.py`` keeps them), and the
 meta of every live sample (``select``). The calls neither lease nor consume: their metas can
 be read by anyone, any number of times."""
 

@@ -1,4 +1,6 @@
-"""The controller process: all metadata, no payload (the floor plan: docs/architecture.md)."""
+"""The controller process: all metadata, no payload. Its sub-packages (model, planning,
+parts, server) and what lives where:
+docs/architecture.md, "Controller floor plan", "The controller inside"."""
 
 from ..config import ControllerConfig
 from .server._controller import Controller

@@ -326,7 +326,7 @@ class Registered(Message):
 
 
 class CreatePartition(Message):
-    """Create a partition up front, with options (see ``controller._partition.Options``)."""
+    """Create a partition up front, with options (see ``controller.model._partition.Options``)."""
 
     KIND = Kind.CREATE_PARTITION
     partition: str
