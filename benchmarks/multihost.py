@@ -44,7 +44,7 @@ HOSTS = ("ctl", "prod", "u0", "u1", "cons")
 
 def _pattern(pid: int, row: int) -> Any:
     # numpy, not torch: torch's OpenMP threads spin after each op and take the cores the
-    # client's copy threads need (docs/performance.md, "OpenMP spinning")
+    # client's copy threads need (docs/performance-history.md, "OpenMP spinning")
     import numpy as np
 
     return ((np.arange(row, dtype=np.int64) + pid * 7) & 255).astype(np.uint8)

@@ -557,7 +557,7 @@ def _row(r: dict[str, Any], label: str) -> None:
           f"{r['ack_p50']:6.1f}/{r['ack_p99']:6.1f}", flush=True)
 
 
-# Issue 28, point 3 (docs/performance.md, "Targets of issue 28, point 3")
+# Issue 28, point 3 (docs/performance-history.md, "Targets of issue 28, point 3")
 US_PER_OP = 20.0  # controller CPU per metadata operation
 P99_CLIENTS, P99_MS = 100, 10.0  # get_meta p99 at this many connections
 FILL_SAMPLES, FILL_P50_MS = 10**6, 0.5  # get_meta p50 of one sample in a partition this full

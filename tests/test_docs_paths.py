@@ -162,7 +162,7 @@ def _headings(doc: pathlib.Path) -> set[str]:
             for line in doc.read_text().splitlines() if line.startswith("#")}
 
 
-_PACKAGES = ["bridges", "client", "demos", "launch", "storage", "transport", "wire"]  # controller: with its restructuring
+_PACKAGES = ["bridges", "client", "controller", "demos", "launch", "storage", "transport", "wire"]
 
 
 @pytest.mark.parametrize("package", _PACKAGES)
