@@ -466,12 +466,12 @@ def test_a_controller_that_cannot_tell_the_version_gets_503_and_a_later_wait_fol
     async def main(session, server, client):
         async with session.get("/v1/version") as resp:
             assert resp.status == 200
-        real = client.wait_version
+        real = client.rollouts.wait_version
 
         async def unreachable(*args, **kwargs):
             raise UnavailableError("the controller did not answer")
 
-        client.wait_version = unreachable
+        client.rollouts.wait_version = unreachable
         server._follower.cancel()  # the follower ends; the next wait starts one, which fails
         await asyncio.gather(server._follower, return_exceptions=True)
         async with session.get("/v1/version", params={"after": str(server.version), "timeout": "60"}) as resp:
@@ -480,7 +480,7 @@ def test_a_controller_that_cannot_tell_the_version_gets_503_and_a_later_wait_fol
             assert answer["error"] == "the trainer's version cannot be learned from the controller: the controller did not answer"
         async with session.get("/v1/events") as events:  # what it knew, then why it stops, then the end
             assert [kind for kind, _ in [x async for x in sse(events)]] == ["version", "error"]
-        client.wait_version = real
+        client.rollouts.wait_version = real
         now = (await client.status()).version
         await client.set_version(now + 1, weights="s3://w/next")
         async with session.get("/v1/version", params={"after": str(now), "timeout": "60"}) as resp:

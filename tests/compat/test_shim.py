@@ -409,17 +409,17 @@ def test_a_key_named_meanwhile_is_written_in_place(shim: Any, monkeypatch: pytes
 
     client = shim.get_client()._client
     shim.kv_put(key="k", partition_id="race", fields={"v": torch.tensor([1])})
-    real = client.lookup_keys
+    real = client.keys.lookup
     stale: list[int] = []
 
-    def as_before_the_other_put(partition: str, keys: Any = None, **kw: Any) -> Any:
+    def as_before_the_other_put(self: Any, partition: str, keys: Any = None, **kw: Any) -> Any:
         found = real(partition, keys, **kw)
         if not stale:  # the first lookup sees the partition as it was before the other put
             stale.append(1)
             return msgspec.structs.replace(found, indexes=[-1] * len(found.indexes), meta=None)
         return found
 
-    monkeypatch.setattr(client, "lookup_keys", as_before_the_other_put)
+    monkeypatch.setattr(type(client.keys), "lookup", as_before_the_other_put)  # made at each access
     shim.kv_put(key="k", partition_id="race", fields={"v": torch.tensor([2])})
     monkeypatch.undo()
     assert stale == [1]
