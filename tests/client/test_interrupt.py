@@ -2,7 +2,8 @@
 
 The interrupted client is a real :class:`tqueue.Client` in a process of its own
 (tests/client/_interrupted.py) that lives on after the interrupt, as a notebook does: what it
-had parked must not wait for its session to end, nor samples be leased to it.
+had parked must not wait for its session to end, nor samples be leased to it. The servers
+run in this process (tests/servers.py): the client is the process that must be real.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import tqueue
 from tqueue.errors import ControllerUnavailableError
 from tqueue.transport import _zmq
 from tqueue.wire import _messages as wire
+
+from ..servers import LoopCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -83,7 +86,7 @@ def interrupted() -> Iterator[Any]:
 
 
 def test_an_interrupted_get_meta_is_withdrawn_and_leased_nothing(interrupted):
-    with tqueue.LocalCluster(num_storage_units=1) as c, c.client() as client:
+    with LoopCluster(num_storage_units=1) as c, c.client() as client:
         consumer = interrupted("get_meta", c.address)
         until(lambda: waiting(client, "get_meta") == 1, 60, "the consumer's get_meta parked")
         t0 = time.monotonic()
@@ -103,7 +106,7 @@ def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_
     """Also with ``coalesce_puts``: the put went out one loop turn after the call, as a
     coalesced put of one caller, which is withdrawn once that caller gives up."""
     storage = {"capacity_bytes": 4 << 20}  # one unit of 4 MiB
-    with tqueue.LocalCluster(num_storage_units=1, storage=storage) as c, c.client() as client:
+    with LoopCluster(num_storage_units=1, storage=storage) as c, c.client() as client:
         client.put("filler", {"x": torch.zeros(12, 1 << 16)})  # 3 MiB: the 2 MiB put must wait
         producer = interrupted("put", c.address, {"TQUEUE_COALESCE_PUTS": coalesce})
         until(lambda: waiting(client, "put") == 1, 60, "the producer's put parked for memory")
