@@ -107,6 +107,19 @@ def test_a_field_no_sample_of_a_sealed_partition_has_fails_at_once_with_the_near
         client.get_data(meta, ["rewrd"])
 
 
+def test_a_misspelt_field_of_an_open_partition_fails_at_once_and_a_new_one_is_waited_for(client, partition):
+    """A name one edit from a field the samples have, that no put or update under way writes,
+    is a misspelling: said at once, not after the timeout. A name like none of them may be a
+    field a later put or update writes (a reward): it is waited for."""
+    client.put(partition, {"reward": torch.zeros(3), "x": torch.zeros(3)})
+    started = time.monotonic()
+    with pytest.raises(UnknownFieldError, match=rf"partition '{partition}' has field 'rewrad' .*did you mean 'reward'\?"):
+        client.get_meta(partition, ["x", "rewrad"], 1, task="t", timeout=60)
+    assert time.monotonic() - started < 5
+    with pytest.raises(WaitTimeoutError, match=r"fields never written to it: \['advantages'\]"):
+        client.get_meta(partition, ["x", "advantages"], 1, task="t", timeout=0.2)
+
+
 def test_a_reader_parked_on_a_field_learns_at_the_seal_that_it_cannot_come(cluster, partition):
     async def main():
         async with tqueue.AsyncClient(cluster.address) as consumer, tqueue.AsyncClient(cluster.address) as producer:

@@ -146,13 +146,26 @@ class Reads:
         """Raise UnknownFieldError for a field that no sample of ``part`` has and none can
         get: the partition is sealed, does not declare its fields, and no put or update in
         flight writes it. (A partition that declares its fields waits for them: a later
-        update may write them.)"""
-        if not part.sealed or part.schema.declared is not None:
+        update may write them.) On an open partition, a name one typo from a field its
+        samples have (:func:`_one_edit`; no put or update in flight writes it) fails at once
+        too; any other field no sample has yet is waited for (a later put or update may write
+        it: ``ref_log_prob`` beside ``old_log_probs`` is no typo)."""
+        if part.schema.declared is not None:
             return
         writing: set[str] = set()
         for grant in self.state.grants.values():
             if grant.partition_uid == part.uid:
                 writing |= grant.fields
+        if not part.sealed:
+            for name in missing:
+                near = did_you_mean(name, [f for f in part.specs if _one_edit(name, f)])
+                if near and name not in writing:
+                    raise UnknownFieldError(
+                        f"no sample of partition {part.name!r} has field {name!r} and no put or update under way "
+                        f"writes it{near} (fields: {sorted(part.specs)}; a field that looks like none of them is "
+                        "waited for, as a later put or update may write it)"
+                    )
+            return
         for name in missing:
             if name not in writing:
                 raise UnknownFieldError(
@@ -521,3 +534,17 @@ def _check_get(msg: GetMeta) -> None:
             raise InvalidArgumentError(f"round must be >= 0, got {msg.round}")
     if msg.max_staleness is not None and msg.max_staleness < 0:
         raise InvalidArgumentError(f"max_staleness must be >= 0, got {msg.max_staleness}")
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` is one typo from ``b``: a character added, dropped, changed, or two
+    neighbours swapped; names of four characters or more (``x`` and ``y`` are two fields)."""
+    if min(len(a), len(b)) < 4 or a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = next((k for k in range(len(short)) if short[k] != long[k]), len(short))
+    return short[i:] == long[i + 1 :]
