@@ -4,6 +4,8 @@ in any order and field by field; readers see a row once it holds what they ask f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import msgspec
 import pytest
 import torch
@@ -12,6 +14,14 @@ import tqueue
 from tqueue.errors import InvalidArgumentError, WaitTimeoutError
 
 from ..servers import LoopCluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopCluster]:
+    """Servers of this module's own, served in this process: a test's placement ("the other
+    unit, the less loaded one") needs units whose loads are the module's own."""
+    with LoopCluster(num_storage_units=2) as c:
+        yield c
 
 
 def part_of(meta: tqueue.BatchMeta, a: int, b: int) -> tqueue.BatchMeta:
