@@ -131,8 +131,8 @@ class LoopCluster:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(30)
         self.loop.close()
-        # the servers' objects go now, with their finalizers, not at some later test's
-        # collection (where a signal that test sends itself could land in one of them)
+        # the servers' objects (sockets, arenas, their cycles) go now, with their finalizers,
+        # not at a collection in the middle of some later test
         self._servers.clear()
         self._serving.clear()
         gc.collect()
