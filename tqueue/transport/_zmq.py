@@ -441,9 +441,11 @@ class BlockingPeer:
             raise self._unavailable(f"connection to {self.name} at {self.address} is closed")
         msg.rid = rid = next(self._ids)
         self._disconnected()  # a close before this request does not concern it
-        with self._io:
-            send_frames(self.sock, encode(msg), NOBLOCK)
         try:
+            # inside the try: a Ctrl-C just after the send (before the wait began) withdraws it
+            # too (a Cancel of a request that never went is ignored by the server)
+            with self._io:
+                send_frames(self.sock, encode(msg), NOBLOCK)
             reply = self._wait(msg, rid, timeout)
         except BaseException:  # no answer: a timeout, a silent server, an interrupt (Ctrl-C)...
             self._withdraw(rid)
