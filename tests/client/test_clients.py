@@ -50,6 +50,27 @@ def test_async_client_in_a_users_loop(cluster, partition):
     assert asyncio.run(main()) == list(range(8))
 
 
+def test_a_same_host_batch_that_outlives_its_client_in_a_running_loop_logs_nothing(cluster, partition, caplog):
+    """Its arena views let go after the client closed: the hold is left to lapse at the unit
+    (its hold_timeout), and no callback of the loop fails ("client is closed")."""
+    import gc
+    import logging
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=tqueue.ClientConfig(shm=True, shm_min_bytes=0)) as c:
+            meta = await c.put(partition, {"x": torch.arange(1 << 16, dtype=torch.int64).reshape(4, -1)})
+            batch = await c.get_data(meta)
+        assert batch["x"].sum().item() == sum(range(1 << 16))  # still readable: it holds its pages
+        del batch
+        gc.collect()
+        for _ in range(3):  # the release's callback, and anything it would start, run here
+            await asyncio.sleep(0)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
 def test_protocol_version_mismatch_names_both_versions(cluster, monkeypatch):
     import tqueue.client._connections as mod
 

@@ -283,6 +283,8 @@ class Connections:
             pass
 
     def _queue_release(self, unit_id: int, hold: int) -> None:
+        if self._closed or self.tasks.closed:
+            return  # a batch that outlived its client: the unit lets the hold lapse after its hold_timeout
         if not self._releases:
             self.tasks.start(self.flush_releases(), "release arena holds")
         self._releases.setdefault(unit_id, []).append(hold)
