@@ -12,6 +12,7 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).with_name("examples.py")
 
 
+@pytest.mark.slow  # a cold mypy over torch's stubs: 23 s of the README command; .ci/run runs it
 def test_the_examples_type_check():
     pytest.importorskip("mypy")
     out = subprocess.run(
