@@ -101,8 +101,11 @@ def test_demo_quick_shows_progress_and_ends_with_its_table():
 @pytest.mark.slow
 def test_demo_says_what_it_waits_for_when_no_report_comes():
     """Its children take longer to start than the (here shortened) stall interval: the demo
-    says what it waits for, then finishes as usual."""
-    script = ("import sys, tqueue.demos.simulated, tqueue.cli; tqueue.demos.simulated.STALL_SECONDS = 0.2; "
+    says what it waits for, then finishes as usual. (The children are spawned here, each
+    importing torch, rather than forked from the demo's fork server, which starts them
+    faster than any stall interval.)"""
+    script = ("import multiprocessing, sys, tqueue.demos.simulated as demo, tqueue.cli; demo.STALL_SECONDS = 0.2; "
+              "demo._children = lambda: multiprocessing.get_context('spawn'); "
               "sys.exit(tqueue.cli.main(['demo', '--quick', '--steps', '1']))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
