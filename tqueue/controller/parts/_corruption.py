@@ -58,7 +58,8 @@ class Corruption:
         bad = idx[first | second]
         lost = idx[first & ~moved]
         part.corrupt += len(bad)
-        part.single += int((moved | second).sum())  # held once now, until copied again
+        if (moved | second).any():
+            part.twice = True  # held once now (status().single counts them), until copied again
         if len(lost):
             part.lose_samples(lost, "corrupt")
         if len(bad):
