@@ -418,7 +418,7 @@ class _Step:
         if self.d.extra is not None and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
-        meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version)
+        meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version, if_sealed="discard")
         self.done.add(key)
         self.fate(meta, _Partial(meta, traj, group, budget, [0]))
 

@@ -65,6 +65,7 @@ class PutAsk:
     version: int | Sequence[int] | None = None
     timeout: float | None = None
     partial: bool = False
+    if_sealed: Literal["raise", "discard"] = "raise"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

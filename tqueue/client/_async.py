@@ -236,13 +236,15 @@ class AsyncClient:
         saying what it asked for and what was used and allowed.
 
         ``partial``: unfinished rollouts; stored but never served until ``rollouts.complete``.
-        A put to a sealed partition (its over-sampling target was reached) sends nothing and
-        returns a meta with ``status="aborted"``, or, where the partition recycles late
-        samples, stores them as partial samples there (``status="recycled"``). A put that
+        A put to a sealed partition (``seal``, or its over-sampling target was reached) stores
+        nothing and raises :class:`PartitionSealedError`; with ``if_sealed="discard"`` (the
+        over-sampling producer's choice) it returns a meta with ``status="aborted"`` instead.
+        Where the partition recycles late samples, they are stored as partial samples there
+        (``status="recycled"``) either way. A put that
         crosses the target keeps only the samples that reach it (``status="trimmed"``,
         ``fates`` per sample "ok" or "aborted"); every fate is final when the put returns.
-        A put to a partition that sealed and freed itself is aborted for 10 minutes after
-        (stragglers), unless :meth:`create_partition` starts it again.
+        A put to a partition that sealed and freed itself is treated as sealed for 10 minutes
+        after (stragglers), unless :meth:`create_partition` starts it again.
         """
         return await self._puts.put(ask)
 
