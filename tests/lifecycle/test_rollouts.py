@@ -219,8 +219,8 @@ def test_postpone_whole_groups(client, partition):
     meta = client.put(partition, {"x": torch.arange(6)}, groups=["a", "a", "b", "b", "c", "c"])
     moved = client.postpone(meta.select([1, 4]), nxt, whole_groups=True)  # one member each of a, c
     assert sorted(moved.groups) == ["a", "a", "c", "c"]
-    assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5)["x"].tolist()) == [0, 1, 4, 5]
-    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["b", "b"]
+    assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5, policy="first_ready")["x"].tolist()) == [0, 1, 4, 5]
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5, policy="first_ready").groups == ["b", "b"]
 
 
 def test_token_versions_of_a_spliced_whole_sequence_field_count_the_prompt(client, partition):

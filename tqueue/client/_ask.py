@@ -157,7 +157,7 @@ class LeaseOptions:
 
     timeout: float | None = None
     lease_timeout: float | None = None
-    policy: str = "first_ready"
+    policy: str | None = None
     data_parallel: DataParallel | None = None
     micro_batches: MicroBatches | None = None
     balance_by: Sequence[str] | None = None

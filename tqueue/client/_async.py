@@ -160,7 +160,8 @@ class AsyncClient:
 
         ``fields``: the only fields it accepts. ``tasks``: the tasks that must consume every
         sample before it frees itself (default: the tasks that asked for samples).
-        ``group_size``: samples per GRPO group, for ``policy="groups"``.
+        ``group_size``: samples per GRPO group; a partition with one releases whole groups
+        (by default, and with ``policy="groups"``).
         ``on_member_failure``: ``"drop_group"`` aborts a group when a member fails,
         ``"mask_member"`` releases it without that member. ``auto_free``: free the
         partition once every task has consumed every sample.
@@ -267,7 +268,10 @@ class AsyncClient:
         forever). Raises :class:`~tqueue.errors.WaitTimeoutError` saying what was ready.
         ``lease_timeout``: the samples return to the task's pool unless acked (or renewed)
         in time (None: the config's ``lease_timeout``; ``math.inf``: never).
-        ``policy``: ``first_ready``, or ``groups`` for whole GRPO groups only.
+        ``policy``: ``first_ready`` (index order), ``groups`` (whole GRPO groups only), or one
+        the controller loaded. None (the default): whole groups where the partition has a
+        ``group_size``, else index order; a partition holding samples put with groups but no
+        group size refuses a default read (InvalidArgumentError) rather than split its groups.
         ``dp_rank`` / ``dp_size``: this rank's token-balanced share of a round of
         ``dp_size * batch_size`` samples; every caller asking for the same round and rank
         (tensor/pipeline parallel peers) gets the identical meta. Rounds count per client
