@@ -28,8 +28,7 @@ async def main(url: str, abort: str) -> None:
                 report = await driver.step(f"step-{step}", prompts if step == 0 else prompts[:1], n=4)
                 print(f"step {step}: stored {report.stored}, aborted {report.aborted}, "
                       f"recycled {report.recycled}, resumed {report.resumed}")
-                batch = await client.get_data(f"step-{step}", ["response_ids", "version_spans"], 8, task="train", timeout=60,
-                                              policy="first_ready")  # the target counts samples, not groups
+                batch = await client.get_data(f"step-{step}", ["response_ids", "version_spans"], 8, task="train", timeout=60)
                 mixed = sum(1 for s in batch["version_spans"] if len(s) > 1)
                 print(f"step {step}: trained on {len(batch.meta)} samples, {mixed} generated under two versions")
                 await client.ack(batch.meta)

@@ -41,8 +41,7 @@ async def rollouts(llm) -> None:
                 report = await driver.step(f"step-{step}", prompts, n=4, max_new_tokens=budgets)
                 print(f"step {step}: stored {report.stored}, aborted {report.aborted}, "
                       f"recycled {report.recycled}, resumed {report.resumed}")
-                batch = await client.get_data(f"step-{step}", ["response_ids"], 8, task="train", timeout=120,
-                                              policy="first_ready")  # the target counts samples, not groups
+                batch = await client.get_data(f"step-{step}", ["response_ids"], 8, task="train", timeout=120)
                 versions = sorted({tuple(sorted(set(v.tolist()))) for v in batch.token_versions("response_ids")})
                 print(f"step {step}: token versions per sample {versions}")
                 await client.ack(batch.meta)

@@ -10,6 +10,8 @@ import torch
 import tqueue
 from tqueue.errors import InvalidArgumentError, WaitTimeoutError
 
+from ..servers import LoopCluster
+
 
 def put_member(client, partition, group, member):
     client.put(partition, {"x": torch.tensor([member]), "g": [group]}, groups=group)
@@ -67,16 +69,18 @@ def test_by_default_a_batch_that_is_not_whole_groups_is_refused_at_once(client, 
     assert meta.groups == ["a", "a", "b"]
 
 
-def test_a_default_read_of_groups_without_a_group_size_is_refused_not_split(client, partition):
+def test_a_default_read_of_groups_without_a_group_size_takes_index_order_and_says_so(partition, caplog):
     """Samples put with groups to a partition that has no group size: nothing can tell when a
-    group is whole, so a default read says how to fix it instead of splitting groups."""
-    client.put(partition, {"x": torch.arange(3)}, groups=["a", "a", "b"])
-    with pytest.raises(InvalidArgumentError, match=f"partition '{partition}' holds samples put with groups but has no group_size"):
-        client.get_meta(partition, ["x"], 2, task="t", timeout=5)
-    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5, policy="first_ready").groups == ["a", "a"]
-    other = f"{partition}-plain"
-    client.put(other, {"x": torch.arange(2)})  # no groups: index order, as before
-    assert client.get_meta(other, ["x"], 2, task="t", timeout=5).indexes == [0, 1]
+    group is whole, so a default read takes index order, and the controller (served in this
+    process, to read its log) says so once."""
+    with LoopCluster(1) as cluster, cluster.client() as client, caplog.at_level("WARNING", logger="tqueue.controller"):
+        client.put(partition, {"x": torch.arange(3)}, groups=["a", "a", "b"])
+        assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["a", "a"]
+        client.get_meta(partition, ["x"], 1, task="u", timeout=5)
+    told = [r.getMessage() for r in caplog.records if "has no group_size" in r.getMessage()]
+    assert told == [f"partition {partition!r} holds samples put with groups but has no group_size: a read that names "
+                    "no policy takes them in index order, and may split groups (create_partition(..., group_size=n) "
+                    "keeps them whole)"]
 
 
 def test_drop_group_aborts_the_group_of_a_failed_member(client, partition):
@@ -147,3 +151,11 @@ def test_a_padded_read_ends_a_sealed_partition_with_its_last_whole_groups(client
     client.ack(first)
     client.ack(last)
     assert client.get_meta(partition, ["x"], 4, task="t", timeout=5, pad=True).indexes == []
+
+
+def test_a_partition_that_over_samples_by_samples_reads_in_index_order_by_default(client, partition):
+    """A ``target`` in samples cuts groups already (the rollout driver's steps): a default read
+    takes samples in index order there, groups or not."""
+    client.create_partition(partition, target=3)
+    client.put(partition, {"x": torch.arange(4)}, groups=["a", "a", "b", "b"])
+    assert client.get_meta(partition, ["x"], 3, task="t", timeout=5).indexes == [0, 1, 2]

@@ -125,8 +125,7 @@ def _megatron_rank(rank: int, world: int, port: int, address: str, steps: int, b
             reader = StepReader(client, mode="each")
             for k in range(steps):
                 step = reader.read(f"rl/step-{k}", ["response_ids", "response_logprobs", "loss_mask"], batch,
-                                   max_tokens_per_micro_batch=512, timeout=600,
-                                   policy="first_ready")  # the target counts samples, not groups
+                                   max_tokens_per_micro_batch=512, timeout=600)
                 loss = torch.zeros(1)
                 for mb in step.micro_batches:  # a stand-in training step: the policy-gradient loss's shape
                     mask = mb["loss_mask"].float()
@@ -237,7 +236,7 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, train
                     started = time.monotonic()
                     batch = await trainer.get_data(
                         f"rl/step-{k}", ["response_ids", "response_logprobs", "version_spans"], groups * n,
-                        task="train", timeout=600, policy="first_ready",  # the target counts samples, not groups
+                        task="train", timeout=600,
                     )
                     versions = batch.token_versions("response_ids")
                     lo = min(int(v.min()) for v in versions if len(v))

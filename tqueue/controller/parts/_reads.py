@@ -78,6 +78,7 @@ class Reads:
         self.leases: dict[int, Lease] = {}
         self.lease_ids = random_ids()  # not guessable: a lease id is what an ack names
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
+        self._told_ungrouped: set[int] = set()  # partitions (uids) whose default read of groups was logged
         self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self._free = free  # free a partition if every task consumed it
@@ -116,18 +117,21 @@ class Reads:
 
     def policy_of(self, part: Partition, msg: GetMeta) -> str:
         """The policy a request reads with: the one it names, or by default (``""``) whole
-        groups where the partition has a ``group_size``, else index order. Samples put with
-        groups to a partition without a group size cannot be released whole: a default read
-        of them is refused rather than splitting their groups."""
+        groups where the partition has a ``group_size``, else index order. (Without a group
+        size nothing tells when a group is whole: a default read of samples put with groups
+        there takes them in index order, and the controller logs it once per partition.)"""
         if msg.policy:
             return msg.policy
         if part.options.group_size:
             return "groups"
-        if part.samples.has_groups:
-            raise InvalidArgumentError(
-                f"partition {part.name!r} holds samples put with groups but has no group_size, so its "
-                f"groups cannot be released whole: create_partition({part.name!r}, group_size=...) before "
-                "the first put, or read with policy='first_ready' to take samples regardless of groups"
+        if part.samples.has_groups and not part.options.target and part.uid not in self._told_ungrouped:
+            if len(self._told_ungrouped) >= MAX_SERVED:
+                self._told_ungrouped.clear()  # bounded: at worst a partition is logged again
+            self._told_ungrouped.add(part.uid)
+            log.warning(
+                "partition %r holds samples put with groups but has no group_size: a read that names no policy "
+                "takes them in index order, and may split groups (create_partition(..., group_size=n) keeps them whole)",
+                part.name,
             )
         return "first_ready"
 
