@@ -365,3 +365,18 @@ def test_each_package_docstring_ends_pointing_at_its_section_of_the_map(init):
     m = re.fullmatch(r"Map: docs/architecture\.md#([\w-]+)\.?", last.strip())
     assert m, f"{init.relative_to(ROOT)}: the docstring's last line is {last!r}, not 'Map: docs/architecture.md#...'"
     assert m[1] in _anchors(ROOT / MAP), f"{init.relative_to(ROOT)}: docs/architecture.md has no section #{m[1]}"
+
+
+def test_the_environment_table_lists_every_variable_the_code_reads_and_no_other():
+    """docs/api.md's table of ``TQUEUE_*`` variables against those the package and the shim
+    name in their source: a variable added or dropped without the table fails here."""
+    import re
+
+    code: set[str] = set()
+    for root in (ROOT / "tqueue", ROOT / "compat" / "transferqueue" / "transfer_queue"):
+        for path in root.rglob("*.py"):
+            code |= set(re.findall(r"\bTQUEUE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    page = (ROOT / "docs" / "api.md").read_text()
+    section = page.split("### Environment variables", 1)[1].split("\n## ", 1)[0]
+    table = {name for line in section.splitlines() if line.startswith("| ") for name in re.findall(r"`(TQUEUE_[A-Z0-9_]+)`", line)}
+    assert table == code, f"only in the code: {sorted(code - table)}; only in the table: {sorted(table - code)}"

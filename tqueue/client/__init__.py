@@ -1,6 +1,6 @@
 """The client library used inside producers and consumers.
 
-Described in docs/api.md, "Clients", "Batch" and "BatchMeta".
+Described in docs/api.md, "Clients", "Batch" and "Meta".
 
 Map: docs/architecture.md#the-client
 """
