@@ -1,9 +1,13 @@
-"""Shared fixtures. ``cluster`` is a local cluster, real processes on 127.0.0.1: one for the
-whole session in the directories whose tests neither kill, stop nor reconfigure it and keep
-to partitions of their own (``SHARED``: the `partition` fixture names them), one per module
-elsewhere. A module that needs a cluster of its own (one it kills, other options, global
-state such as the version) defines a ``cluster`` fixture of its own, or starts one in the
-test: ``tests.servers.LoopCluster`` where the servers need not be processes."""
+"""Shared fixtures. ``cluster`` is a local cluster on 127.0.0.1: one for the whole session, in
+real processes, in the directories whose tests neither kill, stop nor reconfigure it and keep
+to partitions of their own (``SHARED``: the `partition` fixture names them); one per module
+elsewhere, served on a loop thread of this process (``tests.servers.LoopCluster``) in the
+directories whose tests need the servers' behaviour, not their processes (``LOOP``: on the
+tests' clock, which a test about time moves on with ``cluster.advance``), and in any module that sets ``OWN_CLUSTER = True`` (its tests need units whose loads, or a version,
+are the module's own); real processes (``tqueue.LocalCluster``) elsewhere, and in a ``LOOP``
+module that sets ``PROCESSES = True`` (it reads its servers' pids). A module that needs a
+cluster with other options, or one it kills, defines a ``cluster`` fixture of its own, or
+starts one in the test."""
 
 from __future__ import annotations
 
@@ -19,10 +23,14 @@ import zmq
 import tqueue
 from tqueue.wire import _messages as _wire
 
+from .servers import LoopCluster
+
 _names = itertools.count()
 _TESTS = pathlib.Path(__file__).parent
 # directories (and "" for the modules at the top) whose modules share the session's cluster
 SHARED = {"", "client", "storage", "transport", "wire", "lifecycle"}
+# directories whose modules have a LoopCluster of their own (unless they set PROCESSES = True)
+LOOP = {"controller"}
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +40,17 @@ def shared_cluster() -> Iterator[tqueue.LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest) -> Iterator[tqueue.LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     where = request.path.parent.relative_to(_TESTS).parts
-    if (where[0] if where else "") in SHARED:
+    top = where[0] if where else ""
+    module = request.module
+    if getattr(module, "OWN_CLUSTER", False) or (top in LOOP and not getattr(module, "PROCESSES", False)):
+        # on the tests' clock (tests/servers.py), which a test about time moves on; it runs
+        # in real time as well, for the others
+        with LoopCluster(num_storage_units=2, clock=True) as loop:
+            yield loop
+        return
+    if top in SHARED:
         yield request.getfixturevalue("shared_cluster")
         return
     with tqueue.LocalCluster(num_storage_units=2) as c:
@@ -42,7 +58,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tqueue.LocalCluster]:
 
 
 @pytest.fixture
-def client(cluster: tqueue.LocalCluster) -> Iterator[tqueue.Client]:
+def client(cluster: Any) -> Iterator[tqueue.Client]:
     with tqueue.Client(cluster.address) as c:
         yield c
 
@@ -54,7 +70,7 @@ PATHS = {
 
 
 @pytest.fixture(params=list(PATHS))
-def any_client(cluster: tqueue.LocalCluster, request: pytest.FixtureRequest) -> Iterator[tqueue.Client]:
+def any_client(cluster: Any, request: pytest.FixtureRequest) -> Iterator[tqueue.Client]:
     """A client on each payload path: sockets only, and the unit's shared-memory arena."""
     with tqueue.Client(cluster.address, config=PATHS[request.param]) as c:
         yield c

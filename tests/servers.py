@@ -22,6 +22,40 @@ from tqueue.storage import StorageUnit
 T = TypeVar("T")
 
 
+class ClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock a test moves on: :meth:`time` is the monotonic clock plus an
+    offset that :meth:`advance` raises, so what the servers on it schedule (``call_later``,
+    ``call_at``, ``asyncio.sleep``, ``wait_for``) and what they measure (``loop.time()``) sees
+    the time pass at once: a lease of 30 s expires at ``advance(30)``, not 30 s later. Real
+    time still passes too; only ``time.monotonic()`` elsewhere (clients) does not jump."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.offset
+
+    def advance(self, seconds: float, timeout: float = 60.0) -> None:
+        """Move the loop's time on by ``seconds`` (from another thread than the loop's); return
+        once the callbacks due by then have run (the timers due, and the first step of what
+        they start: a waiter's wake-up, a task's next turn). What they go on to do takes
+        turns of its own: wait for it with a request, an event or a handshake, as ever."""
+        if seconds < 0:
+            raise ValueError(f"the clock does not go back ({seconds} s)")
+        if self._thread_id == threading.get_ident():
+            raise RuntimeError("advance() is called from another thread than the loop's (it waits for the loop)")
+
+        async def bump() -> None:
+            self.offset += seconds
+            # the loop's next turn runs the timers due by the new time; two more let what
+            # they woke (a future's callbacks, then the task awaiting it) take a step
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        asyncio.run_coroutine_threadsafe(bump(), self).result(timeout)
+
+
 def _ready_address(line: str) -> str:
     assert line.startswith(READY), line
     return json.loads(line[len(READY) :])["address"]
@@ -53,7 +87,11 @@ class LoopCluster:
     pids to kill or stop). It starts in milliseconds where a child process, which imports
     torch, takes more than a second. ``storage`` and ``controller`` are options of
     :class:`~tqueue.config.StorageConfig` and :class:`~tqueue.config.ControllerConfig`, as
-    for LocalCluster; ``unit_hosts`` the host name each unit reports."""
+    for LocalCluster; ``unit_hosts`` the host name each unit reports. With ``clock=True`` the
+    servers run on a :class:`ClockLoop`, whose time the test moves on with :meth:`advance`
+    (leases, grants, liveness windows, tombstones and trims come due at once); keep each
+    step shorter than the sessions' window (``heartbeat_interval`` times 3, 3 s by default)
+    unless the test means clients to count as gone, as their heartbeats keep real time."""
 
     def __init__(
         self,
@@ -62,6 +100,7 @@ class LoopCluster:
         unit_hosts: Sequence[str] | None = None,
         storage: Mapping[str, Any] | None = None,
         controller: Mapping[str, Any] | None = None,
+        clock: bool = False,
     ) -> None:
         self.num_storage_units = num_storage_units
         self.unit_hosts = list(unit_hosts) if unit_hosts is not None else [""] * num_storage_units
@@ -69,7 +108,7 @@ class LoopCluster:
         self.controller_config = ControllerConfig(**(controller or {}))
         self.address = ""
         self.unit_addresses: list[str] = []
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop = ClockLoop() if clock else asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="tests-loop-cluster", daemon=True)
         self._serving: list[asyncio.Task[None]] = []
         self._servers: list[Any] = []
@@ -103,6 +142,13 @@ class LoopCluster:
     @property
     def units(self) -> list[Any]:
         return self._servers[1:]
+
+    def advance(self, seconds: float) -> None:
+        """Move the servers' clock on by ``seconds`` (a cluster started with ``clock=True``);
+        see :meth:`ClockLoop.advance`."""
+        if not isinstance(self.loop, ClockLoop):
+            raise TypeError("advance() needs a cluster started with clock=True")
+        self.loop.advance(seconds)
 
     def client(self, **kwargs: Any) -> Any:
         """A :class:`tqueue.Client` connected to these servers."""

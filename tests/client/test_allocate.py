@@ -4,8 +4,6 @@ in any order and field by field; readers see a row once it holds what they ask f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import torch
@@ -15,13 +13,9 @@ from tqueue.errors import InvalidArgumentError, WaitTimeoutError
 
 from ..servers import LoopCluster
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LoopCluster]:
-    """Servers of this module's own, served in this process: a test's placement ("the other
-    unit, the less loaded one") needs units whose loads are the module's own."""
-    with LoopCluster(num_storage_units=2) as c:
-        yield c
+# Servers of this module's own, served in this process (tests/conftest.py): a test's placement
+# ("the other unit, the less loaded one") needs units whose loads are the module's own.
+OWN_CLUSTER = True
 
 
 def part_of(meta: tqueue.BatchMeta, a: int, b: int) -> tqueue.BatchMeta:

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 
 from tqueue.errors import InvalidArgumentError, UnknownFieldError
 
-from ..servers import LoopCluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LoopCluster]:
-    """Servers of this module's own, served in this process: a test puts until placement
-    reaches the second unit, which takes a bounded number of puts only where the units'
-    loads are the module's own."""
-    with LoopCluster(num_storage_units=2) as c:
-        yield c
+# Servers of this module's own, served in this process (tests/conftest.py): a test puts until
+# placement reaches the second unit, which takes a bounded number of puts only where the
+# units' loads are the module's own.
+OWN_CLUSTER = True
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ back bit-exactly."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -13,16 +11,10 @@ from tests.client.test_encode import nested_values, same
 from tqueue.client._encode import TORCH_DTYPES
 from tqueue.wire._layout import TORCH_ITEMSIZE
 
-from ..servers import LoopCluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LoopCluster]:
-    """Servers of this module's own, served in this process: a test puts until placement
-    reaches the second unit, which takes a bounded number of puts only where the units'
-    loads are the module's own."""
-    with LoopCluster(num_storage_units=2) as c:
-        yield c
+# Servers of this module's own, served in this process (tests/conftest.py): a test puts until
+# placement reaches the second unit, which takes a bounded number of puts only where the
+# units' loads are the module's own.
+OWN_CLUSTER = True
 
 # float4 packs two values in a byte and has no constructors worth testing with.
 DTYPES = [

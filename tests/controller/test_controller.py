@@ -24,6 +24,10 @@ from tqueue.wire import _messages as wire
 
 from .parking import park, waiting
 
+# a test reads the controller's CPU time by its pid: the module's cluster is processes
+# (tests/conftest.py)
+PROCESSES = True
+
 
 async def started(coro):
     """Run ``coro`` as a task up to its first real suspension: its request is then sent,

@@ -45,7 +45,9 @@ def test_sigkilled_consumer_loses_nothing_and_each_sample_is_consumed_once(clust
         proc.stdin.close()
     delivered = []
     with tqueue.Client(cluster.address) as other:
-        for _ in range(2):  # the 4 free samples now, the 4 dead ones once their lease expires
+        for turn in range(2):  # the 4 free samples now, the 4 dead ones once their lease expires
+            if turn:
+                cluster.advance(1.0)  # the servers' clock (tests/conftest.py) passes the lease's end
             meta = other.get_meta(partition, ["x"], 4, task="train", timeout=10)
             batch = other.get_data(meta)
             assert batch["x"].tolist() == meta.indexes
@@ -72,7 +74,8 @@ def test_renew_keeps_samples_and_stale_acks_are_ignored(cluster, client, partiti
     client.renew(first, lease_timeout=float("inf"))
     with pytest.raises(WaitTimeoutError):
         client.get_meta(partition, ["x"], 2, task="t", timeout=0)
-    client.renew(first, lease_timeout=0.1)
+    client.renew(first, lease_timeout=2.0)
+    cluster.advance(2.0)  # the servers' clock (tests/conftest.py); less than the sessions' window
     with tqueue.Client(cluster.address) as other:
         second = other.get_meta(partition, ["x"], 2, task="t", timeout=10)  # after expiry
         assert second.indexes == first.indexes and second.lease != first.lease

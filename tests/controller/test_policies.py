@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tqueue
 from tqueue.errors import InvalidArgumentError, StorageFullError
 from tqueue.wire import Error, GetMeta, Meta
 
+from ..servers import LoopCluster
 from .parking import park, replies, waiting
 
 POLICIES = [
@@ -23,7 +23,7 @@ POLICIES = [
 def cluster():
     """A controller with two extra policies and a 6 MiB budget for the whole cluster."""
     options = {"policies": POLICIES, "capacity_bytes": 6 << 20}
-    with tqueue.LocalCluster(num_storage_units=2, controller=options) as c:
+    with LoopCluster(num_storage_units=2, controller=options) as c:
         yield c
 
 

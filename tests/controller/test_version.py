@@ -14,6 +14,7 @@ from tqueue.errors import WaitTimeoutError
 from tqueue.wire import Bye, Cancel, Error, VersionReply, VersionWait
 from tqueue.wire import _messages as wire
 
+from ..servers import LoopCluster
 from .parking import park
 
 
@@ -43,7 +44,7 @@ def test_a_version_wait_ends_at_its_deadline_saying_why(cluster, client):
 
 
 def test_version_waits_are_bounded_and_a_withdrawn_or_expired_one_frees_its_place(raw):
-    with tqueue.LocalCluster(num_storage_units=1, controller={"max_parked": 1}) as cluster, tqueue.Client(cluster.address) as client:
+    with LoopCluster(num_storage_units=1, controller={"max_parked": 1}) as cluster, tqueue.Client(cluster.address) as client:
         peer = raw(cluster.address)
         park(peer, VersionWait(rid=1, after=0, timeout=math.inf))
         refused = peer.ask(wire.encode(VersionWait(rid=2, after=0, timeout=math.inf)))

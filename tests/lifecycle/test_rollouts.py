@@ -4,7 +4,6 @@ with splicing, postpone and prefetch, over-sampling with abort, padding, atomic 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,15 +11,9 @@ import torch
 import tqueue
 from tqueue.errors import InvalidArgumentError, SchemaError, WaitTimeoutError
 
-from ..servers import LoopCluster
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LoopCluster]:
-    """Servers of this module's own: its tests set the trainer's version, which is the
-    cluster's (served in this process: they need no process of their own)."""
-    with LoopCluster(num_storage_units=2) as c:
-        yield c
+# Servers of this module's own, served in this process (tests/conftest.py): its tests set the
+# trainer's version, which is the cluster's.
+OWN_CLUSTER = True
 
 
 def status(client, partition):

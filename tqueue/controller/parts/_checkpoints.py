@@ -329,13 +329,14 @@ class Checkpoints:
         have passed and at least one unit lives, load the checkpoint (``registered`` is set
         at each registration)."""
         names = {str(u["name"]) for u in manifest["units"]}
-        deadline = time.monotonic() + wait
+        loop = self.state.loop  # its clock, which the timers follow (a test may move it on)
+        deadline = loop.time() + wait
         while True:
             live = {u.name for u in self.state.units.values() if u.alive and not u.suspect}
-            if names <= live or (live and time.monotonic() >= deadline):
+            if names <= live or (live and loop.time() >= deadline):
                 break
             registered.clear()
-            left = deadline - time.monotonic()
+            left = deadline - loop.time()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(registered.wait(), left if left > 0 else None)
         if names - live:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -40,10 +39,11 @@ class Moves:
     async def landed(self, within: float) -> None:
         """Return once no move between partitions is under way (a checkpoint's wait);
         UnavailableError if some still are after ``within`` seconds."""
-        deadline = time.monotonic() + within
+        loop = self.state.loop  # its clock, which the timers follow (a test may move it on)
+        deadline = loop.time() + within
         while self.moving:
             try:
-                await asyncio.wait_for(self.moved.wait(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self.moved.wait(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise UnavailableError(
                     f"a checkpoint waits for no move between partitions to be under way; {self.moving} "
