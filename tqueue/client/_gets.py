@@ -283,13 +283,13 @@ class Gets:
                     field=exc.field),  # type: ignore[attr-defined]
             expect=Located,
         )
-        if not where.replicated or any(where.gone) or unit_id in where.units:
+        if not where.two_copies or any(where.gone) or unit_id in where.units:
             raise exc
         return where
 
     async def _locate(self, meta: BatchMeta, idx: list[int], failed: int) -> Located | None:
         """Where samples read from unit ``failed`` live, as the controller knows: for a
-        replicated partition, once it has declared the unit dead and promoted the copies (a
+        partition of two copies, once it has declared the unit dead and promoted the copies (a
         ``Locate`` parked there, within the request timeout). None where the partition is
         gone."""
         ctl = await self._conns.ctl()
@@ -338,7 +338,7 @@ def _live_copies(where: Located | None, failed: int) -> np.ndarray | None:
     """The units to read the samples from instead of unit ``failed``: those of their copies,
     promoted. None where the partition keeps one copy, a sample has no live copy left, or
     the unit has not been declared dead (the samples are still placed on it)."""
-    if where is None or not where.replicated or any(where.gone):
+    if where is None or not where.two_copies or any(where.gone):
         return None
     units = np.asarray(where.units, dtype=np.int64)
     return None if (units == failed).any() else units

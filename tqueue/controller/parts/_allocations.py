@@ -53,7 +53,7 @@ class Rows:
     def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located | None:
         located = self._located(msg)
         unit = self.state.units.get(msg.moved_from)
-        if (located.replicated and unit is not None and unit.alive and msg.moved_from in located.units
+        if (located.two_copies and unit is not None and unit.alive and msg.moved_from in located.units
                 and msg.timeout > 0):
             self.state.check_park(f"a read's wait for the copies of unit {msg.moved_from}")
             timer = self.state.loop.call_later(msg.timeout, self._expire, msg.moved_from, ident, msg)
@@ -89,9 +89,9 @@ class Rows:
             part.samples.unit[unplaced] = unit.info.unit_id
         units = part.samples.unit[idx].tolist()
         dead = {u.info.unit_id for u in self.state.units.values() if not u.alive}
-        copies = part.options.replicas or self.state.config.replicas
-        return Located(units=units, gone=[u in dead for u in units], replicated=copies > 1,
-                       replicas=part.samples.replica[idx].tolist())
+        copies = part.options.copies or self.state.config.copies
+        return Located(units=units, gone=[u in dead for u in units], two_copies=copies > 1,
+                       second_units=part.samples.second_unit[idx].tolist())
 
 
 def _allocate(part: Partition, count: int) -> int:

@@ -88,10 +88,10 @@ class Moves:
             calls = []
             failed: list[str] = []
             ok = np.ones(len(idx), dtype=bool)
-            # each copy is re-keyed on its unit (the first, and the second of replicated samples);
+            # each copy is re-keyed on its unit (the first, and the second of samples held twice);
             # rows allocated ahead of their data are on no unit: nothing to re-key
             held = [(u, moved.units == u) for u in np.unique(moved.units).tolist() if u >= 0]
-            held += [(u, moved.replicas == u) for u in np.unique(moved.replicas).tolist() if u >= 0]
+            held += [(u, moved.second_units == u) for u in np.unique(moved.second_units).tolist() if u >= 0]
             for unit_id, sel in held:
                 peer = self.state.unit_peers.get(unit_id)
                 if peer is None:

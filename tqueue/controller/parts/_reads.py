@@ -322,7 +322,7 @@ class Reads:
             revisions=per_sample(samples.revision, 0) if samples.revision[safe].any() else None,
             global_batch_size=len(listed),
             sealed=part.sealed,
-            replicated=(part.options.replicas or self.state.config.replicas) > 1,
+            two_copies=(part.options.copies or self.state.config.copies) > 1,
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:

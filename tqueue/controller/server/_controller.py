@@ -82,7 +82,7 @@ from ..model._state import ControllerState
 from ..parts._allocations import Rows
 from ..parts._checkpoints import Checkpoints, read_manifest
 from ..parts._cleanup import Cleanup
-from ..parts._copies import Replicas
+from ..parts._copies import Copier
 from ..parts._corruption import Corruption
 from ..parts._moves import Moves
 from ..parts._reads import Reads
@@ -127,19 +127,19 @@ class Controller:
             prefetch=self._prefetch, needed=self._needed,
         )
         self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
-        self.replicas = Replicas(self.state)
+        self.copier = Copier(self.state)
         self.writes = Writes(
             self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect,
-            copy_again=self.replicas.wake,
+            copy_again=self.copier.wake,
         )
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
         self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, leases_gone=self.reads.session_gone,
-            copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
+            copy_again=self.copier.wake, unit_gone=self.rows.unit_gone,
         )
         self.checkpoints = Checkpoints(
-            self.state, wake=self._wake_soon, copy_again=self.replicas.wake, forget=self.cleanup.forget,
+            self.state, wake=self._wake_soon, copy_again=self.copier.wake, forget=self.cleanup.forget,
             free=lambda part: self.cleanup.drop_everywhere(part, None), landed=self.moves.landed,
         )
         # a controller restarted from a checkpoint: its units get their ids back, and requests
@@ -153,7 +153,7 @@ class Controller:
             self._restored = asyncio.Event()
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.corruption = Corruption(
-            self.state, drop_on=self.cleanup.drop_on, copy_again=self.replicas.wake, wake_soon=self._wake_soon,
+            self.state, drop_on=self.cleanup.drop_on, copy_again=self.copier.wake, wake_soon=self._wake_soon,
             free=self.cleanup.maybe_free,
         )
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
@@ -362,8 +362,8 @@ class Controller:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
         if msg.target_groups and not msg.group_size:
             raise InvalidArgumentError("target_groups needs a group_size")
-        if msg.replicas not in (0, 1, 2):
-            raise InvalidArgumentError(f"replicas is 1 or 2 (0: the cluster's), got {msg.replicas}")
+        if msg.copies not in (0, 1, 2):
+            raise InvalidArgumentError(f"copies is 1 or 2 (0: the cluster's), got {msg.copies}")
         self.state.tombstones.pop(msg.partition, None)  # an explicit new start
         if msg.partition in self.state.partitions:
             if not msg.exist_ok:
@@ -382,7 +382,7 @@ class Controller:
                 recycle_to=msg.recycle_to,
                 prefetch=msg.prefetch,
                 step=msg.step,
-                replicas=msg.replicas,
+                copies=msg.copies,
             ),
         )
         return Ok()
@@ -428,7 +428,7 @@ class Controller:
                 recycle_to=p.options.recycle_to,
                 sealed=p.sealed,
                 lost=p.lost,
-                replicas=p.options.replicas or self.config.replicas,
+                copies=p.options.copies or self.config.copies,
                 single=p.single,
                 corrupt=p.corrupt,
             )
