@@ -306,13 +306,13 @@ def _storage_unit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .launch._status import status
+    from .launch._status_text import status
 
     return status(args.controller, as_json=args.json)
 
 
 def _top(args: argparse.Namespace) -> int:
-    from .launch._status import top
+    from .launch._status_text import top
 
     return top(args.controller, interval=args.interval, iterations=args.iterations)
 

@@ -1,4 +1,4 @@
-"""Keys and tags (tqueue/client/_keys.py, tqueue/controller/parts/_user_keys.py) on a real cluster."""
+"""Keys and tags (tqueue/client/_key_calls.py, tqueue/controller/parts/_user_keys.py) on a real cluster."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_the_cluster_budget_holds_across_units(client, partition):
 
 
 def test_bad_policy_specs_are_refused():
-    from tqueue.controller.planning._policies import load
+    from tqueue.controller.planning._batch_policies import load
 
     with pytest.raises(ValueError, match="name=module:attribute"):
         load(["nonsense"])

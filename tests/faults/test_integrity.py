@@ -17,7 +17,7 @@ import torch
 import tqueue
 from tqueue.client._assemble import Part
 from tqueue.client._integrity import crcs_of
-from tqueue.client._routes import InlineRoute, Rows
+from tqueue.client._routes import BatchBuffers, InlineRoute
 from tqueue.wire import BatchMeta, FieldBlock, FieldSpec
 
 from ._proc import flip_in_memory, until
@@ -119,7 +119,7 @@ def test_with_two_copies_the_reader_gets_the_good_one_and_the_bad_one_is_copied_
 class _Flipping(InlineRoute):
     """The inline route with one bit of each fetched frame flipped as it arrives: the wire."""
 
-    async def fetch(self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: Rows) -> Part:
+    async def fetch(self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: BatchBuffers) -> Part:
         part = await super().fetch(meta, positions, indexes, fields, rows)
         for name, (block, frames) in part.blocks.items():
             part.blocks[name] = (block, [_flipped(f) for f in frames])

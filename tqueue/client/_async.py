@@ -29,7 +29,7 @@ from ._ask import DataAsk, MetaAsk, PutAsk, takes
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
-from ._keys import KeyCalls
+from ._key_calls import KeyCalls
 from ._lifecycle import Lifecycle
 from ._puts import Puts
 from ._spaces import MOVED, AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples

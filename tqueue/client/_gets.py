@@ -29,7 +29,7 @@ from ._assemble import Part, assemble
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._integrity import verify, verify_rows
-from ._routes import Route, Rows
+from ._routes import BatchBuffers, Route
 from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Gets:
             self._devices.prepare(acc, list(routes.values()))
             delivery = Delivery(acc, self._devices.chunk_bytes)
             dense = DenseOnDevice(meta, fields, delivery)
-        rows = Rows(meta, pool)
+        rows = BatchBuffers(meta, pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
         try:
@@ -220,7 +220,7 @@ class Gets:
         return deliver(batch, Delivery(acc, self._devices.chunk_bytes), list(batch), {})
 
     async def _fetch_part(
-        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows,
+        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: BatchBuffers,
         dense: DenseOnDevice | None = None,
     ) -> list[Part]:
         """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit;
@@ -256,7 +256,7 @@ class Gets:
 
     async def _corrupt(
         self, exc: DataCorruptionError, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int],
-        fields: list[str], rows: Rows, dense: DenseOnDevice | None,
+        fields: list[str], rows: BatchBuffers, dense: DenseOnDevice | None,
     ) -> list[Part]:
         """Samples read from ``route``'s unit failed their checksum: reported, so that the
         controller drops that copy; read again, the bad ones from their other copy where
@@ -305,7 +305,7 @@ class Gets:
         return where
 
     async def _fetch_copies(
-        self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: Rows,
+        self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: BatchBuffers,
         dense: DenseOnDevice | None,
     ) -> list[Part]:
         """The samples at ``pos`` from the units their copies are on now."""

@@ -9,8 +9,8 @@ module with a :class:`Route` subclass, and one line where the connections pick i
 """
 
 from .arena import ArenaRoute
-from .base import Outgoing, Releases, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Releases, Route, Sent
 from .bulk import BulkRoute
 from .inline import InlineRoute
 
-__all__ = ["ArenaRoute", "BulkRoute", "InlineRoute", "Outgoing", "Releases", "Route", "Rows", "Sent"]
+__all__ = ["ArenaRoute", "BatchBuffers", "BulkRoute", "InlineRoute", "Outgoing", "Releases", "Route", "Sent"]

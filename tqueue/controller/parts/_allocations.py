@@ -25,7 +25,7 @@ from ..model._state import ControllerState
 MetaOf = Callable[..., Any]
 
 
-class Rows:
+class Allocations:
     """The controller's part for allocated rows; ``place`` picks a unit as a put's grant does."""
 
     def __init__(self, state: ControllerState, *, meta_of: MetaOf, place: Callable[[Grant], Unit]) -> None:

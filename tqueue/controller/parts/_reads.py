@@ -34,7 +34,7 @@ from ...wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
 from ..model._partition import Partition
 from ..model._serving import CONSUMED, LEASED
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
-from ..planning._policies import BUILT_IN, Candidates, Policy, check
+from ..planning._batch_policies import BUILT_IN, Candidates, Policy, check
 from ..planning._rounds import Round, RoundBook, token_counts
 
 log = logging.getLogger(__name__)

@@ -79,7 +79,7 @@ from ...wire import (
 )
 from ..model._partition import FAILURE_POLICIES, Options, Partition
 from ..model._state import ControllerState
-from ..parts._allocations import Rows
+from ..parts._allocations import Allocations
 from ..parts._checkpoints import Checkpoints, read_manifest
 from ..parts._cleanup import Cleanup
 from ..parts._copies import Copier
@@ -91,7 +91,7 @@ from ..parts._trainer import Versions
 from ..parts._units import Liveness
 from ..parts._user_keys import Keys
 from ..parts._writes import Writes
-from ..planning._policies import load as load_policies
+from ..planning._batch_policies import load as load_policies
 from ._limits import check as check_limits
 from ._prometheus import Totals
 
@@ -133,10 +133,10 @@ class Controller:
             copy_again=self.copier.wake,
         )
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
-        self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
+        self.allocations = Allocations(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, leases_gone=self.reads.session_gone,
-            copy_again=self.copier.wake, unit_gone=self.rows.unit_gone,
+            copy_again=self.copier.wake, unit_gone=self.allocations.unit_gone,
         )
         self.checkpoints = Checkpoints(
             self.state, wake=self._wake_soon, copy_again=self.copier.wake, forget=self.cleanup.forget,
@@ -195,8 +195,8 @@ class Controller:
             (ListKeys, self.keys.list_keys),
             (DropKeys, self.keys.drop),
             (ResetConsumption, self.resets.reset),
-            (AllocateRows, self.rows.allocate),
-            (Locate, self.rows.locate),
+            (AllocateRows, self.allocations.allocate),
+            (Locate, self.allocations.locate),
             (Corrupt, self.corruption.report),
         )
         ungated = (Hello, StatusRequest, Cancel)
