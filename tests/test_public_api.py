@@ -58,7 +58,7 @@ PACKAGE = [
     "AsyncClient", "AuthenticationError", "Batch", "Client", "ClientConfig", "ClientStats", "ControllerConfig",
     "ControllerUnavailableError", "DataCorruptionError", "DataLostError", "DataParallel", "DiscoveryError",
     "EngineError", "FieldSpec", "FieldStats", "FieldTypeError", "ForkedClientError", "InvalidArgumentError",
-    "LocalCluster", "Meta", "MicroBatch", "MicroBatches", "PartitionClearedError", "PermissionDeniedError",
+    "LocalCluster", "Meta", "MicroBatch", "MicroBatches", "PartitionClearedError", "PartitionSealedError", "PermissionDeniedError",
     "ProtocolError", "ProtocolVersionError", "RemoteError", "SchemaError", "StorageConfig", "StorageFullError",
     "StorageUnitUnavailableError", "TQueueDeprecationWarning", "TQueueError", "Timeouts", "UnavailableError",
     "UnknownFieldError", "WaitTimeoutError",

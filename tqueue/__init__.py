@@ -10,6 +10,8 @@ without importing torch. Each name carries a stability tier, public or developer
 (``tqueue.wire.BatchMeta``, ``tqueue.wire.PROTOCOL_VERSION``) are not part of the API: a user
 reads a meta through :class:`Meta`; ``tqueue.BatchMeta`` and ``tqueue.PROTOCOL_VERSION`` still
 work for one release, with a :class:`TQueueDeprecationWarning`.
+
+Map: docs/architecture.md#layers
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .errors import (
     ForkedClientError,
     InvalidArgumentError,
     PartitionClearedError,
+    PartitionSealedError,
     PermissionDeniedError,
     ProtocolError,
     ProtocolVersionError,
@@ -75,6 +78,7 @@ __all__ = [
     "MicroBatch",
     "MicroBatches",
     "PartitionClearedError",
+    "PartitionSealedError",
     "PermissionDeniedError",
     "ProtocolError",
     "ProtocolVersionError",

@@ -62,6 +62,7 @@ PUBLIC: Final = frozenset(
         "tqueue.ControllerUnavailableError",
         "tqueue.StorageUnitUnavailableError",
         "tqueue.PartitionClearedError",
+        "tqueue.PartitionSealedError",
         "tqueue.DataLostError",
         "tqueue.DataCorruptionError",
         "tqueue.FieldTypeError",

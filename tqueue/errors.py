@@ -6,6 +6,7 @@
     ├── ProtocolError                   a message that does not follow the wire protocol
     │   └── ProtocolVersionError        the peers speak different protocol versions
     ├── InvalidArgumentError            (also ValueError) a call's argument is wrong
+    │   └── PartitionSealedError        a put to a sealed (or freed) partition: nothing stored
     ├── SchemaError                     (also ValueError) field data that does not fit:
     │                                   sample counts differ, a field is missing from a
     │                                   sample, dtype or shape differs from the partition's
@@ -54,6 +55,7 @@ __all__ = [
     "ForkedClientError",
     "InvalidArgumentError",
     "PartitionClearedError",
+    "PartitionSealedError",
     "PermissionDeniedError",
     "ProtocolError",
     "ProtocolVersionError",
@@ -91,6 +93,14 @@ class InvalidArgumentError(TQueueError, ValueError):
     """A call's argument is wrong: a negative timeout, a batch size below one."""
 
     code = "invalid_argument"
+
+
+class PartitionSealedError(InvalidArgumentError):
+    """A put to a partition that is sealed (seal, or its over-sampling target reached) or that
+    sealed and freed itself: nothing was stored. An over-sampling producer that expects this
+    passes ``put(..., if_sealed="discard")`` and reads ``status="aborted"`` instead."""
+
+    code = "partition_sealed"
 
 
 class SchemaError(TQueueError, ValueError):
@@ -228,6 +238,7 @@ CODES: dict[str, type[TQueueError]] = {
         ProtocolError,
         ProtocolVersionError,
         InvalidArgumentError,
+        PartitionSealedError,
         SchemaError,
         FieldTypeError,
         UnknownFieldError,

@@ -160,7 +160,7 @@ async def part_status(c, name):
 async def per_prompt(c, partition, task):
     """How many samples of each prompt a consumer gets from the partition."""
     ready = (await part_status(c, partition)).ready
-    batch = await c.get_data(partition, ["prompt_ids"], ready, task=task, timeout=10)
+    batch = await c.get_data(partition, ["prompt_ids"], ready, task=task, timeout=10, policy="first_ready")
     return Counter(tuple(p.tolist()) for p in batch["prompt_ids"])
 
 

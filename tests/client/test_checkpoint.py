@@ -116,7 +116,7 @@ def test_a_checkpoint_comes_back_bit_exact_in_a_cluster_of_another_size(tmp_path
         assert sorted(rest.indexes) == sorted(set(written) - set(half.indexes))
         check(c, rest, written)
         with pytest.raises(tqueue.errors.WaitTimeoutError):
-            c.get_meta(STEP, ["x"], 1, task="a", timeout=0.5)
+            c.get_meta(STEP, ["x"], 1, task="a", timeout=0.5, policy="first_ready")
         # task b's lease came back ready: it reads all 32
         every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big"], 32, task="b", timeout=10)
         check(c, every, written)

@@ -93,7 +93,7 @@ def test_a_put_that_crosses_the_target_trims_the_callers_past_it(cluster, partit
     async def main():
         async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
             await c.create_partition(partition, target=10)
-            return await asyncio.gather(*(c.put(partition, {"x": torch.full((4,), i)}) for i in range(4)))
+            return await asyncio.gather(*(c.put(partition, {"x": torch.full((4,), i)}, if_sealed="discard") for i in range(4)))
 
     metas = asyncio.run(main())
     assert [m.status for m in metas] == ["ok", "ok", "trimmed", "aborted"]
@@ -103,14 +103,21 @@ def test_a_put_that_crosses_the_target_trims_the_callers_past_it(cluster, partit
 
 
 def test_a_put_to_a_sealed_partition_is_aborted_for_every_caller(cluster, partition):
+    """Three coalesced puts to a sealed partition: each caller that chose ``if_sealed="discard"``
+    gets its own "aborted" meta, and the one that did not gets PartitionSealedError."""
+
     async def main():
         async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
             await c.create_partition(partition, target=2)
             await c.put(partition, {"x": torch.arange(2)})
-            return await asyncio.gather(*(c.put(partition, {"x": torch.arange(2)}) for _ in range(3)))
+            puts = [c.put(partition, {"x": torch.arange(2)}, if_sealed="discard") for _ in range(2)]
+            puts.append(c.put(partition, {"x": torch.arange(3)}))
+            return await asyncio.gather(*puts, return_exceptions=True)
 
-    metas = asyncio.run(main())
-    assert [(m.status, m.indexes) for m in metas] == [("aborted", [])] * 3
+    *metas, refused = asyncio.run(main())
+    assert [(m.status, m.indexes) for m in metas] == [("aborted", [])] * 2
+    assert isinstance(refused, tqueue.PartitionSealedError)
+    assert f"put of 3 sample(s) (fields ['x']) to partition {partition!r} stored nothing" in str(refused)
 
 
 def test_puts_that_every_caller_gave_up_on_are_withdrawn(cluster, partition):

@@ -45,10 +45,12 @@ def test_unsealed_partitions_are_never_freed_under_a_late_task(client, partition
 def test_a_sealed_partition_takes_no_more_samples(client, partition):
     client.put(partition, {"x": torch.zeros(2, 10)})
     client.seal(partition)
-    late = client.put(partition, {"x": torch.zeros(1, 10)})  # accepted, discarded, and said so
+    with pytest.raises(tqueue.PartitionSealedError, match=f"put of 1 sample.*to partition '{partition}' stored nothing"):
+        client.put(partition, {"x": torch.zeros(1, 10)})
+    late = client.put(partition, {"x": torch.zeros(1, 10)}, if_sealed="discard")  # the producer's choice: said so
     assert (late.status, late.sealed, late.indexes) == ("aborted", True, [])
     status = names(client)[partition]
-    assert status.samples == 2 and status.reasons == {"discarded after seal": 1}
+    assert status.samples == 2 and status.reasons == {"discarded after seal": 2}
 
 
 def test_clear_a_meta_frees_just_those_samples(client, partition):
@@ -110,7 +112,9 @@ def test_a_put_to_a_partition_that_sealed_and_freed_itself_is_refused(client, pa
     client.put(partition, {"x": torch.zeros(2, 10)})
     consume(client, partition, "t", 2)
     assert partition not in names(client)  # sealed at its target, consumed: freed
-    late = client.put(partition, {"x": torch.zeros(1, 10)})
+    with pytest.raises(tqueue.PartitionSealedError, match=f"to partition '{partition}' stored nothing"):
+        client.put(partition, {"x": torch.zeros(1, 10)})
+    late = client.put(partition, {"x": torch.zeros(1, 10)}, if_sealed="discard")
     assert (late.status, late.sealed, late.indexes) == ("aborted", True, [])
     assert partition not in names(client)  # no new partition that nobody would free
     client.create_partition(partition)  # an explicit new start lifts the refusal

@@ -216,15 +216,15 @@ def test_a_put_is_placed_whole_on_one_unit_and_visible_at_once(client, partition
 
 def test_a_task_never_gets_a_sample_twice_other_tasks_get_their_own(client, partition):
     client.put(partition, {"x": torch.arange(4)}, groups=["g0", "g0", "g1", "g1"])
-    first = client.get_meta(partition, ["x"], 4, task="actor", timeout=1)
+    first = client.get_meta(partition, ["x"], 4, task="actor", timeout=1, policy="first_ready")
     assert first.groups == ["g0", "g0", "g1", "g1"]
     with pytest.raises(WaitTimeoutError, match="0 ready for this task"):
-        client.get_meta(partition, ["x"], 1, task="actor", timeout=0)  # leased, not acked
+        client.get_meta(partition, ["x"], 1, task="actor", timeout=0, policy="first_ready")  # leased, not acked
     client.ack(first)
     client.ack(first)  # twice is harmless
     with pytest.raises(WaitTimeoutError, match="0 ready for this task"):
-        client.get_meta(partition, ["x"], 1, task="actor", timeout=0)  # consumed
-    ref = client.get_meta(partition, ["x"], 4, task="ref", timeout=0)
+        client.get_meta(partition, ["x"], 1, task="actor", timeout=0, policy="first_ready")  # consumed
+    ref = client.get_meta(partition, ["x"], 4, task="ref", timeout=0, policy="first_ready")
     assert ref.indexes == first.indexes
     status = {p.name: p for p in client.status().partitions}[partition]
     assert status.tasks["actor"].consumed == 4 and status.tasks["ref"].leased == 4

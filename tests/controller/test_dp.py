@@ -107,5 +107,5 @@ def test_a_round_that_cannot_be_planned_fails_its_waiter_and_the_put_stands(clus
     [reply] = replies(peer, 1).values()
     assert isinstance(reply, Error)  # typed (whatever the planner raises), to this waiter alone
     assert {p.name: p for p in client.status().partitions}[partition].samples == 3
-    meta = client.get_meta(partition, ["ids"], 3, task="u", timeout=5)
+    meta = client.get_meta(partition, ["ids"], 3, task="u", timeout=5, policy="first_ready")
     assert [len(x) for x in client.get_data(meta)["ids"]] == [10] * 3  # controller and unit agree

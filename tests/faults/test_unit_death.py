@@ -97,7 +97,7 @@ def test_a_killed_unit_is_dead_and_its_samples_lost_counted_and_never_served(clu
         served: list[int] = []
         while True:
             try:
-                meta = c.get_meta("p", ["x"], 1, task="eval", timeout=0)
+                meta = c.get_meta("p", ["x"], 1, task="eval", timeout=0, policy="first_ready")
             except WaitTimeoutError:
                 break
             served += meta.indexes

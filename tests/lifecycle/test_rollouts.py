@@ -108,7 +108,7 @@ def test_over_sampling_seals_at_the_target_and_aborted_rows_stay_out(cluster, pa
 
             async def rollout(i: int):
                 reward = 1.0 if i < 128 else 1000.0  # the surplus would skew the mean
-                return await c.put(partition, {"tokens": [torch.full((8,), i)], "rewards": torch.tensor([reward])})
+                return await c.put(partition, {"tokens": [torch.full((8,), i)], "rewards": torch.tensor([reward])}, if_sealed="discard")
 
             first = [await rollout(i) for i in range(128)]
             await asyncio.wait_for(waiter, 10)  # producers learn of the seal without polling
@@ -138,7 +138,7 @@ def test_commits_racing_past_the_target_are_aborted_and_late_puts_recycled(clust
             over = st.reasons.get("over target", 0)
             recycled = [m for m in metas if m.status == "recycled"]
             assert over + len(recycled) == 6 and len(live) == 10 + over
-            late = await c.put(partition, {"x": torch.tensor([99])})
+            late = await c.put(partition, {"x": torch.tensor([99])}, if_sealed="discard")
             assert late.status == "recycled" and late.partition == nxt == late.recycled_to
             with pytest.raises(WaitTimeoutError):
                 await c.get_meta(nxt, ["x"], 1, task="t", timeout=0)  # recycled as partial
@@ -206,7 +206,7 @@ def test_updates_are_atomic_per_sample_across_units(cluster, partition):
 def test_target_in_groups_aborts_groups_past_it(client, partition):
     client.create_partition(partition, group_size=2, target_groups=2)
     for g in ("a", "b", "c"):
-        client.put(partition, {"x": torch.zeros(2)}, groups=g)
+        client.put(partition, {"x": torch.zeros(2)}, groups=g, if_sealed="discard")
     client.sealed(partition, timeout=5)
     st = status(client, partition)
     assert st.sealed and st.ready == 4 and st.reasons == {"discarded after seal": 2}  # "c" came after the seal
@@ -219,8 +219,8 @@ def test_postpone_whole_groups(client, partition):
     meta = client.put(partition, {"x": torch.arange(6)}, groups=["a", "a", "b", "b", "c", "c"])
     moved = client.postpone(meta.select([1, 4]), nxt, whole_groups=True)  # one member each of a, c
     assert sorted(moved.groups) == ["a", "a", "c", "c"]
-    assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5)["x"].tolist()) == [0, 1, 4, 5]
-    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["b", "b"]
+    assert sorted(client.get_data(nxt, ["x"], 4, task="t", timeout=5, policy="first_ready")["x"].tolist()) == [0, 1, 4, 5]
+    assert client.get_meta(partition, ["x"], 2, task="t", timeout=5, policy="first_ready").groups == ["b", "b"]
 
 
 def test_token_versions_of_a_spliced_whole_sequence_field_count_the_prompt(client, partition):
@@ -266,7 +266,7 @@ def test_concurrent_producers_are_told_ok_exactly_for_the_samples_served(cluster
     async def main():
         async with tqueue.AsyncClient(cluster.address) as c:
             await c.create_partition(partition, target=8)
-            metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}) for i in range(16)))
+            metas = await asyncio.gather(*(c.put(partition, {"x": torch.tensor([i])}, if_sealed="discard") for i in range(16)))
             ok = sorted(i for m in metas if m.status == "ok" for i in m.indexes)
             assert [m.status for m in metas].count("aborted") == 8
             assert any(m.sealed for m in metas if m.status == "ok")  # the last commit sealed it
@@ -283,7 +283,7 @@ def test_a_late_put_the_recycle_partition_refuses_too_is_aborted(client, partiti
     client.seal(nxt)
     client.create_partition(partition, target=1, recycle_to=nxt)
     client.put(partition, {"x": torch.tensor([1])})
-    late = client.put(partition, {"x": torch.tensor([2])})
+    late = client.put(partition, {"x": torch.tensor([2])}, if_sealed="discard")
     assert (late.status, late.indexes) == ("aborted", [])
     assert status(client, partition).reasons == {"discarded after seal": 1}
 
@@ -296,7 +296,7 @@ def test_partitions_that_recycle_into_each_other_abort_a_late_put_instead_of_loo
     client.create_partition(b, target=1, recycle_to=a)
     client.put(a, {"x": torch.tensor([1])})
     client.put(b, {"x": torch.tensor([2])})
-    late = client.put(a, {"x": torch.tensor([3])})
+    late = client.put(a, {"x": torch.tensor([3])}, if_sealed="discard")
     assert (late.status, late.indexes) == ("aborted", [])
     assert status(client, a).reasons == {"discarded after seal": 1}
     assert status(client, b).reasons == {"discarded after seal": 1}
@@ -334,4 +334,4 @@ def test_a_put_that_reaches_the_target_exactly_returns_sealed(cluster, partition
         c.create_partition(partition, target=4)
         meta = c.put(partition, {"x": torch.ones(4, rows, dtype=torch.float64)})
         assert (meta.status, meta.sealed) == ("ok", True)
-        assert c.put(partition, {"x": torch.arange(1)}).sealed
+        assert c.put(partition, {"x": torch.arange(1)}, if_sealed="discard").sealed

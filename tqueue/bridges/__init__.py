@@ -7,7 +7,9 @@ fields (:mod:`._fields`) and the HTTP drivers need no engine at all.
 The names load on first use, so that the command line can take the engine demo's flags from
 :mod:`.demo` without importing torch.
 
-Described in docs/bridges.md and docs/architecture.md, "Bridges"; the names in docs/api.md, "Bridges".
+Described in docs/bridges.md; the names in docs/api.md, "Bridges".
+
+Map: docs/architecture.md#launch-bridges-and-demos
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from .._meta import Meta
 from ..errors import EngineError, InvalidArgumentError, PartitionClearedError
-from ..wire import BatchMeta, GroupId
+from ..wire import GroupId
 from ._fields import SPLICES, Trajectory
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class StepReport:
 
 @dataclasses.dataclass
 class _Partial:
-    meta: BatchMeta
+    meta: Meta
     trajectory: Trajectory
     group: GroupId
     budget: int  # max_new_tokens of the whole trajectory
@@ -376,7 +377,7 @@ class _Step:
                 return
             continued += 1
 
-    async def failed(self, exc: EngineError, *, group: GroupId = None, meta: BatchMeta | None = None) -> None:
+    async def failed(self, exc: EngineError, *, group: GroupId = None, meta: Meta | None = None) -> None:
         """A call failed for good: the step stops, and the partition's member-failure policy
         learns of the member (a fresh request of ``group``, or the partial sample ``meta``)."""
         self.failures.append(exc)
@@ -418,7 +419,7 @@ class _Step:
         if self.d.extra is not None and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
-        meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version)
+        meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version, if_sealed="discard")
         self.done.add(key)
         self.fate(meta, _Partial(meta, traj, group, budget, [0]))
 
@@ -488,7 +489,7 @@ class _Step:
                 return part.recycle_to
         return ""
 
-    def fate(self, meta: BatchMeta, p: _Partial) -> None:
+    def fate(self, meta: Meta, p: _Partial) -> None:
         traj = p.trajectory
         status = meta.fates[0] if meta.status == "trimmed" and meta.fates else meta.status
         if status == "ok":

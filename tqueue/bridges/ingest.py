@@ -464,6 +464,7 @@ class Ingest:
                     meta = await self.client.put(
                         partition, [body.samples[i] for i in put], groups=[body.groups[i] for i in put],
                         version=[body.versions[i] for i in put] if body.versions else None, timeout=0,
+                        if_sealed="discard",  # each record's status goes back to the poster
                     )
                 except TQueueError as exc:
                     return accepted, put, exc

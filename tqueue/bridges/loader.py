@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from ..client._ask import wire_meta
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..wire import BatchMeta
@@ -158,7 +159,7 @@ class StepStream(torch.utils.data.IterableDataset[StepBatch]):
                 if meta.pads:
                     meta = meta.select([i for i, x in enumerate(meta.indexes) if x >= 0])
                 batch = client.get_data(meta, jagged=self.jagged)
-                yield StepBatch(self._out(batch), meta)
+                yield StepBatch(self._out(batch), wire_meta(meta, "StepLoader"))
 
     def _out(self, batch: Any) -> Any:
         if self.transform is not None:

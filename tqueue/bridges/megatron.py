@@ -369,7 +369,7 @@ class StepReader:
         batch_size: int,
         *,
         max_tokens_per_micro_batch: int | None = None,
-        policy: str = "first_ready",
+        policy: str | None = None,
         balance_by: Sequence[str] | None = None,
         timeout: float = math.inf,
         jagged: str = "padded",

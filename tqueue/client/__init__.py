@@ -1,6 +1,8 @@
 """The client library used inside producers and consumers.
 
-Described in docs/api.md, "Clients", "Batch" and "BatchMeta", and docs/architecture.md, "Payload routes".
+Described in docs/api.md, "Clients", "Batch" and "Meta".
+
+Map: docs/architecture.md#the-client
 """
 
 from ._ask import DataParallel, MicroBatches

@@ -30,12 +30,14 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from .._api import deprecated
+from .._meta import Meta
 from ..errors import InvalidArgumentError
+from ..wire import BatchMeta
 
 if TYPE_CHECKING:
     import torch
 
-    from ..wire import BatchMeta, GroupId
+    from ..wire import GroupId
 
 P = ParamSpec("P")
 A = TypeVar("A")
@@ -65,6 +67,7 @@ class PutAsk:
     version: int | Sequence[int] | None = None
     timeout: float | None = None
     partial: bool = False
+    if_sealed: Literal["raise", "discard"] = "raise"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +159,7 @@ class LeaseOptions:
 
     timeout: float | None = None
     lease_timeout: float | None = None
-    policy: str = "first_ready"
+    policy: str | None = None
     data_parallel: DataParallel | None = None
     micro_batches: MicroBatches | None = None
     balance_by: Sequence[str] | None = None
@@ -209,7 +212,7 @@ class DataAsk(Options, LeaseOptions, _AnyTask):
     a meta, or a partition to lease from with every option of ``get_meta``, and how to present
     jagged fields (it is the read's :class:`Options`)."""
 
-    meta: BatchMeta | str
+    meta: Meta | str
     fields: Sequence[str] | None = None
     batch_size: int | None = None
 
@@ -225,7 +228,7 @@ class DataAsk(Options, LeaseOptions, _AnyTask):
 class Completion:
     """The arguments of one ``complete`` call, as :meth:`AsyncClient.complete` documents them."""
 
-    meta: BatchMeta
+    meta: Meta
     data: Mapping[str, Any]
     _: dataclasses.KW_ONLY
     version: int
@@ -243,6 +246,15 @@ def ask(kind: Callable[P, A], call: str, *args: P.args, **kwargs: P.kwargs) -> A
         return kind(*args, **kwargs)
     except TypeError as exc:  # a missing or unknown argument: the dataclass's wording, our name
         raise TypeError(f"{call}(): {str(exc).split('(): ', 1)[-1]}") from None
+
+
+def wire_meta(meta: Meta, call: str) -> BatchMeta:
+    """The meta a user passes back, as the struct it is: one that ``put``, ``get_meta`` or a
+    key call returned (a :class:`Meta` built any other way carries nothing to find the
+    samples by)."""
+    if not isinstance(meta, BatchMeta):
+        raise InvalidArgumentError(f"{call}: {type(meta).__name__} is not a meta that put or get_meta returned")
+    return meta
 
 
 def takes(

@@ -20,12 +20,13 @@ import torch
 
 from .._api import deprecated
 from .._memory import BufferPool
+from .._meta import Meta
 from ..config import ClientConfig
 from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
-from ..wire import BatchMeta, Clear, CreatePartition, Ok, StatusReply, StatusRequest
+from ..wire import Clear, CreatePartition, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
-from ._ask import DataAsk, MetaAsk, PutAsk, takes
+from ._ask import DataAsk, MetaAsk, PutAsk, takes, wire_meta
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
@@ -168,7 +169,8 @@ class AsyncClient:
 
         ``fields``: the only fields it accepts. ``tasks``: the tasks that must consume every
         sample before it frees itself (default: the tasks that asked for samples).
-        ``group_size``: samples per GRPO group, for ``policy="groups"``.
+        ``group_size``: samples per GRPO group; a partition with one releases whole groups
+        (by default, and with ``policy="groups"``).
         ``on_member_failure``: ``"drop_group"`` aborts a group when a member fails,
         ``"mask_member"`` releases it without that member. ``auto_free``: free the
         partition once every task has consumed every sample.
@@ -211,13 +213,14 @@ class AsyncClient:
             expect=Ok,
         )
 
-    async def clear(self, target: str | BatchMeta) -> None:
+    async def clear(self, target: str | Meta) -> None:
         """Free a partition (by name), or only the samples of a meta, on every unit.
 
         Readers waiting on a cleared partition get :class:`PartitionClearedError`; a later
         put to its name starts a new partition (indexes are never reused)."""
         ctl = await self._conns.ctl()
-        if isinstance(target, BatchMeta):
+        if not isinstance(target, str):
+            target = wire_meta(target, "clear")
             msg = Clear(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes))
         else:
             msg = Clear(partition=target)
@@ -233,7 +236,7 @@ class AsyncClient:
     # --- writes ---------------------------------------------------------------------
 
     @takes(PutAsk)
-    async def put(self, ask: PutAsk) -> BatchMeta:
+    async def put(self, ask: PutAsk) -> Meta:
         """Write new samples to ``partition`` (created on first use) and return their meta.
 
         ``data`` maps field name to per-sample values (see the module docs of the encoder),
@@ -248,28 +251,30 @@ class AsyncClient:
         saying what it asked for and what was used and allowed.
 
         ``partial``: unfinished rollouts; stored but never served until ``rollouts.complete``.
-        A put to a sealed partition (its over-sampling target was reached) sends nothing and
-        returns a meta with ``status="aborted"``, or, where the partition recycles late
-        samples, stores them as partial samples there (``status="recycled"``). A put that
+        A put to a sealed partition (``seal``, or its over-sampling target was reached) stores
+        nothing and raises :class:`PartitionSealedError`; with ``if_sealed="discard"`` (the
+        over-sampling producer's choice) it returns a meta with ``status="aborted"`` instead.
+        Where the partition recycles late samples, they are stored as partial samples there
+        (``status="recycled"``) either way. A put that
         crosses the target keeps only the samples that reach it (``status="trimmed"``,
         ``fates`` per sample "ok" or "aborted"); every fate is final when the put returns.
-        A put to a partition that sealed and freed itself is aborted for 10 minutes after
-        (stragglers), unless :meth:`create_partition` starts it again.
+        A put to a partition that sealed and freed itself is treated as sealed for 10 minutes
+        after (stragglers), unless :meth:`create_partition` starts it again.
         """
         return await self._puts.put(ask)
 
-    async def update(self, meta: BatchMeta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    async def update(self, meta: Meta, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add or overwrite fields of the samples of ``meta`` (e.g. a reward worker adding
         ``rewards``). ``data`` has one value per sample of ``meta``, in its order.
 
         Atomic per sample: all of a sample's fields live on one unit, which installs a write
         whole, so a reader gets every field old or every field new, never a mix."""
-        await self._puts.update(meta, data)
+        await self._puts.update(wire_meta(meta, "update"), data)
 
     # --- reads ----------------------------------------------------------------------
 
     @takes(MetaAsk)
-    async def get_meta(self, ask: MetaAsk) -> BatchMeta:
+    async def get_meta(self, ask: MetaAsk) -> Meta:
         """Lease ``batch_size`` samples of ``partition`` that have every field in ``fields``
         and that ``task`` has not consumed; wait until enough are ready.
 
@@ -277,7 +282,10 @@ class AsyncClient:
         forever). Raises :class:`~tqueue.errors.WaitTimeoutError` saying what was ready.
         ``lease_timeout``: the samples return to the task's pool unless acked (or renewed)
         in time (None: the config's ``lease_timeout``; ``math.inf``: never).
-        ``policy``: ``first_ready``, or ``groups`` for whole GRPO groups only.
+        ``policy``: ``first_ready`` (index order), ``groups`` (whole GRPO groups only), or one
+        the controller loaded. None (the default): whole groups where the partition has a
+        ``group_size`` (never split across DP ranks), else index order (the controller warns
+        once where samples put with groups have no group size to be kept whole by).
         ``dp_rank`` / ``dp_size``: this rank's token-balanced share of a round of
         ``dp_size * batch_size`` samples; every caller asking for the same round and rank
         (tensor/pipeline parallel peers) gets the identical meta. Rounds count per client
@@ -311,9 +319,9 @@ class AsyncClient:
         :class:`~tqueue.client.Client` gives each calling thread one; close it when done."""
         return ThreadRoute(self._gets, self._conns.thread_peer())
 
-    async def renew(self, meta: BatchMeta, *, lease_timeout: float | None = None) -> None:
+    async def renew(self, meta: Meta, *, lease_timeout: float | None = None) -> None:
         """Extend the lease of a meta from ``get_meta`` by ``lease_timeout`` from now."""
-        await self._gets.renew(meta, lease_timeout=lease_timeout)
+        await self._gets.renew(wire_meta(meta, "renew"), lease_timeout=lease_timeout)
 
     @takes(DataAsk)
     async def get_data(self, ask: DataAsk) -> Batch:
@@ -338,15 +346,15 @@ class AsyncClient:
         if not isinstance(meta, str):
             if batch_size is not None or task is not None or ask.dp_size is not None:
                 raise InvalidArgumentError("get_data(meta) takes no batch_size, task or dp options: the meta has them")
-            return await self._gets.get_data(meta, fields, options)
+            return await self._gets.get_data(wire_meta(meta, "get_data"), fields, options)
         if fields is None or batch_size is None or task is None:
             raise InvalidArgumentError("get_data(partition, ...) needs fields, batch_size and task")
         # the one-call form: lease with every option of get_meta, then fetch
         return await self._gets.get_data(ask.lease(meta, fields, batch_size, task), None, options)
 
-    async def ack(self, meta: BatchMeta) -> None:
+    async def ack(self, meta: Meta) -> None:
         """Mark the samples of ``meta`` consumed for its task. Acking twice is harmless."""
-        await self._gets.ack(meta)
+        await self._gets.ack(wire_meta(meta, "ack"))
 
     # --- the trainer's version and the seal: handed to the Lifecycle, which documents them
 

@@ -102,7 +102,7 @@ class Gets:
             task=ask.task,
             timeout=wait,
             lease_timeout=lease,
-            policy=ask.policy,
+            policy=ask.policy or "",
             dp_rank=-1 if ask.dp_rank is None else ask.dp_rank,
             dp_size=ask.dp_size or 0,
             round=-1 if round is None else round,

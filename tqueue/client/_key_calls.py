@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._meta import Meta as UserMeta
 from ..errors import InvalidArgumentError, PartitionClearedError
 from ..wire import (
     AllocateRows,
-    BatchMeta,
     BindKeys,
     Clear,
     DropKeys,
@@ -53,7 +53,7 @@ class KeyCalls:
     def __init__(self, conns: Connections) -> None:
         self._conns = conns
 
-    async def bind_keys(self, meta: BatchMeta, keys: Sequence[str], *, tags: Sequence[dict[str, Any]] | None = None) -> None:
+    async def bind_keys(self, meta: UserMeta, keys: Sequence[str], *, tags: Sequence[dict[str, Any]] | None = None) -> None:
         """Name the samples of ``meta`` (a put's) by ``keys``, one each in meta order, and with
         ``tags`` replace their tags. A key names one sample of its partition: a key that names
         another live sample is refused (:class:`InvalidArgumentError`); a key made by
@@ -72,7 +72,7 @@ class KeyCalls:
         msg = TagKeys(partition=partition, keys=names, tags=_tags(tags, len(names), "key") or [])
         await (await self._conns.ctl()).request(msg, expect=Ok)
 
-    async def set_tags(self, meta: BatchMeta, tags: Sequence[dict[str, Any]]) -> None:
+    async def set_tags(self, meta: UserMeta, tags: Sequence[dict[str, Any]]) -> None:
         """Replace the tags of the samples of ``meta``, one dict each in meta order."""
         msg = SetTags(partition=meta.partition, indexes=list(meta.indexes), tags=_tags(tags, len(meta.indexes), "sample") or [])
         await (await self._conns.ctl()).request(msg, expect=Ok)
@@ -116,7 +116,7 @@ class KeyCalls:
 
     async def select(
         self, partition: str, fields: Sequence[str], *, limit: int | None = None, consumed_by: str | None = None
-    ) -> BatchMeta | None:
+    ) -> UserMeta | None:
         """The meta of the live samples of ``partition`` that have every field of ``fields``
         (committed; not partial, failed, aborted or cleared), in index order, at most
         ``limit`` of them: no lease is taken and nothing is consumed, whatever any task did
@@ -131,7 +131,7 @@ class KeyCalls:
             return None
         return reply.meta
 
-    async def allocate(self, partition: str, count: int) -> BatchMeta:
+    async def allocate(self, partition: str, count: int) -> UserMeta:
         """``count`` new samples of ``partition`` (made if need be) with no fields yet, to be
         written later with :meth:`~tqueue.AsyncClient.update` (TransferQueue's
         ``get_meta(mode="insert")``). Readers see a sample once it holds every field they ask

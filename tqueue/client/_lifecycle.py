@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._meta import Meta as UserMeta
 from ..errors import InvalidArgumentError, SchemaError
 from ..wire import (
     Admission,
-    BatchMeta,
     Fail,
     GroupId,
     Meta,
@@ -28,6 +28,7 @@ from ..wire import (
     VersionWait,
 )
 from ._args import _rows, _wait
+from ._ask import wire_meta
 from ._encode import sample_count
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Lifecycle:
 
     async def fail(
         self,
-        target: str | BatchMeta,
+        target: str | UserMeta,
         *,
         reason: str,
         group: GroupId = None,
@@ -78,8 +79,9 @@ class Lifecycle:
         that will never be put. The partition's ``on_member_failure`` decides whether the
         group is aborted or released without them; either way they are never served."""
         ctl = await self._conns.ctl()
-        if isinstance(target, BatchMeta):
-            msg = Fail(partition=target.partition, partition_uid=target.partition_uid, indexes=list(target.indexes), reason=reason)
+        if not isinstance(target, str):
+            failed = wire_meta(target, "rollouts.fail")
+            msg = Fail(partition=failed.partition, partition_uid=failed.partition_uid, indexes=list(failed.indexes), reason=reason)
         else:
             if group is None:
                 raise InvalidArgumentError("fail(partition, ...) needs the group whose members failed")
@@ -138,7 +140,7 @@ class Lifecycle:
 
     async def complete(self, call: Completion) -> list[int]:
         """:meth:`AsyncClient.complete`."""
-        meta, data, append, lengths = call.meta, call.data, call.append, call.lengths
+        meta, data, append, lengths = wire_meta(call.meta, "rollouts.complete"), call.data, call.append, call.lengths
         cols, n = sample_count(data, meta.partition)
         if n != len(meta):
             raise SchemaError(f"complete() got {n} samples for a meta of {len(meta)} (partition {meta.partition!r})")
@@ -171,9 +173,10 @@ class Lifecycle:
             new[name] = out
         return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token))
 
-    async def postpone(self, meta: BatchMeta, to: str, *, whole_groups: bool = False) -> BatchMeta:
+    async def postpone(self, given: UserMeta, to: str, *, whole_groups: bool = False) -> UserMeta:
         """Move these samples (with ``whole_groups``, every member of their groups) to a later
         partition, data kept and partial ones still partial; returns their meta there."""
+        meta = wire_meta(given, "rollouts.postpone")
         ctl = await self._conns.ctl()
         reply, _ = await ctl.request(
             Postpone(

@@ -16,7 +16,7 @@ import torch
 
 from .._memory import BufferPool
 from .._tasks import all_or_none
-from ..errors import SchemaError, StorageUnitUnavailableError, UnavailableError
+from ..errors import InvalidArgumentError, PartitionSealedError, SchemaError, StorageUnitUnavailableError, UnavailableError
 from ..wire import BatchMeta, Grant, Granted, Locate, Located, Store, Stored, UnitInfo
 from ..wire._layout import split_lanes
 from ..wire._messages import SampleFate
@@ -81,13 +81,24 @@ class Puts:
     async def put(self, ask: PutAsk) -> BatchMeta:
         """:meth:`AsyncClient.put`."""
         partition = ask.partition
+        if ask.if_sealed not in ("raise", "discard"):
+            raise InvalidArgumentError(f"put to partition {partition!r}: if_sealed must be 'raise' or 'discard', not {ask.if_sealed!r}")
         enc = encode(ask.data, partition=partition, chunk_bytes=self.config.chunk_bytes, defer_device=True)
         group_ids = _groups(ask.groups, enc.count, partition)
         versions = _versions(ask.version, enc.count, partition)
         wait = _wait(ask.timeout, self.config.put_timeout)
         if self.config.coalesce_puts and not enc.on_device and not enc.cuda_devices:
-            return await self._coalesced(ask, enc, group_ids, versions, wait)
-        return await self._put(partition, enc, group_ids, versions, wait, ask.partial)
+            meta = await self._coalesced(ask, enc, group_ids, versions, wait)
+        else:
+            meta = await self._put(partition, enc, group_ids, versions, wait, ask.partial)
+        if meta.status == "aborted" and ask.if_sealed == "raise":
+            raise PartitionSealedError(
+                f"put of {enc.count} sample(s) (fields {[b.name for b in enc.blocks]}) to partition {partition!r} "
+                "stored nothing: the partition is sealed (seal(), or its over-sampling target was reached) or "
+                "sealed and freed itself; an over-sampling producer that expects this passes if_sealed='discard' "
+                "and reads status='aborted'"
+            )
+        return meta
 
     async def _coalesced(
         self, ask: PutAsk, enc: Encoded, group_ids: list[Any] | None, versions: list[int] | None, wait: float

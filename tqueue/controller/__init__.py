@@ -1,6 +1,8 @@
 """The controller process: all metadata, no payload. Its sub-packages (model, planning,
-parts, server) and what lives where:
-docs/architecture.md, "Controller floor plan", "The controller inside"."""
+parts, server), what each part owns and the modules a request enters are on the map.
+
+Map: docs/architecture.md#controller-floor-plan
+"""
 
 from ..config import ControllerConfig
 from .server._controller import Controller

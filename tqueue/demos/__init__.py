@@ -5,4 +5,6 @@ engine demo and its tests load (:mod:`.tiny_model`). They use the library from a
 user's program would; nothing in the library imports them but the command line.
 
 Run as docs/api.md, "Command line" shows; the engine demo in docs/bridges.md, "tqueue demo --engine vllm".
+
+Map: docs/architecture.md#launch-bridges-and-demos
 """

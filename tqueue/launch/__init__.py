@@ -1,6 +1,9 @@
 """Ways to start a cluster; the protocol does not depend on any of them.
 
-Described in docs/architecture.md, "Launch"; ``LocalCluster`` and the commands in docs/api.md.
+``LocalCluster`` and the commands are described in docs/api.md; launching from a shell or on
+Ray in docs/operations.md.
+
+Map: docs/architecture.md#launch-bridges-and-demos
 """
 
 from ._local import LocalCluster

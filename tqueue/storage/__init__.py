@@ -1,6 +1,8 @@
 """Storage units: processes that hold payload bytes, columnar, as they arrived.
 
-Described in docs/architecture.md, "The storage unit inside" and "Memory"; settings in docs/api.md, "Configuration".
+Settings in docs/api.md, "Configuration".
+
+Map: docs/architecture.md#the-storage-unit
 """
 
 from ..config import StorageConfig

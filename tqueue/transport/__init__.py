@@ -7,5 +7,5 @@ decode failures become :mod:`tqueue.errors` here and nowhere else, through the b
 ``_boundary``. The transport imports the wire layer's messages and never its codec of payload
 (``_pack``: packed frames reach the bulk streams through their own protocols) nor a role.
 
-Described in docs/architecture.md, "Bulk streams", "The same-host path", "Liveness" and "Authentication".
+Map: docs/architecture.md#the-transport
 """

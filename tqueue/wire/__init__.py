@@ -6,7 +6,7 @@ narrows integer fields for the trip and widens them back. Nothing here opens a s
 thread of its own or imports a role (controller, storage, client); the transport and the roles
 import it.
 
-Described in docs/architecture.md, "The wire", "Fields and their bytes" and "Packed integer fields".
+Map: docs/architecture.md#the-wire
 """
 
 from ._commits import MAX_COMMITS, Commits, CommitsDone

@@ -469,8 +469,9 @@ class Commit(Message):
 
 
 class GetMeta(Message):
-    """Lease samples to a task. ``policy``: ``first_ready`` or ``groups`` (whole groups;
-    ``batch_size`` in samples). With ``dp_size``, the request is rank ``dp_rank``'s share
+    """Lease samples to a task. ``policy``: ``first_ready``, ``groups`` (whole groups;
+    ``batch_size`` in samples), a loaded one, or ``""``: ``groups`` where the partition has a
+    group size, else ``first_ready``. With ``dp_size``, the request is rank ``dp_rank``'s share
     of ``round`` (``dp_size * batch_size`` samples split by tokens, see _rounds), cut into
     micro-batches: under ``max_tokens_per_micro_batch`` tokens (0: no cap), or of exactly
     ``micro_batch_size`` samples (0: not fixed); their count at least
@@ -483,7 +484,7 @@ class GetMeta(Message):
     task: str
     timeout: float = math.inf
     lease_timeout: float = math.inf
-    policy: str = "first_ready"
+    policy: str = ""
     dp_rank: int = -1
     dp_size: int = 0
     round: int = -1

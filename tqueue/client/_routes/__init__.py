@@ -6,6 +6,8 @@ streams), :class:`ArenaRoute` (the arena of a unit on this host) and ``NixlRoute
 (one-sided NIXL transfers of a unit's arena, from ``.nixl``: imported only where a client
 uses it). A new route is one new
 module with a :class:`Route` subclass, and one line where the connections pick it.
+
+Map: docs/architecture.md#payload-routes
 """
 
 from .arena import ArenaRoute

@@ -78,6 +78,7 @@ class Reads:
         self.leases: dict[int, Lease] = {}
         self.lease_ids = random_ids()  # not guessable: a lease id is what an ack names
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
+        self._told_ungrouped: set[int] = set()  # partitions (uids) whose default read of groups was logged
         self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self._free = free  # free a partition if every task consumed it
@@ -114,11 +115,32 @@ class Reads:
         while len(self.served) > MAX_SERVED:
             self.served.popitem(last=False)
 
+    def policy_of(self, part: Partition, msg: GetMeta) -> str:
+        """The policy a request reads with: the one it names, or by default (``""``) whole
+        groups where the partition has a ``group_size``, else index order. (Without a group
+        size nothing tells when a group is whole: a default read of samples put with groups
+        there takes them in index order, and the controller logs it once per partition.)"""
+        if msg.policy:
+            return msg.policy
+        if part.options.group_size:
+            return "groups"
+        if part.samples.has_groups and not part.options.target and part.uid not in self._told_ungrouped:
+            if len(self._told_ungrouped) >= MAX_SERVED:
+                self._told_ungrouped.clear()  # bounded: at worst a partition is logged again
+            self._told_ungrouped.add(part.uid)
+            log.warning(
+                "partition %r holds samples put with groups but has no group_size: a read that names no policy "
+                "takes them in index order, and may split groups (create_partition(..., group_size=n) keeps them whole)",
+                part.name,
+            )
+        return "first_ready"
+
     def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
-        policy = self.policies.get(msg.policy)
+        name = self.policy_of(part, msg)
+        policy = self.policies.get(name)
         if policy is None:
-            raise InvalidArgumentError(f"unknown policy {msg.policy!r}; known: {sorted(self.policies)}")
+            raise InvalidArgumentError(f"unknown policy {name!r}; known: {sorted(self.policies)}")
         mask, missing = part.schema.field_mask(msg.fields)
         if missing:
             self._check_can_come(part, missing)
@@ -129,13 +151,14 @@ class Reads:
         candidates = Candidates(part, task, mask, min_version, args)
         found = policy.select(candidates, count)
         if found is not None:
-            return found if msg.policy in BUILT_IN else check(found, candidates, msg.policy)
-        if msg.policy == "groups" or not part.drained() or part.uid in self.state.prefetching:
+            return found if name in BUILT_IN else check(found, candidates, name)
+        if not part.drained() or part.uid in self.state.prefetching:
             return None
-        if part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
+        groups = name == "groups"
+        if not groups and part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
             return None  # samples are on their way in; their landing wakes this request
         if msg.pad:
-            ready = candidates.ready()
+            ready = _whole_groups_left(candidates, count // part.options.group_size) if groups else candidates.ready()
             if len(ready):
                 return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
             if not msg.dp_size and not task.leased:  # nothing left, nothing to come back: the end
@@ -218,7 +241,7 @@ class Reads:
                 return None
             lengths = token_counts(part.schema.lengths, indexes, msg.fields, msg.balance_by)
             groups = None
-            if msg.policy == "groups":  # whole groups per rank
+            if self.policy_of(part, msg) == "groups":  # whole groups per rank
                 ordinals = part.samples.group[indexes]
                 groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
             rnd = book.form(indexes, lengths, [], groups)
@@ -458,7 +481,7 @@ class Reads:
         else:
             ready = part.count_ready(part.tasks.get(msg.task), mask)
             note = ""
-        if msg.policy == "groups":
+        if msg.policy == "groups" or (not msg.policy and part.options.group_size):
             note += f"; {len(part.groups.order)} groups complete"
         if msg.dp_size:
             book = self.rounds.get((part.uid, msg.task, msg.replica_group))
@@ -548,3 +571,14 @@ def _one_edit(a: str, b: str) -> bool:
     short, long = (a, b) if len(a) < len(b) else (b, a)
     i = next((k for k in range(len(short)) if short[k] != long[k]), len(short))
     return short[i:] == long[i + 1 :]
+
+
+def _whole_groups_left(candidates: Candidates, fewer_than: int) -> np.ndarray:
+    """The most whole groups (fewer than ``fewer_than``) a drained partition still has ready:
+    the last, short batch of a padded read under ``policy="groups"``."""
+    for count in range(fewer_than - 1, 0, -1):
+        found = candidates.groups(count)
+        if found is not None:
+            return found
+    return np.zeros(0, dtype=np.int64)
+

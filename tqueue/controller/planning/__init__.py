@@ -1,2 +1,5 @@
 """Which samples a read gets: batch policies, DP rounds and their token balance. Imports
-only the model."""
+only the model.
+
+Map: docs/architecture.md#controller-floor-plan
+"""
