@@ -22,7 +22,7 @@ from ..errors import (
     did_you_mean,
 )
 from ..transport import _zmq
-from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, Meta, Ok, Renew
+from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, MetaReply, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
@@ -56,7 +56,7 @@ class ThreadRoute:
 
     def get_meta(self, *args: Any, **kwargs: Any) -> BatchMeta:
         msg, limit = self._gets.request(ask(MetaAsk, "get_meta", *args, **kwargs))
-        return self._gets.got_meta(msg, self._peer.request(msg, expect=Meta, timeout=limit))
+        return self._gets.got_meta(msg, self._peer.request(msg, expect=MetaReply, timeout=limit))
 
     def close(self) -> None:
         self._peer.close()
@@ -77,7 +77,7 @@ class Gets:
         """:meth:`AsyncClient.get_meta`."""
         msg, limit = self.request(ask)
         ctl = await self._conns.ctl()
-        reply, _ = await ctl.request(msg, expect=Meta, timeout=limit)
+        reply, _ = await ctl.request(msg, expect=MetaReply, timeout=limit)
         return self.got_meta(msg, reply)
 
     def request(self, ask: MetaAsk) -> tuple[GetMeta, float]:
@@ -120,7 +120,7 @@ class Gets:
         )
         return msg, wait + self.config.request_timeout  # math.inf: no limit
 
-    def got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
+    def got_meta(self, msg: GetMeta, reply: MetaReply) -> BatchMeta:
         meta = reply.meta
         if msg.dp_size:
             key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size, msg.replica_group)

@@ -500,7 +500,7 @@ class GetMeta(Message):
     policy_args: dict[str, Any] | None = None  # MessagePack values the policy reads (Candidates.args)
 
 
-class Meta(Message):
+class MetaReply(Message):
     KIND = Kind.META
     meta: BatchMeta
 

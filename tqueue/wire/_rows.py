@@ -9,7 +9,7 @@ from ._messages import Kind, Message, register
 class AllocateRows(Message):
     """``count`` new samples of ``partition`` (made if need be) with no fields yet, on no unit
     until their first write (an update) places them; readers see a sample once it holds the
-    fields they ask for. Answered with ``Meta``."""
+    fields they ask for. Answered with ``MetaReply``."""
 
     KIND = Kind.ALLOCATE_ROWS
     partition: str

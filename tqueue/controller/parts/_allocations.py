@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError, TQueueError
-from ...wire import AllocateRows, Grant, Locate, Located, Meta
+from ...wire import AllocateRows, Grant, Locate, Located, MetaReply
 from ..model._partition import Partition
 from ..model._records import Unit
 from ..model._samples import COMMITTED
@@ -34,7 +34,7 @@ class Allocations:
         self._meta_of = meta_of
         self._place = place
 
-    def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> Meta:
+    def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> MetaReply:
         existing = self.state.partitions.get(msg.partition)
         if existing is not None:
             existing.check_put(msg.count, [])
@@ -48,7 +48,7 @@ class Allocations:
             raise InvalidArgumentError(f"partition {msg.partition!r} is sealed: it takes no new rows")
         start = _allocate(part, msg.count)
         indexes = np.arange(start, start + msg.count, dtype=np.int64)
-        return Meta(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
+        return MetaReply(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
 
     def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located | None:
         located = self._located(msg)

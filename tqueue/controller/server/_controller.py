@@ -54,7 +54,7 @@ from ...wire import (
     Locate,
     LookupKeys,
     Message,
-    Meta,
+    MetaReply,
     Ok,
     PartitionStatus,
     Postpone,
@@ -309,7 +309,7 @@ class Controller:
         back what it handed out: a get_meta's lease (its samples go to a live caller now,
         not at the lease's expiry) and a put's grant. A DP round's share stays: the rank's
         tensor-parallel peers hold the same meta, and a restarted rank asks for it again."""
-        if isinstance(reply, Meta) and reply.meta.lease and not reply.meta.dp_size:
+        if isinstance(reply, MetaReply) and reply.meta.lease and not reply.meta.dp_size:
             self.reads.expire_lease(reply.meta.lease, "was never delivered (its caller is gone)")
         elif isinstance(reply, Granted) and reply.grant_id:
             self.writes.lapse(reply.grant_id, "was never delivered (its caller is gone)")
