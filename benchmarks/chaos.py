@@ -1,7 +1,7 @@
 """Chaos: a streaming RL job whose processes are SIGKILLed and restarted, every sample ledgered.
 
     python benchmarks/chaos.py [--seconds 120] [--units 3] [--producers 3] [--kill-every 3]
-                               [--seed 1] [--rows 256] [--replicas 1]
+                               [--seed 1] [--rows 256] [--copies 1]
 
 The job, on a local cluster (heartbeats every 0.5 s): producer processes put groups of
 ``GROUP`` samples (``x``: float32 rows drawn from a generator seeded by the sample's id; ``id``;
@@ -15,7 +15,7 @@ indexes) and each ack it made (ids), and counts the errors it met.
 Meanwhile the driver SIGKILLs a random process every ``--kill-every`` s: a producer or a
 consumer of either task (restarted at once, as a new incarnation), or a storage unit (a
 replacement is started; the dead one's samples are lost, and the controller counts them per
-task). With ``--replicas 2`` units die one at a time: a unit is a candidate only once the
+task). With ``--copies 2`` units die one at a time: a unit is a candidate only once the
 controller has declared the one killed before dead and no sample is held once any more (its
 copies made again); then no sample may be lost at all. Then the producers stop, the consumers drain, and the ledger is checked against what
 the controller reports (``select(consumed_by=task)`` lists the live samples a task consumed):
@@ -71,7 +71,7 @@ LEASE = 3.0  # seconds a killed consumer's lease lasts
 INTERVAL = 0.5  # the cluster's heartbeat interval
 BACKLOG = 2048  # producers pause while the trainer has this many samples left to read
 RSS_SLACK = 64 << 20  # the controller's resident memory may end this much above its start
-SETTLE = 30.0  # seconds the end waits for samples held once to be copied again (replicas=2)
+SETTLE = 30.0  # seconds the end waits for samples held once to be copied again (copies=2)
 # the errors a worker meets when a process it talks to is killed: counted, then it goes on
 EXPECTED = (errors.DataLostError, errors.StorageUnitUnavailableError, errors.WaitTimeoutError, errors.UnavailableError)
 
@@ -177,7 +177,7 @@ class Job:
     """The worker processes and the units: started, killed and restarted by pid."""
 
     def __init__(
-        self, cluster: tqueue.LocalCluster, tmp: pathlib.Path, rows: int, rng: random.Random, replicas: int = 1
+        self, cluster: tqueue.LocalCluster, tmp: pathlib.Path, rows: int, rng: random.Random, copies: int = 1
     ) -> None:
         self.cluster = cluster
         self.tmp = tmp
@@ -190,7 +190,7 @@ class Job:
         self.units = list(cluster.pids[1:])  # live unit pids
         self.unit_addresses = list(cluster.unit_addresses)  # theirs, in the same order
         self.dying: list[str] = []  # addresses of units killed, until the controller knows
-        self.replicas = replicas
+        self.copies = copies
         self.unit_baseline = {pid: _server_use(pid) for pid in self.units}  # fds, threads, RSS at its start
         self._next = 1
         script = pathlib.Path(__file__).resolve()
@@ -209,10 +209,10 @@ class Job:
         return (self.tmp / f"stderr-{n}.log").read_text(errors="replace")[-2000:]
 
     def units_may_die(self, client: tqueue.Client) -> bool:
-        """With copies (``replicas`` > 1), one unit killed at a time: the next only once the
+        """With copies (``copies`` > 1), one unit killed at a time: the next only once the
         controller has declared every unit killed before dead and has copied again every
         sample they held (no sample of the partition is held once)."""
-        if self.replicas < 2:
+        if self.copies < 2:
             return True
         status = client.status()
         alive = {u.address for u in status.units if u.alive}
@@ -289,7 +289,7 @@ def _held_once(client: tqueue.Client) -> int:
 
 def run(
     *, seconds: float = 120.0, units: int = 3, producers: int = 3, kill_every: float = 3.0, seed: int = 1,
-    rows: int = 256, drain_timeout: float = 120.0, replicas: int = 1,
+    rows: int = 256, drain_timeout: float = 120.0, copies: int = 1,
 ) -> dict[str, Any]:
     """Run the job with its kills; the ledger's totals, checked (AssertionError on a breach)."""
     rng = random.Random(seed)
@@ -300,9 +300,9 @@ def run(
     ):
         tmpdir = pathlib.Path(tmp)
         with tqueue.Client(cluster.address) as client:
-            client.create_partition(PARTITION, tasks=list(TASKS), replicas=replicas)
+            client.create_partition(PARTITION, tasks=list(TASKS), copies=copies)
             baseline = _server_use(cluster.pids[0])
-            job = Job(cluster, tmpdir, rows, rng, replicas)
+            job = Job(cluster, tmpdir, rows, rng, copies)
             for _ in range(producers):
                 job.start("producer")
             for task in TASKS:
@@ -322,7 +322,7 @@ def run(
                 pause.wait(0.5)
             drained = _drained(client)
             job.finish("consumer", timeout=60.0)
-            # re-replication goes on in the background: held once at the end is a finding
+            # copying again goes on in the background: held once at the end is a finding
             # only once it had time to settle (a bounded wait on the controller's own state)
             settle = time.monotonic() + SETTLE
             while _held_once(client) and time.monotonic() < settle:
@@ -336,10 +336,10 @@ def run(
         # the units alive at the end, their partition cleared: (start, end) of each
         unit_use = {pid: (job.unit_baseline[pid], _server_use(pid)) for pid in job.units}
         result = _check(tmpdir, status, live, consumed, drained, job.killed)
-        if replicas > 1 and status.lost:
-            result["breaches"].append(f"{status.lost} samples lost with replicas={replicas}, one unit killed at a time")
+        if copies > 1 and status.lost:
+            result["breaches"].append(f"{status.lost} samples lost with copies={copies}, one unit killed at a time")
     result.update({
-        "seconds": seconds, "wall_s": round(wall, 1), "units": units, "producers": producers, "replicas": replicas,
+        "seconds": seconds, "wall_s": round(wall, 1), "units": units, "producers": producers, "copies": copies,
         "kills": job.killed,
         "crashed": job.crashed, "controller_fds": [baseline["fds"], end["fds"]],
         "controller_threads": [baseline["threads"], end["threads"]],
@@ -445,11 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--replicas", type=int, default=1, help="copies of each put (2: a unit's death alone loses nothing)")
+    p.add_argument("--copies", type=int, default=1, help="copies of each put (2: a unit's death alone loses nothing)")
     args = p.parse_args(argv)
     try:
         result = run(seconds=args.seconds, units=args.units, producers=args.producers, kill_every=args.kill_every,
-                     seed=args.seed, rows=args.rows, replicas=args.replicas)
+                     seed=args.seed, rows=args.rows, copies=args.copies)
     except AssertionError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -323,9 +323,9 @@ def test_the_strict_resolver_catches_a_wrong_name():
         "`Writes.grant` in `tqueue/controller/parts/_writes.py`; `Writes.nope`\n\n"
         "`_writes.pick_unit` `_writes.nope` `_nope.x`\n\n"
         "`ControllerState.waiters` (set in its constructor) `Nope.x` `Nopes`\n\n"
-        "`Rows.allocate` with `tqueue/controller/parts/_allocations.py`\n\n"
-        "`Rows.allocate` with `tqueue/client/_routes/base.py`\n\n"
-        "`Rows.allocate` alone\n\n"
+        "`Options.mode` with `tqueue/client/_ask.py`\n\n"
+        "`Options.mode` with `tqueue/controller/model/_partition.py`\n\n"
+        "`Options.mode` alone\n\n"
         "| `tqueue/controller/model/` | `_samples.py`, `_nope.py` |\n"
     )
     found = [m.split(": ", 2)[1:] for m in _strict_misses(text, "page")]
@@ -334,8 +334,8 @@ def test_the_strict_resolver_catches_a_wrong_name():
         ["_writes.nope", "tqueue/controller/parts/_writes.py has no nope"],
         ["Nope.x", "class defined nowhere in tqueue/"],
         ["Nopes", "no class of that name in tqueue/ or the files its item names"],
-        ["Rows.allocate", "Rows in tqueue/client/_routes/base.py has no allocate"],
-        ["Rows.allocate", "class ambiguous (tqueue/client/_routes/base.py, tqueue/controller/parts/_allocations.py): "
+        ["Options.mode", "Options in tqueue/controller/model/_partition.py has no mode"],
+        ["Options.mode", "class ambiguous (tqueue/client/_ask.py, tqueue/controller/model/_partition.py): "
                           "name its file beside it"],
         ["_nope.py", "in none of the folders its item names (tqueue/controller/model/)"],
     ]

@@ -3,6 +3,7 @@ importable without torch for servers; the old spellings warn and still work."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import inspect
@@ -168,6 +169,73 @@ def test_the_wire_struct_and_version_left_the_package_and_still_work_for_a_relea
         assert tqueue.PROTOCOL_VERSION == wire.PROTOCOL_VERSION
     meta = wire.BatchMeta(partition="p", partition_uid=1, indexes=[0, 1], units=[0, 0], fields=["x"], schema={})
     assert isinstance(meta, tqueue.Meta)  # the struct is a Meta as it is
+
+
+def _partition_stub(sent: list[Any]) -> SimpleNamespace:
+    """An AsyncClient's stand-in whose controller records each request it is sent."""
+
+    async def request(msg: Any, expect: Any = None) -> tuple[Any, list[Any]]:
+        sent.append(msg)
+        return None, []
+
+    async def ctl() -> SimpleNamespace:
+        return SimpleNamespace(request=request)
+
+    return SimpleNamespace(_conns=SimpleNamespace(ctl=ctl))
+
+
+def test_create_partition_replicas_is_the_old_spelling_of_copies():
+    sent: list[Any] = []
+    astub = _partition_stub(sent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        asyncio.run(AsyncClient.create_partition(astub, "p", copies=2))  # type: ignore[arg-type]
+    with pytest.warns(tqueue.TQueueDeprecationWarning,
+                      match=r"AsyncClient\.create_partition\(replicas=\) .* use AsyncClient\.create_partition\(copies=\)"):
+        asyncio.run(AsyncClient.create_partition(astub, "p", replicas=2))  # type: ignore[arg-type]
+    stub = SimpleNamespace(_run=asyncio.run, _inner=astub)
+    with pytest.warns(tqueue.TQueueDeprecationWarning,
+                      match=r"Client\.create_partition\(replicas=\) .* use Client\.create_partition\(copies=\)") as got:
+        Client.create_partition(stub, "p", replicas=2)  # type: ignore[arg-type]
+    assert got[0].filename == __file__  # at the caller's line, not in the client's loop thread
+    assert [m.copies for m in sent] == [2, 2, 2]
+    with pytest.raises(tqueue.InvalidArgumentError, match="give copies= or replicas=, not both"):
+        asyncio.run(AsyncClient.create_partition(astub, "p", copies=2, replicas=2))  # type: ignore[arg-type]
+    with pytest.raises(tqueue.InvalidArgumentError, match="give copies= or replicas=, not both"):
+        Client.create_partition(stub, "p", copies=2, replicas=2)  # type: ignore[arg-type]
+
+
+def test_controller_config_replicas_is_the_old_spelling_of_copies():
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"ControllerConfig\(replicas=\) .* use ControllerConfig\(copies=\)"):
+        config = tqueue.ControllerConfig(replicas=2)  # type: ignore[call-arg]
+    assert config.copies == 2 and config == tqueue.ControllerConfig(copies=2)
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"ControllerConfig\.replicas .* use ControllerConfig\.copies"):
+        assert config.replicas == 2
+    with pytest.raises(TypeError, match="give copies= or replicas=, not both"):
+        tqueue.ControllerConfig(copies=2, replicas=2)  # type: ignore[call-arg]
+    assert "copies" in {f.name for f in dataclasses.fields(tqueue.ControllerConfig)}
+    assert "replicas" not in {f.name for f in dataclasses.fields(tqueue.ControllerConfig)}
+
+
+def test_the_replicas_flag_is_the_old_spelling_of_copies(capsys):
+    from tqueue import cli
+
+    parser = cli._parser()
+    assert parser.parse_args(["controller", "--copies", "2"]).copies == 2
+    assert parser.parse_args(["controller"]).copies == 1
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"--replicas is deprecated .* use --copies"):
+        assert parser.parse_args(["controller", "--replicas", "2"]).copies == 2
+    assert "tqueue: warning: --replicas is deprecated" in capsys.readouterr().err  # a shell shows no DeprecationWarning
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["controller"]
+    assert "--copies" in sub.format_help() and "--replicas" not in sub.format_help()
+
+
+def test_partition_status_replicas_is_the_old_spelling_of_copies():
+    from tqueue.wire import PartitionStatus
+
+    status = PartitionStatus(name="p", uid=1, samples=0, fields={}, tasks={}, nbytes=0, copies=2)
+    with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"PartitionStatus\.replicas .* use PartitionStatus\.copies"):
+        assert status.replicas == 2
 
 
 def test_config_groups_name_every_field_once_and_timeouts_travel_together():

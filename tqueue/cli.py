@@ -98,6 +98,28 @@ def _config_flags(parser: argparse.ArgumentParser, config: type, skip: Sequence[
                 metavar=_metavar(field.name, field.default),
                 help=field_help(config, field.name).replace("%", "%%"),
             )
+    for old, new in getattr(config, "RENAMED", {}).items():  # an old spelling: works for one release, unlisted
+        parser.add_argument("--" + old.replace("_", "-"), dest=new, action=_Renamed, new="--" + new.replace("_", "-"),
+                            type=type(next(f.default for f in dataclasses.fields(config) if f.name == new)),
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+class _Renamed(argparse.Action):
+    """The old spelling of a flag (``new``): it sets the new one's value and warns, as a
+    deprecation warning and on stderr (a shell shows no deprecation warning)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from ._api import REMOVED_IN, deprecated
+
+        deprecated(option_string or self.option_strings[0], self.new, stacklevel=2)
+        print(f"tqueue: warning: {option_string} is deprecated and stops working in tqueue {REMOVED_IN}: use {self.new}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _common() -> _Parser:
@@ -284,13 +306,13 @@ def _storage_unit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .launch._status import status
+    from .launch._status_text import status
 
     return status(args.controller, as_json=args.json)
 
 
 def _top(args: argparse.Namespace) -> int:
-    from .launch._status import top
+    from .launch._status_text import top
 
     return top(args.controller, interval=args.interval, iterations=args.iterations)
 
@@ -439,6 +461,8 @@ def _table(title: str, parser: argparse.ArgumentParser) -> str:
             continue
         if isinstance(action, argparse._HelpAction) and title != "tqueue":
             continue  # every command has it, said once in the first table
+        if action.help == argparse.SUPPRESS:
+            continue  # an old spelling (_Renamed): unlisted, as in --help
         name = ", ".join(action.option_strings) or str(action.metavar or action.dest)
         if action.option_strings and action.nargs != 0:
             choices = "{" + ",".join(map(str, action.choices)) + "}" if action.choices else ""

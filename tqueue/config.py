@@ -14,10 +14,12 @@ name them so); options that travel together are also one object: :class:`Timeout
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, ClassVar, TypeVar
 
 from . import _env
+from ._api import deprecated
 
 __all__ = ["ClientConfig", "ControllerConfig", "StorageConfig", "Timeouts", "grouped"]
 
@@ -91,6 +93,29 @@ def field_help(config: type[Any], name: str) -> str:
     return str(next(f for f in dataclasses.fields(config) if f.name == name).metadata["help"])
 
 
+def _renamed(cls: type[_C]) -> type[_C]:
+    """Each old field name of the config class's ``RENAMED`` (old -> new) still works for one
+    release as a keyword of its constructor, with a deprecation warning naming the new one
+    (the class keeps the old attribute as a deprecated property of its own, and the command
+    line the old flag: see tqueue/cli.py)."""
+    renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for old, new in renamed.items():
+            if old in kwargs:
+                deprecated(f"{cls.__name__}({old}=)", f"{cls.__name__}({new}=)")
+                if new in kwargs:
+                    raise TypeError(f"{cls.__name__}: give {new}= or {old}=, not both")
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_renamed
 @_documented
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
@@ -105,13 +130,15 @@ class ControllerConfig:
 
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "network": ("bind", "advertise", "metrics_port", "auth_dir"),
-        "data": ("capacity_bytes", "replicas", "policies", "tombstone_seconds"),
+        "data": ("capacity_bytes", "copies", "policies", "tombstone_seconds"),
         "liveness": ("heartbeat_interval", "cycle_notice", "grant_timeout", "unit_timeout"),
         "checkpoints": ("restore", "checkpoint_root", "restore_wait"),
         "limits": ("max_header_bytes", "max_samples_per_request", "max_partition_samples", "max_tasks_per_partition",
                    "max_partitions", "max_parked", "max_tag_bytes", "max_tag_bytes_per_partition", "max_tag_bytes_total",
                    "max_keys_per_partition", "max_keys_total"),
     }
+    # old field names that still work for one release (deprecated): old -> new
+    RENAMED: ClassVar[dict[str, str]] = {"replicas": "copies"}
 
     bind: str = _setting("tcp://127.0.0.1:0", _BIND)
     max_header_bytes: int = _setting(16 * MiB, _HEADER)
@@ -125,9 +152,9 @@ class ControllerConfig:
     max_partition_samples: int = _setting(
         100_000_000, "samples a partition may ever hold (its per-sample arrays take about 50 bytes each, plus 9 per task)")
     max_tasks_per_partition: int = _setting(1024, "distinct task names that may read one partition")
-    replicas: int = _setting(
+    copies: int = _setting(
         1, "copies of each put, on as many storage units (on different hosts where there are): 1, or 2 so that one "
-        "unit's death loses no acknowledged sample; a partition's own (create_partition(replicas=)) overrides it")
+        "unit's death loses no acknowledged sample; a partition's own (create_partition(copies=)) overrides it")
     max_partitions: int = _setting(100_000, "partitions that may exist at once")
     max_parked: int = _setting(
         100_000, "requests parked at once (reads, writes, seal waits); past it a request that would wait is refused "
@@ -176,6 +203,12 @@ class ControllerConfig:
         "or tag_keys that would make more is refused with InvalidArgumentError")
     max_keys_total: int = _setting(
         4_000_000, "keys all partitions together may hold; a bind_keys or tag_keys past it is refused likewise")
+
+    @property
+    def replicas(self) -> int:
+        """Deprecated spelling of ``copies``."""
+        deprecated("ControllerConfig.replicas", "ControllerConfig.copies")
+        return self.copies
 
 
 @_documented

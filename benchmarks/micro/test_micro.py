@@ -59,7 +59,7 @@ def test_batch_meta_decode(benchmark):
         task="actor_train",
         lease=1,
     )
-    frames = _wire.encode(_wire.Meta(meta=meta))
+    frames = _wire.encode(_wire.MetaReply(meta=meta))
     benchmark(_wire.decode, frames)
 
 

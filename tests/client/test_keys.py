@@ -1,4 +1,4 @@
-"""Keys and tags (tqueue/client/_keys.py, tqueue/controller/parts/_user_keys.py) on a real cluster."""
+"""Keys and tags (tqueue/client/_key_calls.py, tqueue/controller/parts/_user_keys.py) on a real cluster."""
 
 from __future__ import annotations
 
@@ -208,6 +208,6 @@ def test_select_cuts_at_its_limit_at_the_controller(cluster: tqueue.LocalCluster
     peer = raw(cluster.address)
     peer.send(wire.encode(wire.Select(rid=1, partition=partition, fields=["x"], limit=2)))
     reply, _ = peer.recv(timeout=10)
-    assert isinstance(reply, wire.Meta) and reply.meta.indexes == [0, 1]
+    assert isinstance(reply, wire.MetaReply) and reply.meta.indexes == [0, 1]
     peer.send(wire.encode(wire.Select(rid=2, partition=partition, fields=["x"])))
     assert len(peer.recv(timeout=10)[0].meta.indexes) == 1000  # -1, the default: all

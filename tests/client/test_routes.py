@@ -15,7 +15,7 @@ import torch
 
 import tqueue
 from tqueue.client._assemble import Part
-from tqueue.client._routes import ArenaRoute, BulkRoute, InlineRoute, Outgoing, Route, Rows, Sent
+from tqueue.client._routes import ArenaRoute, BatchBuffers, BulkRoute, InlineRoute, Outgoing, Route, Sent
 from tqueue.wire import BatchMeta, Store, Stored, UnitInfo
 
 
@@ -41,7 +41,7 @@ class MemoryRoute(Route):
         return Sent(Stored(nbytes=enc.nbytes), wire=0, copied=enc.copied)
 
     async def fetch(
-        self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: Rows
+        self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: BatchBuffers
     ) -> Part:
         self.calls["fetch"] += 1
         blocks = self.puts[tuple(indexes)]

@@ -4,6 +4,7 @@ samples move to the units that took their payload."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
@@ -62,6 +63,23 @@ def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
     assert back.committed == 3 and back.complete == part.complete and back.in_flight == 0
     mask, _ = back.schema.field_mask(["x"])
     assert t.find_ready(mask, 2).tolist() == [1, 2]
+
+
+def test_an_image_written_before_copies_were_named_copies_loads(tmp_path: pathlib.Path) -> None:
+    """A checkpoint taken before the rename names a partition's copies ``replicas`` in its
+    options: it still loads, with its copies; one that names neither gets the cluster's (0)."""
+    part = Partition("two", 3, Options(copies=2))
+    image = capture(part)
+    assert image.header["options"]["copies"] == 2 and "replicas" not in image.header["options"]
+    options = dict(image.header["options"])
+    options["replicas"] = options.pop("copies")  # the old form, by hand
+    _write(tmp_path, "old.arrow", dataclasses.replace(image, header={**image.header, "options": options}))
+    back = rebuild(read_image((tmp_path / "old.arrow").read_bytes(), "old.arrow"), {}, max_samples=16, max_tasks=4)
+    assert back.options.copies == 2 and back.twice
+    del options["replicas"]  # older still: no copies at all
+    _write(tmp_path, "older.arrow", dataclasses.replace(image, header={**image.header, "options": options}))
+    back = rebuild(read_image((tmp_path / "older.arrow").read_bytes(), "older.arrow"), {}, max_samples=16, max_tasks=4)
+    assert back.options.copies == 0
 
 
 def test_a_file_that_is_not_an_image_is_refused(tmp_path: pathlib.Path) -> None:

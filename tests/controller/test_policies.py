@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tqueue.errors import InvalidArgumentError, StorageFullError
-from tqueue.wire import Error, GetMeta, Meta
+from tqueue.wire import Error, GetMeta, MetaReply
 
 from ..servers import LoopCluster
 from .parking import park, replies, waiting
@@ -47,7 +47,7 @@ def test_a_readers_policy_args_reach_the_policy(cluster, client, partition, raw)
     assert waiting(park(peer, ask), partition) == ["get_meta"]
     client.put(partition, {"x": torch.arange(3)})
     got = replies(peer, 1)[1]
-    assert isinstance(got, Meta) and got.meta.indexes == [9, 10]
+    assert isinstance(got, MetaReply) and got.meta.indexes == [9, 10]
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_the_cluster_budget_holds_across_units(client, partition):
 
 
 def test_bad_policy_specs_are_refused():
-    from tqueue.controller.planning._policies import load
+    from tqueue.controller.planning._batch_policies import load
 
     with pytest.raises(ValueError, match="name=module:attribute"):
         load(["nonsense"])
@@ -107,6 +107,6 @@ def test_a_waiter_that_fails_gets_the_error_alone_and_the_waking_put_stands(clus
     assert (put.status, put.indexes) == ("ok", [1])
     got = replies(peer, 2)
     assert isinstance(got[1], Error) and "RuntimeError: exploding policy" in got[1].message
-    assert isinstance(got[2], Meta) and got[2].meta.indexes == [0, 1]
+    assert isinstance(got[2], MetaReply) and got[2].meta.indexes == [0, 1]
     assert {p.name: p for p in client.status().partitions}[partition].samples == 2
     assert client.get_data(got[2].meta)["x"].tolist() == [0, 1]  # controller and unit agree

@@ -38,11 +38,11 @@ def test_a_job_whose_processes_are_killed_at_random_loses_nothing_it_does_not_re
 
 @pytest.mark.soak
 def test_with_two_copies_and_one_unit_killed_at_a_time_nothing_is_lost():
-    """replicas=2: a unit is killed only once the one killed before is known dead and its
+    """copies=2: a unit is killed only once the one killed before is known dead and its
     samples have their second copies again; then no acknowledged sample may be lost and every
     one is consumed by each task (``chaos.run`` raises on any breach)."""
-    result = chaos.run(seconds=20.0, units=3, producers=2, kill_every=1.5, seed=11, drain_timeout=90.0, replicas=2)
-    print(f"\nchaos, replicas=2: {result}")
+    result = chaos.run(seconds=20.0, units=3, producers=2, kill_every=1.5, seed=11, drain_timeout=90.0, copies=2)
+    print(f"\nchaos, copies=2: {result}")
     assert result["kills"].get("unit", 0) >= 1 and result["partition_lost"] == 0
     for task in chaos.TASKS:
         t = result[task]
@@ -100,8 +100,8 @@ def seed_order(seed: int, kills: int, units: int) -> list[tuple[str, int]]:
     return order
 
 
-@pytest.mark.parametrize("replicas", [1, 2], ids=["one-copy", "two-copies"])
-def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_for_every_task(partition, replicas):
+@pytest.mark.parametrize("copies", [1, 2], ids=["one-copy", "two-copies"])
+def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_for_every_task(partition, copies):
     """The kills of the short chaos run (seed 7: a reward worker, two producers, a unit, a
     producer, the trainer, two units), replayed in order in one process: each step two
     producers put a group, the reward worker leases, updates and acks one, the trainer one
@@ -120,7 +120,7 @@ def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_fo
         tqueue.LocalCluster(num_storage_units=3, controller={"heartbeat_interval": 0.3}) as cluster,
         tqueue.Client(cluster.address) as c,
     ):
-        c.create_partition(partition, tasks=list(chaos.TASKS), replicas=replicas)
+        c.create_partition(partition, tasks=list(chaos.TASKS), copies=copies)
         units = list(cluster.pids[1:])
         put: dict[int, int] = {}  # sample id -> index
         acked: dict[str, list[int]] = {t: [] for t in chaos.TASKS}
@@ -154,7 +154,7 @@ def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_fo
                 units.append(cluster.start_unit())
                 deaths += 1
                 until(lambda n=deaths: sum(not u.alive for u in c.status().units) == n, 30, "the unit declared dead")
-                if replicas > 1:
+                if copies > 1:
                     until(lambda: status_of(c, partition).single == 0, 30, "the samples held once copied again")
             elif victim in abandon:
                 abandon[victim] = True
@@ -178,7 +178,7 @@ def test_the_seed_7_ordering_replayed_ends_with_every_sample_consumed_or_lost_fo
             assert len(acked[task]) == len(set(acked[task])) == t.consumed
             assert t.consumed + t.lost == part.samples
         assert part.single == 0
-        if replicas > 1:
+        if copies > 1:
             assert part.lost == 0
         else:
             assert part.lost > 0  # the ordering kills units that hold samples

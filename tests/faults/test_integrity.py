@@ -17,7 +17,7 @@ import torch
 import tqueue
 from tqueue.client._assemble import Part
 from tqueue.client._integrity import crcs_of
-from tqueue.client._routes import InlineRoute, Rows
+from tqueue.client._routes import BatchBuffers, InlineRoute
 from tqueue.wire import BatchMeta, FieldBlock, FieldSpec
 
 from ._proc import flip_in_memory, until
@@ -58,7 +58,7 @@ def test_a_bit_flipped_in_a_units_memory_is_reported_and_never_served(pair, part
     the task (consumed + lost == samples), the other samples read back exact."""
     rows, values = _samples(4, 16 << 10)
     with tqueue.Client(pair.address, config=ROUTES[route]) as c:
-        c.create_partition(partition, tasks=["train"], replicas=1)
+        c.create_partition(partition, tasks=["train"], copies=1)
         put = c.put(partition, {"x": rows, "obj": values})
         pid = _unit_pid(pair, c, put.units[2])
         assert flip_in_memory(pid, rows[2, :64].numpy().tobytes(), at=100) >= 1
@@ -83,7 +83,7 @@ def test_a_bit_flipped_in_a_units_memory_is_reported_and_never_served(pair, part
 def test_an_object_value_flipped_in_memory_is_reported(pair, partition):
     rows, values = _samples(3, 16 << 10)
     with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
-        c.create_partition(partition, replicas=1)
+        c.create_partition(partition, copies=1)
         put = c.put(partition, {"obj": values})
         assert flip_in_memory(_unit_pid(pair, c, put.units[1]), values[1][:64], at=5000) >= 1
         with pytest.raises(tqueue.DataCorruptionError, match=r"field 'obj' of samples \[1\]"):
@@ -99,7 +99,7 @@ def _as_dict(meta: BatchMeta) -> dict[str, Any]:
 def test_with_two_copies_the_reader_gets_the_good_one_and_the_bad_one_is_copied_again(pair, partition):
     rows, values = _samples(4, 16 << 10)
     with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
-        c.create_partition(partition, tasks=["train"], replicas=2)
+        c.create_partition(partition, tasks=["train"], copies=2)
         put = c.put(partition, {"x": rows, "obj": values})
         first = put.units[1]
         assert flip_in_memory(_unit_pid(pair, c, first), rows[1, :64].numpy().tobytes(), at=7) >= 1
@@ -119,7 +119,7 @@ def test_with_two_copies_the_reader_gets_the_good_one_and_the_bad_one_is_copied_
 class _Flipping(InlineRoute):
     """The inline route with one bit of each fetched frame flipped as it arrives: the wire."""
 
-    async def fetch(self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: Rows) -> Part:
+    async def fetch(self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: BatchBuffers) -> Part:
         part = await super().fetch(meta, positions, indexes, fields, rows)
         for name, (block, frames) in part.blocks.items():
             part.blocks[name] = (block, [_flipped(f) for f in frames])
@@ -135,7 +135,7 @@ def _flipped(frame: Any) -> bytearray:
 
 def test_a_bit_flipped_on_the_wire_is_reported(pair, partition):
     with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
-        c.create_partition(partition, replicas=1)
+        c.create_partition(partition, copies=1)
         conns = c._inner._conns
         conns.choose = lambda info: _Flipping(info, conns.connect_unit(info))
         put = c.put(partition, {"ids": torch.arange(64, dtype=torch.int64).reshape(4, 16) * 1000})
@@ -148,7 +148,7 @@ def test_checksums_off_serve_what_the_unit_holds(pair, partition):
     rows, _ = _samples(2, 16 << 10)
     config = tqueue.ClientConfig(shm=False, bulk=False, checksums=False)
     with tqueue.Client(pair.address, config=config) as c:
-        c.create_partition(partition, replicas=1)
+        c.create_partition(partition, copies=1)
         put = c.put(partition, {"x": rows})
         assert flip_in_memory(_unit_pid(pair, c, put.units[0]), rows[0, :64].numpy().tobytes(), at=9) >= 1
         got = c.get_data(put)["x"]
@@ -162,17 +162,17 @@ def test_checksums_are_per_sample_over_the_bytes_readers_get():
     assert crcs_of(block, [b"abcdef"]).tolist() == [crc32c.crc32c(b"abc"), crc32c.crc32c(b"def")]
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_packed_integers_are_checked_once_widened_in_the_batch(pair, partition, replicas):
+@pytest.mark.parametrize("copies", [1, 2])
+def test_packed_integers_are_checked_once_widened_in_the_batch(pair, partition, copies):
     """Token ids that travel narrowed (pack_ints): the unit holds int16 values, the CRC covers
     the int64 values readers get; a flipped bit is caught in the batch's rows."""
     ids = torch.from_numpy(np.random.default_rng(7).integers(-30000, 30000, size=(4, 8192), dtype=np.int64))
     with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
-        c.create_partition(partition, replicas=replicas)
+        c.create_partition(partition, copies=copies)
         put = c.put(partition, {"ids": ids})
         narrow = ids[3, :32].numpy().astype(np.int16).tobytes()
         assert flip_in_memory(_unit_pid(pair, c, put.units[3]), narrow, at=11) >= 1
-        if replicas == 1:
+        if copies == 1:
             with pytest.raises(tqueue.DataCorruptionError, match=r"field 'ids' of samples \[3\]"):
                 c.get_data(put)
         else:

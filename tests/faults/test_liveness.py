@@ -247,7 +247,7 @@ def test_a_lease_sent_to_a_client_that_fell_silent_returns_when_its_session_ends
         assert served < interval * (HEARTBEAT_LIVENESS + 2) + 5.0
         assert {p.name: p for p in client.status().partitions}["p"].tasks["t"].expired == 4
         replies = [frozen.recv(timeout=5)[0] for _ in range(2)]  # the Pong, and the lease it was sent first
-        assert [r.meta.indexes for r in replies if isinstance(r, wire.Meta)] == [put.indexes]
+        assert [r.meta.indexes for r in replies if isinstance(r, wire.MetaReply)] == [put.indexes]
         print(f"a lease sent to a frozen client: back after {served:.2f} s (window {interval * HEARTBEAT_LIVENESS} s)")
 
 

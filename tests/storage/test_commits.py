@@ -12,7 +12,7 @@ import zmq
 
 from tqueue.config import ControllerConfig
 from tqueue.errors import ControllerUnavailableError, InvalidArgumentError
-from tqueue.storage._commits import CommitQueue
+from tqueue.storage._commit_queue import CommitQueue
 from tqueue.transport import _zmq
 
 from ..conftest import RawPeer

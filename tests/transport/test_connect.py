@@ -21,7 +21,7 @@ import zmq.auth
 
 import tqueue
 from tqueue.errors import AuthenticationError, ControllerUnavailableError, InvalidArgumentError
-from tqueue.launch._status import status
+from tqueue.launch._status_text import status
 from tqueue.transport import _auth, _connect, _zmq
 
 from ..faults._proc import until

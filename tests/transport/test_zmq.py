@@ -66,10 +66,10 @@ def test_a_malformed_reply_fails_its_request_at_once(stand):
     async def main():
         peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
         try:
-            pending = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Meta, timeout=600))
+            pending = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.MetaReply, timeout=600))
             ident, msg = await asyncio.to_thread(stand.recv)
             stand.send(ident, malformed_meta(msg.rid))
-            with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad Meta header"):
+            with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad MetaReply header"):
                 await asyncio.wait_for(pending, WAIT)
         finally:
             await peer.close()
@@ -86,8 +86,8 @@ def test_a_malformed_reply_fails_a_blocking_request_at_once(stand):
     thread.start()
     peer = _zmq.BlockingPeer(stand.address, name="controller", unavailable=ControllerUnavailableError)
     try:
-        with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad Meta header"):
-            peer.request(get_meta(), expect=_wire.Meta, timeout=30)
+        with pytest.raises(ProtocolError, match=r"controller at tcp://\S+ sent a malformed reply: bad MetaReply header"):
+            peer.request(get_meta(), expect=_wire.MetaReply, timeout=30)
     finally:
         thread.join(WAIT)
         peer.close()
@@ -100,7 +100,7 @@ def test_an_infinite_timeout_outlasts_the_peer_default_and_a_cancel_withdraws(st
     async def main():
         peer = _zmq.Peer(stand.address, name="controller", timeout=0.2)
         try:
-            waiting = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.Meta, timeout=math.inf))
+            waiting = asyncio.ensure_future(peer.request(get_meta(), expect=_wire.MetaReply, timeout=math.inf))
             _, msg = await asyncio.to_thread(stand.recv)
             with pytest.raises(asyncio.TimeoutError):  # well past the peer's 0.2 s
                 await asyncio.wait_for(asyncio.shield(waiting), 1.0)
@@ -118,7 +118,7 @@ def test_a_request_that_times_out_is_withdrawn(stand):
         peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
         try:
             with pytest.raises(ControllerUnavailableError, match=r"did not answer GetMeta within 0.1 s"):
-                await peer.request(get_meta(), expect=_wire.Meta, timeout=0.1)
+                await peer.request(get_meta(), expect=_wire.MetaReply, timeout=0.1)
             _, msg = await asyncio.to_thread(stand.recv)
             _, cancel = await asyncio.to_thread(stand.recv)
             assert isinstance(cancel, _wire.Cancel) and cancel.of == msg.rid
@@ -132,7 +132,7 @@ def test_a_blocking_request_that_times_out_is_withdrawn(stand):
     peer = _zmq.BlockingPeer(stand.address, name="controller", unavailable=ControllerUnavailableError)
     try:
         with pytest.raises(ControllerUnavailableError, match=r"did not answer GetMeta within 0.1 s"):
-            peer.request(get_meta(), expect=_wire.Meta, timeout=0.1)
+            peer.request(get_meta(), expect=_wire.MetaReply, timeout=0.1)
         _, msg = stand.recv()
         _, cancel = stand.recv()
         assert isinstance(cancel, _wire.Cancel) and cancel.of == msg.rid
@@ -145,7 +145,7 @@ def test_a_closed_socket_under_a_send_is_unavailable(stand):
         peer = _zmq.Peer(stand.address, name="controller", unavailable=ControllerUnavailableError)
         peer._socket.sock.close(0)  # the socket goes away beneath the peer
         with pytest.raises(ControllerUnavailableError, match=r"request to controller at tcp://\S+: ZMQError") as info:
-            await peer.request(get_meta(), expect=_wire.Meta, timeout=1)
+            await peer.request(get_meta(), expect=_wire.MetaReply, timeout=1)
         assert isinstance(info.value.__cause__, zmq.ZMQError)
         await peer.close()
 

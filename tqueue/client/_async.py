@@ -30,7 +30,7 @@ from ._ask import DataAsk, MetaAsk, PutAsk, takes, wire_meta
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
-from ._keys import KeyCalls
+from ._key_calls import KeyCalls
 from ._lifecycle import Lifecycle
 from ._puts import Puts
 from ._spaces import MOVED, AsyncCheckpoints, AsyncKeys, AsyncRollouts, AsyncSamples
@@ -40,6 +40,13 @@ __all__ = ["AsyncClient", "ClientStats"]
 P = ParamSpec("P")
 T = TypeVar("T")
 N = TypeVar("N")
+
+
+def _old_copies(copies: int, replicas: int) -> int:
+    """``create_partition``'s copies given by their old name ``replicas``."""
+    if copies:
+        raise InvalidArgumentError(f"create_partition: give copies= or replicas=, not both (copies={copies}, replicas={replicas})")
+    return replicas
 
 
 def _handed_on(
@@ -155,7 +162,8 @@ class AsyncClient:
         recycle_to: str = "",
         prefetch: str = "",
         step: int | None = None,
-        replicas: int = 0,
+        copies: int = 0,
+        replicas: int | None = None,
     ) -> None:
         """Create ``partition`` now, with options; otherwise its first put creates it.
 
@@ -174,10 +182,14 @@ class AsyncClient:
         ``step``: the trainer version that reads this partition, for the staleness bound
         (``rollouts.set_staleness``); None takes it from a name ending in ``step-N`` (``step_N``,
         ``stepN``), else the partition has no step.
-        ``replicas``: 2 stores each put on two units (on different hosts where there are) and
+        ``copies``: 2 stores each put on two units (on different hosts where there are) and
         acknowledges it once both hold it, so that one unit's death loses no acknowledged
-        sample: its samples are served from the other copy (0: ``ControllerConfig.replicas``).
+        sample: its samples are served from the other copy (0: ``ControllerConfig.copies``).
+        ``replicas``: the deprecated spelling of ``copies`` (it warns).
         """
+        if replicas is not None:
+            deprecated("AsyncClient.create_partition(replicas=)", "AsyncClient.create_partition(copies=)")
+            copies = _old_copies(copies, replicas)
         if step is not None and step < 0:
             raise InvalidArgumentError(f"partition {partition!r}: step must be >= 0 or None, got {step}")
         if on_member_failure not in MEMBER_FAILURES:  # the wire would refuse it less kindly
@@ -196,7 +208,7 @@ class AsyncClient:
                 recycle_to=recycle_to,
                 prefetch=prefetch,
                 step=-1 if step is None else step,
-                replicas=replicas,
+                copies=copies,
             ),
             expect=Ok,
         )

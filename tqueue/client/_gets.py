@@ -22,14 +22,14 @@ from ..errors import (
     did_you_mean,
 )
 from ..transport import _zmq
-from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, Meta, Ok, Renew
+from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, MetaReply, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
 from ._assemble import Part, assemble
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._integrity import verify, verify_rows
-from ._routes import Route, Rows
+from ._routes import BatchBuffers, Route
 from ._routes.device import Accelerator, Delivery, DenseOnDevice, deliver
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ThreadRoute:
 
     def get_meta(self, *args: Any, **kwargs: Any) -> BatchMeta:
         msg, limit = self._gets.request(ask(MetaAsk, "get_meta", *args, **kwargs))
-        return self._gets.got_meta(msg, self._peer.request(msg, expect=Meta, timeout=limit))
+        return self._gets.got_meta(msg, self._peer.request(msg, expect=MetaReply, timeout=limit))
 
     def close(self) -> None:
         self._peer.close()
@@ -77,7 +77,7 @@ class Gets:
         """:meth:`AsyncClient.get_meta`."""
         msg, limit = self.request(ask)
         ctl = await self._conns.ctl()
-        reply, _ = await ctl.request(msg, expect=Meta, timeout=limit)
+        reply, _ = await ctl.request(msg, expect=MetaReply, timeout=limit)
         return self.got_meta(msg, reply)
 
     def request(self, ask: MetaAsk) -> tuple[GetMeta, float]:
@@ -120,7 +120,7 @@ class Gets:
         )
         return msg, wait + self.config.request_timeout  # math.inf: no limit
 
-    def got_meta(self, msg: GetMeta, reply: Meta) -> BatchMeta:
+    def got_meta(self, msg: GetMeta, reply: MetaReply) -> BatchMeta:
         meta = reply.meta
         if msg.dp_size:
             key = (msg.partition, msg.task, msg.dp_rank, msg.dp_size, msg.replica_group)
@@ -178,7 +178,7 @@ class Gets:
             self._devices.prepare(acc, list(routes.values()))
             delivery = Delivery(acc, self._devices.chunk_bytes)
             dense = DenseOnDevice(meta, fields, delivery)
-        rows = Rows(meta, pool)
+        rows = BatchBuffers(meta, pool)
         indexes = np.asarray(meta.indexes, dtype=np.int64)
         jobs = [(routes[u], lane) for u, p in positions.items() for lane in routes[u].lanes(meta, fields, p)]
         try:
@@ -220,7 +220,7 @@ class Gets:
         return deliver(batch, Delivery(acc, self._devices.chunk_bytes), list(batch), {})
 
     async def _fetch_part(
-        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: Rows,
+        self, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int], fields: list[str], rows: BatchBuffers,
         dense: DenseOnDevice | None = None,
     ) -> list[Part]:
         """The samples at batch positions ``pos`` (partition indexes ``idx``) from one unit;
@@ -256,7 +256,7 @@ class Gets:
 
     async def _corrupt(
         self, exc: DataCorruptionError, route: Route, meta: BatchMeta, pos: np.ndarray, idx: list[int],
-        fields: list[str], rows: Rows, dense: DenseOnDevice | None,
+        fields: list[str], rows: BatchBuffers, dense: DenseOnDevice | None,
     ) -> list[Part]:
         """Samples read from ``route``'s unit failed their checksum: reported, so that the
         controller drops that copy; read again, the bad ones from their other copy where
@@ -283,13 +283,13 @@ class Gets:
                     field=exc.field),  # type: ignore[attr-defined]
             expect=Located,
         )
-        if not where.replicated or any(where.gone) or unit_id in where.units:
+        if not where.two_copies or any(where.gone) or unit_id in where.units:
             raise exc
         return where
 
     async def _locate(self, meta: BatchMeta, idx: list[int], failed: int) -> Located | None:
         """Where samples read from unit ``failed`` live, as the controller knows: for a
-        replicated partition, once it has declared the unit dead and promoted the copies (a
+        partition of two copies, once it has declared the unit dead and promoted the copies (a
         ``Locate`` parked there, within the request timeout). None where the partition is
         gone."""
         ctl = await self._conns.ctl()
@@ -305,7 +305,7 @@ class Gets:
         return where
 
     async def _fetch_copies(
-        self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: Rows,
+        self, meta: BatchMeta, pos: np.ndarray, idx: np.ndarray, units: np.ndarray, fields: list[str], rows: BatchBuffers,
         dense: DenseOnDevice | None,
     ) -> list[Part]:
         """The samples at ``pos`` from the units their copies are on now."""
@@ -338,7 +338,7 @@ def _live_copies(where: Located | None, failed: int) -> np.ndarray | None:
     """The units to read the samples from instead of unit ``failed``: those of their copies,
     promoted. None where the partition keeps one copy, a sample has no live copy left, or
     the unit has not been declared dead (the samples are still placed on it)."""
-    if where is None or not where.replicated or any(where.gone):
+    if where is None or not where.two_copies or any(where.gone):
         return None
     units = np.asarray(where.units, dtype=np.int64)
     return None if (units == failed).any() else units

@@ -16,7 +16,7 @@ from ..wire import (
     Admission,
     Fail,
     GroupId,
-    Meta,
+    MetaReply,
     Ok,
     Postpone,
     Reserve,
@@ -186,7 +186,7 @@ class Lifecycle:
                 to=to,
                 whole_groups=whole_groups,
             ),
-            expect=Meta,
+            expect=MetaReply,
         )
         return reply.meta
 
@@ -205,7 +205,7 @@ class Lifecycle:
         """count, mean, std, min and max of a scalar field over the partition's live samples:
         aborted, failed, postponed and partial samples and pad rows are left out."""
         ctl = await self._conns.ctl()
-        reply, _ = await ctl.request(Select(partition=partition, fields=[field]), expect=Meta)
+        reply, _ = await ctl.request(Select(partition=partition, fields=[field]), expect=MetaReply)
         meta = reply.meta
         if not len(meta):
             return FieldStats(count=0, mean=math.nan, std=math.nan, min=math.nan, max=math.nan)

@@ -232,13 +232,13 @@ class Puts:
         )
 
     async def _store_copies(self, grant: Granted, partition: str, enc: Encoded) -> Stored:
-        """Store a put on its unit, and on the unit of its second copy where the partition is
-        replicated: acknowledged once both hold it."""
-        if not grant.replicas:
+        """Store a put on its unit, and on the unit of its second copy where the partition
+        keeps two copies: acknowledged once both hold it."""
+        if not grant.second_units:
             assert grant.unit is not None
             return await self._store(grant.unit, partition, grant, enc, None)
         enc.materialize()  # two routes read it at once: host bytes, not fields left on a device
-        units = [grant.unit, *grant.replicas]
+        units = [grant.unit, *grant.second_units]
         stored = await all_or_none(*(self._store(u, partition, grant, enc, None) for u in units if u is not None))
         return stored[0]
 
@@ -302,11 +302,11 @@ class Puts:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
         :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
         would pass the partition's target (each unit's share is written whole or not at all).
-        Samples on no unit yet (allocated rows) are placed first, and those of a replicated
-        partition are written on both units of their copies, where the controller says they
+        Samples on no unit yet (allocated rows) are placed first, and those of a partition of
+        two copies are written on both units of their copies, where the controller says they
         are now (``Locate``)."""
         copies = [-1] * len(meta)
-        if meta.replicated or any(u < 0 for u, i in zip(meta.units, meta.indexes) if i >= 0):
+        if meta.two_copies or any(u < 0 for u, i in zip(meta.units, meta.indexes) if i >= 0):
             meta, copies = await self._locate(meta)
         positions = _by_pair(meta, copies)
         cols, n = sample_count(data, meta.partition)
@@ -346,9 +346,9 @@ class Puts:
                     )
                 await self._rewrite(meta, indexes, sub, write, tries - 1)
                 return
-            if reply.unit is not None:  # replicated: the copies' units now, as the controller has them
-                targets = [reply.unit.unit_id, *(r.unit_id for r in reply.replicas)]
-                for info in (reply.unit, *reply.replicas):
+            if reply.unit is not None:  # two copies: their units now, as the controller has them
+                targets = [reply.unit.unit_id, *(r.unit_id for r in reply.second_units)]
+                for info in (reply.unit, *reply.second_units):
                     self._conns.units[info.unit_id] = info
                     self._conns.connect_unit(info)
                 copy = targets[1] if len(targets) > 1 else -1
@@ -386,7 +386,7 @@ class Puts:
             expect=Located,
         )
         units, copies = [-1] * len(meta), [-1] * len(meta)
-        for k, u, c in zip(real, where.units, where.replicas or [-1] * len(real)):
+        for k, u, c in zip(real, where.units, where.second_units or [-1] * len(real)):
             units[k], copies[k] = u, c
         return msgspec.structs.replace(meta, units=units), copies
 

@@ -9,8 +9,8 @@ are for.
   (:class:`AsyncRollouts`);
 * ``client.checkpoints``: the whole data plane saved and loaded (:class:`AsyncCheckpoints`).
 
-Each is a thin front over the object that owns the work (:class:`~tqueue.client._keys.KeyCalls`,
-:class:`~tqueue.client._lifecycle.Lifecycle`, :mod:`~tqueue.client._durable`); the blocking
+Each is a thin front over the object that owns the work (:class:`~tqueue.client._key_calls.KeyCalls`,
+:class:`~tqueue.client._lifecycle.Lifecycle`, :mod:`~tqueue.client._checkpoint_calls`); the blocking
 :class:`~tqueue.client.Client` makes its namespaces from these (``client/_sync.py``), as it
 makes its methods from :class:`~tqueue.client.AsyncClient`'s. The methods' old names on the
 client (``bind_keys``, ``postpone``, ``save_checkpoint``...) work for one more release, with a
@@ -25,10 +25,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..wire import CheckpointReply
-from . import _durable
+from . import _checkpoint_calls
 from ._ask import Completion, takes
 from ._connections import Connections
-from ._keys import KeyCalls
+from ._key_calls import KeyCalls
 from ._lifecycle import FieldStats, Lifecycle
 
 __all__ = ["AsyncCheckpoints", "AsyncKeys", "AsyncRollouts", "AsyncSamples", "MOVED"]
@@ -152,7 +152,7 @@ class AsyncCheckpoints:
         and gets go on while the bytes are written: the checkpoint holds a server's loop only
         while it copies that server's bookkeeping (the reply's ``pause``). Waits as long as
         the controller and units are alive. Returns what was written and what it cost."""
-        return await _durable.save(self._conns, directory, metadata)
+        return await _checkpoint_calls.save(self._conns, directory, metadata)
 
     async def load(self, directory: str | os.PathLike[str], *, replace: bool = False) -> Any:
         """Load the checkpoint in ``directory`` into this cluster, fresh or running, with any
@@ -171,7 +171,7 @@ class AsyncCheckpoints:
         their own in a running cluster (a meta made before the load no longer reads them:
         take samples anew, or look them up by key). The trainer's version, weights and
         staleness bound come from the checkpoint only into a cluster without partitions."""
-        return await _durable.load(self._conns, directory, replace=replace)
+        return await _checkpoint_calls.load(self._conns, directory, replace=replace)
 
 
 # the client's old method names, each with the namespace and name that replace it

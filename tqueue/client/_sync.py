@@ -21,7 +21,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 from .._api import deprecated
 from ..config import ClientConfig
-from ..errors import ForkedClientError
+from ..errors import ForkedClientError, InvalidArgumentError
 from ._ask import quiet_flat, warn_flat
 from ._async import AsyncClient, ClientStats
 from ._gets import ThreadRoute
@@ -62,6 +62,22 @@ def _shutdown(
         loop.close()
 
 
+# keywords of a method with a new name (old -> new): the old one works for one release, and warns
+RENAMED_KEYWORDS: dict[str, dict[str, str]] = {"create_partition": {"replicas": "copies"}}
+
+
+def _rename(method: str, renamed: dict[str, str], kwargs: dict[str, Any]) -> None:
+    """Warn, at the caller of the blocking twin, of each old keyword of ``method`` in
+    ``kwargs``, and give its value the new name (the async method would warn in the loop
+    thread)."""
+    for old, new in renamed.items():
+        if old in kwargs:
+            deprecated(f"Client.{method}({old}=)", f"Client.{method}({new}=)", stacklevel=4)
+            if kwargs.get(new):
+                raise InvalidArgumentError(f"{method}: give {new}= or {old}=, not both")
+            kwargs[new] = kwargs.pop(old)
+
+
 def _twin(
     method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
     *,
@@ -74,11 +90,14 @@ def _twin(
     route, instead."""
     name = method.__name__
     leases = name in LEASES
+    renamed = RENAMED_KEYWORDS.get(name, {})
     if from_thread is None:
 
         def twin(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
             if leases:
                 warn_flat(name, kwargs)  # in the caller's thread; the loop thread is quiet
+            if renamed:
+                _rename(name, renamed, kwargs)  # likewise
             return self._run(method(self._inner, *args, **kwargs))
 
     else:

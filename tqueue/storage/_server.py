@@ -57,7 +57,7 @@ from ..wire._durable import confined, read_manifest
 from ..wire._layout import frame_sizes
 from ..wire._layout import nbytes as nbytes_of
 from ._checkpoint import UnitCheckpoints
-from ._commits import CommitQueue
+from ._commit_queue import CommitQueue
 from ._holds import Holds
 from ._membership import Membership
 from ._store import PayloadStore

@@ -1,5 +1,5 @@
 """A unit's commits of one turn of its loop, in one message (protocol 8;
-storage/_commits.py sends them, controller/parts/_writes.py records them)."""
+storage/_commit_queue.py sends them, controller/parts/_writes.py records them)."""
 
 from __future__ import annotations
 

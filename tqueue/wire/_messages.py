@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 9  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs)
+PROTOCOL_VERSION = 10  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -219,7 +219,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     sealed: bool = False  # the partition takes no more samples (its target was reached)
     recycled_to: str = ""
     fates: list[SampleFate] | None = None  # a "trimmed" put's, per sample: "ok" (kept) or "aborted"
-    replicated: bool = False  # the partition keeps two copies of each sample: updates write both
+    two_copies: bool = False  # the partition keeps two copies of each sample: updates write both
 
     @property
     def pads(self) -> int:
@@ -341,7 +341,7 @@ class CreatePartition(Message):
     recycle_to: str = ""  # late puts go there as partial samples instead of being discarded
     prefetch: str = ""  # a consumer short of samples may take ready ones from this partition
     step: int = -1  # the trainer version that reads it, for the staleness bound (-1: from a name ending in step-N)
-    replicas: int = 0  # copies of each put on as many units (0: the cluster's ControllerConfig.replicas)
+    copies: int = 0  # copies of each put on as many units (0: the cluster's ControllerConfig.copies)
 
 
 class Grant(Message):
@@ -371,7 +371,7 @@ class Granted(Message):
     promised to earlier puts), nothing is to be sent; "recycled": the samples go to
     ``partition`` (the recycle partition) as partial; ``kept`` >= 0: the put crosses the
     target, only its first ``kept`` samples are kept, the others are stored and never served.
-    An update of a replicated partition: ``unit`` and ``replicas`` are where its samples' copies
+    An update of a partition of two copies: ``unit`` and ``second_units`` are where its samples' copies
     are now, the units to write; "moved": they are no longer on one pair of units (locate
     them again)."""
 
@@ -386,7 +386,7 @@ class Granted(Message):
     sealed: bool = False
     kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
     stored: bool = False  # the grant named by ``replaces`` was committed after all: nothing to send
-    replicas: list[UnitInfo] = []  # units to store the same bytes on too (the partition's replicas)
+    second_units: list[UnitInfo] = []  # units to store the same bytes on too (the partition's second copy)
 
 
 class Alloc(Message):
@@ -500,7 +500,7 @@ class GetMeta(Message):
     policy_args: dict[str, Any] | None = None  # MessagePack values the policy reads (Candidates.args)
 
 
-class Meta(Message):
+class MetaReply(Message):
     KIND = Kind.META
     meta: BatchMeta
 

@@ -9,7 +9,7 @@ from ._messages import Kind, Message, register
 class AllocateRows(Message):
     """``count`` new samples of ``partition`` (made if need be) with no fields yet, on no unit
     until their first write (an update) places them; readers see a sample once it holds the
-    fields they ask for. Answered with ``Meta``."""
+    fields they ask for. Answered with ``MetaReply``."""
 
     KIND = Kind.ALLOCATE_ROWS
     partition: str
@@ -34,13 +34,13 @@ class Locate(Message):
 
 class Located(Message):
     """Per sample asked: its unit; ``gone``: that unit is dead (the sample is lost, or its
-    copy is being promoted); ``replicated``: the partition keeps two copies."""
+    copy is being promoted); ``two_copies``: the partition keeps two copies."""
 
     KIND = Kind.LOCATED
     units: list[int]
     gone: list[bool] = []
-    replicated: bool = False
-    replicas: list[int] = []  # per sample, the unit of its second copy (-1: none)
+    two_copies: bool = False
+    second_units: list[int] = []  # per sample, the unit of its second copy (-1: none)
 
 
 class Corrupt(Message):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .._api import deprecated
 from ._messages import FieldSpec, Kind, Message, WaitCause, WaiterKind, register
 
 
@@ -41,9 +42,15 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     sealed: bool = False
     lost: int = 0  # samples on storage units that died (also in ``reasons["lost"]``)
     recycle_to: str = ""  # where puts after the seal go, as partial samples
-    replicas: int = 1  # copies of each put
+    copies: int = 1  # copies of each put
     single: int = 0  # samples held once now (a unit died, no second unit had room): not lost, aborted or cleared ones
     corrupt: int = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
+
+    @property
+    def replicas(self) -> int:
+        """Deprecated spelling of :attr:`copies`."""
+        deprecated("PartitionStatus.replicas", "PartitionStatus.copies")
+        return self.copies
 
 
 class UnitStatus(msgspec.Struct, kw_only=True):

@@ -11,8 +11,8 @@ Map: docs/architecture.md#payload-routes
 """
 
 from .arena import ArenaRoute
-from .base import Outgoing, Releases, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Releases, Route, Sent
 from .bulk import BulkRoute
 from .inline import InlineRoute
 
-__all__ = ["ArenaRoute", "BulkRoute", "InlineRoute", "Outgoing", "Releases", "Route", "Rows", "Sent"]
+__all__ = ["ArenaRoute", "BatchBuffers", "BulkRoute", "InlineRoute", "Outgoing", "Releases", "Route", "Sent"]

@@ -16,7 +16,7 @@ from ...transport._arena import ArenaMap, aligned
 from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from .._assemble import Part
 from .._encode import Encoded
-from .base import Outgoing, Releases, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Releases, Route, Sent
 from .inline import InlineRoute, fetch_msg, received
 
 
@@ -209,7 +209,7 @@ class ArenaRoute(Route):
 
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
-        rows: Rows,
+        rows: BatchBuffers,
     ) -> Part:
         reply, frames = await self.peer.request(fetch_msg(meta, indexes, fields, shm=True), expect=Fetched)
         if reply.shm is not None and not reply.bulk:

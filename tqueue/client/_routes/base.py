@@ -47,7 +47,7 @@ class Sent:
     copied: int
 
 
-class Rows:
+class BatchBuffers:
     """The batch buffers of one get's dense fields, shared by its routes: one is taken from
     the pool the first time a route receives a field in place; assembly then fills the
     rows the other routes brought."""
@@ -103,7 +103,7 @@ class Route(abc.ABC):
     @abc.abstractmethod
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
-        rows: Rows,
+        rows: BatchBuffers,
     ) -> Part:
         """The unit's samples ``indexes`` (batch positions ``positions``) of ``fields``;
         a route that receives in place does so into ``rows``."""

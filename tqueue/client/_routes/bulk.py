@@ -19,7 +19,7 @@ from ...wire._layout import int_dtype, itemsize, nbytes, sample_sizes
 from ...wire._pack import PACKED, Narrowing, Widening
 from .._assemble import Part
 from .._encode import Encoded
-from .base import Outgoing, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Route, Sent
 from .inline import InlineRoute, fetch_msg, received
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class BulkRoute(Route):
     # --- fetches ------------------------------------------------------------------------
 
     async def fetch(
-        self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: Rows
+        self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str], rows: BatchBuffers
     ) -> Part:
         stream = await self._stream()
         if stream is None:  # the listener cannot be reached: in frames this once
@@ -185,7 +185,7 @@ def _consume(task: asyncio.Future[Any]) -> None:
 
 
 def bulk_targets(
-    positions: np.ndarray, blocks: Sequence[FieldBlock], rows: Rows, total: int
+    positions: np.ndarray, blocks: Sequence[FieldBlock], rows: BatchBuffers, total: int
 ) -> tuple[list[np.ndarray], list[memoryview | Widening]]:
     """Where each frame of a bulk reply lands, and the buffers to receive into, in order.
 

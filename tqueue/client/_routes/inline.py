@@ -12,7 +12,7 @@ from ...transport import _zmq
 from ...wire import BatchMeta, Fetch, Fetched, Store, Stored, UnitInfo
 from .._assemble import Part
 from .._encode import Encoded
-from .base import Outgoing, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Route, Sent
 
 
 class InlineRoute(Route):
@@ -33,7 +33,7 @@ class InlineRoute(Route):
 
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
-        rows: Rows,
+        rows: BatchBuffers,
     ) -> Part:
         reply, frames = await self.peer.request(fetch_msg(meta, indexes, fields), expect=Fetched)
         return received(positions, reply, frames)

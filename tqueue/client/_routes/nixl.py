@@ -26,7 +26,7 @@ from ...transport._liveness import TRANSIT_RATE
 from ...wire import Alloc, Allocated, BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
 from .._assemble import Part
 from .arena import in_one_range
-from .base import Outgoing, Releases, Route, Rows, Sent
+from .base import BatchBuffers, Outgoing, Releases, Route, Sent
 from .bulk import bulk_targets
 from .inline import InlineRoute, fetch_msg, received
 
@@ -97,14 +97,14 @@ class NixlRoute(Route):
 
     async def fetch(
         self, meta: BatchMeta, positions: np.ndarray, indexes: list[int], fields: list[str],
-        rows: Rows,
+        rows: BatchBuffers,
     ) -> Part:
         reply, frames = await self.peer.request(fetch_msg(meta, indexes, fields, shm=True), expect=Fetched)
         if reply.shm is not None and not reply.bulk:
             frames = await self._read(reply, frames, positions, rows)
         return received(positions, reply, frames)
 
-    async def _read(self, reply: Fetched, raw: list[Any], positions: np.ndarray, rows: Rows) -> list[Any]:
+    async def _read(self, reply: Fetched, raw: list[Any], positions: np.ndarray, rows: BatchBuffers) -> list[Any]:
         """The reply's frames: its arena ranges read into this process, its raw frames as they
         came. Where every frame is in the arena, dense fields are read straight into the
         batch's rows (as bulk streams receive); else the ranges land in one buffer. The
@@ -134,7 +134,7 @@ class NixlRoute(Route):
         return frames
 
     def _in_place(
-        self, reply: Fetched, positions: np.ndarray, rows: Rows
+        self, reply: Fetched, positions: np.ndarray, rows: BatchBuffers
     ) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
         """Each frame's destination (rows of the batch where it can, else staging) and the
         buffers to register; None if a frame would need widening."""

@@ -49,8 +49,8 @@ class Options:
     arrive after the seal go to that partition as partial samples instead of being discarded.
     ``prefetch``: a consumer short of samples here may take ready ones from that partition.
     ``step``: the trainer's version at which it reads this partition, for the staleness
-    bound (NO_STEP: taken from a name ending in ``step-N``, else none). ``replicas``: copies
-    of each put, on as many units (1 or 2; 0: ``ControllerConfig.replicas``).
+    bound (NO_STEP: taken from a name ending in ``step-N``, else none). ``copies``: copies
+    of each put, on as many units (1 or 2; 0: ``ControllerConfig.copies``).
     """
 
     fields: frozenset[str] | None = None
@@ -63,7 +63,7 @@ class Options:
     recycle_to: str = ""
     prefetch: str = ""
     step: int = NO_STEP
-    replicas: int = 0
+    copies: int = 0
 
 
 DEFAULT_OPTIONS = Options()
@@ -95,7 +95,7 @@ class Partition:
         self.committed = 0
         self.excluded = 0
         self.lost = 0  # samples whose storage unit died (excluded, reason "lost")
-        self.twice = self.options.replicas > 1  # its samples are meant to be held by two units (see ``single``)
+        self.twice = self.options.copies > 1  # its samples are meant to be held by two units (see ``single``)
         self.corrupt = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
         self.reasons: collections.Counter[str] = collections.Counter()
         self.in_flight = 0  # grants not yet committed
@@ -117,7 +117,7 @@ class Partition:
             return np.zeros(0, dtype=np.int64)
         n, s = self.n, self.samples
         live = (s.mask[:n] & (COMMITTED | EXCLUDED)) == COMMITTED
-        return np.flatnonzero(live & (s.replica[:n] < 0) & (s.unit[:n] >= 0))
+        return np.flatnonzero(live & (s.second_unit[:n] < 0) & (s.unit[:n] >= 0))
 
     @property
     def single(self) -> int:

@@ -52,9 +52,9 @@ class GrantRecord:
     admitted: int = 0  # staleness admission it took, given back if it never commits
     owner: bytes = b""  # the client session that asked for it (freed when that session ends)
     timer: asyncio.TimerHandle | None = None  # lapses the grant if it is never committed
-    replica: int = -1  # a replicated put: the unit of its second copy
+    second_unit: int = -1  # a put of two copies: the unit of its second copy
     waiting: set[int] = dataclasses.field(default_factory=set)  # a put's units that have not committed yet
-    copy_of: np.ndarray | None = None  # a re-replication: the samples' revisions when they were read
+    copy_of: np.ndarray | None = None  # a copy made again: the samples' revisions when they were read
 
     def stop_timer(self) -> None:
         """The grant ended (committed, lapsed, cancelled, its partition gone)."""

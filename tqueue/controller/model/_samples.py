@@ -45,7 +45,7 @@ class Moved:
     has: dict[str, np.ndarray]
     partial: np.ndarray
     units: np.ndarray
-    replicas: np.ndarray  # the unit of each one's second copy (-1: none)
+    second_units: np.ndarray  # the unit of each one's second copy (-1: none)
     version: np.ndarray
     version_max: np.ndarray
     revision: np.ndarray
@@ -63,7 +63,7 @@ class Moved:
             has={name: has[sel] for name, has in self.has.items()},
             partial=self.partial[sel],
             units=self.units[sel],
-            replicas=self.replicas[sel],
+            second_units=self.second_units[sel],
             version=self.version[sel],
             version_max=self.version_max[sel],
             revision=self.revision[sel],
@@ -140,13 +140,13 @@ class Samples:
     """Each sample's fields (a bitmask), unit, versions, committed updates, rollout segments
     and group. ``n`` samples are allocated; the arrays may be longer (they double as they grow)."""
 
-    __slots__ = ("n", "mask", "unit", "replica", "version", "version_max", "revision", "segments", "group", "groups", "has_groups")
+    __slots__ = ("n", "mask", "unit", "second_unit", "version", "version_max", "revision", "segments", "group", "groups", "has_groups")
 
     def __init__(self) -> None:
         self.n = 0
         self.mask = _EMPTY[np.uint64]  # shared until the first sample: each grows into its own
         self.unit = _EMPTY[np.int16]
-        self.replica = _EMPTY[np.int16]  # the unit of the second copy (-1: none; replicas=2 partitions)
+        self.second_unit = _EMPTY[np.int16]  # the unit of the second copy (-1: none; partitions of copies=2)
         self.version = _EMPTY[np.int64]  # oldest segment's
         self.version_max = _EMPTY[np.int64]
         self.revision = _EMPTY[np.int64]  # committed updates
@@ -160,7 +160,7 @@ class Samples:
         start = self.n
         # every array grows before ``n`` moves: a failed allocation leaves the samples as they were
         for attr, fill in (
-            ("mask", 0), ("unit", -1), ("replica", -1), ("version", NO_VERSION), ("version_max", NO_VERSION),
+            ("mask", 0), ("unit", -1), ("second_unit", -1), ("version", NO_VERSION), ("version_max", NO_VERSION),
             ("revision", 0), ("group", -1),
         ):
             setattr(self, attr, grow(getattr(self, attr), start + count, fill))
@@ -232,12 +232,12 @@ class Samples:
         copy now, and copies it held are gone. Returns (samples promoted, copies gone): all
         of them are held once until copied again."""
         n = self.n
-        unit, replica = self.unit[:n], self.replica[:n]
-        promoted = np.flatnonzero((unit == unit_id) & (replica >= 0) & np.isin(replica, list(alive)))
-        unit[promoted] = replica[promoted]
-        replica[promoted] = -1
-        gone = np.flatnonzero(replica == unit_id)
-        replica[gone] = -1
+        unit, second = self.unit[:n], self.second_unit[:n]
+        promoted = np.flatnonzero((unit == unit_id) & (second >= 0) & np.isin(second, list(alive)))
+        unit[promoted] = second[promoted]
+        second[promoted] = -1
+        gone = np.flatnonzero(second == unit_id)
+        second[gone] = -1
         return len(promoted), len(gone)
 
     def on_unit(self, unit_id: int) -> np.ndarray:
@@ -261,7 +261,7 @@ class Samples:
             has={name: (self.mask[indexes] & bit) != 0 for name, bit in bits.items()},
             partial=(self.mask[indexes] & PARTIAL) != 0,
             units=self.unit[indexes].copy(),
-            replicas=self.replica[indexes].copy(),
+            second_units=self.second_unit[indexes].copy(),
             version=self.version[indexes].copy(),
             version_max=self.version_max[indexes].copy(),
             revision=self.revision[indexes].copy(),
@@ -282,7 +282,7 @@ class Samples:
         mask |= np.where(moved.partial, PARTIAL, np.uint64(0)).astype(np.uint64)
         self.mask[idx] = mask
         self.unit[idx] = moved.units
-        self.replica[idx] = moved.replicas
+        self.second_unit[idx] = moved.second_units
         self.version[idx] = moved.version
         self.version_max[idx] = moved.version_max
         self.revision[idx] = moved.revision

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError, TQueueError
-from ...wire import AllocateRows, Grant, Locate, Located, Meta
+from ...wire import AllocateRows, Grant, Locate, Located, MetaReply
 from ..model._partition import Partition
 from ..model._records import Unit
 from ..model._samples import COMMITTED
@@ -25,7 +25,7 @@ from ..model._state import ControllerState
 MetaOf = Callable[..., Any]
 
 
-class Rows:
+class Allocations:
     """The controller's part for allocated rows; ``place`` picks a unit as a put's grant does."""
 
     def __init__(self, state: ControllerState, *, meta_of: MetaOf, place: Callable[[Grant], Unit]) -> None:
@@ -34,7 +34,7 @@ class Rows:
         self._meta_of = meta_of
         self._place = place
 
-    def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> Meta:
+    def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> MetaReply:
         existing = self.state.partitions.get(msg.partition)
         if existing is not None:
             existing.check_put(msg.count, [])
@@ -48,12 +48,12 @@ class Rows:
             raise InvalidArgumentError(f"partition {msg.partition!r} is sealed: it takes no new rows")
         start = _allocate(part, msg.count)
         indexes = np.arange(start, start + msg.count, dtype=np.int64)
-        return Meta(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
+        return MetaReply(meta=self._meta_of(part, indexes, [], None, 0, 0.0))
 
     def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located | None:
         located = self._located(msg)
         unit = self.state.units.get(msg.moved_from)
-        if (located.replicated and unit is not None and unit.alive and msg.moved_from in located.units
+        if (located.two_copies and unit is not None and unit.alive and msg.moved_from in located.units
                 and msg.timeout > 0):
             self.state.check_park(f"a read's wait for the copies of unit {msg.moved_from}")
             timer = self.state.loop.call_later(msg.timeout, self._expire, msg.moved_from, ident, msg)
@@ -89,9 +89,9 @@ class Rows:
             part.samples.unit[unplaced] = unit.info.unit_id
         units = part.samples.unit[idx].tolist()
         dead = {u.info.unit_id for u in self.state.units.values() if not u.alive}
-        copies = part.options.replicas or self.state.config.replicas
-        return Located(units=units, gone=[u in dead for u in units], replicated=copies > 1,
-                       replicas=part.samples.replica[idx].tolist())
+        copies = part.options.copies or self.state.config.copies
+        return Located(units=units, gone=[u in dead for u in units], two_copies=copies > 1,
+                       second_units=part.samples.second_unit[idx].tolist())
 
 
 def _allocate(part: Partition, count: int) -> int:

@@ -96,7 +96,7 @@ class Checkpoints:
         forget: Callable[[Partition, str], object], free: Callable[[Partition], Awaitable[None]],
         landed: Callable[[float], Awaitable[None]],
     ) -> None:
-        self._copy_again = copy_again  # a restored replicated partition holds one copy: copy them again
+        self._copy_again = copy_again  # a restored partition of two copies holds one: copy them again
         self.state = state
         self._wake = wake
         self._forget = forget
@@ -434,7 +434,7 @@ def _rebuild_all(images: list[Image], mapping: dict[int, int], config: Any, what
     parts = []
     for img in images:
         part = rebuild(img, mapping, max_samples=config.max_partition_samples, max_tasks=config.max_tasks_per_partition)
-        if (part.options.replicas or config.replicas) > 1:  # a checkpoint holds one copy of each
+        if (part.options.copies or config.copies) > 1:  # a checkpoint holds one copy of each
             part.single = int(((part.samples.mask[: part.n] & (COMMITTED | EXCLUDED)) == COMMITTED).sum())
         parts.append(part)
     return parts

@@ -1,4 +1,4 @@
-"""Re-replication: samples of a replicated partition held by one unit (a unit's death, a put
+"""Copying again: samples of a partition of two copies held by one unit (a unit's death, a put
 no second unit had room for, a restored checkpoint) are copied again, in the background, a
 bounded batch at a time.
 
@@ -79,8 +79,8 @@ class _Backoff:
         return float(later.min()) if len(later) else None
 
 
-class Replicas:
-    """The controller's re-replication, over ``state``."""
+class Copier:
+    """The controller's copier: samples held once are copied again, over ``state``."""
 
     def __init__(self, state: ControllerState) -> None:
         self.state = state
@@ -123,8 +123,8 @@ class Replicas:
             self._running = False
             self._arm()
 
-    def _replicated(self, part: Partition) -> bool:
-        if (part.options.replicas or self.state.config.replicas) < 2:
+    def _two_copies(self, part: Partition) -> bool:
+        if (part.options.copies or self.state.config.copies) < 2:
             return False
         part.twice = True  # a cluster's default of two copies: its samples are meant to be held twice
         return True
@@ -135,7 +135,7 @@ class Replicas:
         now = self.state.loop.time()
         jobs = []
         for part in list(self.state.partitions.values()):
-            if not self._replicated(part):
+            if not self._two_copies(part):
                 continue
             held = part.held_once()
             backoff = self._backoff.get(part.uid)
@@ -262,32 +262,32 @@ class Replicas:
 def record_copy(
     part: Partition, grant: GrantRecord, unit_id: int, alive: set[int], updating: np.ndarray | None = None
 ) -> int:
-    """The commit of a re-replication grant: record the new copy of each sample it holds that
+    """The commit of a grant that copies samples again: record the new copy of each sample it holds that
     is as it was read (its revision did not move, and it is not in ``updating``: the indexes
     of updates in flight, which write its first copy alone), still live, and whose first copy
     still lives; how many."""
     assert grant.copy_of is not None and grant.indexes is not None
     s = part.samples
     idx = grant.indexes
-    ok = (s.revision[idx] == grant.copy_of) & (s.replica[idx] < 0) & np.isin(s.unit[idx], list(alive))
+    ok = (s.revision[idx] == grant.copy_of) & (s.second_unit[idx] < 0) & np.isin(s.unit[idx], list(alive))
     ok &= s.unit[idx] != unit_id
     ok &= np.isin(idx, part.held_once(), assume_unique=True)
     if updating is not None and len(updating):
         ok &= ~np.isin(idx, updating)
-    s.replica[idx[ok]] = unit_id
+    s.second_unit[idx[ok]] = unit_id
     return int(ok.sum())
 
 
 class Copies:
-    """The second copies of a replicated partition's writes: where a put's goes, a first
-    commit of two, and the commit of a re-replication's copy."""
+    """The second copies of the writes to a partition of two copies: where a put's goes, a first
+    commit of two, and the commit of a copy made again."""
 
     def __init__(self, state: ControllerState, copy_again: Callable[[], None]) -> None:
         self.state = state
-        self._copy_again = copy_again  # re-replication (its own loop goes from one batch to the next)
+        self._copy_again = copy_again  # the copier (its own loop goes from one batch to the next)
 
     def place(self, msg: Grant, first: Unit) -> Unit | None:
-        """A second unit for a replicated put: on another host where one has room, else
+        """A second unit for a put of two copies: on another host where one has room, else
         another unit; None where no other live unit has room (the put is stored once, and
         said so: its samples count among the partition's single copies)."""
         others = [u for u in self.state.units.values()
@@ -301,7 +301,7 @@ class Copies:
         return min(pool, key=lambda u: (u.load, u.info.unit_id))
 
     def copied(self, grant: GrantRecord, msg: Commit) -> Committed:
-        """A re-replication's copy is stored: recorded where still wanted."""
+        """A copy made again is stored: recorded where still wanted."""
         del self.state.grants[msg.grant_id]
         part = self.state.by_uid.get(grant.partition_uid)
         if part is None:
@@ -322,7 +322,7 @@ class Copies:
         return np.concatenate(pending) if pending else np.zeros(0, dtype=np.int64)
 
     def first(self, grant: GrantRecord, msg: Commit) -> Committed:
-        """One unit of a replicated put holds its copy; the samples are ready once the other
+        """One unit of a put of two copies holds its copy; the samples are ready once the other
         does too (a reader never sees a sample held once that was meant to be held twice)."""
         grant.waiting.discard(msg.unit_id)
         part = self.state.by_uid.get(grant.partition_uid)
@@ -342,12 +342,12 @@ class Copies:
 
 
 def copies_of(part: Partition, indexes: np.ndarray) -> set[int]:
-    """The units an update of ``indexes`` of a replicated partition must reach (both copies,
+    """The units an update of ``indexes`` of a partition of two copies must reach (both copies,
     one pair for all of them; the client groups by pair after a ``Locate``); empty otherwise."""
-    replicas = part.samples.replica[indexes]
-    if not len(indexes) or (replicas < 0).all():
+    seconds = part.samples.second_unit[indexes]
+    if not len(indexes) or (seconds < 0).all():
         return set()
-    pairs = set(zip(part.samples.unit[indexes].tolist(), replicas.tolist()))
+    pairs = set(zip(part.samples.unit[indexes].tolist(), seconds.tolist()))
     if len(pairs) != 1:
         raise InvalidArgumentError(
             f"partition {part.name!r}: an update of samples held by different pairs of units {sorted(pairs)[:4]}; "

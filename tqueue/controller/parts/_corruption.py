@@ -50,11 +50,11 @@ class Corruption:
         alive = [u.info.unit_id for u in self.state.units.values() if u.alive]
         held = (s.mask[idx] & (COMMITTED | EXCLUDED)) == COMMITTED
         first = held & (s.unit[idx] == msg.unit_id)
-        second = held & (s.replica[idx] == msg.unit_id)
-        other = s.replica[idx]
+        second = held & (s.second_unit[idx] == msg.unit_id)
+        other = s.second_unit[idx]
         moved = first & (other >= 0) & np.isin(other, alive)
         s.unit[idx[moved]] = other[moved]
-        s.replica[idx[moved | second]] = -1
+        s.second_unit[idx[moved | second]] = -1
         bad = idx[first | second]
         lost = idx[first & ~moved]
         part.corrupt += len(bad)
@@ -79,6 +79,6 @@ class Corruption:
         asked = np.asarray(msg.indexes, dtype=np.int64)
         units = s.unit[asked]
         gone = np.isin(asked, lost) | np.isin(units, list(dead)) | ((s.mask[asked] & EXCLUDED) != 0)
-        copies = part.options.replicas or self.state.config.replicas
-        return Located(units=units.tolist(), gone=gone.tolist(), replicated=copies > 1,
-                       replicas=s.replica[asked].tolist())
+        copies = part.options.copies or self.state.config.copies
+        return Located(units=units.tolist(), gone=gone.tolist(), two_copies=copies > 1,
+                       second_units=s.second_unit[asked].tolist())

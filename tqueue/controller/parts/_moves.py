@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError, PartitionClearedError, RemoteError, UnavailableError, WaitTimeoutError
-from ...wire import GetMeta, Meta, Move, Ok, Postpone, Seal, Sealed, Select
+from ...wire import GetMeta, MetaReply, Move, Ok, Postpone, Seal, Sealed, Select
 from ..model._partition import Partition
 from ..model._samples import EXCLUDED, HIDDEN, Moved
 from ..model._serving import CONSUMED
@@ -88,10 +88,10 @@ class Moves:
             calls = []
             failed: list[str] = []
             ok = np.ones(len(idx), dtype=bool)
-            # each copy is re-keyed on its unit (the first, and the second of replicated samples);
+            # each copy is re-keyed on its unit (the first, and the second of samples held twice);
             # rows allocated ahead of their data are on no unit: nothing to re-key
             held = [(u, moved.units == u) for u in np.unique(moved.units).tolist() if u >= 0]
-            held += [(u, moved.replicas == u) for u in np.unique(moved.replicas).tolist() if u >= 0]
+            held += [(u, moved.second_units == u) for u in np.unique(moved.second_units).tolist() if u >= 0]
             for unit_id, sel in held:
                 peer = self.state.unit_peers.get(unit_id)
                 if peer is None:
@@ -125,7 +125,7 @@ class Moves:
             if not self.moving:
                 self.moved.set()
 
-    async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> Meta:
+    async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> MetaReply:
         part = self.state.live(msg.partition, msg.partition_uid)
         if msg.to == part.name:
             raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
@@ -148,9 +148,9 @@ class Moves:
                 f"postponing samples {idx.tolist()} of partition {part.name!r} to {msg.to!r}: "
                 f"{'; '.join(failed)}; those samples stay in {part.name!r}, the others moved"
             )
-        return Meta(meta=self.reads.meta_of(dst, new, list(dst.specs), None, 0, math.inf))
+        return MetaReply(meta=self.reads.meta_of(dst, new, list(dst.specs), None, 0, math.inf))
 
-    def select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> Meta:
+    def select_all(self, ident: bytes, msg: Select, bufs: list[Any]) -> MetaReply:
         part = self.state.partitions.get(msg.partition)
         if part is None:
             raise PartitionClearedError(f"partition {msg.partition!r} does not exist (or was freed)")
@@ -164,7 +164,7 @@ class Moves:
             idx = idx[task.state[idx] == CONSUMED] if task is not None else idx[:0]
         if msg.limit >= 0:
             idx = idx[: msg.limit]  # cut here: the reply carries only what was asked for
-        return Meta(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, math.inf))
+        return MetaReply(meta=self.reads.meta_of(part, idx, list(msg.fields), None, 0, math.inf))
 
     def seal(self, ident: bytes, msg: Seal, bufs: list[Any]) -> Ok:
         part = self.state.partitions.get(msg.partition)

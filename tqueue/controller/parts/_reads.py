@@ -30,11 +30,11 @@ import numpy as np
 
 from ...errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
 from ...transport._liveness import session_of
-from ...wire import Ack, BatchMeta, GetMeta, Meta, Ok, Renew
+from ...wire import Ack, BatchMeta, GetMeta, MetaReply, Ok, Renew
 from ..model._partition import Partition
 from ..model._serving import CONSUMED, LEASED
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
-from ..planning._policies import BUILT_IN, Candidates, Policy, check
+from ..planning._batch_policies import BUILT_IN, Candidates, Policy, check
 from ..planning._rounds import Round, RoundBook, token_counts
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Reads:
         self._needed = needed  # a consumer parked on this partition: its puts are admitted
         self.epoch = secrets.randbits(LEASE_EPOCH_BITS) or 1  # this incarnation's, in every lease id
 
-    def get_meta(self, ident: bytes, msg: GetMeta, bufs: list[Any]) -> Meta | None:
+    def get_meta(self, ident: bytes, msg: GetMeta, bufs: list[Any]) -> MetaReply | None:
         _check_get(msg)
         served = self.try_serve(msg)
         if served is not None:
@@ -100,7 +100,7 @@ class Reads:
         self._needed(msg.partition)
         return None
 
-    def _remember(self, ident: bytes, msg: GetMeta, served: Meta, principal: str) -> None:
+    def _remember(self, ident: bytes, msg: GetMeta, served: MetaReply, principal: str) -> None:
         """Who holds the lease (with auth on), and which lease answered which request, for a
         cancel that crosses the reply (a DP round's share is not released: its peers on
         other ranks hold the same meta)."""
@@ -198,11 +198,11 @@ class Reads:
                     f"waits for a field that a later update writes)"
                 )
 
-    def try_serve(self, msg: GetMeta) -> Meta | None:
+    def try_serve(self, msg: GetMeta) -> MetaReply | None:
         part = self.state.partitions.get(msg.partition)
         if part is None:
             if msg.pad and not msg.dp_size and self.state.buried(msg.partition):  # consumed and freed: the end
-                return Meta(meta=BatchMeta(partition=msg.partition, partition_uid=0, indexes=[], units=[],
+                return MetaReply(meta=BatchMeta(partition=msg.partition, partition_uid=0, indexes=[], units=[],
                                            fields=list(msg.fields), schema={}, task=msg.task))
             return None
         if msg.dp_size:
@@ -211,11 +211,11 @@ class Reads:
         if indexes is None:
             return None
         if not len(indexes):  # the end of a drained partition: nothing to lease
-            return Meta(meta=self.meta(part, msg, indexes, 0))
+            return MetaReply(meta=self.meta(part, msg, indexes, 0))
         lease = self.lease(part, msg.task, indexes, msg.lease_timeout)
-        return Meta(meta=self.meta(part, msg, indexes, lease))
+        return MetaReply(meta=self.meta(part, msg, indexes, lease))
 
-    def serve_round(self, part: Partition, msg: GetMeta) -> Meta | None:
+    def serve_round(self, part: Partition, msg: GetMeta) -> MetaReply | None:
         key = (part.uid, msg.task, msg.replica_group)
         book = self.rounds.get(key)
         if book is None:
@@ -263,7 +263,7 @@ class Reads:
             rnd.metas[msg.dp_rank] = meta
         elif meta.lease not in self.leases:  # acked or lapsed: asked again by a restarted rank
             meta = self._relet(part, msg, rnd, meta)
-        return Meta(meta=meta)
+        return MetaReply(meta=meta)
 
     def _relet(self, part: Partition, msg: GetMeta, rnd: Round, meta: BatchMeta) -> BatchMeta:
         """A round's share whose lease ended, asked for again. Acked: the same meta (an ack
@@ -345,7 +345,7 @@ class Reads:
             revisions=per_sample(samples.revision, 0) if samples.revision[safe].any() else None,
             global_batch_size=len(listed),
             sealed=part.sealed,
-            replicated=(part.options.replicas or self.state.config.replicas) > 1,
+            two_copies=(part.options.copies or self.state.config.copies) > 1,
         )
 
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:

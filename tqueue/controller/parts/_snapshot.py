@@ -76,7 +76,7 @@ def capture(part: Partition) -> Image:
             "group_size": opts.group_size, "on_member_failure": opts.on_member_failure,
             "auto_free": opts.auto_free, "target": opts.target, "target_groups": opts.target_groups,
             "recycle_to": opts.recycle_to, "prefetch": opts.prefetch, "step": opts.step,
-            "replicas": opts.replicas,
+            "copies": opts.copies,
         },
         "fields": [[name, msgspec.to_builtins(part.specs[name])] for name in part.schema.bits],  # in bit order
         "committed": part.committed, "excluded": part.excluded, "lost": part.lost, "reasons": dict(part.reasons),
@@ -212,6 +212,13 @@ def _check_arrays(header: dict[str, Any], arrays: dict[str, np.ndarray], bad: An
             raise bad(f"a rollout segment of sample {i}, outside [0, {n})")
 
 
+def _copies(options: dict[str, Any]) -> int:
+    """A partition's copies, as its image's options name them: ``copies``, or ``replicas`` in
+    an image written before the rename (0: the cluster's)."""
+    copies: int = options.get("copies", options.get("replicas", 0))
+    return copies
+
+
 def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks: int) -> Partition:
     """The partition of ``image``, its samples' units renamed by ``units`` (old id -> new)."""
     h, a = image.header, image.arrays
@@ -221,7 +228,7 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
         tasks=frozenset(o["tasks"]) if o["tasks"] is not None else None,
         group_size=o["group_size"], on_member_failure=o["on_member_failure"], auto_free=o["auto_free"],
         target=o["target"], target_groups=o["target_groups"], recycle_to=o["recycle_to"], prefetch=o["prefetch"],
-        step=o["step"], replicas=o.get("replicas", 0),
+        step=o["step"], copies=_copies(o),
     )
     part = Partition(image.name, image.uid, options, max_samples=max_samples, max_tasks=max_tasks)
     part.schema.add({name: msgspec.convert(spec, FieldSpec) for name, spec in h["fields"]})
@@ -235,7 +242,7 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
     for old, new in units.items():
         table[old] = new
     s.unit = table[s.unit.astype(np.int64)]  # -1 (never placed) maps to the last entry: -1
-    s.replica = np.full(len(s.unit), -1, dtype=np.int16)  # a checkpoint holds one copy of each sample
+    s.second_unit = np.full(len(s.unit), -1, dtype=np.int16)  # a checkpoint holds one copy of each sample
     # a put that never committed never will (the cluster that granted it is gone)
     s.mask[(s.mask & COMMITTED) == 0] |= EXCLUDED
     s.segments = {int(i): [(int(v), int(t)) for v, t in segs] for i, segs in h["segments"]}

@@ -62,7 +62,7 @@ class Liveness:
     ) -> None:
         self.state = state
         self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_allocations): answered
-        self._copy_again = copy_again  # re-replicate samples held once (a death, or a unit to copy onto)
+        self._copy_again = copy_again  # copy samples held once again (a death, or a unit to copy onto)
         self._leases_gone = leases_gone  # (session, silent since): its leases sent since, released (their count)
         self.writes = writes
         self.cleanup = cleanup

@@ -62,8 +62,8 @@ class Writes:
         self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
         self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
         self.placements = itertools.count()  # ties between units rotate by it
-        self._copy_again = copy_again  # re-replicate samples held once (_copies)
-        self.copies = Copies(state, copy_again)  # the second copies of replicated writes
+        self._copy_again = copy_again  # copy samples held once again (_copies)
+        self.copies = Copies(state, copy_again)  # the second copies of writes to partitions of two copies
         self._free = free  # free a partition if every task consumed it
         self._committed = committed  # (partition, sealed by this commit): run after the reply
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
@@ -145,7 +145,7 @@ class Writes:
         else:
             added = part.check_put(msg.count, msg.blocks)
         unit = pick_unit(self.state, msg, self.placements)
-        copies = (part.options.replicas if part is not None else 0) or self.state.config.replicas
+        copies = (part.options.copies if part is not None else 0) or self.state.config.copies
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         part = self.state.partition(msg.partition)
@@ -159,13 +159,13 @@ class Writes:
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
             partial=msg.partial, kept=kept, admitted=admitted,
             timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
-            replica=second.info.unit_id if second is not None else -1,
+            second_unit=second.info.unit_id if second is not None else -1,
             waiting={unit.info.unit_id} | ({second.info.unit_id} if second is not None else set()),
         )
         return Granted(
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
-            replicas=[second.info] if second is not None else [],
+            second_units=[second.info] if second is not None else [],
         )
 
     def _late_put(self, part: Partition, msg: Grant, via: frozenset[str]) -> Granted:
@@ -191,18 +191,18 @@ class Writes:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
-        # a replicated partition: the units to write are those of the copies now, which may
+        # a partition of two copies: the units to write are those of the copies now, which may
         # differ from where the writer located them (a death promoted a copy, a copy was made)
         unit: UnitInfo | None = None
-        replicas: list[UnitInfo] = []
-        if (part.options.replicas or self.state.config.replicas) > 1 and len(indexes) and 0 <= indexes.min() and indexes.max() < part.n:
-            pairs = set(zip(part.samples.unit[indexes].tolist(), part.samples.replica[indexes].tolist()))
+        second_units: list[UnitInfo] = []
+        if (part.options.copies or self.state.config.copies) > 1 and len(indexes) and 0 <= indexes.min() and indexes.max() < part.n:
+            pairs = set(zip(part.samples.unit[indexes].tolist(), part.samples.second_unit[indexes].tolist()))
             if len(pairs) != 1:
                 return Granted(grant_id=0, partition_uid=part.uid, start=0, status="moved", partition=part.name)
             first, second = pairs.pop()
             units = self.state.units
             unit = units[first].info if first in units else None
-            replicas = [units[second].info] if second in units else []
+            second_units = [units[second].info] if second in units else []
         kept = part.admit_update(msg, indexes)
         if kept is None:
             return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
@@ -216,13 +216,13 @@ class Writes:
             # as a put's: an update whose writer never stores gives back the target places it took
             timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
         )
-        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit, replicas=replicas)
+        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit, second_units=second_units)
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Committed:
         grant = self.state.grants.get(msg.grant_id)
         if grant is None:
             raise InvalidArgumentError(f"grant {msg.grant_id} is unknown or already committed")
-        if grant.indexes is None and msg.unit_id not in (grant.unit_id, grant.replica):  # its own units only
+        if grant.indexes is None and msg.unit_id not in (grant.unit_id, grant.second_unit):  # its own units only
             raise InvalidArgumentError(
                 f"grant {msg.grant_id} was placed on unit {grant.unit_id}; unit {msg.unit_id} cannot commit it"
             )
@@ -234,7 +234,7 @@ class Writes:
             )
         if grant.copy_of is not None:
             return self.copies.copied(grant, msg)
-        if grant.waiting - {msg.unit_id}:  # a replicated put or update: one copy of two
+        if grant.waiting - {msg.unit_id}:  # a put or update of two copies: one copy of two
             return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
         grant.stop_timer()
@@ -251,9 +251,9 @@ class Writes:
             )
         was_sealed = part.sealed
         part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)
-        if grant.replica >= 0:  # both copies are stored: the samples are ready, each on two units
-            part.samples.replica[grant.start : grant.start + grant.count] = grant.replica
-        elif grant.indexes is None and (part.options.replicas or self.state.config.replicas) > 1:
+        if grant.second_unit >= 0:  # both copies are stored: the samples are ready, each on two units
+            part.samples.second_unit[grant.start : grant.start + grant.count] = grant.second_unit
+        elif grant.indexes is None and (part.options.copies or self.state.config.copies) > 1:
             part.single += grant.count  # no second unit had room: held once, copied when one has
             self.state.loop.call_soon(self._copy_again)
         if unit is not None:
@@ -435,7 +435,7 @@ class Writes:
 
     def _on(self, grant: GrantRecord, unit_id: int) -> bool:
         if grant.indexes is None:
-            return unit_id in (grant.unit_id, grant.replica)
+            return unit_id in (grant.unit_id, grant.second_unit)
         if unit_id in grant.waiting:
             return True
         part = self.state.by_uid.get(grant.partition_uid)

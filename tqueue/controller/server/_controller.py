@@ -54,7 +54,7 @@ from ...wire import (
     Locate,
     LookupKeys,
     Message,
-    Meta,
+    MetaReply,
     Ok,
     PartitionStatus,
     Postpone,
@@ -79,10 +79,10 @@ from ...wire import (
 )
 from ..model._partition import FAILURE_POLICIES, Options, Partition
 from ..model._state import ControllerState
-from ..parts._allocations import Rows
+from ..parts._allocations import Allocations
 from ..parts._checkpoints import Checkpoints, read_manifest
 from ..parts._cleanup import Cleanup
-from ..parts._copies import Replicas
+from ..parts._copies import Copier
 from ..parts._corruption import Corruption
 from ..parts._moves import Moves
 from ..parts._reads import Reads
@@ -91,7 +91,7 @@ from ..parts._trainer import Versions
 from ..parts._units import Liveness
 from ..parts._user_keys import Keys
 from ..parts._writes import Writes
-from ..planning._policies import load as load_policies
+from ..planning._batch_policies import load as load_policies
 from ._limits import check as check_limits
 from ._prometheus import Totals
 
@@ -127,19 +127,19 @@ class Controller:
             prefetch=self._prefetch, needed=self._needed,
         )
         self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
-        self.replicas = Replicas(self.state)
+        self.copier = Copier(self.state)
         self.writes = Writes(
             self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect,
-            copy_again=self.replicas.wake,
+            copy_again=self.copier.wake,
         )
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
-        self.rows = Rows(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
+        self.allocations = Allocations(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, leases_gone=self.reads.session_gone,
-            copy_again=self.replicas.wake, unit_gone=self.rows.unit_gone,
+            copy_again=self.copier.wake, unit_gone=self.allocations.unit_gone,
         )
         self.checkpoints = Checkpoints(
-            self.state, wake=self._wake_soon, copy_again=self.replicas.wake, forget=self.cleanup.forget,
+            self.state, wake=self._wake_soon, copy_again=self.copier.wake, forget=self.cleanup.forget,
             free=lambda part: self.cleanup.drop_everywhere(part, None), landed=self.moves.landed,
         )
         # a controller restarted from a checkpoint: its units get their ids back, and requests
@@ -153,7 +153,7 @@ class Controller:
             self._restored = asyncio.Event()
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.corruption = Corruption(
-            self.state, drop_on=self.cleanup.drop_on, copy_again=self.replicas.wake, wake_soon=self._wake_soon,
+            self.state, drop_on=self.cleanup.drop_on, copy_again=self.copier.wake, wake_soon=self._wake_soon,
             free=self.cleanup.maybe_free,
         )
         self.resets = Resets(self.state, wake_soon=self._wake_soon)
@@ -195,8 +195,8 @@ class Controller:
             (ListKeys, self.keys.list_keys),
             (DropKeys, self.keys.drop),
             (ResetConsumption, self.resets.reset),
-            (AllocateRows, self.rows.allocate),
-            (Locate, self.rows.locate),
+            (AllocateRows, self.allocations.allocate),
+            (Locate, self.allocations.locate),
             (Corrupt, self.corruption.report),
         )
         ungated = (Hello, StatusRequest, Cancel)
@@ -309,7 +309,7 @@ class Controller:
         back what it handed out: a get_meta's lease (its samples go to a live caller now,
         not at the lease's expiry) and a put's grant. A DP round's share stays: the rank's
         tensor-parallel peers hold the same meta, and a restarted rank asks for it again."""
-        if isinstance(reply, Meta) and reply.meta.lease and not reply.meta.dp_size:
+        if isinstance(reply, MetaReply) and reply.meta.lease and not reply.meta.dp_size:
             self.reads.expire_lease(reply.meta.lease, "was never delivered (its caller is gone)")
         elif isinstance(reply, Granted) and reply.grant_id:
             self.writes.lapse(reply.grant_id, "was never delivered (its caller is gone)")
@@ -362,8 +362,8 @@ class Controller:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(msg, name)}")
         if msg.target_groups and not msg.group_size:
             raise InvalidArgumentError("target_groups needs a group_size")
-        if msg.replicas not in (0, 1, 2):
-            raise InvalidArgumentError(f"replicas is 1 or 2 (0: the cluster's), got {msg.replicas}")
+        if msg.copies not in (0, 1, 2):
+            raise InvalidArgumentError(f"copies is 1 or 2 (0: the cluster's), got {msg.copies}")
         self.state.tombstones.pop(msg.partition, None)  # an explicit new start
         if msg.partition in self.state.partitions:
             if not msg.exist_ok:
@@ -382,7 +382,7 @@ class Controller:
                 recycle_to=msg.recycle_to,
                 prefetch=msg.prefetch,
                 step=msg.step,
-                replicas=msg.replicas,
+                copies=msg.copies,
             ),
         )
         return Ok()
@@ -428,7 +428,7 @@ class Controller:
                 recycle_to=p.options.recycle_to,
                 sealed=p.sealed,
                 lost=p.lost,
-                replicas=p.options.replicas or self.config.replicas,
+                copies=p.options.copies or self.config.copies,
                 single=p.single,
                 corrupt=p.corrupt,
             )

@@ -1,4 +1,4 @@
-"""Replicated partitions (``create_partition(replicas=2)``): each put is acknowledged once two
+"""Partitions of two copies (``create_partition(copies=2)``): each put is acknowledged once two
 units hold it, a unit SIGKILLed in the middle of a put and get stream loses no acknowledged
 sample, readers holding metas of the dead unit switch to the copies within the liveness
 window, and updates reach both copies."""
@@ -54,7 +54,7 @@ def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(partition):
         tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": INTERVAL}) as cluster,
         tqueue.Client(cluster.address) as c,
     ):
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         acked: dict[int, int] = {}  # sample id -> CRC of its row, for acknowledged puts
         read: dict[int, int] = {}
 
@@ -79,15 +79,15 @@ def test_a_unit_killed_mid_stream_loses_no_acknowledged_sample(partition):
         assert read == acked  # every acknowledged sample, exact
         until(lambda: any(not u.alive for u in c.status().units), 30, "the unit declared dead")
         part = status_of(c, partition)
-        assert part.lost == 0 and part.replicas == 2 and part.single > 0  # one unit left: held once
+        assert part.lost == 0 and part.copies == 2 and part.single > 0  # one unit left: held once
         assert part.tasks["train"].consumed == 96 and part.tasks["train"].lost == 0
         cluster.start_unit()  # a replacement joins: the samples held once are copied onto it
-        until(lambda: status_of(c, partition).single == 0, 30, "re-replication onto the new unit")
+        until(lambda: status_of(c, partition).single == 0, 30, "copying again onto the new unit")
 
 
 def test_a_reader_holding_a_meta_of_the_dead_unit_reads_the_copies(cluster, partition):
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 16)
         c.put(partition, {"x": x})
         meta = c.get_meta(partition, ["x"], 16, task="t", timeout=10)
@@ -102,7 +102,7 @@ def test_updates_reach_both_copies(cluster, partition):
     """A reward worker's update, then the death of the unit each sample was read from: the
     copies hold the update; an update after the death writes the copies left."""
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         for k in range(4):
             c.put(partition, {"x": rows(4 * k, 4)})
         meta = c.get_meta(partition, ["x"], 16, task="reward", timeout=10)
@@ -118,17 +118,17 @@ def test_updates_reach_both_copies(cluster, partition):
 
 def test_a_put_with_no_second_unit_is_stored_once_and_three_copies_are_refused(partition):
     with tqueue.LocalCluster(num_storage_units=1) as alone, tqueue.Client(alone.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         c.put(partition, {"x": torch.ones(2, 3)})
         assert torch.equal(c.get_data(partition, ["x"], 2, task="t", timeout=5)["x"], torch.ones(2, 3))
-    with pytest.raises(tqueue.errors.InvalidArgumentError, match="replicas is 1 or 2"):
+    with pytest.raises(tqueue.errors.InvalidArgumentError, match="copies is 1 or 2"):
         with tqueue.LocalCluster(num_storage_units=1) as alone, tqueue.Client(alone.address) as c:
-            c.create_partition(partition, replicas=3)
+            c.create_partition(partition, copies=3)
 
 
-def test_both_units_hold_a_replicated_put_and_a_clear_frees_both(cluster, partition):
+def test_both_units_hold_a_put_of_two_copies_and_a_clear_frees_both(cluster, partition):
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         before = {u.unit_id: u.nbytes for u in c.status().units}
         c.put(partition, {"x": torch.zeros(64, 1024)})  # 256 KiB
         grown = {u.unit_id: u.nbytes - before[u.unit_id] for u in c.status().units}
@@ -147,7 +147,7 @@ def test_an_update_located_before_a_copy_was_made_reaches_both_copies(cluster, p
     from tqueue.client._puts import Puts
 
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 8)
         c.put(partition, {"x": x})
         kill_unit(cluster, c, c.select(partition, ["x"]).units[0])
@@ -187,7 +187,7 @@ def test_an_update_whose_samples_are_on_two_pairs_now_is_located_again(cluster, 
         return msgspec.structs.replace(m, units=[m.units[0]] * len(m.indexes)), [-1] * len(m.indexes)
 
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 8)
         c.put(partition, {"x": x[:4]})
         c.put(partition, {"x": x[4:]})  # the least loaded units: another pair
@@ -205,7 +205,7 @@ def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(clus
     the third unit in the background (``status().single`` back to 0), dense and jagged fields
     alike; then a second unit dies and nothing is lost either."""
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 32)
         jag = [torch.arange(i % 7 + 1) for i in range(32)]
         for k in range(4):
@@ -222,12 +222,12 @@ def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(clus
         assert torch.equal(batch["x"], x) and all(torch.equal(a, b) for a, b in zip(batch["j"], jag))
 
 
-def test_a_restored_replicated_partition_is_copied_again(partition, tmp_path):
+def test_a_restored_partition_of_two_copies_is_copied_again(partition, tmp_path):
     """A checkpoint holds one copy of each sample; restored into 3 units, the samples are
     copied again in the background, so that a death after the restore loses nothing."""
     x = rows(0, 16)
     with tqueue.LocalCluster(num_storage_units=2) as old, tqueue.Client(old.address) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         c.put(partition, {"x": x})
         c.save_checkpoint(str(tmp_path / "ck"))
     with (
@@ -249,7 +249,7 @@ def test_a_read_waits_for_the_copies_no_longer_than_its_timeout(cluster, partiti
     import time
 
     with tqueue.Client(cluster.address, config=tqueue.ClientConfig(request_timeout=1.0)) as c:
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         c.put(partition, {"x": rows(0, 4)})
         meta = c.get_meta(partition, ["x"], 4, task="t", timeout=10)
         address = next(u.address for u in c.status().units if u.unit_id == meta.units[0])
@@ -265,7 +265,7 @@ def test_a_read_waits_for_the_copies_no_longer_than_its_timeout(cluster, partiti
 
 
 def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
-    """Re-replication reads samples, then stores them elsewhere; an update of the holder in
+    """Copying again reads samples, then stores them elsewhere; an update of the holder in
     between makes the copy stale: the commit records it for the unchanged samples only."""
     import numpy as np
 
@@ -285,7 +285,7 @@ def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
     s.revision[1] += 1  # updated on the holder after the read
     s.unit[3] = 1  # its holder died meanwhile (promoted elsewhere): unit 1 is not alive
     assert record_copy(part, grant, 2, alive={0, 2}) == 2
-    assert s.replica[:4].tolist() == [2, -1, 2, -1] and part.single == 2
+    assert s.second_unit[:4].tolist() == [2, -1, 2, -1] and part.single == 2
 
 
 def unit_of(client: tqueue.Client, address: str) -> tqueue.wire.UnitStatus:
@@ -313,7 +313,7 @@ def test_a_copy_made_while_an_update_is_in_flight_is_made_again_once_it_commits(
         tqueue.Client(cluster.address) as c,
         tqueue.Client(cluster.address) as writer,
     ):
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 8)
         c.put(partition, {"x": x})
         kill_unit(cluster, c, c.select(partition, ["x"]).units[0])
@@ -370,7 +370,7 @@ def test_a_copy_whose_target_is_killed_mid_copy_is_made_on_another_unit_without_
         tqueue.LocalCluster(num_storage_units=2, controller={"heartbeat_interval": 2.0}) as cluster,
         tqueue.Client(cluster.address) as c,
     ):
-        c.create_partition(partition, replicas=2)
+        c.create_partition(partition, copies=2)
         x = rows(0, 16)
         c.put(partition, {"x": x})
         assert status_of(c, partition).single == 0

@@ -19,7 +19,7 @@ from ..wire import (
     KeysFound,
     ListKeys,
     LookupKeys,
-    Meta,
+    MetaReply,
     Ok,
     ResetConsumption,
     Select,
@@ -126,7 +126,7 @@ class KeyCalls:
             raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
         msg = Select(partition=partition, fields=list(fields), consumed_by=consumed_by, limit=-1 if limit is None else limit)
         try:
-            reply, _ = await (await self._conns.ctl()).request(msg, expect=Meta)
+            reply, _ = await (await self._conns.ctl()).request(msg, expect=MetaReply)
         except PartitionClearedError:
             return None
         return reply.meta
@@ -139,7 +139,7 @@ class KeyCalls:
         goes there. A partition with a target or groups takes none (``InvalidArgumentError``)."""
         if count < 1:
             raise InvalidArgumentError(f"allocate needs count >= 1, got {count}")
-        reply, _ = await (await self._conns.ctl()).request(AllocateRows(partition=partition, count=count), expect=Meta)
+        reply, _ = await (await self._conns.ctl()).request(AllocateRows(partition=partition, count=count), expect=MetaReply)
         return reply.meta
 
     async def reset_consumption(self, partition: str, task: str | None = None) -> None:
