@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import tqueue
 import tqueue.errors
@@ -57,8 +58,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = [
     "AsyncClient", "AuthenticationError", "Batch", "Client", "ClientConfig", "ClientStats", "ControllerConfig",
     "ControllerUnavailableError", "DataCorruptionError", "DataLostError", "DataParallel", "DiscoveryError",
-    "EngineError", "FieldSpec", "FieldStats", "FieldTypeError", "ForkedClientError", "InvalidArgumentError",
-    "LocalCluster", "Meta", "MicroBatch", "MicroBatches", "PartitionClearedError", "PartitionSealedError", "PermissionDeniedError",
+    "EngineError", "FieldSpec", "FieldStats", "FieldTypeError", "ForkedClientError", "Grouping", "InvalidArgumentError",
+    "LocalCluster", "Meta", "MicroBatch", "MicroBatches", "OverSampling", "PartitionClearedError", "PartitionSealedError", "PermissionDeniedError",
     "ProtocolError", "ProtocolVersionError", "RemoteError", "SchemaError", "StorageConfig", "StorageFullError",
     "StorageUnitUnavailableError", "TQueueDeprecationWarning", "TQueueError", "Timeouts", "UnavailableError",
     "UnknownFieldError", "WaitTimeoutError",
@@ -288,3 +289,29 @@ def test_the_shim_in_use_raises_no_deprecation_warning():
             tq.kv_clear("k", "kv")
         finally:
             tq.close()
+
+
+def test_create_partition_takes_grouping_and_over_sampling_and_the_flat_spellings_warn(cluster, partition):
+    """Options that travel together are one object each; the flat keywords still work for one
+    release, warning with the replacement, and mixing the two forms is refused."""
+    with tqueue.Client(cluster.address) as c:
+        c.create_partition(f"{partition}-g-new", grouping=tqueue.Grouping(2, on_member_failure="mask_member"),
+                           over_sampling=tqueue.OverSampling(groups=1))
+        with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"create_partition\(group_size=, on_member_failure=\) is deprecated.*Grouping"):
+            c.create_partition(f"{partition}-g-old", group_size=2, on_member_failure="mask_member")
+        with pytest.warns(tqueue.TQueueDeprecationWarning, match=r"create_partition\(target=, recycle_to=\) is deprecated.*OverSampling"):
+            c.create_partition(f"{partition}-t-old", target=3, recycle_to=f"{partition}-t-next")
+        with pytest.raises(tqueue.InvalidArgumentError, match="give over_sampling= or target=, not both"), pytest.warns(tqueue.TQueueDeprecationWarning):
+            c.create_partition(f"{partition}-t-both", target=3, over_sampling=tqueue.OverSampling(samples=3))
+        c.put(f"{partition}-g-new", {"x": torch.arange(2)}, groups="a")  # one whole group: the target, sealed
+        c.put(f"{partition}-g-old", {"x": torch.arange(1)}, groups="b")  # one member of two
+        with pytest.raises(tqueue.WaitTimeoutError, match="0 groups complete"):
+            c.get_meta(f"{partition}-g-old", ["x"], 2, task="t", timeout=0.1)  # whole groups by default
+        parts = {p.name: p for p in c.status().partitions}
+        assert (parts[f"{partition}-g-new"].sealed, parts[f"{partition}-g-new"].groups_complete, parts[f"{partition}-t-old"].recycle_to) == (True, 1, f"{partition}-t-next")
+        for name in (f"{partition}-g-new", f"{partition}-g-old", f"{partition}-t-old"):
+            c.clear(name)
+    with pytest.raises(tqueue.InvalidArgumentError, match="OverSampling needs one target"):
+        tqueue.OverSampling(samples=2, groups=1)
+    with pytest.raises(tqueue.InvalidArgumentError, match="Grouping's on_member_failure is 'drop_group' or 'mask_member'"):
+        tqueue.Grouping(2, on_member_failure="retry")  # type: ignore[arg-type]

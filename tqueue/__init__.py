@@ -50,7 +50,18 @@ from .launch import LocalCluster
 from .wire import FieldSpec
 
 if TYPE_CHECKING:
-    from .client import AsyncClient, Batch, Client, ClientStats, DataParallel, FieldStats, MicroBatch, MicroBatches
+    from .client import (
+        AsyncClient,
+        Batch,
+        Client,
+        ClientStats,
+        DataParallel,
+        FieldStats,
+        Grouping,
+        MicroBatch,
+        MicroBatches,
+        OverSampling,
+    )
 
 __version__ = "0.1.0"
 
@@ -72,11 +83,13 @@ __all__ = [
     "FieldStats",
     "FieldTypeError",
     "ForkedClientError",
+    "Grouping",
     "InvalidArgumentError",
     "LocalCluster",
     "Meta",
     "MicroBatch",
     "MicroBatches",
+    "OverSampling",
     "PartitionClearedError",
     "PartitionSealedError",
     "PermissionDeniedError",
@@ -95,7 +108,7 @@ __all__ = [
     "WaitTimeoutError",
 ]
 
-_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "DataParallel", "FieldStats", "MicroBatch", "MicroBatches"}
+_LAZY = {"AsyncClient", "Batch", "Client", "ClientStats", "DataParallel", "FieldStats", "Grouping", "MicroBatch", "MicroBatches", "OverSampling"}
 # names that left the API, still reached here for one release: where they live now
 _MOVED = {"BatchMeta": "tqueue.wire.BatchMeta (a user reads tqueue.Meta)", "PROTOCOL_VERSION": "tqueue.wire.PROTOCOL_VERSION"}
 

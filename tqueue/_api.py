@@ -47,10 +47,12 @@ PUBLIC: Final = frozenset(
         "tqueue.Client",
         "tqueue.ClientConfig",
         "tqueue.DataParallel",
+        "tqueue.Grouping",
         "tqueue.LocalCluster",
         "tqueue.Meta",
         "tqueue.MicroBatch",
         "tqueue.MicroBatches",
+        "tqueue.OverSampling",
         "tqueue.Timeouts",
         "tqueue.TQueueDeprecationWarning",
         # the errors a user catches

@@ -48,7 +48,7 @@ async def main() -> None:
             server = Ingest(client, token=TOKEN)
             url = await server.start()
             await server.publish(7, "file:///checkpoints/step-7")  # the trainer published its weights
-            await client.create_partition("step-7", group_size=4)  # GRPO groups of 4: released whole
+            await client.create_partition("step-7", grouping=tqueue.Grouping(4))  # GRPO groups of 4: released whole
             await fleet(url)
             batch = await client.get_data("step-7", ["key", "response_ids", "reward"], 4, task="train", timeout=10)
             print("trainer got:", sorted(batch["key"]), sorted(t.tolist() for t in batch["response_ids"]))

@@ -20,7 +20,7 @@ async def main(url: str, abort: str) -> None:
             url, abort=abort, sampling_params={"temperature": 1.0}
         ) as engine:
             for step in range(2):  # each step seals at 8 samples; late ones go on to the next
-                await client.create_partition(f"step-{step}", target=8, recycle_to=f"step-{step + 1}")
+                await client.create_partition(f"step-{step}", over_sampling=tqueue.OverSampling(samples=8, recycle_to=f"step-{step + 1}"))
             driver = Rollouts(client, engine, max_new_tokens=6)
             prompts = [[11, 12, 13], [21, 22, 23, 24], [31, 32]]
             for step in range(2):

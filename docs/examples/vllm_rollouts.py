@@ -32,7 +32,7 @@ async def rollouts(llm) -> None:
     with tqueue.LocalCluster(num_storage_units=2) as cluster:
         async with tqueue.AsyncClient(cluster.address) as client:
             for step in range(2):
-                await client.create_partition(f"step-{step}", target=8, recycle_to=f"step-{step + 1}")
+                await client.create_partition(f"step-{step}", over_sampling=tqueue.OverSampling(samples=8, recycle_to=f"step-{step + 1}"))
             driver = Rollouts(client, VLLMEngine(llm, sampling={"temperature": 1.0, "ignore_eos": True}), max_new_tokens=96)
             for step in range(2):
                 await driver.set_version(step)

@@ -79,7 +79,7 @@ def test_a_default_read_of_groups_without_a_group_size_takes_index_order_and_say
         client.get_meta(partition, ["x"], 1, task="u", timeout=5)
     told = [r.getMessage() for r in caplog.records if "has no group_size" in r.getMessage()]
     assert told == [f"partition {partition!r} holds samples put with groups but has no group_size: a read that names "
-                    "no policy takes them in index order, and may split groups (create_partition(..., group_size=n) "
+                    "no policy takes them in index order, and may split groups (create_partition(..., grouping=Grouping(n)) "
                     "keeps them whole)"]
 
 

@@ -9,11 +9,12 @@ from typing import Any, assert_type
 import torch
 
 import tqueue
-from tqueue.wire import BatchMeta, CheckpointReply, KeysFound, StatusReply, VersionReply
+from tqueue.wire import CheckpointReply, KeysFound, StatusReply, VersionReply
 
 
 def producer(client: tqueue.Client) -> None:
-    client.create_partition("train/step-0", tasks=["actor_train"], group_size=4)
+    client.create_partition("train/step-0", tasks=["actor_train"], grouping=tqueue.Grouping(4),
+                            over_sampling=tqueue.OverSampling(groups=8, recycle_to="train/step-1"))
     meta = client.put("train/step-0", {"input_ids": [torch.arange(5)] * 4}, groups="prompt-0", version=0)
     assert_type(meta.indexes, list[int])
     client.keys.bind(meta, ["a", "b", "c", "d"], tags=[{"n": i} for i in range(4)])
@@ -44,7 +45,7 @@ def namespaces(client: tqueue.Client) -> None:
     found = client.keys.lookup("p", ["a"])
     assert_type(found, KeysFound)
     assert_type(client.keys.all(), dict[str, dict[str, dict[str, Any]]])
-    assert_type(client.samples.select("p", ["x"], limit=3), BatchMeta | None)
+    assert_type(client.samples.select("p", ["x"], limit=3), tqueue.Meta | None)
     assert_type(client.samples.stats("p", "reward"), tqueue.FieldStats)
     assert_type(client.rollouts.wait_version(3, timeout=0), VersionReply)
     refused = client.rollouts.complete(found.meta, {"response_ids": [torch.arange(3)]}, version=1, first_token=0) if found.meta else []
@@ -58,7 +59,7 @@ async def asynchronous(address: str) -> None:
     async with tqueue.AsyncClient(address) as client:
         meta = await client.put("p", [{"x": 1}, {"x": 2}])
         await client.keys.bind(meta, ["a", "b"])
-        assert_type(await client.samples.allocate("p", 2), BatchMeta)
+        assert_type(await client.samples.allocate("p", 2), tqueue.Meta)
         assert_type(await client.rollouts.wait_version(), VersionReply)
         assert_type(await client.checkpoints.load("/tmp/ckpt"), Any)
 

@@ -5,7 +5,7 @@ Described in docs/api.md, "Clients", "Batch" and "Meta".
 Map: docs/architecture.md#the-client
 """
 
-from ._ask import DataParallel, MicroBatches
+from ._ask import DataParallel, Grouping, MicroBatches, OverSampling
 from ._async import AsyncClient, ClientStats
 from ._batch import Batch
 from ._lifecycle import FieldStats
@@ -25,9 +25,11 @@ __all__ = [
     "ClientStats",
     "DataParallel",
     "FieldStats",
+    "Grouping",
     "Keys",
     "MicroBatch",
     "MicroBatches",
+    "OverSampling",
     "Rollouts",
     "Samples",
 ]

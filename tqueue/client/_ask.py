@@ -111,6 +111,42 @@ class DataParallel:
             raise InvalidArgumentError(f"DataParallel needs 0 <= rank < size, got rank {self.rank!r} of size {self.size!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """A partition's GRPO groups: ``size`` samples each (the ``n`` of a prompt's rollouts),
+    released whole; ``on_member_failure`` says what a member reported failed does to its
+    group: ``"drop_group"`` aborts the group, ``"mask_member"`` releases it without the member."""
+
+    size: int
+    on_member_failure: Literal["drop_group", "mask_member"] = "drop_group"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise InvalidArgumentError(f"Grouping needs a size >= 1, got {self.size!r}")
+        if self.on_member_failure not in ("drop_group", "mask_member"):
+            raise InvalidArgumentError(
+                f"Grouping's on_member_failure is 'drop_group' or 'mask_member', got {self.on_member_failure!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OverSampling:
+    """Over-sampling: once ``samples`` samples (or ``groups`` whole groups) are complete, the
+    partition seals itself and aborts the surplus; later puts are refused
+    (``PartitionSealedError``, or ``status="aborted"`` with ``if_sealed="discard"``) or, with
+    ``recycle_to``, stored in that partition as partial samples."""
+
+    samples: int = 0
+    groups: int = 0
+    recycle_to: str = ""
+
+    def __post_init__(self) -> None:
+        if self.samples < 0 or self.groups < 0 or bool(self.samples) == bool(self.groups):
+            raise InvalidArgumentError(
+                f"OverSampling needs one target: samples or groups (> 0), got samples={self.samples}, groups={self.groups}"
+            )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MicroBatches:
     """How a read's share is cut into micro-batches (``meta.micro_batch_indices``), the same

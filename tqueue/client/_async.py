@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError
 from ..transport._connect import endpoint
 from ..wire import Clear, CreatePartition, Ok, StatusReply, StatusRequest
 from ..wire._messages import MEMBER_FAILURES
-from ._ask import DataAsk, MetaAsk, PutAsk, takes, wire_meta
+from ._ask import DataAsk, Grouping, MetaAsk, OverSampling, PutAsk, takes, wire_meta
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._gets import Gets, ThreadRoute
@@ -47,6 +47,37 @@ def _old_copies(copies: int, replicas: int) -> int:
     if copies:
         raise InvalidArgumentError(f"create_partition: give copies= or replicas=, not both (copies={copies}, replicas={replicas})")
     return replicas
+
+
+def _old_grouping(grouping: Grouping | None, size: int | None, on_member_failure: str | None) -> Grouping | None:
+    """``create_partition``'s grouping, given flat by its old keywords (a warning)."""
+    if size is None and on_member_failure is None:
+        return grouping
+    used = [name for name, v in (("group_size", size), ("on_member_failure", on_member_failure)) if v is not None]
+    deprecated(f"create_partition({'=, '.join(used)}=)", "create_partition(grouping=tqueue.Grouping(size, on_member_failure=...))")
+    if grouping is not None:
+        raise InvalidArgumentError(f"create_partition: give grouping= or {', '.join(used)}=, not both")
+    if not size:  # group_size=0 was the old default: no groups (an on_member_failure alone means nothing)
+        return None
+    return Grouping(size, "mask_member" if on_member_failure == "mask_member" else "drop_group")
+
+
+def _old_over_sampling(
+    over: OverSampling | None, target: int | None, target_groups: int | None, recycle_to: str | None
+) -> OverSampling | None:
+    """``create_partition``'s over-sampling, given flat by its old keywords (a warning)."""
+    flat = (("target", target), ("target_groups", target_groups), ("recycle_to", recycle_to))
+    used = [name for name, v in flat if v is not None]
+    if not used:
+        return over
+    deprecated(f"create_partition({'=, '.join(used)}=)", "create_partition(over_sampling=tqueue.OverSampling(samples=... or groups=..., recycle_to=...))")
+    if over is not None:
+        raise InvalidArgumentError(f"create_partition: give over_sampling= or {', '.join(used)}=, not both")
+    if not target and not target_groups:
+        if recycle_to:
+            raise InvalidArgumentError("create_partition: recycle_to needs an over-sampling target")
+        return None
+    return OverSampling(samples=target or 0, groups=target_groups or 0, recycle_to=recycle_to or "")
 
 
 def _handed_on(
@@ -154,29 +185,29 @@ class AsyncClient:
         *,
         fields: Sequence[str] | None = None,
         tasks: Sequence[str] | None = None,
-        group_size: int = 0,
-        on_member_failure: str = "drop_group",
+        grouping: Grouping | None = None,
+        over_sampling: OverSampling | None = None,
         auto_free: bool = True,
-        target: int = 0,
-        target_groups: int = 0,
-        recycle_to: str = "",
         prefetch: str = "",
         step: int | None = None,
         copies: int = 0,
+        # deprecated: grouping and over_sampling replace them (and replicas, copies)
+        group_size: int | None = None,
+        on_member_failure: str | None = None,
+        target: int | None = None,
+        target_groups: int | None = None,
+        recycle_to: str | None = None,
         replicas: int | None = None,
     ) -> None:
         """Create ``partition`` now, with options; otherwise its first put creates it.
 
         ``fields``: the only fields it accepts. ``tasks``: the tasks that must consume every
         sample before it frees itself (default: the tasks that asked for samples).
-        ``group_size``: samples per GRPO group; a partition with one releases whole groups
-        (by default, and with ``policy="groups"``).
-        ``on_member_failure``: ``"drop_group"`` aborts a group when a member fails,
-        ``"mask_member"`` releases it without that member. ``auto_free``: free the
-        partition once every task has consumed every sample.
-        ``target`` / ``target_groups``: over-sampling; once that many samples (or whole
-        groups) are complete, the partition seals itself and aborts the surplus: later puts
-        are discarded, or with ``recycle_to`` stored there as partial samples.
+        ``grouping``: its GRPO groups (:class:`Grouping`: samples per group, what a failed
+        member does); a partition with one releases whole groups (by default, and with
+        ``policy="groups"``). ``auto_free``: free the partition once every task has consumed
+        every sample. ``over_sampling``: seal at a target of samples or whole groups and abort
+        the surplus (:class:`OverSampling`).
         ``prefetch``: a consumer short of samples here, once this partition is sealed and
         drained, takes ready samples from that (later) partition; they count as taken there.
         ``step``: the trainer version that reads this partition, for the staleness bound
@@ -185,27 +216,30 @@ class AsyncClient:
         ``copies``: 2 stores each put on two units (on different hosts where there are) and
         acknowledges it once both hold it, so that one unit's death loses no acknowledged
         sample: its samples are served from the other copy (0: ``ControllerConfig.copies``).
-        ``replicas``: the deprecated spelling of ``copies`` (it warns).
+        ``group_size``, ``on_member_failure``, ``target``, ``target_groups``, ``recycle_to`` and
+        ``replicas`` are the deprecated spellings (they warn).
         """
         if replicas is not None:
             deprecated("AsyncClient.create_partition(replicas=)", "AsyncClient.create_partition(copies=)")
             copies = _old_copies(copies, replicas)
+        if on_member_failure is not None and on_member_failure not in MEMBER_FAILURES:
+            raise InvalidArgumentError(f"on_member_failure is one of {list(MEMBER_FAILURES)}, got {on_member_failure!r}")
+        grouping = _old_grouping(grouping, group_size, on_member_failure)
+        over_sampling = _old_over_sampling(over_sampling, target, target_groups, recycle_to)
         if step is not None and step < 0:
             raise InvalidArgumentError(f"partition {partition!r}: step must be >= 0 or None, got {step}")
-        if on_member_failure not in MEMBER_FAILURES:  # the wire would refuse it less kindly
-            raise InvalidArgumentError(f"on_member_failure is one of {list(MEMBER_FAILURES)}, got {on_member_failure!r}")
         ctl = await self._conns.ctl()
         await ctl.request(
             CreatePartition(
                 partition=partition,
                 fields=list(fields) if fields is not None else None,
                 tasks=list(tasks) if tasks is not None else None,
-                group_size=group_size,
-                on_member_failure=on_member_failure,
+                group_size=grouping.size if grouping else 0,
+                on_member_failure=grouping.on_member_failure if grouping else "drop_group",
                 auto_free=auto_free,
-                target=target,
-                target_groups=target_groups,
-                recycle_to=recycle_to,
+                target=over_sampling.samples if over_sampling else 0,
+                target_groups=over_sampling.groups if over_sampling else 0,
+                recycle_to=over_sampling.recycle_to if over_sampling else "",
                 prefetch=prefetch,
                 step=-1 if step is None else step,
                 copies=copies,

@@ -206,7 +206,7 @@ def _progress(row: dict[str, Any], steps: int, started: float) -> None:
 
 async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, trainer_kind: str = "") -> list[dict[str, Any]]:
     from ..bridges import Rollouts, VLLMEngine
-    from ..client import AsyncClient
+    from ..client import AsyncClient, OverSampling
     from ..launch import LocalCluster
 
     rng = random.Random(0)
@@ -215,7 +215,7 @@ async def _main(llm: Any, *, steps: int, groups: int, n: int, over: float, train
         async with AsyncClient(cluster.address) as producer, AsyncClient(cluster.address) as trainer:
             for k in range(steps + 1):  # the last one only receives what the last step recycles
                 await trainer.create_partition(
-                    f"rl/step-{k}", target=groups * n, recycle_to=f"rl/step-{k + 1}", tasks=["train"]
+                    f"rl/step-{k}", over_sampling=OverSampling(samples=groups * n, recycle_to=f"rl/step-{k + 1}"), tasks=["train"]
                 )
             await trainer.rollouts.set_staleness(max_staleness=1, batch_size=groups * n)
             driver = Rollouts(producer, VLLMEngine(llm, sampling={"temperature": 1.0}), max_new_tokens=96)

@@ -278,7 +278,7 @@ def _children() -> Any:
 def run_demo(args: argparse.Namespace) -> int:
     """Run the simulated flow with the options of :func:`add_arguments` (after
     :func:`resolve_arguments`); returns the exit code."""
-    from ..client import Client
+    from ..client import Client, Grouping
     from ..launch import LocalCluster
 
     ctx = _children()
@@ -302,7 +302,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         with Client(cluster.address) as admin:
             for step in range(plan.steps):
-                admin.create_partition(f"train/step-{step}", group_size=plan.group_size, tasks=["actor_train"])
+                admin.create_partition(f"train/step-{step}", grouping=Grouping(plan.group_size), tasks=["actor_train"])
             admin.rollouts.set_staleness(max_staleness=1, batch_size=plan.per_step)
         pipes: dict[Connection, str] = {}
         procs = []

@@ -122,7 +122,7 @@ class TransferQueueClient:
             raise ValueError(f"put of {rows(data)} rows under GRPOGroupNSampler(n_samples_per_prompt={n}): whole groups only")
         if partition not in self._grouped:
             try:
-                self._client.create_partition(partition, group_size=n)
+                self._client.create_partition(partition, grouping=tqueue.Grouping(n))
             except tqueue.InvalidArgumentError:
                 pass  # made already, by another put of this job
             self._grouped.add(partition)

@@ -130,7 +130,7 @@ class Reads:
             self._told_ungrouped.add(part.uid)
             log.warning(
                 "partition %r holds samples put with groups but has no group_size: a read that names no policy "
-                "takes them in index order, and may split groups (create_partition(..., group_size=n) keeps them whole)",
+                "takes them in index order, and may split groups (create_partition(..., grouping=Grouping(n)) keeps them whole)",
                 part.name,
             )
         return "first_ready"
