@@ -184,7 +184,7 @@ def _raw(cfg: dict[str, Any]) -> dict[str, Any]:
         if kind == "Stored":
             c.state, c.t0 = "get_meta", now
             c.sock.send_multipart(c.get)
-        elif kind == "Meta":
+        elif kind == "MetaReply":
             meta = msg.meta  # type: ignore[attr-defined]
             c.state, c.t0 = "ack", now
             c.sock.send_multipart(encode(Ack(partition=c.name, partition_uid=meta.partition_uid, task="t",
