@@ -73,6 +73,7 @@ def endpoint(address: str) -> str:
 
 _EVENTS = (
     zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -128,6 +129,8 @@ class ConnectWatch:
         self._loop.add_reader(self._mon.FD, self._drain)
         self._delayed = 0.0  # when the pending TCP connect began (0: none is pending)
         self._dropped = ""  # why the first handshake was dropped, while the reconnect decides
+        self._accepted = False  # a TCP connection was made (a server listened there)
+        self._reaccepted = False  # and the reconnect after a dropped handshake made one again
         self._retried = False  # ZeroMQ has scheduled that reconnect
         self.closed = False
         # ZeroMQ's descriptor signals only once the socket has found its queue empty
@@ -151,6 +154,14 @@ class ConnectWatch:
                 continue
             if self._on_lost is not None and self._lasting(event):
                 continue
+            if event == zmq.EVENT_CONNECTED:
+                self._accepted = True
+                self._reaccepted = self._retried  # the reconnect found a listener again
+                continue
+            if event == zmq.EVENT_CONNECT_RETRIED and self._accepted and not self._dropped:
+                # the connection was made and closed before any handshake event (a reset that
+                # came while the greetings crossed): as a dropped handshake, the reconnect decides
+                self._dropped = "the connection was reset before the handshake ended"
             if self._dropped and (event == zmq.EVENT_DISCONNECTED or (event == zmq.EVENT_CONNECT_RETRIED and not self._retried)):
                 # the dropped handshake's own disconnect and the reconnect ZeroMQ schedules for it:
                 # the reconnect itself decides
@@ -211,6 +222,9 @@ class ConnectWatch:
                 f"{where} refused this client's authentication: {dropped}; {check}, "
                 f"or it is not a tqueue {self.name}"
             )
+        if self._dropped and event == zmq.EVENT_CONNECT_RETRIED and self._reaccepted:
+            # accepted, dropped, accepted again and dropped again: a listener that drops this peer
+            return self._failure(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
         if self._dropped and event == zmq.EVENT_CONNECT_RETRIED:
             return self._unavailable(
                 f"{where} dropped the connection during the handshake ({self._dropped}) and no longer answers "
