@@ -49,8 +49,8 @@ class FakeUnit:
 async def controller_with(unit: FakeUnit) -> Controller:
     ctl = Controller(ControllerConfig())
     ctl._register_unit(b"unit", RegisterUnit(protocol=PROTOCOL_VERSION, address="tcp://127.0.0.1:9", host="h"), [])
-    await ctl.s.unit_peers[0].close()
-    ctl.s.unit_peers[0] = unit  # type: ignore[assignment]
+    await ctl.s.units.peers[0].close()
+    ctl.s.units.peers[0] = unit  # type: ignore[assignment]
     return ctl
 
 

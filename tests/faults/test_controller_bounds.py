@@ -169,7 +169,7 @@ def snapshot(lt: LoopThread) -> Any:
             name: (p.n, p.in_flight, p.sealed, p.committed, p.excluded, len(p.tasks), len(p.groups.ids), dict(p.specs))
             for name, p in s.partitions.items()
         }
-        return parts, len(s.grants), len(lt.ctl.reads.leases), len(s.waiters), len(s.parked), len(s.sealed_waiters), s.trainer.admitted
+        return parts, len(s.grants), len(lt.ctl.reads.leases), len(s.parked.reads), len(s.parked.writes), len(s.parked.seals), s.trainer.admitted
 
     return lt.call(take)
 
@@ -242,9 +242,9 @@ def test_parked_requests_are_bounded_and_a_withdrawn_one_frees_its_place(inproc,
     assert "2 requests are parked at the controller (max_parked=2)" in reply.message
     peer.send(encode(Cancel(of=2)))  # the sealed wait is withdrawn: its place is free again
     assert ask(peer, Sealed(rid=4, partition="p", timeout=0.0)).code == "timeout"  # ordered after the cancel
-    assert lt.call(lambda: (sum(map(len, lt.ctl.s.waiters.values())), dict(lt.ctl.s.sealed_waiters))) == (1, {})
+    assert lt.call(lambda: (sum(map(len, lt.ctl.s.parked.reads.values())), dict(lt.ctl.s.parked.seals))) == (1, {})
     assert ask(peer, Sealed(rid=5, partition="p", timeout=0.001)).code == "timeout"  # parked, then expired
-    assert lt.call(lambda: dict(lt.ctl.s.sealed_waiters)) == {}  # no list left behind under the name
+    assert lt.call(lambda: dict(lt.ctl.s.parked.seals)) == {}  # no list left behind under the name
 
 
 def test_a_commit_from_another_unit_is_refused_and_the_grant_stays(inproc, raw):
@@ -427,7 +427,7 @@ def test_puts_leave_no_timers_and_freeing_leaves_no_records(inproc):
         s = lt.ctl.s
         return {
             "partitions": len(s.partitions), "grants": len(s.grants), "leases": len(lt.ctl.reads.leases),
-            "waiters": len(s.waiters), "parked": len(s.parked), "sealed_waiters": len(s.sealed_waiters),
+            "waiters": len(s.parked.reads), "parked": len(s.parked.writes), "sealed_waiters": len(s.parked.seals),
             "rounds": len(lt.ctl.reads.rounds),
         }
 
@@ -572,7 +572,7 @@ def test_fuzzed_traffic_leaves_a_correct_client_served_and_memory_bounded(inproc
     with capsys.disabled():
         print(f"\nfuzz: {FUZZ_MESSAGES} messages in {elapsed:.2f} s ({FUZZ_MESSAGES / elapsed:.0f}/s), RSS +{grown / 2**20:.1f} MiB")
     assert grown < 128 * 2**20
-    parked = lt.call(lambda: len(lt.ctl.s.parked) + sum(map(len, lt.ctl.s.waiters.values())))
+    parked = lt.call(lambda: len(lt.ctl.s.parked.writes) + sum(map(len, lt.ctl.s.parked.reads.values())))
     assert parked <= config.max_parked
     assert [r.getMessage() for r in caplog.records] == []  # no untyped failure in any handler
 

@@ -1,10 +1,10 @@
-"""What several parts of the controller share, in one object.
+"""What several parts of the controller share, in one object of ten attributes.
 
-:class:`ControllerState` holds the partitions, the storage units and their peers, the grant
-records, the parked requests (reads, seal waits, version waits, writes), the partitions a
-prefetch fills, the tombstones of freed partitions and the trainer's version and admission
-(:class:`Trainer`). It also answers parked requests (:meth:`answer`), since a parked request
-is state too. What only one part uses is that part's own: the leases, DP rounds, policies and
+:class:`ControllerState` holds the partitions (:class:`Partitions`: by name and uid, and the
+tombstones of freed ones), the storage units and their peers (:class:`Units`), the grant
+records (:class:`Grants`), the parked requests (:class:`Requests`: reads, seal waits, version
+waits, writes; it answers them too, since a parked request is state), the partitions a
+prefetch fills and the trainer's version and admission (:class:`Trainer`). What only one part uses is that part's own: the leases, DP rounds, policies and
 served staleness are ``Reads``', the request-to-grant memory and placement turns ``Writes``',
 the moves under way ``Moves``', the freed partitions' totals the server's.
 """
@@ -71,119 +71,152 @@ class Trainer:
     admitted: int = 0  # samples admitted so far (a lapsed grant gives its back)
 
 
-class ControllerState:
-    """Everything the controller knows. Create inside the running loop."""
+class Partitions(dict[str, Partition]):
+    """The partitions by name (a dict), and by uid; the tombstones of those freed lately."""
 
-    def __init__(self, config: ControllerConfig, server: _zmq.Server) -> None:
-        self.config = config
-        self.server = server
-        self.loop = asyncio.get_running_loop()
-        self.partitions: dict[str, Partition] = {}
+    def __init__(self, config: ControllerConfig, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._config = config
+        self._loop = loop
         self.by_uid: dict[int, Partition] = {}
-        self.units: dict[int, Unit] = {}
-        self.unit_peers: dict[int, _zmq.Peer] = {}
-        self.grants: dict[int, GrantRecord] = {}
-        self.waiters: Parked[Waiter] = Parked(self.loop, _partition_of)  # parked get_meta
-        self.sealed_waiters: Parked[Waiter] = Parked(self.loop, _partition_of)
-        self.version_waiters: Parked[Waiter] = Parked(self.loop)  # for the trainer's version to pass theirs
-        self.parked: Parked[ParkedWrite] = Parked(self.loop)  # writes and reserves waiting for budget, in order
-        self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
         self.tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()  # name -> until
-        self.trainer = Trainer()
         self.uids = itertools.count(1)
-        self.grant_ids = random_ids()  # not guessable: a stray Store naming another writer's grant finds none
-        self.tasks = Tasks("controller")  # background work (drops, moves, probes): cancelled at close
 
-    # --- partitions -----------------------------------------------------------------
-
-    def partition(self, name: str, options: Options | None = None) -> Partition:
+    def get_or_create(self, name: str, options: Options | None = None) -> Partition:
         """The partition of this name, created (with ``options``) if there is none."""
-        part = self.partitions.get(name)
+        part = self.get(name)
         if part is None:
             self.check_new(name)
             part = Partition(
                 name, next(self.uids), options,
-                max_samples=self.config.max_partition_samples, max_tasks=self.config.max_tasks_per_partition,
+                max_samples=self._config.max_partition_samples, max_tasks=self._config.max_tasks_per_partition,
             )
-            self.partitions[name] = part
+            self[name] = part
             self.by_uid[part.uid] = part
             log.info("partition %r created (uid %d)", name, part.uid)
         return part
 
     def step_of(self, name: str) -> int:
         """The step of partition ``name`` (NO_STEP: none), whether or not it exists yet."""
-        part = self.partitions.get(name)
+        part = self.get(name)
         return part.step if part is not None else step_in(name)
 
     def check_new(self, name: str) -> None:
         """Refuse a partition of this name before anything is recorded for it."""
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("a partition name is a non-empty string")
-        if len(self.partitions) >= self.config.max_partitions:
+        if len(self) >= self._config.max_partitions:
             raise InvalidArgumentError(
-                f"partition {name[:100]!r} would be partition {len(self.partitions) + 1}: "
-                f"max_partitions={self.config.max_partitions}"
+                f"partition {name[:100]!r} would be partition {len(self) + 1}: "
+                f"max_partitions={self._config.max_partitions}"
             )
 
     def live(self, name: str, uid: int) -> Partition:
-        part = self.partitions.get(name)
+        part = self.get(name)
         if part is None or (uid and part.uid != uid):
             raise PartitionClearedError(f"partition {name!r} was cleared (or never existed)")
         return part
 
     def bury(self, name: str) -> None:
         self.tombstones.pop(name, None)
-        self.tombstones[name] = self.loop.time() + self.config.tombstone_seconds
+        self.tombstones[name] = self._loop.time() + self._config.tombstone_seconds
         while len(self.tombstones) > MAX_TOMBSTONES:
             self.tombstones.popitem(last=False)
 
     def buried(self, name: str) -> bool:
         """A put to ``name`` is refused: its partition sealed and freed itself lately."""
-        now = self.loop.time()
+        now = self._loop.time()
         while self.tombstones and next(iter(self.tombstones.values())) <= now:
             self.tombstones.popitem(last=False)  # in order of expiry: oldest first
         return name in self.tombstones
 
-    # --- parked requests ------------------------------------------------------------
+
+class Units(dict[int, Unit]):
+    """The storage units by id (a dict), and the peer each one is reached on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: dict[int, _zmq.Peer] = {}
+
+
+class Grants(dict[int, GrantRecord]):
+    """The grants not yet committed or lapsed, by id (a dict); ``ids`` makes new ids, which
+    no peer can guess (a stray Store naming another writer's grant finds none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids = random_ids()
+
+
+class Requests:
+    """The parked requests, one :class:`Parked` registry per kind of wait: ``reads``
+    (``get_meta``, by partition), ``seals`` (``sealed`` waits, by partition), ``versions``
+    (for the trainer's version to pass theirs) and ``writes`` (grants and reserves waiting
+    for budget, in order); together they count toward ``max_parked``. A parked request is
+    answered here too (:meth:`answer`)."""
+
+    def __init__(self, config: ControllerConfig, server: _zmq.Server, loop: asyncio.AbstractEventLoop) -> None:
+        self._config = config
+        self._server = server
+        self.reads: Parked[Waiter] = Parked(loop, _partition_of)
+        self.seals: Parked[Waiter] = Parked(loop, _partition_of)
+        self.versions: Parked[Waiter] = Parked(loop)
+        self.writes: Parked[ParkedWrite] = Parked(loop)
 
     def answer(self, ident: bytes, rid: int, reply: Message | BaseException) -> None:
         """Reply to a parked request; an exception becomes its typed error reply (one that
         is not a tqueue error is logged by the server)."""
         if isinstance(reply, BaseException):
-            self.server.reply_error(ident, rid, reply)
+            self._server.reply_error(ident, rid, reply)
         else:
-            self.server.reply(ident, rid, reply)
+            self._server.reply(ident, rid, reply)
 
-    def check_park(self, what: str) -> None:
+    def check(self, what: str) -> None:
         """Refuse to park one more request past ``max_parked`` (nothing is recorded)."""
-        parked = sum(map(len, self._parked()))
-        if parked >= self.config.max_parked:
+        parked = sum(map(len, self._all()))
+        if parked >= self._config.max_parked:
             raise UnavailableError(
                 f"{what} cannot wait: {parked} requests are parked at the controller "
-                f"(max_parked={self.config.max_parked}); retry later"
+                f"(max_parked={self._config.max_parked}); retry later"
             )
 
     def finish(self, waiter: Waiter) -> None:
         """Unpark a ``get_meta`` (answered, expired or withdrawn)."""
-        self.waiters.remove(waiter)
+        self.reads.remove(waiter)
 
     def withdraw(self, ident: bytes, rid: int) -> bool:
         """Drop the request ``rid`` of connection ``ident`` wherever it is parked, unanswered."""
-        return any(parked.withdraw(ident, rid) for parked in self._parked())
+        return any(parked.withdraw(ident, rid) for parked in self._all())
 
     def withdraw_session(self, session: bytes, error: BaseException) -> list[int]:
         """Withdraw every parked request of a client session that ended, each answered with
         ``error``: how many of the parked reads, seal waits, version waits and writes."""
         withdrawn = []
-        for registry in (self.waiters, self.sealed_waiters, self.version_waiters, self.parked):
+        for registry in (self.reads, self.seals, self.versions, self.writes):
             mine = registry.withdraw_session(session)
             for entry in mine:
                 self.answer(entry.ident, entry.req.rid, error)
             withdrawn.append(len(mine))
         return withdrawn
 
-    def _parked(self) -> tuple[Parked[Any], ...]:
-        return (self.waiters, self.parked, self.sealed_waiters, self.version_waiters)
+    def _all(self) -> tuple[Parked[Any], ...]:
+        return (self.reads, self.writes, self.seals, self.versions)
+
+
+class ControllerState:
+    """What several parts share, in ten attributes. Create inside the running loop."""
+
+    def __init__(self, config: ControllerConfig, server: _zmq.Server) -> None:
+        self.config = config
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.partitions = Partitions(config, self.loop)
+        self.units = Units()
+        self.grants = Grants()
+        self.parked = Requests(config, server, self.loop)
+        self.prefetching: set[int] = set()  # partitions a prefetch is moving samples into
+        self.trainer = Trainer()
+        self.tasks = Tasks("controller")  # background work (drops, moves, probes): cancelled at close
 
 
 def _partition_of(waiter: Waiter) -> str:

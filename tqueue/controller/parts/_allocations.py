@@ -38,7 +38,7 @@ class Allocations:
         existing = self.state.partitions.get(msg.partition)
         if existing is not None:
             existing.check_put(msg.count, [])
-        part = self.state.partition(msg.partition)
+        part = self.state.partitions.get_or_create(msg.partition)
         if part.options.target or part.options.group_size:
             raise InvalidArgumentError(
                 f"partition {msg.partition!r} has a target or groups: rows allocated ahead of their data "
@@ -55,7 +55,7 @@ class Allocations:
         unit = self.state.units.get(msg.moved_from)
         if (located.two_copies and unit is not None and unit.alive and msg.moved_from in located.units
                 and msg.timeout > 0):
-            self.state.check_park(f"a read's wait for the copies of unit {msg.moved_from}")
+            self.state.parked.check(f"a read's wait for the copies of unit {msg.moved_from}")
             timer = self.state.loop.call_later(msg.timeout, self._expire, msg.moved_from, ident, msg)
             self._parked.setdefault(msg.moved_from, []).append((ident, msg, timer))
             return None  # answered once the unit is declared dead (unit_gone), or at the timeout
@@ -79,7 +79,7 @@ class Allocations:
             self.state.server.reply_error(ident, msg.rid, exc)
 
     def _located(self, msg: Locate) -> Located:
-        part = self.state.live(msg.partition, msg.partition_uid)
+        part = self.state.partitions.live(msg.partition, msg.partition_uid)
         idx = np.asarray(msg.indexes, dtype=np.int64)
         part.samples.check_indexes(idx, part.name)
         units = part.samples.unit[idx]

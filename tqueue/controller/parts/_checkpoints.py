@@ -145,10 +145,10 @@ class Checkpoints:
         images = [capture(p) for p in state.partitions.values()]
         uids = [img.uid for img in images]
         gen_dir = os.path.join(place.path, generation)
-        units = [(uid, u) for uid, u in state.units.items() if u.alive and uid in state.unit_peers]
+        units = [(uid, u) for uid, u in state.units.items() if u.alive and uid in state.units.peers]
         pending = list(state.grants)  # writes the copy does not hold: the units leave them out
         saves = [
-            asyncio.ensure_future(state.unit_peers[uid].request(
+            asyncio.ensure_future(state.units.peers[uid].request(
                 SaveUnit(directory=gen_dir, partitions=uids, unit=uid, exclude=pending), expect=UnitSaved, timeout=math.inf
             ))
             for uid, _ in units
@@ -214,7 +214,7 @@ class Checkpoints:
         manifest, images = await asyncio.to_thread(read_checkpoint, place, config)
         gen_dir = os.path.join(place.path, manifest["generation"])
         self._check_room(images, replace)
-        live = sorted(uid for uid, u in state.units.items() if u.alive and not u.suspect and uid in state.unit_peers)
+        live = sorted(uid for uid, u in state.units.items() if u.alive and not u.suspect and uid in state.units.peers)
         old_units = [(u["unit_id"], [msgspec.convert(f, UnitFile) for f in u["files"]]) for u in manifest["units"]]
         if not live and any(files for _, files in old_units):
             raise UnavailableError("load_checkpoint needs at least one live storage unit to take the payload")
@@ -235,7 +235,7 @@ class Checkpoints:
             # every unit's load runs to its end, failed or not, before what they loaded is
             # dropped: a drop overtaking a load still under way would leave its payload there
             results = await asyncio.gather(*(
-                state.unit_peers[new].request(
+                state.units.peers[new].request(
                     LoadUnit(directory=gen_dir, files=files, uids=uids), expect=UnitLoaded, timeout=math.inf
                 )
                 for new, files in loads.items()
@@ -294,11 +294,11 @@ class Checkpoints:
         can (a fresh or restarted controller: every uid), else a new one. Returns the
         checkpoint's uid -> the new one; the images carry the new."""
         state = self.state
-        first = next(state.uids)  # every uid below it was given out here
+        first = next(state.partitions.uids)  # every uid below it was given out here
         kept = [img.uid for img in images if img.uid >= first]
         counter = itertools.count(max([first, *(u + 1 for u in kept)]))
         uids = {img.uid: img.uid if img.uid >= first else next(counter) for img in images}
-        state.uids = counter  # partitions created from now on get uids past these
+        state.partitions.uids = counter  # partitions created from now on get uids past these
         for img in images:
             img.header["uid"] = uids[img.uid]
         return uids
@@ -307,11 +307,11 @@ class Checkpoints:
         state = self.state
         for part in parts:
             state.partitions[part.name] = part
-            state.by_uid[part.uid] = part
-            state.tombstones.pop(part.name, None)  # an explicit new start, as create_partition
+            state.partitions.by_uid[part.uid] = part
+            state.partitions.tombstones.pop(part.name, None)  # an explicit new start, as create_partition
         for new, reply in loaded.items():
             for uid, nbytes in reply.partition_bytes.items():
-                owner = state.by_uid.get(uid)
+                owner = state.partitions.by_uid.get(uid)
                 if owner is not None:
                     owner.unit_bytes[new] = nbytes
             state.units[new].nbytes = reply.unit_bytes
@@ -358,7 +358,7 @@ class Checkpoints:
         """Drop what a failed restore may have loaded (best effort: the restore failed anyway)."""
         calls = [
             (unit, peer.request(Drop(partition_uid=uid), expect=Dropped, timeout=self.state.config.unit_timeout))
-            for unit in units if (peer := self.state.unit_peers.get(unit)) is not None
+            for unit in units if (peer := self.state.units.peers.get(unit)) is not None
             for uid in uids
         ]
         results = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)

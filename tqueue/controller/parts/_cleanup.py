@@ -39,7 +39,7 @@ class Cleanup:
         self.drops = PendingDrops(state.loop, state.tasks, self.drop_on)
 
     def fail(self, ident: bytes, msg: Fail, bufs: list[Any]) -> Ok:
-        part = self.state.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.state.partition(msg.partition)
+        part = self.state.partitions.live(msg.partition, msg.partition_uid) if msg.partition_uid else self.state.partitions.get_or_create(msg.partition)
         if msg.indexes is not None:
             indexes = np.asarray(msg.indexes, dtype=np.int64)
             part.samples.check_indexes(indexes, part.name)
@@ -55,7 +55,7 @@ class Cleanup:
     def maybe_free(self, part: Partition) -> None:
         if part.finished() and self.forget(part, None):
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
-            self.state.bury(part.name)
+            self.state.partitions.bury(part.name)
             self._wake_soon(part.name)  # waiters asking with pad learn that it is done
             self.state.tasks.start(self.drop_everywhere(part, None), f"drop partition {part.name!r} on every unit")
 
@@ -82,12 +82,12 @@ class Cleanup:
         """Forget a partition at once (a put to its name starts a new one); its bytes are
         dropped next. ``cleared``: waiters on the name get this error (an explicit clear).
         False if it was already forgotten."""
-        if self.state.by_uid.pop(part.uid, None) is None:
+        if self.state.partitions.by_uid.pop(part.uid, None) is None:
             return False
         if self.state.partitions.get(part.name) is part:
             del self.state.partitions[part.name]
         if cleared is not None:
-            for waiter in self.state.waiters.take(part.name):
+            for waiter in self.state.parked.reads.take(part.name):
                 self.state.server.reply_error(waiter.ident, waiter.req.rid, PartitionClearedError(cleared))
         self._forgotten(part)  # its grants, leases and rounds, its counts kept for the metrics
         return True
@@ -95,12 +95,12 @@ class Cleanup:
     async def drop_everywhere(self, part: Partition, indexes: np.ndarray | None) -> None:
         # Every unit, not only those with commits: a grant in flight may have stored bytes.
         listed = None if indexes is None else indexes.tolist()
-        await all_or_none(*(self.drop_on(unit_id, part.uid, listed) for unit_id in list(self.state.unit_peers)))
+        await all_or_none(*(self.drop_on(unit_id, part.uid, listed) for unit_id in list(self.state.units.peers)))
         self._retry_parked()
 
     async def drop_on(self, unit_id: int, partition_uid: int, indexes: list[int] | None) -> bool:
         """Ask one unit to drop; a failure is remembered and retried (see _drops)."""
-        peer = self.state.unit_peers.get(unit_id)
+        peer = self.state.units.peers.get(unit_id)
         if peer is None:
             return True
         try:
@@ -116,7 +116,7 @@ class Cleanup:
         unit = self.state.units.get(unit_id)
         if unit is not None:
             unit.nbytes = reply.unit_bytes
-        part = self.state.by_uid.get(partition_uid)
+        part = self.state.partitions.by_uid.get(partition_uid)
         if part is not None:
             part.unit_bytes[unit_id] = reply.partition_bytes
         return True

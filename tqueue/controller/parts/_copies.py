@@ -156,7 +156,7 @@ class Copier:
     def _recheck(self, part: Partition, idx: np.ndarray, holder_id: int) -> tuple[np.ndarray, Unit, Unit] | None:
         """What of a planned batch is still to copy now (an earlier copy of the round may have
         taken time): its samples still held once on that holder, with the same fields."""
-        if self.state.by_uid.get(part.uid) is not part:
+        if self.state.partitions.by_uid.get(part.uid) is not part:
             return None
         holder = self.state.units.get(holder_id)
         if holder is None or not holder.alive:
@@ -175,7 +175,7 @@ class Copier:
         address refuses connections), not one whose store just failed where another can take
         it; another host first, then the least loaded."""
         now = self.state.loop.time()
-        peers = self.state.unit_peers
+        peers = self.state.units.peers
         others = [
             u for u in self.state.units.values()
             if u.alive and not u.suspect and u is not holder
@@ -215,7 +215,7 @@ class Copier:
         now = self.state.loop.time()
         first: float | None = None
         for uid, backoff in list(self._backoff.items()):
-            part = self.state.by_uid.get(uid)
+            part = self.state.partitions.by_uid.get(uid)
             held = part.held_once() if part is not None else np.zeros(0, dtype=np.int64)
             if not len(held):
                 del self._backoff[uid]  # freed, or nothing held once: nothing to retry
@@ -236,8 +236,8 @@ class Copier:
         # so an update that commits after this point leaves the copy unrecorded
         fields = [name for name, bit in part.schema.bits.items() if s.mask[idx[0]] & bit]
         revision = s.revision[idx].copy()
-        source = self.state.unit_peers.get(holder.info.unit_id)
-        sink = self.state.unit_peers.get(target.info.unit_id)
+        source = self.state.units.peers.get(holder.info.unit_id)
+        sink = self.state.units.peers.get(target.info.unit_id)
         if source is None or sink is None:
             raise RuntimeError("a unit is not connected")
         timeout = self.state.config.unit_timeout
@@ -245,7 +245,7 @@ class Copier:
             Fetch(partition=part.name, partition_uid=part.uid, indexes=idx.tolist(), fields=fields),
             expect=Fetched, timeout=timeout,
         )
-        grant_id = next(self.state.grant_ids)
+        grant_id = next(self.state.grants.ids)
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, target.info.unit_id, 0, len(idx), idx, frozenset(fields), copy_of=revision,
         )
@@ -303,7 +303,7 @@ class Copies:
     def copied(self, grant: GrantRecord, msg: Commit) -> Committed:
         """A copy made again is stored: recorded where still wanted."""
         del self.state.grants[msg.grant_id]
-        part = self.state.by_uid.get(grant.partition_uid)
+        part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is None:
             raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its copy was stored")
         alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
@@ -325,7 +325,7 @@ class Copies:
         """One unit of a put of two copies holds its copy; the samples are ready once the other
         does too (a reader never sees a sample held once that was meant to be held twice)."""
         grant.waiting.discard(msg.unit_id)
-        part = self.state.by_uid.get(grant.partition_uid)
+        part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is None:
             raise PartitionClearedError(f"the partition of grant {msg.grant_id} was cleared before its data was stored")
         if set(msg.fields) != grant.fields:

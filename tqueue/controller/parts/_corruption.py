@@ -43,7 +43,7 @@ class Corruption:
         self._free = free
 
     def report(self, ident: bytes, msg: Corrupt, bufs: list[Any]) -> Located:
-        part = self.state.live(msg.partition, msg.partition_uid)
+        part = self.state.partitions.live(msg.partition, msg.partition_uid)
         idx = np.unique(np.asarray(msg.indexes, dtype=np.int64))
         part.samples.check_indexes(idx, part.name)
         s = part.samples

@@ -26,16 +26,16 @@ class Cycles:
         ends before its timeout. If both still wait after ``cycle_notice`` seconds, each
         caller is warned with a ``Notice`` (and the controller logs it once)."""
         delay = self.state.config.cycle_notice
-        if delay <= 0 or partition not in self.state.waiters:
+        if delay <= 0 or partition not in self.state.parked.reads:
             return
-        for parked in self.state.parked:
+        for parked in self.state.parked.writes:
             if parked.full and parked.cycle is None and isinstance(parked.req, Grant) and parked.req.partition == partition:
                 parked.cycle = self.state.loop.call_later(delay, self._notice_cycle, parked)
 
     def _notice_cycle(self, parked: ParkedWrite) -> None:
         partition = parked.req.partition
-        readers = self.state.waiters.get(partition)
-        if not self.state.parked.has(parked) or not parked.full or not readers:
+        readers = self.state.parked.reads.get(partition)
+        if not self.state.parked.writes.has(parked) or not parked.full or not readers:
             parked.cycle = None  # the cycle broke; a new reader watches again
             return
         tasks = sorted({w.req.task for w in readers})

@@ -93,7 +93,7 @@ class Moves:
             held = [(u, moved.units == u) for u in np.unique(moved.units).tolist() if u >= 0]
             held += [(u, moved.second_units == u) for u in np.unique(moved.second_units).tolist() if u >= 0]
             for unit_id, sel in held:
-                peer = self.state.unit_peers.get(unit_id)
+                peer = self.state.units.peers.get(unit_id)
                 if peer is None:
                     ok &= ~sel
                     failed.append(f"unit {unit_id} is not registered (samples {moved.indexes[sel].tolist()})")
@@ -113,7 +113,7 @@ class Moves:
                     failed.append(f"unit {unit_id} refused samples {moved.indexes[sel].tolist()}: {result}")
             if failed:
                 log.error("moving samples into partition %r failed: %s", dst.name, "; ".join(failed))
-                src = self.state.by_uid.get(moved.uid)
+                src = self.state.partitions.by_uid.get(moved.uid)
                 if src is not None:
                     src.restore(moved.indexes[~ok], reason)
                 dst.samples.mask[idx[~ok]] |= EXCLUDED  # reserved, never committed: never served
@@ -126,7 +126,7 @@ class Moves:
                 self.moved.set()
 
     async def postpone(self, ident: bytes, msg: Postpone, bufs: list[Any]) -> MetaReply:
-        part = self.state.live(msg.partition, msg.partition_uid)
+        part = self.state.partitions.live(msg.partition, msg.partition_uid)
         if msg.to == part.name:
             raise InvalidArgumentError(f"cannot postpone samples of partition {part.name!r} to itself")
         idx = np.asarray(msg.indexes, dtype=np.int64)
@@ -135,7 +135,7 @@ class Moves:
             members = [part.groups.members[g] for g in np.unique(part.samples.group[idx]).tolist() if g >= 0]
             idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
             idx = idx[(part.samples.mask[idx] & EXCLUDED) == 0]
-        dst = self.state.partition(msg.to)
+        dst = self.state.partitions.get_or_create(msg.to)
         if dst.sealed:
             raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")
         reason = f"postponed to {msg.to!r}"
@@ -175,7 +175,7 @@ class Moves:
 
     def on_sealed(self, part: Partition) -> None:
         log.info("partition %r sealed with %d complete samples", part.name, part.complete)
-        for waiter in self.state.sealed_waiters.take(part.name):
+        for waiter in self.state.parked.seals.take(part.name):
             self.state.server.reply(waiter.ident, waiter.req.rid, Ok())
         self.reads.wake_soon(part.name)  # a drained, sealed partition may now pad or prefetch
         self._free(part)
@@ -186,8 +186,8 @@ class Moves:
             return Ok()
         if msg.timeout <= 0:
             raise WaitTimeoutError(f"partition {msg.partition!r} is not sealed")
-        self.state.check_park(f"sealed({msg.partition!r})")
-        self.state.sealed_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_sealed)
+        self.state.parked.check(f"sealed({msg.partition!r})")
+        self.state.parked.seals.park(Waiter(ident, msg), msg.timeout, self._expire_sealed)
         return None
 
     def _expire_sealed(self, waiter: Waiter) -> None:

@@ -94,9 +94,9 @@ class Reads:
             return served
         if msg.timeout <= 0:
             raise self.timeout_error(msg)
-        self.state.check_park(f"get_meta on partition {msg.partition!r}")
+        self.state.parked.check(f"get_meta on partition {msg.partition!r}")
         waiter = Waiter(ident, msg, principal=self.state.server.principal)
-        self.state.waiters.park(waiter, msg.timeout, self.expire)
+        self.state.parked.reads.park(waiter, msg.timeout, self.expire)
         self._needed(msg.partition)
         return None
 
@@ -201,7 +201,7 @@ class Reads:
     def try_serve(self, msg: GetMeta) -> MetaReply | None:
         part = self.state.partitions.get(msg.partition)
         if part is None:
-            if msg.pad and not msg.dp_size and self.state.buried(msg.partition):  # consumed and freed: the end
+            if msg.pad and not msg.dp_size and self.state.partitions.buried(msg.partition):  # consumed and freed: the end
                 return MetaReply(meta=BatchMeta(partition=msg.partition, partition_uid=0, indexes=[], units=[],
                                            fields=list(msg.fields), schema={}, task=msg.task))
             return None
@@ -360,7 +360,7 @@ class Reads:
 
     def expire_lease(self, lease_id: int, why: str = "expired") -> None:
         record = self.leases.pop(lease_id, None)
-        part = self.state.by_uid.get(record.partition_uid) if record else None
+        part = self.state.partitions.by_uid.get(record.partition_uid) if record else None
         if record is None or part is None:
             return
         if record.timer is not None:
@@ -446,22 +446,22 @@ class Reads:
 
     def wake(self, partition: str) -> None:
         """Serve the parked reads of ``partition`` that can be served now."""
-        for waiter in list(self.state.waiters.get(partition, [])):
+        for waiter in list(self.state.parked.reads.get(partition, [])):
             try:
                 reply = self.try_serve(waiter.req)
             except Exception as exc:  # this waiter's failure is this waiter's answer alone
-                self.state.finish(waiter)
-                self.state.answer(waiter.ident, waiter.req.rid, exc)
+                self.state.parked.finish(waiter)
+                self.state.parked.answer(waiter.ident, waiter.req.rid, exc)
                 continue
             if reply is not None:
-                self.state.finish(waiter)
+                self.state.parked.finish(waiter)
                 self._remember(waiter.ident, waiter.req, reply, waiter.principal)
-                self.state.answer(waiter.ident, waiter.req.rid, reply)
+                self.state.parked.answer(waiter.ident, waiter.req.rid, reply)
 
     def expire(self, waiter: Waiter) -> None:
         waiter.timer = None
-        self.state.finish(waiter)
-        self.state.answer(waiter.ident, waiter.req.rid, self.timeout_error(waiter.req))
+        self.state.parked.finish(waiter)
+        self.state.parked.answer(waiter.ident, waiter.req.rid, self.timeout_error(waiter.req))
 
     def timeout_error(self, msg: GetMeta) -> WaitTimeoutError:
         return WaitTimeoutError(
@@ -519,7 +519,7 @@ class Reads:
                 if record.timer is not None:
                     record.timer.cancel()
         self._free(part)
-        if part.drained() and not task.leased and msg.partition in self.state.waiters:
+        if part.drained() and not task.leased and msg.partition in self.state.parked.reads:
             self.wake_soon(part.name)  # a waiter asking with pad may now learn the partition is done
         return Ok()
 

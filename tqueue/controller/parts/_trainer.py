@@ -39,18 +39,18 @@ class Versions:
             return VersionReply(version=self.state.trainer.version, weights=self.state.trainer.weights)
         if msg.timeout <= 0:
             raise WaitTimeoutError(f"the trainer's version is {self.state.trainer.version}, not past {msg.after}")
-        self.state.check_park(f"a wait for a version past {msg.after}")
-        self.state.version_waiters.park(Waiter(ident, msg), msg.timeout, self._expire_version)
+        self.state.parked.check(f"a wait for a version past {msg.after}")
+        self.state.parked.versions.park(Waiter(ident, msg), msg.timeout, self._expire_version)
         return None  # answered by set_version, at its deadline, or withdrawn by Cancel
 
     def _answer_versions(self) -> None:
         reply = VersionReply(version=self.state.trainer.version, weights=self.state.trainer.weights)
-        for waiter in [w for w in self.state.version_waiters if self.state.trainer.version > w.req.after]:
-            self.state.version_waiters.remove(waiter)
-            self.state.answer(waiter.ident, waiter.req.rid, reply)
+        for waiter in [w for w in self.state.parked.versions if self.state.trainer.version > w.req.after]:
+            self.state.parked.versions.remove(waiter)
+            self.state.parked.answer(waiter.ident, waiter.req.rid, reply)
 
     def _expire_version(self, waiter: Waiter) -> None:
-        self.state.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
+        self.state.parked.answer(waiter.ident, waiter.req.rid, WaitTimeoutError(
             f"the trainer's version stayed at {self.state.trainer.version} for {waiter.req.timeout} s "
             f"(waited for a version past {waiter.req.after})"
         ))

@@ -125,7 +125,7 @@ class Liveness:
             reply = self._admit(msg, name, ident=ident)
             reply.reset = True
             return reply
-        keep = kept_on(unit_id, images, self.state.by_uid) if images is not None else {}
+        keep = kept_on(unit_id, images, self.state.partitions.by_uid) if images is not None else {}
         reply = self._admit(msg, name, keep=keep, ident=ident)
         reply.partitions = sorted(keep)
         log.warning(
@@ -146,7 +146,7 @@ class Liveness:
                 why = "registered again (it restarted)"
                 why += ": what the checkpoint it loaded does not hold as it is now is gone" if keep else ": what it held is gone"
                 self.unit_dead(old, why, keep=keep)
-            peer = self.state.unit_peers.pop(unit_id, None)
+            peer = self.state.units.peers.pop(unit_id, None)
             if peer is not None:
                 self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         info = UnitInfo(
@@ -157,7 +157,7 @@ class Liveness:
                                      metrics=msg.metrics, session=session_of(ident) if ident else b"", ident=ident)
         if ident:  # its commits finish many clients' puts: handled ahead of the clients' requests
             self.state.server.serve_first(ident)
-        self.state.unit_peers[unit_id] = _zmq.Peer(
+        self.state.units.peers[unit_id] = _zmq.Peer(
             msg.address, name=f"storage unit {unit_id}", unavailable=StorageUnitUnavailableError,
             curve=self.state.server.curve,  # the cluster's keys: the unit admits only those for drops and moves
             lasting=True,  # a probe of a unit that died fails at once
@@ -172,7 +172,7 @@ class Liveness:
         heartbeats. No placements go to it while the controller probes it (a ``Ping``); no
         answer within two intervals declares it dead now, an answer clears it."""
         unit = self.state.units.get(unit_id)
-        peer = self.state.unit_peers.get(unit_id)
+        peer = self.state.units.peers.get(unit_id)
         if unit is None or not unit.alive or unit.suspect or peer is None:
             return
         unit.suspect = True
@@ -246,7 +246,7 @@ class Liveness:
             "storage unit %d%s at %s is dead: %s; %d samples lost, %d grants lapsed",
             unit_id, named, unit.info.address, why, lost, lapsed,
         )
-        peer = self.state.unit_peers.pop(unit_id, None)
+        peer = self.state.units.peers.pop(unit_id, None)
         if peer is not None:
             self.state.tasks.start(peer.close(), f"close the connection to unit {unit_id}")
         self.writes.retry_parked()  # puts parked for room may fit on the live units
@@ -264,7 +264,7 @@ class Liveness:
             f"the controller heard nothing from this client for {window(self.interval):.1f} s "
             f"(heartbeat every {self.interval:g} s) and ended its session; its parked calls are withdrawn"
         )
-        withdrawn = s.withdraw_session(session, ended)
+        withdrawn = s.parked.withdraw_session(session, ended)
         reads, sealed, versions, parked = withdrawn
         lapsed = self.writes.lapse_owned(session, "belonged to a client that is gone")
         unheard = self._leases_gone(session, s.server.sessions.last_heard)

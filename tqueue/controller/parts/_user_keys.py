@@ -243,7 +243,7 @@ class Keys:
 
     def tag_keys(self, ident: bytes, msg: TagKeys, bufs: list[Any]) -> Ok:
         self._check(msg.keys, msg.tags, "tags")
-        part = self.state.partition(msg.partition)
+        part = self.state.partitions.get_or_create(msg.partition)
         keys = self._of(part)
         new = sum(1 for k in msg.keys if k not in keys.index)
         if new and len(keys.key_tags) + new > self.config.max_partition_samples:

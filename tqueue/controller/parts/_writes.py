@@ -135,11 +135,11 @@ class Writes:
         part = self.state.partitions.get(msg.partition)
         if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
             return self._late_put(part, msg, via)
-        if part is None and self.state.buried(msg.partition):
+        if part is None and self.state.partitions.buried(msg.partition):
             log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
             return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
         if part is None:  # validate against a scratch partition: nothing is created for a refused put
-            self.state.check_new(msg.partition)
+            self.state.partitions.check_new(msg.partition)
             scratch = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples)
             added = scratch.check_put(msg.count, msg.blocks)
         else:
@@ -148,12 +148,12 @@ class Writes:
         copies = (part.options.copies if part is not None else 0) or self.state.config.copies
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
-        part = self.state.partition(msg.partition)
+        part = self.state.partitions.get_or_create(msg.partition)
         start, kept = part.admit_put(msg, added)
         unit.reserved += msg.nbytes
         if second is not None:
             second.reserved += msg.nbytes
-        grant_id = next(self.state.grant_ids)
+        grant_id = next(self.state.grants.ids)
         fields = frozenset(b.name for b in msg.blocks)
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, unit.info.unit_id, start, msg.count, None, fields, msg.nbytes,
@@ -187,7 +187,7 @@ class Writes:
         )
 
     def _grant_update(self, msg: Grant) -> Granted:
-        part = self.state.live(msg.partition, msg.partition_uid)
+        part = self.state.partitions.live(msg.partition, msg.partition_uid)
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
@@ -207,7 +207,7 @@ class Writes:
         if kept is None:
             return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
                            partition=part.name)
-        grant_id = next(self.state.grant_ids)
+        grant_id = next(self.state.grants.ids)
         fields = frozenset(b.name for b in msg.blocks)
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
         self.state.grants[grant_id] = GrantRecord(
@@ -244,7 +244,7 @@ class Writes:
         unit = self.state.units.get(msg.unit_id)
         if unit is not None and grant.indexes is None:
             unit.reserved -= grant.nbytes
-        part = self.state.by_uid.get(grant.partition_uid)
+        part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is None:
             raise PartitionClearedError(
                 f"the partition of grant {msg.grant_id} was cleared before its data was stored"
@@ -306,8 +306,8 @@ class Writes:
             return 0
         k, batch = self.state.trainer.admission
         version = self.state.trainer.version
-        step = self.state.step_of(partition)
-        awaited = partition in self.state.waiters
+        step = self.state.partitions.step_of(partition)
+        awaited = partition in self.state.parked.reads
         if step != NO_STEP:
             if step <= version + k or awaited:
                 return 0
@@ -331,16 +331,16 @@ class Writes:
     def needed(self, partition: str) -> None:
         """A consumer parked on ``partition``: puts to it that wait for the trainer's
         version are admitted now (see ``_admit``); those that wait for memory are watched."""
-        if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.state.parked):
+        if any(not p.full and getattr(p.req, "partition", None) == partition for p in self.state.parked.writes):
             self.state.loop.call_soon(self.retry_parked)  # after the parking request's handler
         self.cycles.watch(partition)
 
     def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
         if wait.never or msg.timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
-        self.state.check_park(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
+        self.state.parked.check(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
         parked = ParkedWrite(ident, msg, wait.reason, wait.full)
-        self.state.parked.park(parked, msg.timeout, self._expire_parked)
+        self.state.parked.writes.park(parked, msg.timeout, self._expire_parked)
         if isinstance(msg, Grant):
             self.cycles.watch(msg.partition)
 
@@ -352,7 +352,7 @@ class Writes:
         self.state.server.reply_error(parked.ident, parked.req.rid, err)
 
     def retry_parked(self) -> None:
-        for parked in list(self.state.parked):
+        for parked in list(self.state.parked.writes):
             try:
                 if isinstance(parked.req, Grant):
                     reply: Any = self._grant_put(parked.req)
@@ -364,10 +364,10 @@ class Writes:
                 continue
             except Exception as exc:  # this write's failure is this write's answer alone
                 reply = exc
-            self.state.parked.remove(parked)
+            self.state.parked.writes.remove(parked)
             if isinstance(reply, Granted):
                 self._remember(parked.ident, parked.req.rid, reply)
-            self.state.answer(parked.ident, parked.req.rid, reply)
+            self.state.parked.answer(parked.ident, parked.req.rid, reply)
 
     def reserve(self, ident: bytes, msg: Reserve, bufs: list[Any]) -> Ok | None:
         if msg.count < 1:
@@ -394,7 +394,7 @@ class Writes:
             if unit is not None:
                 unit.reserved -= grant.nbytes
         self.state.trainer.admitted -= grant.admitted  # its samples never came: the window is theirs again
-        part = self.state.by_uid.get(grant.partition_uid)
+        part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is not None:
             part.forget(grant)
             self._free(part)
@@ -438,7 +438,7 @@ class Writes:
             return unit_id in (grant.unit_id, grant.second_unit)
         if unit_id in grant.waiting:
             return True
-        part = self.state.by_uid.get(grant.partition_uid)
+        part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is None or not len(grant.indexes):
             return False
         return bool((part.samples.unit[grant.indexes] == unit_id).any())

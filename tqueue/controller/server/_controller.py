@@ -279,7 +279,7 @@ class Controller:
             self.metrics = None
         self.liveness.close()
         await self.state.tasks.close()
-        for peer in self.state.unit_peers.values():
+        for peer in self.state.units.peers.values():
             await peer.close()
         await self._server.close()
 
@@ -364,12 +364,12 @@ class Controller:
             raise InvalidArgumentError("target_groups needs a group_size")
         if msg.copies not in (0, 1, 2):
             raise InvalidArgumentError(f"copies is 1 or 2 (0: the cluster's), got {msg.copies}")
-        self.state.tombstones.pop(msg.partition, None)  # an explicit new start
+        self.state.partitions.tombstones.pop(msg.partition, None)  # an explicit new start
         if msg.partition in self.state.partitions:
             if not msg.exist_ok:
                 raise InvalidArgumentError(f"partition {msg.partition!r} already exists")
             return Ok()
-        self.state.partition(
+        self.state.partitions.get_or_create(
             msg.partition,
             Options(
                 fields=frozenset(msg.fields) if msg.fields is not None else None,
@@ -390,7 +390,7 @@ class Controller:
     def _cancel(self, ident: bytes, msg: Cancel, bufs: list[Any]) -> None:
         """The caller gave up on request ``msg.of``: withdraw it wherever it waits, so that
         what it waited for goes to a live caller. No reply, to either message."""
-        if not self.state.withdraw(ident, msg.of):  # answered already: release what it got
+        if not self.state.parked.withdraw(ident, msg.of):  # answered already: release what it got
             self.reads.cancelled(ident, msg.of)
             self.writes.cancelled(ident, msg.of)
 
@@ -450,7 +450,7 @@ class Controller:
                 reason=f"get_meta for {w.req.batch_size} samples with fields "
                 f"{list(w.req.fields)}: {self.reads.readiness(w.req)}",
             )
-            for ws in self.state.waiters.values()
+            for ws in self.state.parked.reads.values()
             for w in ws
         ]
         waiting += [
@@ -461,7 +461,7 @@ class Controller:
                 kind="put" if isinstance(p.req, Grant) else "reserve",
                 cause="memory" if p.full else "staleness",
             )
-            for p in self.state.parked
+            for p in self.state.parked.writes
         ]
         limit = -1
         if self.state.trainer.admission is not None:
