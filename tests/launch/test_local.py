@@ -106,7 +106,7 @@ def test_a_server_freezes_what_it_made_at_its_start_before_it_says_ready(role):
     """What a server holds from its start (modules, config) is moved out of the cyclic
     collector's sight before it serves, so a full collection does not walk it: the
     controller's one full collection in a 6 s scale run took 32 ms before, with every
-    request waiting (docs/performance.md, "The collector's pauses")."""
+    request waiting (docs/performance-history.md, "The collector's pauses")."""
     code = (
         "import gc, json, sys\n"
         "from tqueue.config import ControllerConfig, StorageConfig\n"

@@ -49,7 +49,7 @@ async def _main(config: ControllerConfig | StorageConfig, watch_stdin: bool) -> 
     serving = loop.create_task(server.serve())
     # what exists now (modules, the config, the server's own objects) lives as long as the
     # process: out of the cyclic collector's sight, a full collection walks only what came
-    # later, and does not stop every request for tens of milliseconds (docs/performance.md,
+    # later, and does not stop every request for tens of milliseconds (docs/performance-history.md,
     # "The collector's pauses"). The start's garbage goes first, not to be kept for good.
     gc.collect()
     gc.freeze()

@@ -45,7 +45,7 @@ PIECE_ALIGN = 64
 # madvise(2) (Linux 5.14+): map a range's pages into this process in one call, instead of one
 # page fault each as a copy touches them. A writer maps pages that other writers filled before
 # (the arena's pages stay allocated) at about 1 µs a fault here; one call per put saves most of
-# that (docs/performance.md, "Arena leases")
+# that (docs/performance-history.md, "Arena leases")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 POPULATE_MIN_BYTES = 64 << 10  # smaller ranges fault their few pages
 

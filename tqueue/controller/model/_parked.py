@@ -31,7 +31,7 @@ class Parked(Generic[E]):
     def __init__(self, loop: asyncio.AbstractEventLoop, key: Callable[[E], str] = lambda entry: "") -> None:
         self._loop = loop
         self._key = key
-        self._by: dict[str, list[E]] = {}
+        self.by_key: dict[str, list[E]] = {}  # read it (a commit's wake looks here first), change it only here
         self._count = 0
 
     def park(self, entry: E, timeout: float, expire: Callable[[E], None]) -> None:
@@ -39,7 +39,7 @@ class Parked(Generic[E]):
         ``expire`` answers it."""
         if not math.isinf(timeout):
             entry.timer = self._loop.call_later(timeout, self._expire, entry, expire)
-        self._by.setdefault(self._key(entry), []).append(entry)
+        self.by_key.setdefault(self._key(entry), []).append(entry)
         self._count += 1
 
     def _expire(self, entry: E, expire: Callable[[E], None]) -> None:
@@ -53,18 +53,18 @@ class Parked(Generic[E]):
             entry.timer.cancel()
             entry.timer = None
         key = self._key(entry)
-        entries = self._by.get(key)
+        entries = self.by_key.get(key)
         if entries is None or entry not in entries:
             return False
         entries.remove(entry)
         self._count -= 1
         if not entries:
-            del self._by[key]
+            del self.by_key[key]
         return True
 
     def take(self, key: str) -> list[E]:
         """Unpark every request under ``key``, for the caller to answer."""
-        entries = self._by.pop(key, [])
+        entries = self.by_key.pop(key, [])
         self._count -= len(entries)
         for entry in entries:
             if entry.timer is not None:
@@ -88,28 +88,28 @@ class Parked(Generic[E]):
 
     def get(self, key: str, default: Sequence[E] = ()) -> list[E]:
         """The requests parked under ``key`` (a copy: answering them may unpark them)."""
-        return list(self._by.get(key, default))
+        return list(self.by_key.get(key, default))
 
     def has(self, entry: E) -> bool:
         """``entry`` is parked here still."""
-        return entry in self._by.get(self._key(entry), ())
+        return entry in self.by_key.get(self._key(entry), ())
 
     def keys(self) -> list[str]:
-        return list(self._by)
+        return list(self.by_key)
 
     def values(self) -> list[list[E]]:
-        return [list(entries) for entries in self._by.values()]
+        return [list(entries) for entries in self.by_key.values()]
 
     def __getitem__(self, key: str) -> list[E]:
-        return list(self._by[key])
+        return list(self.by_key[key])
 
     def __contains__(self, key: object) -> bool:
         """Some request is parked under ``key``."""
-        return key in self._by
+        return key in self.by_key
 
     def __iter__(self) -> Iterator[E]:
         """Every parked request (a snapshot: answering them may unpark them)."""
-        return iter([entry for entries in self._by.values() for entry in entries])
+        return iter([entry for entries in self.by_key.values() for entry in entries])
 
     def __len__(self) -> int:
         return self._count

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import InvalidArgumentError
-from ...wire import FieldBlock, FieldSpec, Grant, GroupId
+from ...wire import FieldSpec, Grant, GroupId
 from ._keyindex import KeyIndex
 from ._records import GrantRecord
 from ._samples import COMMITTED, EXCLUDED, PARTIAL, Groups, Moved, Samples
@@ -142,23 +142,29 @@ class Partition:
 
     # --- writes ---------------------------------------------------------------------
 
-    def check_put(self, count: int, blocks: Sequence[FieldBlock]) -> dict[str, FieldSpec]:
-        """Refuse a put of ``count`` samples past ``max_samples`` or against the schema
-        (nothing is changed); return the specs it would add."""
+    def check_put(self, msg: Grant) -> dict[str, FieldSpec] | None:
+        """Refuse a put past ``max_samples`` or against the schema (nothing is changed);
+        return the specs it would add, or None where it comes late (the partition is sealed,
+        or, for complete samples, every place of its target is taken), unchecked."""
+        target = self.options.target
+        if self.sealed or (not msg.partial and target and self.complete + self.promised >= target):
+            return None
+        self.check_room(msg.count)
+        return self.schema.check_blocks(msg.blocks, msg.count)
+
+    def check_room(self, count: int) -> None:
+        """Refuse ``count`` more samples past ``max_samples`` (nothing is changed)."""
         if count < 0 or self.n + count > self.max_samples:
             raise InvalidArgumentError(
                 f"partition {self.name!r} holds {self.n} samples; count={count} more would pass "
                 f"max_partition_samples={self.max_samples}"
             )
-        return self.schema.check_blocks(blocks, count)
 
     def admit_put(self, msg: Grant, added: dict[str, FieldSpec]) -> tuple[int, int]:
         """Record a granted put (checked by ``check_put``): its fields, samples and lengths.
         Return where its samples start and how many of them are kept (see ``promise``)."""
-        self.schema.add(added)
-        self.schema.note_shapes(msg.blocks, msg.count)
         start = self.allocate(msg.count, msg.groups, msg.versions)
-        self.schema.record_lengths(msg.blocks, slice(start, start + msg.count), self.n)
+        self.schema.record(added, msg.blocks, msg.count, slice(start, start + msg.count), self.n)
         return start, msg.count if msg.partial else self.promise(msg.count)
 
     def admit_update(self, msg: Grant, indexes: np.ndarray) -> int | None:
@@ -167,9 +173,7 @@ class Partition:
         them (nothing is granted: the samples stay partial)."""
         added = self.schema.check_blocks(msg.blocks, msg.count)
         self.samples.check_indexes(indexes, self.name)
-        self.schema.add(added)
-        self.schema.note_shapes(msg.blocks, msg.count)
-        self.schema.record_lengths(msg.blocks, indexes, self.n)
+        self.schema.record(added, msg.blocks, msg.count, indexes, self.n)
         if not (msg.complete and self.options.target):
             return 0
         # completing partial rollouts takes places of the target, as a put does: all of
@@ -183,9 +187,11 @@ class Partition:
         return kept
 
     def allocate(self, count: int, groups: Sequence[GroupId] | None, versions: Sequence[int] | None) -> int:
+        cap = len(self.samples.mask)
         start = self.samples.allocate(count, groups, versions)
-        for task in self.tasks.values():
-            task.ensure(len(self.samples.mask))
+        if len(self.samples.mask) != cap:  # the samples' arrays grew: each task's grow with them
+            for task in self.tasks.values():
+                task.ensure(len(self.samples.mask))
         self.in_flight += 1
         return start
 
@@ -228,11 +234,6 @@ class Partition:
         kept = max(0, min(count, target - self.complete - self.promised))
         self.promised += kept
         return kept
-
-    def target_promised(self) -> bool:
-        """Every place of the target is taken, by complete samples or puts in flight."""
-        target = self.options.target
-        return bool(target) and self.complete + self.promised >= target
 
     def _count_complete(self, indexes: np.ndarray, toward_target: bool = True) -> None:
         """Finished samples: count them toward their groups and the partition's target."""

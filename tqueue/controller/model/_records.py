@@ -1,14 +1,27 @@
-"""Controller records of the cluster, free of IO: the storage units it knows and the grants
-it gave that are not committed yet (partition state is in :mod:`._partition`)."""
+"""Controller records of the cluster, free of IO: the storage units it knows, where a write
+goes among them (:func:`pick`), and the grants it gave that are not committed yet (partition
+state is in :mod:`._partition`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from ...wire import UnitInfo
+from ...wire import Grant, UnitInfo
+
+
+class Wait(Exception):
+    """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
+
+    def __init__(self, reason: str, *, full: bool, never: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.full = full
+        self.never = never  # waiting cannot help
 
 
 @dataclasses.dataclass
@@ -61,3 +74,40 @@ class GrantRecord:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def pick(known: Collection[Unit], msg: Grant, cap: int, placements: Iterator[int]) -> Unit:
+    """Placement: a unit on the producer's host with room, the least loaded among those;
+    Wait where none can take ``msg`` now (saying why, and whether it never will)."""
+    units = [u for u in known if u.alive and not u.suspect]  # nothing new to a dead unit
+    if not units:
+        suspect = sum(u.alive and u.suspect for u in known)
+        raise Wait(
+            f"no live storage unit ({len(known)} registered: {suspect} being probed after a failed store, "
+            f"{len(known) - suspect} dead)" if known
+            else "no storage unit is registered with the controller yet",
+            full=True,
+        )
+    need = msg.nbytes
+    used = sum(u.load for u in units)
+    if cap and used + need > cap:
+        raise Wait(
+            f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
+            f"bytes used of {cap} allowed in the cluster",
+            full=True,
+            never=need > cap,
+        )
+    roomy = [u for u in units if u.fits(need)]
+    if not roomy:
+        largest = max((u.capacity or math.inf) for u in units)
+        per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
+        raise Wait(
+            f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
+            f"({per_unit} bytes used of allowed)",
+            full=True,
+            never=need > largest,
+        )
+    local = [u for u in roomy if msg.host and u.info.host == msg.host]
+    pool = local or roomy
+    turn = next(placements)  # ties rotate so that equal units share the work
+    return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))

@@ -64,6 +64,13 @@ class Schema:
             )
         return added
 
+    def record(self, added: dict[str, FieldSpec], blocks: Sequence[FieldBlock], count: int,
+               where: slice | np.ndarray, n: int) -> None:
+        """Record a write ``check_blocks`` passed: the fields it adds, the shapes it gives,
+        the lengths of its samples at ``where`` (of ``n``)."""
+        self.add(added)
+        self.note_shapes(blocks, count)
+        self.record_lengths(blocks, where, n)
 
     def add(self, specs: dict[str, FieldSpec]) -> None:
         """Add new fields' specs; a jagged field already here whose one shape differs from

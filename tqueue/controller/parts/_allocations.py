@@ -37,7 +37,7 @@ class Allocations:
     def allocate(self, ident: bytes, msg: AllocateRows, bufs: list[Any]) -> MetaReply:
         existing = self.state.partitions.get(msg.partition)
         if existing is not None:
-            existing.check_put(msg.count, [])
+            existing.check_room(msg.count)
         part = self.state.partitions.get_or_create(msg.partition)
         if part.options.target or part.options.group_size:
             raise InvalidArgumentError(

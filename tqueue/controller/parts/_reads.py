@@ -321,10 +321,10 @@ class Reads:
             known = versions[versions >= 0]
             behind = np.clip(self.state.trainer.version - known, 0, len(self.staleness) - 1)
             self.staleness += np.bincount(behind, minlength=len(self.staleness))
-        groups = samples.groups_of(safe)
+        groups = samples.groups_of(safe) if samples.has_groups else None
         if groups is not None and padded:
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
-        segments = samples.segments_of(indexes[real] if padded else indexes)
+        segments = samples.segments_of(indexes[real] if padded else indexes) if samples.segments else None
         if segments is not None and padded:
             it = iter(segments)
             segments = [next(it) if r else [] for r in real.tolist()]
@@ -334,7 +334,7 @@ class Reads:
             indexes=listed,
             units=per_sample(samples.unit, -1),
             fields=fields,
-            schema=dict(part.specs),
+            schema=dict(part.schema.specs),
             groups=groups,
             task=task,
             lease=lease,
@@ -446,7 +446,7 @@ class Reads:
 
     def wake(self, partition: str) -> None:
         """Serve the parked reads of ``partition`` that can be served now."""
-        for waiter in list(self.state.parked.reads.get(partition, [])):
+        for waiter in list(self.state.parked.reads.by_key.get(partition, ())):
             try:
                 reply = self.try_serve(waiter.req)
             except Exception as exc:  # this waiter's failure is this waiter's answer alone

@@ -10,8 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -28,22 +27,12 @@ from ...errors import (
 from ...transport._liveness import session_of
 from ...wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
 from ..model._partition import NO_STEP, Partition
-from ..model._records import GrantRecord, Unit
+from ..model._records import GrantRecord, Unit, Wait, pick
 from ..model._state import MAX_SERVED, ControllerState, ParkedWrite
 from ._copies import Copies, copies_of
 from ._cycles import Cycles
 
 log = logging.getLogger(__name__)
-
-
-class _Wait(Exception):
-    """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
-
-    def __init__(self, reason: str, *, full: bool, never: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.full = full
-        self.never = never  # waiting cannot help
 
 
 class Writes:
@@ -54,7 +43,8 @@ class Writes:
         state: ControllerState,
         *,
         free: Callable[[Partition], None],
-        committed: Callable[[Partition, bool], None],
+        wake: Callable[[str], None],
+        sealed: Callable[[Partition], None],
         suspect: Callable[[int, str], None],
         copy_again: Callable[[], None] = lambda: None,
     ) -> None:
@@ -65,7 +55,8 @@ class Writes:
         self._copy_again = copy_again  # copy samples held once again (_copies)
         self.copies = Copies(state, copy_again)  # the second copies of writes to partitions of two copies
         self._free = free  # free a partition if every task consumed it
-        self._committed = committed  # (partition, sealed by this commit): run after the reply
+        self._wake = wake  # serve the parked reads of a partition (after the reply: loop.call_soon)
+        self._sealed = sealed  # announce a partition this commit sealed (after the wake)
         self._suspect = suspect  # (unit id, why): a client's store failed there; probe it
         self.cycles = Cycles(state)  # parked puts and reads that wait on each other
 
@@ -90,7 +81,7 @@ class Writes:
                 return stored
         try:
             granted = self._grant_put(msg)
-        except _Wait as wait:
+        except Wait as wait:
             self._park(ident, msg, wait)
             return None  # answered when it fits, or at its deadline
         self._remember(ident, msg.rid, granted)
@@ -133,22 +124,24 @@ class Writes:
     def _grant_put(self, msg: Grant, via: frozenset[str] = frozenset()) -> Granted:
         """``via``: the partitions a late put was recycled through to get here."""
         part = self.state.partitions.get(msg.partition)
-        if part is not None and (part.sealed or (not msg.partial and part.target_promised())):
-            return self._late_put(part, msg, via)
-        if part is None and self.state.partitions.buried(msg.partition):
-            log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
-            return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
-        if part is None:  # validate against a scratch partition: nothing is created for a refused put
+        if part is None:
+            if self.state.partitions.buried(msg.partition):
+                log.info("a put of %d samples to partition %r, sealed and freed, is refused", msg.count, msg.partition)
+                return Granted(grant_id=0, partition_uid=0, start=0, status="aborted", sealed=True, partition=msg.partition)
+            # validate against a scratch partition: nothing is created for a refused put
             self.state.partitions.check_new(msg.partition)
-            scratch = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples)
-            added = scratch.check_put(msg.count, msg.blocks)
+            added = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples).check_put(msg)
+            assert added is not None  # a new partition is neither sealed nor has a target
         else:
-            added = part.check_put(msg.count, msg.blocks)
-        unit = pick_unit(self.state, msg, self.placements)
+            added = part.check_put(msg)
+            if added is None:
+                return self._late_put(part, msg, via)
+        unit = pick(self.state.units.values(), msg, self.state.config.capacity_bytes, self.placements)
         copies = (part.options.copies if part is not None else 0) or self.state.config.copies
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
-        part = self.state.partitions.get_or_create(msg.partition)
+        if part is None:
+            part = self.state.partitions.get_or_create(msg.partition)
         start, kept = part.admit_put(msg, added)
         unit.reserved += msg.nbytes
         if second is not None:
@@ -163,7 +156,7 @@ class Writes:
             waiting={unit.info.unit_id} | ({second.info.unit_id} if second is not None else set()),
         )
         return Granted(
-            grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.specs),
+            grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.schema.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
             second_units=[second.info] if second is not None else [],
         )
@@ -237,7 +230,8 @@ class Writes:
         if grant.waiting - {msg.unit_id}:  # a put or update of two copies: one copy of two
             return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
-        grant.stop_timer()
+        if grant.timer is not None:  # its end, as GrantRecord.stop_timer
+            grant.timer.cancel()
         self.committed[msg.grant_id] = None
         while len(self.committed) > MAX_SERVED:
             self.committed.popitem(last=False)
@@ -261,7 +255,9 @@ class Writes:
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         # Waiters are served after this reply is sent: a failure while serving one of them
         # must not undo (or even delay) a commit the controller already recorded.
-        self.state.loop.call_soon(self._committed, part, part.sealed and not was_sealed)
+        self.state.loop.call_soon(self._wake, part.name)
+        if part.sealed and not was_sealed:
+            self.state.loop.call_soon(self._sealed, part)
         return Committed(sealed=part.sealed)
 
     def commits(self, ident: bytes, msg: Commits, bufs: list[Any]) -> CommitsDone:
@@ -285,12 +281,12 @@ class Writes:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
         where none can take it (no waiting: this is for samples that have their place)."""
         try:
-            return pick_unit(self.state, msg, self.placements)
-        except _Wait as wait:
+            return pick(self.state.units.values(), msg, self.state.config.capacity_bytes, self.placements)
+        except Wait as wait:
             raise StorageUnitUnavailableError(f"partition {msg.partition!r}: no unit can take samples: {wait.reason}") from None
 
     def _admit(self, count: int, partition: str) -> int:
-        """AReaL-style staleness admission: raise _Wait if ``count`` more samples to
+        """AReaL-style staleness admission: raise Wait if ``count`` more samples to
         ``partition`` would put producers more than ``max_staleness`` versions ahead of the
         trainer; return how many samples it counts in the running total.
 
@@ -311,7 +307,7 @@ class Writes:
         if step != NO_STEP:
             if step <= version + k or awaited:
                 return 0
-            raise _Wait(
+            raise Wait(
                 f"{count} samples for partition {partition!r} (step {step}) wait for the trainer: "
                 f"producers may run {k} steps ahead of trainer version {version} (max_staleness {k}), "
                 f"so step {step} is admitted at version {step - k}",
@@ -319,7 +315,7 @@ class Writes:
             )
         limit = (version + k + 1) * batch
         if self.state.trainer.admitted + count > limit and not awaited:
-            raise _Wait(
+            raise Wait(
                 f"{count} samples for partition {partition!r} wait for the trainer: "
                 f"{self.state.trainer.admitted} samples admitted of {limit} allowed (trainer version "
                 f"{version}, max_staleness {k}, batch_size {batch})",
@@ -335,7 +331,7 @@ class Writes:
             self.state.loop.call_soon(self.retry_parked)  # after the parking request's handler
         self.cycles.watch(partition)
 
-    def _park(self, ident: bytes, msg: Grant | Reserve, wait: _Wait) -> None:
+    def _park(self, ident: bytes, msg: Grant | Reserve, wait: Wait) -> None:
         if wait.never or msg.timeout <= 0:
             raise (StorageFullError if wait.full else WaitTimeoutError)(wait.reason)
         self.state.parked.check(f"a write to partition {msg.partition!r}" if isinstance(msg, Grant) else "a reserve")
@@ -359,7 +355,7 @@ class Writes:
                 else:
                     self._admit(parked.req.count, "(reserved)")
                     reply = Ok()
-            except _Wait as wait:
+            except Wait as wait:
                 parked.reason, parked.full = wait.reason, wait.full
                 continue
             except Exception as exc:  # this write's failure is this write's answer alone
@@ -374,7 +370,7 @@ class Writes:
             raise InvalidArgumentError(f"reserve needs a count of at least 1, got {msg.count}")
         try:
             self._admit(msg.count, "(reserved)")
-        except _Wait as wait:
+        except Wait as wait:
             self._park(ident, msg, wait)
             return None  # answered when it fits, or at its deadline
         return Ok()
@@ -398,7 +394,7 @@ class Writes:
         if part is not None:
             part.forget(grant)
             self._free(part)
-            self.state.loop.call_soon(self._committed, part, False)  # its readers may learn a field will not come
+            self.state.loop.call_soon(self._wake, part.name)  # its readers may learn a field will not come
         self.retry_parked()
 
     def lapse(self, grant_id: int, why: str) -> None:
@@ -442,42 +438,3 @@ class Writes:
         if part is None or not len(grant.indexes):
             return False
         return bool((part.samples.unit[grant.indexes] == unit_id).any())
-
-
-def pick_unit(state: ControllerState, msg: Grant, placements: Iterator[int]) -> Unit:
-    """Placement: a unit on the producer's host with room, the least loaded among those;
-    _Wait where none can take ``msg`` now (saying why, and whether it never will)."""
-    units = [u for u in state.units.values() if u.alive and not u.suspect]  # nothing new to a dead unit
-    if not units:
-        known = len(state.units)
-        suspect = sum(u.alive and u.suspect for u in state.units.values())
-        raise _Wait(
-            f"no live storage unit ({known} registered: {suspect} being probed after a failed store, "
-            f"{known - suspect} dead)" if known
-            else "no storage unit is registered with the controller yet",
-            full=True,
-        )
-    need = msg.nbytes
-    cap = state.config.capacity_bytes
-    used = sum(u.load for u in units)
-    if cap and used + need > cap:
-        raise _Wait(
-            f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
-            f"bytes used of {cap} allowed in the cluster",
-            full=True,
-            never=need > cap,
-        )
-    roomy = [u for u in units if u.fits(need)]
-    if not roomy:
-        largest = max((u.capacity or math.inf) for u in units)
-        per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
-        raise _Wait(
-            f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
-            f"({per_unit} bytes used of allowed)",
-            full=True,
-            never=need > largest,
-        )
-    local = [u for u in roomy if msg.host and u.info.host == msg.host]
-    pool = local or roomy
-    turn = next(placements)  # ties rotate so that equal units share the work
-    return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))

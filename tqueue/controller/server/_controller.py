@@ -129,7 +129,7 @@ class Controller:
         self.moves = Moves(self.state, self.reads, free=self.cleanup.maybe_free)
         self.copier = Copier(self.state)
         self.writes = Writes(
-            self.state, free=self.cleanup.maybe_free, committed=self._committed, suspect=self._suspect,
+            self.state, free=self.cleanup.maybe_free, wake=self.reads.wake, sealed=self.moves.on_sealed, suspect=self._suspect,
             copy_again=self.copier.wake,
         )
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
@@ -316,12 +316,6 @@ class Controller:
 
     def _prefetch(self, part: Partition, msg: GetMeta, count: int, mask: np.uint64, min_version: int | None) -> bool:
         return self.moves.prefetch(part, msg, count, mask, min_version)
-
-    def _committed(self, part: Partition, sealed_now: bool) -> None:
-        """After a commit's reply: serve what it made ready, then announce its seal."""
-        self.reads.wake(part.name)
-        if sealed_now:
-            self.moves.on_sealed(part)
 
     # --- membership -----------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""The controller's floor plan, held: how many controller modules one call walks through
+(docs/architecture.md, "The controller modules each call enters"), and how much of the
+shared state each part reads (``ControllerState``: ten attributes, no part more than eight).
+
+The walk is traced as the map traces it: ``sys.setprofile`` on the servers' loop thread of a
+``LoopCluster``, counting each entry into a controller module from another one (a coroutine
+resumed counts again). A heartbeat handled during a call would add to it, so each call is
+traced three times and the quietest trace counts."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tqueue
+
+ROOT = pathlib.Path(tqueue.__file__).parent / "controller"
+PARTS = ROOT / "parts"
+
+
+def _trace(cluster: Any, call: Callable[[], Any]) -> tuple[collections.Counter[str], Any]:
+    """The controller modules ``call`` enters (entries from another module), and its result."""
+    entries: collections.Counter[str] = collections.Counter()
+    root = str(ROOT) + "/"
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        where = frame.f_code.co_filename
+        if where.startswith(root) and (frame.f_back is None or frame.f_back.f_code.co_filename != where):
+            entries[where[len(root):]] += 1
+
+    cluster.call(lambda: sys.setprofile(profile))
+    try:
+        out = call()
+        cluster.call(lambda: None)  # what the call scheduled after its reply has run
+    finally:
+        cluster.call(lambda: sys.setprofile(None))
+    return entries, out
+
+
+def _quietest(cluster: Any, call: Callable[[], Any]) -> tuple[collections.Counter[str], Any]:
+    traces = [_trace(cluster, call) for _ in range(3)]
+    return min(traces, key=lambda t: sum(t[0].values()))
+
+
+def test_a_put_and_a_read_walk_through_few_controller_modules(cluster: Any) -> None:
+    with tqueue.Client(cluster.address) as client:
+        client.put("walk", {"x": torch.arange(4).reshape(4, 1)})  # the first put makes the partition
+        client.ack(client.get_meta("walk", ["x"], 4, task="t"))  # the task's first read makes its state
+        put, _ = _quietest(cluster, lambda: client.put("walk", {"x": torch.arange(4).reshape(4, 1)}))
+        get_meta, meta = _quietest(cluster, lambda: client.get_meta("walk", ["x"], 4, task="t"))
+        get_data, batch = _trace(cluster, lambda: client.get_data(meta))
+        ack, _ = _trace(cluster, lambda: client.ack(meta))
+    assert batch["x"].shape == (4, 1)
+    # a later put: its Grant, its Commit and the wake of parked reads after the Commit's reply
+    assert set(put) == {
+        "server/_controller.py", "server/_limits.py", "parts/_writes.py", "parts/_reads.py",
+        "model/_partition.py", "model/_schema.py", "model/_samples.py", "model/_records.py",
+    }, put
+    # per message: the partition is asked once to check and once to record (and once to commit)
+    assert max(put.values()) <= 3, put
+    assert len(get_meta) <= 7 and max(get_meta.values()) <= 2, get_meta
+    assert get_data == {}, "get_data goes to the units alone"
+    assert len(ack) <= 6, ack
+    assert len(set(put) | set(get_meta)) <= 10
+
+
+def _state_names(source: str) -> set[str]:
+    return set(re.findall(r"\bself\.state\.([a-z_]+)", source))
+
+
+def test_the_shared_state_has_ten_attributes_and_no_part_reads_more_than_eight(cluster: Any) -> None:
+    names = cluster.call(lambda: sorted(vars(cluster.controller.state)))
+    assert names == sorted(
+        ["config", "server", "loop", "partitions", "units", "grants", "parked", "prefetching", "trainer", "tasks"]
+    )
+    read = {path.name: _state_names(path.read_text()) for path in PARTS.glob("_*.py")}
+    assert read["_writes.py"] and read["_reads.py"]  # the scan finds what the parts read
+    assert set().union(*read.values()) <= set(names)
+    assert {name: len(v) for name, v in read.items() if len(v) > 8} == {}
