@@ -222,7 +222,8 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def main_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The comparison table: every system, scenario and size of the run."""
     out = [
         "| scenario | samples | MB | system | end-to-end GB/s (min-max) | put ms | get_meta ms | get ms |",
         "|---|---:|---:|---|---|---:|---:|---:|",
@@ -234,7 +235,12 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{r['gbps']:.2f} ({r['gbps_min']:.2f}-{r['gbps_max']:.2f}) | {r['put_ms']:.1f} | "
             f"{meta} | {r['get_ms']:.1f} |"
         )
-    out += ["", "Ratios of tqueue's end-to-end GB/s to each peer's (medians, same batch, same run):", ""]
+    return out
+
+
+def ratio_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """tqueue's GB/s over each peer's, and put and get alone against raw ZeroMQ."""
+    out = ["", "Ratios of tqueue's end-to-end GB/s to each peer's (medians, same batch, same run):", ""]
     out += ["| scenario | samples | ours | peer | ratio |", "|---|---:|---|---|---:|"]
     index = {(r["system"], r["scenario"], r["size"]): r for r in rows}
     for (system, scenario, size), r in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
@@ -259,25 +265,53 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                 f"| {scenario} | {size} | {ours} | {put:.2f} | {get:.2f} | {raw['gbps']:.2f} | "
                 f"{put / raw['gbps']:.0%} | {get / raw['gbps']:.0%} |"
             )
-    if data.get("put_cost"):
-        out += ["", f"CPU a streaming put costs, summed over its processes (µs per put of one group of the workload's "
-                f"samples, {PUT_COST_PUTS} puts, one after another, or 4 at a time for the -inflight systems, which "
-                f"coalesce them; medians over the rounds):", ""]
-        out += ["| system | group | client | controller | units | total | wall per put |", "|---|---:|---:|---:|---:|---:|---:|"]
-        by: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        for c in data["put_cost"]:
-            by.setdefault((c["system"], c["group"]), []).append(c)
-        for (system, group), cs in sorted(by.items()):
-            med = {k: statistics.median(c[k] for c in cs) for k in ("client", "controller", "units", "total", "wall")}
-            out.append(f"| {system} | {group} | {med['client']:.0f} | {med['controller']:.0f} | {med['units']:.0f} | "
-                       f"{med['total']:.0f} | {med['wall']:.0f} |")
-    out += targets_markdown(targets(data, rows))
+    return out
+
+
+def put_cost_table(data: dict[str, Any]) -> list[str]:
+    """The CPU a streaming put costs per system (nothing where the run measured none)."""
+    if not data.get("put_cost"):
+        return []
+    out = ["", f"CPU a streaming put costs, summed over its processes (µs per put of one group of the workload's "
+           f"samples, {PUT_COST_PUTS} puts, one after another, or 4 at a time for the -inflight systems, which "
+           f"coalesce them; medians over the rounds):", ""]
+    out += ["| system | group | client | controller | units | total | wall per put |", "|---|---:|---:|---:|---:|---:|---:|"]
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for c in data["put_cost"]:
+        by.setdefault((c["system"], c["group"]), []).append(c)
+    for (system, group), cs in sorted(by.items()):
+        med = {k: statistics.median(c[k] for c in cs) for k in ("client", "controller", "units", "total", "wall")}
+        out.append(f"| {system} | {group} | {med['client']:.0f} | {med['controller']:.0f} | {med['units']:.0f} | "
+                   f"{med['total']:.0f} | {med['wall']:.0f} |")
+    return out
+
+
+def notes_and_machine(data: dict[str, Any]) -> list[str]:
+    out = (["", "Notes:", ""] + [f"* {n}" for n in data["notes"]]) if data["notes"] else []
+    m = data["machine"]
+    return out + ["", f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}; run took {data['seconds']:.0f} s."]
+
+
+def markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The run's full text (results.md): every table, the copies per system, notes, machine."""
+    out = main_table(rows) + ratio_tables(rows) + put_cost_table(data) + targets_markdown(targets(data, rows))
     out += ["", "Copies of each payload byte, per system:", ""]
     out += [f"* **{k}**: {v}" for k, v in data["copies"].items()]
-    if data["notes"]:
-        out += ["", "Notes:", ""] + [f"* {n}" for n in data["notes"]]
-    m = data["machine"]
-    out += ["", f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}; run took {data['seconds']:.0f} s."]
+    out += notes_and_machine(data)
+    return "\n".join(out) + "\n"
+
+
+# The line that stands in docs/performance.md for the tables --docs leaves out.
+FULL_TABLES = ("The ratio tables (tqueue's GB/s over each peer's, put and get against raw ZeroMQ) and the "
+               "copies per system are in the run's full tables: `results.md`, which `tqueue bench` writes "
+               "to its `--out` folder.")
+
+
+def docs_markdown(data: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What --docs writes into a page: the main table, the put CPU and the targets (with the
+    notes and the machine), and a line saying where the rest is, so a run does not grow it."""
+    out = main_table(rows) + ["", FULL_TABLES] + put_cost_table(data) + targets_markdown(targets(data, rows))
+    out += notes_and_machine(data)
     return "\n".join(out) + "\n"
 
 
@@ -443,14 +477,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     text, written = write(data, out, final=True)
     print("\n" + text)
     if args.docs:
-        written.append(into_docs(pathlib.Path(args.docs), text, out / "throughput.png", args))
+        written.append(into_docs(pathlib.Path(args.docs), docs_markdown(data, data["summary"]), out / "throughput.png", args))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
 def into_docs(doc: pathlib.Path, text: str, png: pathlib.Path, args: argparse.Namespace) -> pathlib.Path:
-    """The run's tables into ``doc`` (between its ``bench:e2e`` lines), with the command that
-    made them and the plot copied beside it where there is one; returns ``doc``."""
+    """``text`` (:func:`docs_markdown`: the run's main tables, the full ones being in the
+    --out folder's results.md) into ``doc``, between its ``bench:e2e`` lines, with the command
+    that made them and the plot copied beside it where there is one; returns ``doc``."""
     import shutil
 
     from benchmarks.harness import write_into_docs

@@ -23,7 +23,8 @@ def wrote(stdout: str) -> list[pathlib.Path]:
 @pytest.mark.slow
 def test_bench_smoke_runs_two_systems_and_writes_table_and_json(tmp_path):
     """One run of 32 samples through tqueue and raw ZeroMQ: every sample reached its consumer
-    (the systems check that), and both outputs hold both systems and the comparison tables."""
+    (the systems check that), and both outputs hold both systems; the page gets the main table
+    and the full tables stay in --out's results.md."""
     doc = tmp_path / "performance.md"
     doc.write_text("# before\n<!-- bench:e2e -->\nan older run\n<!-- /bench:e2e -->\n# after\n")
     out = subprocess.run(
@@ -35,7 +36,9 @@ def test_bench_smoke_runs_two_systems_and_writes_table_and_json(tmp_path):
     written = doc.read_text()  # the run's tables in place of the older run's, the rest kept
     assert written.startswith("# before\n<!-- bench:e2e -->\nWritten by `tqueue bench --sizes 32 --scenarios 1to1 ")
     assert written.endswith("<!-- /bench:e2e -->\n# after\n") and "an older run" not in written
-    assert "| 1to1 | 32 | tqueue | zmq-raw |" in written
+    rows = [line.split(" | ")[3] for line in written.splitlines() if line.startswith("| 1to1 | 32 | ")]
+    assert rows == ["tqueue", "zmq-raw"]  # the main table's rows, and no ratio table's
+    assert RATIOS not in written and e2e.FULL_TABLES in written
     data = json.loads((tmp_path / "results.json").read_text())
     assert {(r["system"], r["scenario"], r["size"]) for r in data["results"]} == {
         ("tqueue", "1to1", 32),
@@ -44,23 +47,54 @@ def test_bench_smoke_runs_two_systems_and_writes_table_and_json(tmp_path):
     assert all(r["nbytes"] > 32 * 100_000 and r["e2e_s"] > 0 for r in data["results"])
     assert not [n for n in data["notes"] if "failed" in n]
     text = (tmp_path / "results.md").read_text()
-    assert "| 1to1 | 32 |" in text and "| 1to1 | 32 | tqueue | zmq-raw |" in text
+    assert "| 1to1 | 32 |" in text and "| 1to1 | 32 | tqueue | zmq-raw |" in text and RATIOS in text
     assert "Copies of each payload byte" in text
     assert all(p.exists() for p in wrote(out.stdout))
+
+
+def fake_run(systems: tuple[str, ...] = ("tqueue", "zmq-raw")) -> dict:
+    results = [e2e.Result(s, "1to1", 32, "tcp", 4_000_000, 0.01, 0.001, 0.01, 0.02) for s in systems]
+    return {
+        "results": [{**vars(r), "gbps": r.gbps} for r in results],
+        "notes": [],
+        "copies": {s: "none" for s in systems},
+        "machine": {"cpus": 2, "python": platform.python_version(), "platform": "test"},
+        "seconds": 1.0,
+        "args": {},
+    }
+
+
+RATIOS = "| scenario | samples | ours | peer | ratio |"  # the header of the ratio tables alone
+RAW = "| scenario | samples | system | put GB/s | get GB/s | zmq-raw GB/s | put / raw | get / raw |"
+
+
+def test_docs_get_the_main_tables_and_results_md_every_table(tmp_path, monkeypatch, capsys):
+    """--docs writes the main table, put CPU and targets into the page, with a line naming
+    results.md for the rest; the ratio tables, raw ZeroMQ and the copies stay in --out."""
+    doc = tmp_path / "performance.md"
+    doc.write_text("# before\n<!-- bench:e2e -->\nan older run\n<!-- /bench:e2e -->\n# after\n")
+    fake = fake_run(("tqueue", "tqueue-shm", "ray-zerocopy", "zmq-raw"))
+    fake["put_cost"] = [{"system": "tqueue", "group": 8, "client": 1, "controller": 2, "units": 3, "total": 6, "wall": 7}]
+    monkeypatch.setattr(e2e, "run", lambda args: fake)
+    assert e2e.main(["--quick", "--out", str(tmp_path / "out"), "--docs", str(doc)]) == 0
+    assert doc in wrote(capsys.readouterr().out)
+    page, full = doc.read_text(), (tmp_path / "out" / "results.md").read_text()
+    assert page.startswith("# before\n<!-- bench:e2e -->\nWritten by `tqueue bench --sizes 256 ")
+    assert page.endswith("<!-- /bench:e2e -->\n# after\n") and "an older run" not in page
+    main_header = "| scenario | samples | MB | system | end-to-end GB/s (min-max) | put ms | get_meta ms | get ms |"
+    for kept in (main_header, "| 1to1 | 32 | 4 | tqueue |", "| 1to1 | 32 | 4 | zmq-raw |", "| tqueue | 8 | 1 | 2 | 3 | 6 | 7 |",
+                 "| target | measured | met? |", "| 1to1 at 32: tqueue-shm ≥ 1.25x ray-zerocopy", "Machine: 2 CPUs"):
+        assert kept in page and kept in full
+    assert e2e.FULL_TABLES in page and "`results.md`" in e2e.FULL_TABLES and "`tqueue bench`" in e2e.FULL_TABLES
+    for left_out in (RATIOS, RAW, "| 1to1 | 32 | tqueue | zmq-raw |", "Copies of each payload byte"):
+        assert left_out not in page and left_out in full
+    assert e2e.FULL_TABLES not in full
 
 
 def test_without_matplotlib_no_plot_is_claimed(tmp_path, monkeypatch, capsys):
     """Without matplotlib the run says "no plot" and does not say it wrote throughput.png."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    result = e2e.Result("tqueue", "1to1", 32, "tcp", 4_000_000, 0.01, 0.001, 0.01, 0.02)
-    fake = {
-        "results": [{**vars(result), "gbps": result.gbps}],
-        "notes": [],
-        "copies": {"tqueue": "none"},
-        "machine": {"cpus": 2, "python": platform.python_version(), "platform": "test"},
-        "seconds": 1.0,
-        "args": {},
-    }
+    fake = fake_run(("tqueue",))
     monkeypatch.setattr(e2e, "run", lambda args: fake)
     assert e2e.main(["--quick", "--out", str(tmp_path)]) == 0
     paths = wrote(capsys.readouterr().out)
