@@ -230,8 +230,7 @@ class Writes:
         if grant.waiting - {msg.unit_id}:  # a put or update of two copies: one copy of two
             return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
-        if grant.timer is not None:  # its end, as GrantRecord.stop_timer
-            grant.timer.cancel()
+        grant.stop_timer()
         self.committed[msg.grant_id] = None
         while len(self.committed) > MAX_SERVED:
             self.committed.popitem(last=False)
