@@ -240,21 +240,38 @@ def test_replies_unread_on_several_connections_stay_under_the_total_bound(partit
                 peers.append(peer)
             reset_peak(pid)
             before = rss(pid)
+            ping = _wire.encode(_wire.Ping())
+
+            def alive() -> None:
+                """Each peer is live and not reading (as a client that heartbeats): a silent one's
+                session would end after 1.5 s and its queued replies with it."""
+                for peer in peers:
+                    peer.send_multipart(ping)
+
             for rid in range(1, FETCHES + 1):
                 fetch.rid = rid
                 for peer in peers:
                     peer.send_multipart(_wire.encode(fetch))
+            alive()
             # a correct client is served meanwhile, bytes intact
             got = c.get_data(c.get_meta(partition, ["x"], 1024, task="t", timeout=30))["x"]
             assert torch.equal(got.sum(0), rows.sum(0))
             # what the unit holds for them shows in status() (as of its heartbeat: polled)
-            until(lambda: c.status().units[0].held_bytes > PER_PEER, 10, "unread replies in held_bytes", every=INTERVAL / 5)
+            until(lambda: alive() or c.status().units[0].held_bytes > PER_PEER, 10, "unread replies in held_bytes",
+                  every=INTERVAL / 5)
             held = c.status().units[0].held_bytes
             served, refused, by_total = [0] * PEERS, [0] * PEERS, 0
-            for _ in range(FETCHES):
+            answered = [0] * PEERS
+            while min(answered) < FETCHES:
+                alive()
                 for i, peer in enumerate(peers):
+                    if answered[i] == FETCHES:
+                        continue
                     assert peer.poll(60_000), "a fetch got no answer"
                     reply, frames = _wire.decode(peer.recv_multipart())
+                    if isinstance(reply, _wire.Pong):
+                        continue
+                    answered[i] += 1
                     if isinstance(reply, _wire.Fetched):
                         served[i] += 1
                         assert sum(len(f) for f in frames) == 1024 * ROW
