@@ -29,6 +29,7 @@ of a client's 1.5 ms connect and close, on two busy cores).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import logging
@@ -133,6 +134,7 @@ class ConnectWatch:
         self._reaccepted = False  # and the reconnect after a dropped handshake made one again
         self._retried = False  # ZeroMQ has scheduled that reconnect
         self.closed = False
+        self._judged = asyncio.Event()  # the first connection handshook, failed, or the watch closed
         # ZeroMQ's descriptor signals only once the socket has found its queue empty
         self._drain()
 
@@ -182,6 +184,7 @@ class ConnectWatch:
         assert self._on_lost is not None
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected_once = True
+            self._judged.set()
             if self._on_connected is not None:
                 self._on_connected()
             return True
@@ -253,11 +256,20 @@ class ConnectWatch:
             )
         return ProtocolError(f"{where} broke the ZeroMQ handshake ({what}): is a tqueue {self.name} running there?")
 
+    async def judged(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the verdict on the first connection. ZeroMQ drops a
+        refused handshake's queue before its monitor reports why: a send that finds no
+        connection may come first, and the verdict names the cause."""
+        self._drain()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._judged.wait(), timeout)
+
     def close(self) -> None:
         """Stop watching (idempotent); the watched socket stays as it is."""
         if self.closed:
             return
         self.closed = True
+        self._judged.set()
         try:
             self._loop.remove_reader(self._mon.FD)
         except (RuntimeError, ValueError, zmq.ZMQError):

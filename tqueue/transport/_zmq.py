@@ -56,6 +56,7 @@ R = TypeVar("R", bound=Message)
 _CANCEL_KIND = bytes([Kind.CANCEL])
 _PING = encode(Ping())
 RECONNECT_GRACE = 0.3  # seconds a request to a server whose reconnects were refused waits for one that succeeds
+VERDICT_GRACE = 1.0  # seconds a request that found no connection waits for the handshake's verdict (a refusal names its cause)
 _monitors = itertools.count()  # names of blocking peers' monitor sockets
 BYE_LINGER_MS = 500  # a closing peer's Bye may still leave this long after the close
 _BYE = encode(Bye())
@@ -302,6 +303,12 @@ class Peer:
         except UnavailableError as exc:
             if not isinstance(exc.__cause__, zmq.Again):
                 raise
+            self._pending.pop(rid, None)
+            fut.cancel()  # (a send that failed at once left it pending) nobody awaits it now
+            if self._watch is not None:  # the handshake's verdict may be on its way
+                await self._watch.judged(VERDICT_GRACE)
+            if self._refused is not None:
+                raise self._refused from None
             raise self._unavailable(
                 f"{self.name} at {self.address} has no connection to take {type(msg).__name__}: it "
                 "refused this client's handshake (CurveZMQ keys?) or cannot be reached"
