@@ -42,6 +42,8 @@ class _Waiting:
     groups: list[Any] | None
     versions: list[int] | None
     done: asyncio.Future[BatchMeta]
+    put: asyncio.Future[BatchMeta] | None = None  # the put it went out in, with
+    batch: list[_Waiting] = dataclasses.field(default_factory=list)  # the callers it went with
 
 
 def _part(meta: BatchMeta, at: int, n: int) -> BatchMeta:
@@ -115,8 +117,16 @@ class Puts:
         if waiting is None:
             waiting = self._waiting[key] = []
             loop.call_soon(self._send_waiting, key)
-        waiting.append(_Waiting(enc, group_ids, versions, done))
-        return await done
+        item = _Waiting(enc, group_ids, versions, done)
+        waiting.append(item)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            # the last caller to give up waits for the put's withdrawal, as a put alone does
+            # (a request on the same connection after this one comes after its Cancel)
+            if item.put is not None and all(w.done.cancelled() for w in item.batch):
+                await asyncio.wait([item.put])
+            raise
 
     def _send_waiting(self, key: Any) -> None:
         """Send the puts of one kind that waited for this turn: one put of all of them (up to
@@ -154,6 +164,7 @@ class Puts:
                 put.cancel()
 
         for w in batch:
+            w.put, w.batch = put, batch
             w.done.add_done_callback(withdraw)
         try:
             meta = await put
