@@ -152,16 +152,20 @@ def test_a_closed_socket_under_a_send_is_unavailable(stand):
     asyncio.run(main())
 
 
-def test_a_server_busy_with_a_big_request_is_not_taken_for_gone_before_its_transit(stand):
+def test_a_server_busy_with_a_big_request_is_not_taken_for_gone_before_its_transit(stand, monkeypatch):
     """A server cannot answer pings queued behind a big request (ZeroMQ hands a message over
     whole, and a unit copies a put into fresh pages): the peer counts its silence from the end
     of the request's transit (its bytes at ``TRANSIT_RATE``), so a unit busy with a big put for
     longer than the liveness window is not taken for gone. One that never answers still is,
     after the transit and the window. (On a GPU host a 4 GiB put over TCP was failed as "not
     heard from for 3.4 s" and placed again.)"""
-    big = bytearray(192 << 20)
-    transit = len(big) / _liveness.TRANSIT_RATE  # about 1 s
-    interval = 0.2  # a window of 0.6 s: headroom for a loaded machine, whose loopback may move 192 MB slower than TRANSIT_RATE
+    # 48 MiB at a rate of 25 MB/s: a transit of 2 s that a loopback moving 25 MB/s or more
+    # (85 MB/s with four test processes on two cores) keeps to; at TRANSIT_RATE itself, how
+    # long the server's copy takes on a loaded machine is what the test measured
+    monkeypatch.setattr(_liveness, "TRANSIT_RATE", 25e6)
+    big = bytearray(48 << 20)
+    transit = len(big) / _liveness.TRANSIT_RATE
+    interval = 0.2  # a window of 0.6 s
 
     async def main():
         peer = _zmq.Peer(stand.address, name="storage unit", unavailable=StorageUnitUnavailableError, timeout=600)
