@@ -321,7 +321,7 @@ def test_the_strict_resolver_catches_a_wrong_name():
     """Each kind of miss, once; and a name real in one module but not in another."""
     text = (
         "`Writes.grant` in `tqueue/controller/parts/_writes.py`; `Writes.nope`\n\n"
-        "`_records.pick` `_writes.nope` `_nope.x`\n\n"
+        "`_partition.step_in` `_writes.nope` `_nope.x`\n\n"
         "`ControllerState.parked` (set in its constructor) `Nope.x` `Nopes`\n\n"
         "`Options.mode` with `tqueue/client/_ask.py`\n\n"
         "`Options.mode` with `tqueue/controller/model/_partition.py`\n\n"

@@ -11,10 +11,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from tqueue.controller.model._partition import Options, Partition
-from tqueue.controller.model._records import GrantRecord
-from tqueue.controller.model._samples import COMMITTED, EXCLUDED
-from tqueue.controller.model._serving import AVAILABLE, CONSUMED
+from tqueue.controller.model._partition import GrantRecord, Options, Partition
+from tqueue.controller.model._samples import AVAILABLE, COMMITTED, CONSUMED, EXCLUDED
 from tqueue.controller.parts._snapshot import capture, read_image, rebuild, write_image
 from tqueue.errors import InvalidArgumentError
 from tqueue.wire import FieldSpec

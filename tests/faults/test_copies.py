@@ -269,8 +269,7 @@ def test_a_copy_is_recorded_only_for_samples_whose_revision_did_not_move():
     between makes the copy stale: the commit records it for the unchanged samples only."""
     import numpy as np
 
-    from tqueue.controller.model._partition import Partition
-    from tqueue.controller.model._records import GrantRecord
+    from tqueue.controller.model._partition import GrantRecord, Partition
     from tqueue.controller.model._samples import COMMITTED
     from tqueue.controller.parts._copies import record_copy
 

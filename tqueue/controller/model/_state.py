@@ -1,12 +1,16 @@
-"""What several parts of the controller share, in one object of ten attributes.
+"""What several parts of the controller share, in one object of ten attributes, and the
+records it keeps.
 
 :class:`ControllerState` holds the partitions (:class:`Partitions`: by name and uid, and the
-tombstones of freed ones), the storage units and their peers (:class:`Units`), the grant
-records (:class:`Grants`), the parked requests (:class:`Requests`: reads, seal waits, version
-waits, writes; it answers them too, since a parked request is state), the partitions a
-prefetch fills and the trainer's version and admission (:class:`Trainer`). What only one part uses is that part's own: the leases, DP rounds, policies and
-served staleness are ``Reads``', the request-to-grant memory and placement turns ``Writes``',
-the moves under way ``Moves``', the freed partitions' totals the server's.
+tombstones of freed ones), the storage units (:class:`Unit` records) with their peers and
+where a write goes among them (:class:`Units`, :meth:`Units.pick`), the grants not yet
+committed (:class:`Grants`), the parked requests
+(:class:`Requests`: reads, seal waits, version waits, writes; it answers them too, since a
+parked request is state), the partitions a prefetch fills and the trainer's version and
+admission (:class:`Trainer`). What only one part uses is that part's own: the leases, DP
+rounds, policies and served staleness are ``Reads``', the request-to-grant memory and
+placement turns ``Writes``', the moves under way ``Moves``', the freed partitions' totals the
+server's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import struct
 from collections.abc import Iterator
@@ -25,16 +30,49 @@ from ..._tasks import Tasks
 from ...config import ControllerConfig
 from ...errors import InvalidArgumentError, PartitionClearedError, UnavailableError
 from ...transport import _zmq
-from ...wire import Message
+from ...wire import Grant, Message, UnitInfo
 from ._parked import Parked
-from ._partition import Options, Partition, step_in
-from ._records import GrantRecord, Unit
+from ._partition import GrantRecord, Options, Partition, step_in
 
 log = logging.getLogger(__name__)
 
 # Fixed bounds on what the controller remembers (settings are in ControllerConfig):
 MAX_SERVED: Final = 4096  # answered get_meta and puts remembered (request -> lease, grant) for a late Cancel
 MAX_TOMBSTONES: Final = 10_000  # names of freed partitions refused for tombstone_seconds; past it the oldest go
+
+
+class Wait(Exception):
+    """A write cannot be admitted yet; ``reason`` says why, ``full`` if for memory."""
+
+    def __init__(self, reason: str, *, full: bool, never: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.full = full
+        self.never = never  # waiting cannot help
+
+
+@dataclasses.dataclass
+class Unit:
+    info: UnitInfo
+    capacity: int = 0  # bytes the unit may hold; 0: no limit
+    nbytes: int = 0  # stored, as the unit last reported
+    reserved: int = 0  # granted to writes not yet committed
+    name: str = ""  # its identity: registering again under it gives the same unit id
+    alive: bool = True  # false once it missed its heartbeats: its samples are lost
+    suspect: bool = False  # a client failed to store on it: no placements until a probe answers
+    heard: float = 0.0  # loop time of its last heartbeat
+    session: bytes = b""  # its connection's session at the controller (any message from it is a sign of life)
+    ident: bytes = b""  # its connection at the controller, whose messages are handled first
+    arena_used: int = 0  # as its last heartbeat said
+    held_bytes: int = 0  # replies not yet taken by their readers, as its last heartbeat said
+    metrics: str = ""  # its Prometheus endpoint
+
+    @property
+    def load(self) -> int:
+        return self.nbytes + self.reserved
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.capacity or self.load + nbytes <= self.capacity
 
 
 @dataclasses.dataclass(eq=False)
@@ -132,11 +170,48 @@ class Partitions(dict[str, Partition]):
 
 
 class Units(dict[int, Unit]):
-    """The storage units by id (a dict), and the peer each one is reached on."""
+    """The storage units by id (a dict), the peer each one is reached on, and where a write
+    goes among them (:meth:`pick`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.peers: dict[int, _zmq.Peer] = {}
+
+    def pick(self, msg: Grant, cap: int, placements: Iterator[int]) -> Unit:
+        """Placement of ``msg``: a unit on the producer's host with room, the least loaded among those;
+        Wait where none can take ``msg`` now (saying why, and whether it never will)."""
+        units = [u for u in self.values() if u.alive and not u.suspect]  # nothing new to a dead unit
+        if not units:
+            suspect = sum(u.alive and u.suspect for u in self.values())
+            raise Wait(
+                f"no live storage unit ({len(self)} registered: {suspect} being probed after a failed store, "
+                f"{len(self) - suspect} dead)" if self
+                else "no storage unit is registered with the controller yet",
+                full=True,
+            )
+        need = msg.nbytes
+        used = sum(u.load for u in units)
+        if cap and used + need > cap:
+            raise Wait(
+                f"a write of {need} bytes to partition {msg.partition!r} needs memory: {used} "
+                f"bytes used of {cap} allowed in the cluster",
+                full=True,
+                never=need > cap,
+            )
+        roomy = [u for u in units if u.fits(need)]
+        if not roomy:
+            largest = max((u.capacity or math.inf) for u in units)
+            per_unit = ", ".join(f"unit {u.info.unit_id}: {u.load} of {u.capacity}" for u in units)
+            raise Wait(
+                f"a write of {need} bytes to partition {msg.partition!r} fits on no storage unit "
+                f"({per_unit} bytes used of allowed)",
+                full=True,
+                never=need > largest,
+            )
+        local = [u for u in roomy if msg.host and u.info.host == msg.host]
+        pool = local or roomy
+        turn = next(placements)  # ties rotate so that equal units share the work
+        return min(pool, key=lambda u: (u.load, (u.info.unit_id - turn) % len(pool)))
 
 
 class Grants(dict[int, GrantRecord]):

@@ -18,9 +18,8 @@ import numpy as np
 from ...errors import InvalidArgumentError, TQueueError
 from ...wire import AllocateRows, Grant, Locate, Located, MetaReply
 from ..model._partition import Partition
-from ..model._records import Unit
 from ..model._samples import COMMITTED
-from ..model._state import ControllerState
+from ..model._state import ControllerState, Unit
 
 MetaOf = Callable[..., Any]
 

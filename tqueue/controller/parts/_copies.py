@@ -28,9 +28,8 @@ import numpy as np
 
 from ...errors import InvalidArgumentError, PartitionClearedError
 from ...wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
-from ..model._partition import Partition
-from ..model._records import GrantRecord, Unit
-from ..model._state import ControllerState
+from ..model._partition import GrantRecord, Partition
+from ..model._state import ControllerState, Unit
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,7 @@ import numpy as np
 from ...errors import InvalidArgumentError, PartitionClearedError, RemoteError, UnavailableError, WaitTimeoutError
 from ...wire import GetMeta, MetaReply, Move, Ok, Postpone, Seal, Sealed, Select
 from ..model._partition import Partition
-from ..model._samples import EXCLUDED, HIDDEN, Moved
-from ..model._serving import CONSUMED
+from ..model._samples import CONSUMED, EXCLUDED, HIDDEN, Moved
 from ..model._state import ControllerState, Waiter
 from ._reads import Reads
 

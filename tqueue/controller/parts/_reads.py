@@ -32,7 +32,7 @@ from ...errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldE
 from ...transport._liveness import session_of
 from ...wire import Ack, BatchMeta, GetMeta, MetaReply, Ok, Renew
 from ..model._partition import Partition
-from ..model._serving import CONSUMED, LEASED
+from ..model._samples import CONSUMED, LEASED
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
 from ..planning._batch_policies import BUILT_IN, Candidates, Policy, check
 from ..planning._rounds import Round, RoundBook, token_counts
@@ -351,7 +351,7 @@ class Reads:
     def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:
         lease_id = (self.epoch << _LEASE_BITS) | (next(self.lease_ids) & _LEASE_MASK) | 1
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
-        part.task(task).take(indexes, lease_id)
+        part.tasks[task].take(indexes, lease_id)  # (the read that leases made the task's state)
         record = Lease(lease_id, part.uid, task, indexes)
         if not math.isinf(timeout):
             record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)

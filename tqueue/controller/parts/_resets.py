@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...wire import Ok, ResetConsumption
-from ..model._serving import AVAILABLE, CONSUMED
+from ..model._samples import AVAILABLE, CONSUMED
 from ..model._state import ControllerState
 
 

@@ -32,8 +32,7 @@ from ...wire import FieldSpec
 from ...wire._durable import MAX_UNIT_ID, Summed
 from ..model._keyindex import KeyIndex
 from ..model._partition import Options, Partition
-from ..model._samples import COMMITTED, EXCLUDED, Groups
-from ..model._serving import AVAILABLE, LEASED
+from ..model._samples import AVAILABLE, COMMITTED, EXCLUDED, LEASED, Groups
 
 FORMAT: Final = "tqueue-partition"
 FORMAT_VERSION: Final = 1

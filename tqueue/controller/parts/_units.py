@@ -35,8 +35,7 @@ from ...errors import StorageUnitUnavailableError, TQueueError, UnavailableError
 from ...transport import _zmq
 from ...transport._liveness import UNIT_LIVENESS, session_of, window
 from ...wire import Heartbeat, HeartbeatReply, Ping, Pong, Registered, RegisterUnit, UnitInfo
-from ..model._records import Unit
-from ..model._state import ControllerState
+from ..model._state import ControllerState, Unit
 from ._checkpoints import kept_on, read_checkpoint
 from ._cleanup import Cleanup
 from ._writes import Writes

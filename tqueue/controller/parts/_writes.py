@@ -26,9 +26,8 @@ from ...errors import (
 )
 from ...transport._liveness import session_of
 from ...wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
-from ..model._partition import NO_STEP, Partition
-from ..model._records import GrantRecord, Unit, Wait, pick
-from ..model._state import MAX_SERVED, ControllerState, ParkedWrite
+from ..model._partition import NO_STEP, GrantRecord, Partition
+from ..model._state import MAX_SERVED, ControllerState, ParkedWrite, Unit, Wait
 from ._copies import Copies, copies_of
 from ._cycles import Cycles
 
@@ -136,7 +135,7 @@ class Writes:
             added = part.check_put(msg)
             if added is None:
                 return self._late_put(part, msg, via)
-        unit = pick(self.state.units.values(), msg, self.state.config.capacity_bytes, self.placements)
+        unit = self.state.units.pick(msg, self.state.config.capacity_bytes, self.placements)
         copies = (part.options.copies if part is not None else 0) or self.state.config.copies
         second = self.copies.place(msg, unit) if copies > 1 else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
@@ -253,8 +252,10 @@ class Writes:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         # Waiters are served after this reply is sent: a failure while serving one of them
-        # must not undo (or even delay) a commit the controller already recorded.
-        self.state.loop.call_soon(self._wake, part.name)
+        # must not undo (or even delay) a commit the controller already recorded. A read that
+        # parks after this commit finds its samples as it arrives: none parked, none to wake.
+        if part.name in self.state.parked.reads.by_key:
+            self.state.loop.call_soon(self._wake, part.name)
         if part.sealed and not was_sealed:
             self.state.loop.call_soon(self._sealed, part)
         return Committed(sealed=part.sealed)
@@ -280,7 +281,7 @@ class Writes:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
         where none can take it (no waiting: this is for samples that have their place)."""
         try:
-            return pick(self.state.units.values(), msg, self.state.config.capacity_bytes, self.placements)
+            return self.state.units.pick(msg, self.state.config.capacity_bytes, self.placements)
         except Wait as wait:
             raise StorageUnitUnavailableError(f"partition {msg.partition!r}: no unit can take samples: {wait.reason}") from None
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ...errors import InvalidArgumentError
 from ..model._partition import Partition
-from ..model._serving import TaskState
+from ..model._samples import TaskState
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ from ...wire import (
     Select,
     VersionWait,
 )
-from ..model._schema import MAX_FIELDS
+from ..model._partition import MAX_FIELDS
 
 MAX_DIMS = 32  # dimensions of one sample of a field (torch allows 25)
 MAX_NAME = 4096  # characters of a partition, task or field name
