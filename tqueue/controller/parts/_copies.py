@@ -1,4 +1,8 @@
-"""Copying again: samples of a partition of two copies held by one unit (a unit's death, a put
+"""Copies of samples (partitions of two copies): a put's second copy and its commits
+(:class:`Copies`), the reads of a dead unit's samples served from their copies
+(:class:`Failover`), and copying again (:class:`Copier`).
+
+Copying again: samples of a partition of two copies held by one unit (a unit's death, a put
 no second unit had room for, a restored checkpoint) are copied again, in the background, a
 bounded batch at a time.
 
@@ -23,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgumentError, PartitionClearedError
-from ...wire import Commit, Committed, Fetch, Fetched, Grant, Store, Stored
+from ...errors import InvalidArgumentError, PartitionClearedError, TQueueError
+from ...wire import Commit, Committed, Fetch, Fetched, Grant, Locate, Located, Store, Stored
 from ..model._partition import GrantRecord, Partition
 from ..model._state import ControllerState, Unit
 
@@ -338,6 +343,72 @@ class Copies:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
         return Committed(sealed=part.sealed)
+
+
+class Failover:
+    """A unit's death, for the readers of partitions of two copies: its samples with a copy on a
+    live unit are served from that copy (:meth:`promote`, before the losses are counted), and a
+    reader whose fetch from a failing unit asks ``Locate`` with ``moved_from`` waits for that
+    unit's verdict: answered once it is declared dead (:meth:`unit_gone`), or at its timeout
+    with where the samples still are. ``Locate`` also places rows allocated ahead of their data
+    at their first write (``place``: as a put's grant is placed)."""
+
+    def __init__(self, state: ControllerState, *, place: Callable[[Grant], Unit]) -> None:
+        self.state = state
+        self._parked: dict[int, list[tuple[bytes, Locate, asyncio.TimerHandle]]] = {}  # unit id -> Locates waiting
+        self._place = place
+
+    def promote(self, unit_id: int) -> None:
+        """Unit ``unit_id`` died: samples with a copy on a live unit are served from it."""
+        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
+        for part in list(self.state.partitions.values()):
+            kept = part.promote(unit_id, alive)
+            if kept:
+                log.warning("partition %r: %d samples of storage unit %d are served from their copies now", part.name,
+                            kept, unit_id)
+
+    def locate(self, ident: bytes, msg: Locate, bufs: list[Any]) -> Located | None:
+        located = self._located(msg)
+        unit = self.state.units.get(msg.moved_from)
+        if (located.two_copies and unit is not None and unit.alive and msg.moved_from in located.units
+                and msg.timeout > 0):
+            self.state.parked.check(f"a read's wait for the copies of unit {msg.moved_from}")
+            timer = self.state.loop.call_later(msg.timeout, self._expire, msg.moved_from, ident, msg)
+            self._parked.setdefault(msg.moved_from, []).append((ident, msg, timer))
+            return None  # answered once the unit is declared dead (unit_gone), or at the timeout
+        return located
+
+    def unit_gone(self, unit_id: int) -> None:
+        """A unit was declared dead and its samples promoted: answer the reads waiting on it."""
+        for ident, msg, timer in self._parked.pop(unit_id, []):
+            timer.cancel()
+            self._answer(ident, msg)
+
+    def _expire(self, unit_id: int, ident: bytes, msg: Locate) -> None:
+        waiting = self._parked.get(unit_id, [])
+        self._parked[unit_id] = [w for w in waiting if w[1] is not msg]
+        self._answer(ident, msg)  # where the samples are still: the reader gives up on its copies
+
+    def _answer(self, ident: bytes, msg: Locate) -> None:
+        try:
+            self.state.server.reply(ident, msg.rid, self._located(msg))
+        except TQueueError as exc:  # the partition went meanwhile: the error is the answer
+            self.state.server.reply_error(ident, msg.rid, exc)
+
+    def _located(self, msg: Locate) -> Located:
+        part = self.state.partitions.live(msg.partition, msg.partition_uid)
+        idx = np.asarray(msg.indexes, dtype=np.int64)
+        part.samples.check_indexes(idx, part.name)
+        units = part.samples.unit[idx]
+        unplaced = idx[units < 0]
+        if len(unplaced):
+            unit = self._place(Grant(partition=part.name, count=len(unplaced), blocks=[], host=msg.host))
+            part.samples.unit[unplaced] = unit.info.unit_id
+        units = part.samples.unit[idx].tolist()
+        dead = {u.info.unit_id for u in self.state.units.values() if not u.alive}
+        copies = part.options.copies or self.state.config.copies
+        return Located(units=units, gone=[u in dead for u in units], two_copies=copies > 1,
+                       second_units=part.samples.second_unit[idx].tolist())
 
 
 def copies_of(part: Partition, indexes: np.ndarray) -> set[int]:

@@ -57,10 +57,12 @@ class Liveness:
         wake: Callable[[str], None],
         leases_gone: Callable[[bytes, float], int],
         copy_again: Callable[[], None] = lambda: None,
+        promote: Callable[[int], None] = lambda unit_id: None,
         unit_gone: Callable[[int], None] = lambda unit_id: None,
     ) -> None:
         self.state = state
-        self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_allocations): answered
+        self._promote = promote  # a dead unit's samples served from their copies (_copies)
+        self._unit_gone = unit_gone  # reads waiting for the copies of a unit (_copies): answered
         self._copy_again = copy_again  # copy samples held once again (a death, or a unit to copy onto)
         self._leases_gone = leases_gone  # (session, silent since): its leases sent since, released (their count)
         self.writes = writes
@@ -226,13 +228,9 @@ class Liveness:
         unit.nbytes = unit.reserved = 0
         lapsed = self.writes.lapse_on(unit_id, f"was placed on storage unit {unit_id}, which died")
         self.cleanup.drops.forget_unit(unit_id)
+        self._promote(unit_id)  # first: what has a copy on a live unit is not lost
         lost = 0
-        alive = {u.info.unit_id for u in self.state.units.values() if u.alive}
         for part in list(self.state.partitions.values()):
-            kept = part.promote(unit_id, alive)
-            if kept:
-                log.warning("partition %r: %d samples of storage unit %d are served from their copies now", part.name,
-                            kept, unit_id)
             n = part.lose(unit_id, keep=(keep or {}).get(part.uid))
             part.unit_bytes.pop(unit_id, None)
             if n:

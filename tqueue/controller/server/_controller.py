@@ -82,7 +82,7 @@ from ..model._state import ControllerState
 from ..parts._allocations import Allocations
 from ..parts._checkpoints import Checkpoints, read_manifest
 from ..parts._cleanup import Cleanup
-from ..parts._copies import Copier
+from ..parts._copies import Copier, Failover
 from ..parts._corruption import Corruption
 from ..parts._moves import Moves
 from ..parts._reads import Reads
@@ -133,10 +133,11 @@ class Controller:
             copy_again=self.copier.wake,
         )
         self.versions = Versions(self.state, retry_parked=self.writes.retry_parked)
-        self.allocations = Allocations(self.state, meta_of=self.reads.meta_of, place=self.writes.place)
+        self.allocations = Allocations(self.state, meta_of=self.reads.meta_of)
+        self.failover = Failover(self.state, place=self.writes.place)
         self.liveness = Liveness(
             self.state, writes=self.writes, cleanup=self.cleanup, wake=self._wake_soon, leases_gone=self.reads.session_gone,
-            copy_again=self.copier.wake, unit_gone=self.allocations.unit_gone,
+            copy_again=self.copier.wake, promote=self.failover.promote, unit_gone=self.failover.unit_gone,
         )
         self.checkpoints = Checkpoints(
             self.state, wake=self._wake_soon, copy_again=self.copier.wake, forget=self.cleanup.forget,
@@ -196,7 +197,7 @@ class Controller:
             (DropKeys, self.keys.drop),
             (ResetConsumption, self.resets.reset),
             (AllocateRows, self.allocations.allocate),
-            (Locate, self.allocations.locate),
+            (Locate, self.failover.locate),
             (Corrupt, self.corruption.report),
         )
         ungated = (Hello, StatusRequest, Cancel)
