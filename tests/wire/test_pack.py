@@ -262,6 +262,30 @@ def test_a_packed_write_to_a_jagged_field_reads_back_exact(cluster, partition):
         assert all(torch.equal(got[2 + i], dense[i]) for i in range(8))
 
 
+@pytest.mark.parametrize("reader", ["zmq", "bulk", "shm"])
+def test_jagged_integer_samples_travel_and_are_stored_narrow(cluster, partition, reader):
+    """Routed experts as the rollout bridges put them: one int32 [length, 48, 8] tensor a
+    sample, expert ids under 128: one byte an id on the socket and in the unit, read back
+    exact in int32 by ZeroMQ, bulk-stream and same-host readers. A frame holds whole samples
+    at one width: the big sample whose values need int16 travels at int16, small samples
+    joined in one frame at their common width."""
+    g = torch.Generator().manual_seed(5)
+    lengths = (300, 17, 1200, 5, 3)
+    experts = [torch.randint(0, 128, (n, 48, 8), generator=g, dtype=torch.int32) for n in lengths]
+    experts[2][7, 3, 1] = 1000  # its own frame (over 64 KiB), at int16
+    experts[4][0, 0, 0] = -3  # still int8
+    ids = sum(e.numel() for e in experts)
+    consumer_config = {"zmq": dataclasses.replace(SOCKET, bulk=False), "bulk": SOCKET, "shm": SHM}[reader]
+    with client(cluster, SOCKET) as producer, client(cluster, consumer_config) as consumer:
+        producer.put(partition, {"routed_experts": experts})
+        assert producer.stats.put_bytes == ids * 4
+        assert producer.stats.wire_bytes == ids + experts[2].numel()  # 1 byte an id, 2 for the int16 sample
+        assert stored(consumer, partition) == producer.stats.wire_bytes  # the unit keeps the narrow bytes
+        got = consumer.get_data(partition, ["routed_experts"], len(lengths), task="t", timeout=10)["routed_experts"]
+        assert [t.dtype for t in got] == [torch.int32] * len(lengths)
+        assert all(torch.equal(a, b) for a, b in zip(got, experts))
+
+
 def test_an_update_of_an_integer_field_is_packed_and_exact(cluster, partition):
     with client(cluster, SOCKET) as c:
         meta = c.put(partition, {"ids": torch.zeros(16, 1024, dtype=torch.int64)})

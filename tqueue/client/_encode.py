@@ -406,6 +406,8 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
     for block, whole in zip(enc.blocks, enc.whole):
         frames = enc.buffers[at : at + len(block.counts)]
         at += len(block.counts)
+        if whole is None and block.spec.layout == "jagged" and _jagged_ints(block, frames, take, out):
+            continue
         wide = int_dtype(block.spec) if whole is not None else None
         values = np.frombuffer(whole, dtype=wide) if wide is not None else None
         if defer and values is not None and _deferred(values, block, enc.count, chunk, out):
@@ -427,6 +429,33 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
         out.nbytes += buf.nbytes
         out.copied += buf.nbytes  # the narrow values were written once: a copy
     return out if out.copied > enc.copied else enc
+
+
+def _jagged_ints(block: FieldBlock, frames: Sequence[Any], take: Callable[[int], np.ndarray] | None, out: Encoded) -> bool:
+    """Append a jagged integer field's frames to ``out``, each one whose values all fit a
+    narrower type in that type (a frame holds whole samples: each sample travels at one
+    width); False, appending nothing, where no frame narrows."""
+    wide = int_dtype(block.spec)
+    if wide is None or block.packed is not None or not all(isinstance(f, (bytes, memoryview)) for f in frames):
+        return False  # (frames still on a device are not narrowed here)
+    frames = [memoryview(f) for f in frames]
+    narrowed = [narrow(np.frombuffer(f, dtype=wide), take) if f.nbytes % wide.itemsize == 0 else None for f in frames]
+    if not any(narrowed):
+        return False
+    packed: list[PackedType] = []
+    for frame, got in zip(frames, narrowed):
+        name: PackedType = ""
+        if got is None:
+            buf = frame
+        else:
+            buf, name = memoryview(got[0].view(np.uint8)), got[1]
+            out.copied += buf.nbytes  # the narrow values were written once: a copy
+        out.buffers.append(buf)
+        out.nbytes += buf.nbytes
+        packed.append(name)
+    out.blocks.append(msgspec.structs.replace(block, packed=packed))
+    out.whole.append(None)
+    return True
 
 
 def _deferred(values: np.ndarray, block: FieldBlock, n: int, chunk: int, out: Encoded) -> bool:

@@ -2,8 +2,9 @@
 
 RL batches are mostly int64 tensors whose values are small: token ids below the vocabulary
 size (int32), attention masks of 0 and 1 (int8), position ids below the sequence length
-(int16). A producer's client checks each dense integer field of a write and, where all its
-values fit a narrower signed type, sends that instead (:func:`narrow`); the unit stores the
+(int16), routed experts below 128 (int8). A producer's client checks each integer field of a
+write (a dense one whole, a jagged one frame by frame: a frame holds whole samples) and, where
+all its values fit a narrower signed type, sends that instead (:func:`narrow`); the unit stores the
 narrow bytes as they came, and a reader's client widens them back into the batch's tensor
 of the field's own dtype (:func:`widen`), in the pass that would have copied them anyway.
 Readers see exactly the values and dtype that were put. The wire marks it per frame
