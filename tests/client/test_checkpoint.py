@@ -39,8 +39,9 @@ NEXT = "train/step-4"
 
 def samples(first: int, n: int) -> list[dict]:
     """Fields of every kind a put takes: small int64 (narrowed on the wire), bf16 jagged,
-    fp8, bool, objects, nested values with tensor leaves (None in some samples), and 64 KiB of
-    bytes (its own frame, through the arena for the shm client)."""
+    fp8, bool, objects, nested values with tensor leaves (None in some samples), 64 KiB of
+    bytes (its own frame, through the arena for the shm client), and routed experts (jagged
+    int32, ids under 128: packed to int8 over sockets)."""
     g = torch.Generator().manual_seed(first)
     return [
         {
@@ -51,6 +52,7 @@ def samples(first: int, n: int) -> list[dict]:
             "obj": {"i": i, "text": "é" * (i % 3), "ids": list(range(i % 4))},
             "mm": None if i % 3 == 0 else {"pixels": torch.randn(i % 4, 3, generator=g).to(torch.bfloat16), "grid": [[1, i]]},
             "big": torch.randint(0, 255, (64 << 10,), dtype=torch.uint8, generator=g),
+            "experts": torch.randint(0, 128, (600 + i, 8), dtype=torch.int32, generator=g),
         }
         for i in range(first, first + n)
     ]
@@ -112,13 +114,13 @@ def test_a_checkpoint_comes_back_bit_exact_in_a_cluster_of_another_size(tmp_path
         assert step.tasks["a"].consumed == 16 and step.tasks["b"].leased == 0 and step.tasks["b"].consumed == 0
         assert status.version == 3 and status.admission_limit == (3 + 2 + 1) * 32
         # task a reads exactly the half it had not consumed, and nothing more
-        rest = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big"], 16, task="a", timeout=10)
+        rest = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big", "experts"], 16, task="a", timeout=10)
         assert sorted(rest.indexes) == sorted(set(written) - set(half.indexes))
         check(c, rest, written)
         with pytest.raises(tqueue.errors.WaitTimeoutError):
             c.get_meta(STEP, ["x"], 1, task="a", timeout=0.5, policy="first_ready")
         # task b's lease came back ready: it reads all 32
-        every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big"], 32, task="b", timeout=10)
+        every = c.get_meta(STEP, ["x", "bf", "f8", "ok", "obj", "mm", "big", "experts"], 32, task="b", timeout=10)
         check(c, every, written)
         assert len(set(every.units)) >= 2  # two old units' payload, spread over the new ones
         assert sorted(every.groups) == sorted(f"g{i // 2}" for i in range(32))
