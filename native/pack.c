@@ -1,10 +1,11 @@
 /* tqueue.wire._native_pack: narrow a buffer of signed integers in one pass (tqueue/wire/_pack.py).
  *
- * narrow_into(src, src_itemsize, dst, width) -> bool
+ * narrow_into(src, src_itemsize, dst, width, unsigned=False) -> bool
  *
  *   Writes each of the signed integers of ``src`` (native byte order, ``src_itemsize`` 2, 4
  *   or 8 bytes each) to ``dst`` as a signed integer of ``width`` bytes (1, 2 or 4, smaller
- *   than ``src_itemsize``), and checks in the same pass that every value fits. Returns True
+ *   than ``src_itemsize``), or with ``unsigned`` as an unsigned one of 1 byte (uint8: 0 to
+ *   255), and checks in the same pass that every value fits. Returns True
  *   when they all fit (``dst`` then holds them all), False at the first block of values that
  *   does not (``dst`` is then partly written and meaningless).
  *
@@ -47,18 +48,22 @@ NARROW(n64_8, int64_t, int8_t)
 NARROW(n32_16, int32_t, int16_t)
 NARROW(n32_8, int32_t, int8_t)
 NARROW(n16_8, int16_t, int8_t)
+NARROW(n64_u8, int64_t, uint8_t)
+NARROW(n32_u8, int32_t, uint8_t)
+NARROW(n16_u8, int16_t, uint8_t)
 
 static PyObject *
 narrow_into(PyObject *self, PyObject *args)
 {
     Py_buffer src, dst;
-    int size, width;
-    if (!PyArg_ParseTuple(args, "y*iw*i", &src, &size, &dst, &width))
+    int size, width, is_unsigned = 0;
+    if (!PyArg_ParseTuple(args, "y*iw*i|p", &src, &size, &dst, &width, &is_unsigned))
         return NULL;
     PyObject *result = NULL;
     if (!(size == 2 || size == 4 || size == 8) || !(width == 1 || width == 2 || width == 4) ||
-        width >= size) {
-        PyErr_Format(PyExc_ValueError, "cannot narrow %d-byte integers to %d bytes", size, width);
+        width >= size || (is_unsigned && width != 1)) {
+        PyErr_Format(PyExc_ValueError, "cannot narrow %d-byte integers to %d %sbytes", size, width,
+                     is_unsigned ? "unsigned " : "");
         goto done;
     }
     if (src.len % size != 0 || dst.len != src.len / size * width) {
@@ -69,7 +74,13 @@ narrow_into(PyObject *self, PyObject *args)
     Py_ssize_t n = src.len / size;
     int fits = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (size == 8 && width == 4)
+    if (is_unsigned && size == 8)
+        fits = n64_u8(src.buf, dst.buf, n);
+    else if (is_unsigned && size == 4)
+        fits = n32_u8(src.buf, dst.buf, n);
+    else if (is_unsigned)
+        fits = n16_u8(src.buf, dst.buf, n);
+    else if (size == 8 && width == 4)
         fits = n64_32(src.buf, dst.buf, n);
     else if (size == 8 && width == 2)
         fits = n64_16(src.buf, dst.buf, n);
@@ -91,7 +102,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"narrow_into", narrow_into, METH_VARARGS,
-     "narrow_into(src, src_itemsize, dst, width) -> bool: narrow signed integers, checking they fit."},
+     "narrow_into(src, src_itemsize, dst, width, unsigned=False) -> bool: narrow signed integers, checking they fit."},
     {NULL, NULL, 0, NULL},
 };
 

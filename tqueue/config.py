@@ -379,7 +379,7 @@ class ClientConfig:
         False, "checksums on the same-host arena route too (puts into a unit's arena, reads of its pages); off by "
         "default: there the check costs more than the bytes' trip (docs/performance.md)")
     pack_ints: bool = _setting(
-        True, "an integer field (dense, or jagged frame by frame) whose values all fit a narrower signed type (token ids in int32, masks in int8) "
+        True, "an integer field (dense, or jagged frame by frame) whose values all fit a narrower type (token ids in int32, masks in int8, expert ids in uint8) "
         "is sent and stored in that type; readers get the field's own dtype back (see tqueue.wire._pack)")
     pin_memory: bool = _setting(
         False, "assemble batches in page-locked (pinned) host memory, which a trainer moves to its GPU by DMA "

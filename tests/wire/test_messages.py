@@ -126,8 +126,8 @@ def a_store(**block) -> _wire.Store:
             id="field-layout",
         ),
         pytest.param(
-            header(_wire.Kind.STORE, a_store(packed=["int8"]), blocks__0__packed=["uint8"]),
-            r"Invalid enum value 'uint8' - at `\$.blocks\[0\].packed\[0\]`",
+            header(_wire.Kind.STORE, a_store(packed=["int8"]), blocks__0__packed=["uint16"]),
+            r"Invalid enum value 'uint16' - at `\$.blocks\[0\].packed\[0\]`",
             id="packed-type",
         ),
         pytest.param(

@@ -48,7 +48,10 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     [
         (0, 1, "int8"),
         (-128, 127, "int8"),
-        (0, 128, "int16"),
+        (0, 128, "uint8"),  # expert ids under 256
+        (0, 255, "uint8"),
+        (0, 256, "int16"),
+        (-1, 128, "int16"),
         (-129, 0, "int16"),
         (-(2**15), 2**15 - 1, "int16"),
         (0, 2**15, "int32"),
@@ -106,6 +109,13 @@ def test_native_pass_refuses_buffers_that_do_not_match():
         native.narrow_into(a, 8, np.zeros(3, dtype=np.int32), 4)
     with pytest.raises(TypeError):
         native.narrow_into(a, 8, b"read-only", 1)
+    with pytest.raises(ValueError, match="cannot narrow 8-byte integers to 2 unsigned bytes"):
+        native.narrow_into(a, 8, np.zeros(16, dtype=np.uint16), 2, True)
+    # unsigned: 0 to 255 fit a byte, -1 and 256 do not
+    out = np.zeros(3, dtype=np.uint8)
+    assert native.narrow_into(np.array([0, 128, 255]), 8, out, 1, True) and out.tolist() == [0, 128, 255]
+    assert not native.narrow_into(np.array([0, -1, 5]), 8, out, 1, True)
+    assert not native.narrow_into(np.array([256, 0, 5], dtype=np.int16), 2, out, 1, True)
 
 
 def test_widening_many_frames_on_two_threads_is_exact():
@@ -142,8 +152,8 @@ def test_packed_frames_declare_their_narrow_sizes():
         (FieldSpec(kind="tensor", dtype="float32", shape=(4,)), ["int8"], r"field 'f': tensor fields of dtype 'float32' cannot be packed"),
         (FieldSpec(kind="tensor", dtype="uint64", shape=(4,)), ["int8"], r"dtype 'uint64' cannot be packed"),
         (FieldSpec(kind="ndarray", dtype=">i8", shape=(4,)), ["int8"], r"dtype '>i8' cannot be packed"),
-        (INT64, ["int64"], r"frame 0 is packed as 'int64', which is not a narrower signed integer type than 'int64'"),
-        (INT64, ["uint8"], r"packed as 'uint8', which is not a narrower"),
+        (INT64, ["int64"], r"frame 0 is packed as 'int64', which is not a narrower integer type than 'int64'"),
+        (INT64, ["uint16"], r"packed as 'uint16', which is not a narrower"),
         (FieldSpec(kind="tensor", dtype="int16", shape=(4,)), ["int32"], r"packed as 'int32', which is not a narrower"),
         (INT64, ["int8", "int8"], r"field 'f': 2 packed types for 1 frame"),
         (FieldSpec(kind="object", layout="jagged"), ["int8"], r"object fields of dtype '' cannot be packed"),
@@ -236,11 +246,11 @@ def test_big_put_over_bulk_lanes_and_bulk_fetch_are_exact(cluster, partition, mo
 def test_one_read_of_writes_packed_to_different_widths(cluster, partition):
     """Rows of 128 bytes: the unit joins small runs into one frame, never across widths."""
     rows = torch.arange(64 * 16).reshape(64, 16)
-    writes = [rows % 100, rows * 30, rows * 100_000, rows * 2**40, rows % 100 - 50]  # int8, 16, 32, 64, 8
+    writes = [rows % 100, rows * 30, rows * 100_000, rows * 2**40, rows % 100 - 50, rows % 256]  # int8, 16, 32, 64, 8, uint8
     with client(cluster, SOCKET) as c:
         metas = [c.put(partition, {"x": w}) for w in writes]
-        assert c.stats.wire_bytes == rows.numel() * (1 + 2 + 4 + 8 + 1)
-        meta = c.get_meta(partition, ["x"], 320, task="t", timeout=10)
+        assert c.stats.wire_bytes == rows.numel() * (1 + 2 + 4 + 8 + 1 + 1)
+        meta = c.get_meta(partition, ["x"], 384, task="t", timeout=10)
         got = c.get_data(meta)["x"]
         want = torch.cat(writes)
         assert got.dtype == torch.int64 and torch.equal(got, want[meta.indexes])
@@ -265,15 +275,14 @@ def test_a_packed_write_to_a_jagged_field_reads_back_exact(cluster, partition):
 @pytest.mark.parametrize("reader", ["zmq", "bulk", "shm"])
 def test_jagged_integer_samples_travel_and_are_stored_narrow(cluster, partition, reader):
     """Routed experts as the rollout bridges put them: one int32 [length, 48, 8] tensor a
-    sample, expert ids under 128: one byte an id on the socket and in the unit, read back
+    sample, expert ids under 256 (uint8): one byte an id on the socket and in the unit, read back
     exact in int32 by ZeroMQ, bulk-stream and same-host readers. A frame holds whole samples
     at one width: the big sample whose values need int16 travels at int16, small samples
     joined in one frame at their common width."""
     g = torch.Generator().manual_seed(5)
     lengths = (300, 17, 1200, 5, 3)
-    experts = [torch.randint(0, 128, (n, 48, 8), generator=g, dtype=torch.int32) for n in lengths]
+    experts = [torch.randint(0, 256, (n, 48, 8), generator=g, dtype=torch.int32) for n in lengths]
     experts[2][7, 3, 1] = 1000  # its own frame (over 64 KiB), at int16
-    experts[4][0, 0, 0] = -3  # still int8
     ids = sum(e.numel() for e in experts)
     consumer_config = {"zmq": dataclasses.replace(SOCKET, bulk=False), "bulk": SOCKET, "shm": SHM}[reader]
     with client(cluster, SOCKET) as producer, client(cluster, consumer_config) as consumer:

@@ -393,7 +393,7 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any], counts: list[i
 
 
 def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False) -> Encoded:
-    """``enc`` with each dense integer field whose values all fit a narrower signed type
+    """``enc`` with each integer field whose values all fit a narrower type
     sent in that type (tqueue/wire/_pack.py): for writes that cross a socket, where fewer bytes
     cost less than the pass that narrows them. ``enc`` itself where nothing narrows.
     ``take(nbytes)``: where big narrow buffers come from (the client's pool).

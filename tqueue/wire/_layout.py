@@ -85,7 +85,7 @@ def int_dtype(spec: FieldSpec) -> np.dtype | None:
 
 def packed_itemsizes(block: FieldBlock) -> np.ndarray | None:
     """Per frame, the item size its values travel in (``block.packed``, checked against the
-    spec: narrower signed ints of an integer field); None when nothing is packed."""
+    spec: narrower ints of an integer field); None when nothing is packed."""
     if block.packed is None:
         return None
     if len(block.packed) != len(block.counts):
@@ -103,7 +103,7 @@ def packed_itemsizes(block: FieldBlock) -> np.ndarray | None:
         if dt is None or dt.itemsize > wide.itemsize:
             raise ProtocolError(
                 f"field {block.name!r}: frame {i} is packed as {name!r}, which is not a narrower "
-                f"signed integer type than {block.spec.dtype!r}"
+                f"integer type than {block.spec.dtype!r}"
             )
         out[i] = dt.itemsize
     return out

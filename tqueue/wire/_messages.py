@@ -31,12 +31,12 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 10  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies)
+PROTOCOL_VERSION = 11  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
 FieldLayout = Literal["dense", "jagged"]
-PackedType = Literal["", "int8", "int16", "int32"]  # "": the field's own dtype
+PackedType = Literal["", "int8", "uint8", "int16", "int32"]  # "": the field's own dtype
 PutStatus = Literal["ok", "aborted", "recycled", "trimmed", "moved"]  # trimmed: some samples kept, see fates
 SampleFate = Literal["ok", "aborted"]
 MemberFailure = Literal["drop_group", "mask_member"]
@@ -153,8 +153,8 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``shapes`` (jagged, flattened ``n * ndim``) or ``sizes`` (object, bytes per sample)
     give each sample's extent; dense samples all have ``spec.shape``.
 
-    ``packed`` (integer fields only): per frame, ``""`` or the narrower signed integer dtype
-    (``int8``, ``int16``, ``int32``) its values travel and are stored in; they all fit it,
+    ``packed`` (integer fields only): per frame, ``""`` or the narrower integer dtype
+    (``int8``, ``uint8``, ``int16``, ``int32``) its values travel and are stored in; they all fit it,
     and readers get them back in ``spec.dtype``. See tqueue/wire/_pack.py.
 
     ``crcs``: per sample, the CRC-32C of its bytes as the producer put them (before any

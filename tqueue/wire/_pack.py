@@ -1,10 +1,11 @@
-"""Integer fields travel and are stored in the narrowest signed type their values fit.
+"""Integer fields travel and are stored in the narrowest type their values fit.
 
 RL batches are mostly int64 tensors whose values are small: token ids below the vocabulary
 size (int32), attention masks of 0 and 1 (int8), position ids below the sequence length
-(int16), routed experts below 128 (int8). A producer's client checks each integer field of a
+(int16), routed experts below 256 (uint8). A producer's client checks each integer field of a
 write (a dense one whole, a jagged one frame by frame: a frame holds whole samples) and, where
-all its values fit a narrower signed type, sends that instead (:func:`narrow`); the unit stores the
+all its values fit a narrower type (int8, uint8 for values from 0 to 255, int16, int32), sends
+that instead (:func:`narrow`); the unit stores the
 narrow bytes as they came, and a reader's client widens them back into the batch's tensor
 of the field's own dtype (:func:`widen`), in the pass that would have copied them anyway.
 Readers see exactly the values and dtype that were put. The wire marks it per frame
@@ -31,13 +32,16 @@ except ImportError:  # no compiler at install time, or the build failed: numpy
     _native_pack = None
 
 # the types a field may be packed into, narrowest first
-PACKED: dict[PackedType, np.dtype] = {"int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+PACKED: dict[PackedType, np.dtype] = {
+    "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32),
+}
 MIN_BYTES = 4096  # smaller fields are not worth a check
 PROBE = 1 << 16  # values looked at to guess the width before the one-pass narrowing
 
 
 def packable(dtype: np.dtype) -> bool:
-    """Whether values of ``dtype`` can be packed: native-order signed ints of 2-8 bytes."""
+    """Whether values of ``dtype`` can be packed: native-order signed ints of 2-8 bytes
+    (what they are packed into may be unsigned: uint8)."""
     return dtype.kind == "i" and dtype.itemsize > 1 and dtype.isnative
 
 
@@ -70,7 +74,7 @@ def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) 
         return None
     if _native_pack is not None:
         out = _empty(len(values), PACKED[name], take)
-        if _halves(_native_pack.narrow_into, values, size, out, out.itemsize):
+        if _halves(_native_narrow, values, size, out, out.itemsize):
             return out, name
     # no native module, or a value beyond the probe's range: the whole range, then the cast
     name = _width_for(int(values.min()), int(values.max()), size)
@@ -116,7 +120,7 @@ class Narrowing:
         does not fit (``out`` then holds garbage)."""
         dst = out.view(self.dtype)
         if _native_pack is not None:
-            fits = _native_pack.narrow_into(self.src, self.src.dtype.itemsize, dst, self.dtype.itemsize)
+            fits = _native_narrow(self.src, self.src.dtype.itemsize, dst, self.dtype.itemsize)
         else:
             bounds = np.iinfo(self.dtype)
             fits = bool(self.src.min() >= bounds.min and self.src.max() <= bounds.max)
@@ -141,6 +145,12 @@ class Widening:
     def consume(self, got: np.ndarray) -> None:
         """Widen ``got`` (the frame's packed bytes) into the rows."""
         np.copyto(self.dst, got.view(self.dtype), casting="safe")
+
+
+def _native_narrow(src: np.ndarray, size: int, dst: np.ndarray, width: int) -> bool:
+    """The native one-pass narrowing into ``dst``'s type (signed, or unsigned: uint8)."""
+    assert _native_pack is not None
+    return bool(_native_pack.narrow_into(src, size, dst, width, dst.dtype.kind == "u"))
 
 
 def _empty(n: int, dtype: np.dtype, take: Callable[[int], np.ndarray] | None) -> np.ndarray:

@@ -165,6 +165,10 @@ class BulkRoute(Route):
 async def _settle(reply: asyncio.Future[Any], writes: list[asyncio.Future[Any]]) -> None:
     """Wait for a bulk put's reply and writes; raise the unit's reason before a broken write's."""
     await asyncio.wait([reply, *writes], return_when=asyncio.FIRST_EXCEPTION)
+    if reply.done() and reply.exception() is not None and not all(w.done() for w in writes):
+        # a frame this side refused closes its stream, which the unit may report first
+        # ("the peer closed the stream"): the writes say whether it was that
+        await asyncio.wait(writes, timeout=LANE_GRACE)
     broken = next((w for w in writes if w.done() and w.exception() is not None), None)
     if broken is not None and isinstance(broken.exception(), _bulk.FrameRefused):
         broken.result()  # the unit is left mid-write and will refuse it: send again
