@@ -170,3 +170,19 @@ def test_issue_28_targets_are_judged_on_the_runs_medians():
     assert len(got) == 7  # nothing judged without both of its systems (no 4096 here)
     assert "| target | measured | met? |" in e2e.targets_markdown(e2e.targets({}, rows))
     assert e2e.targets_markdown(e2e.targets({}, rows[-2:-1])) == []  # tqueue alone: no peer, no table
+
+
+@pytest.mark.parametrize("route", [[], ["--shm"]], ids=["sockets", "arena"])
+def test_the_routed_experts_bench_reads_every_id_back_at_one_byte_each(tmp_path, capsys, route):
+    """benchmarks/routed_experts.py on a tiny step: the ranks read every id back (the bench
+    checks that), the unit holds one byte an id (ids under 128) on both routes, and the
+    results file says what the table says."""
+    from benchmarks import routed_experts
+
+    args = ["--samples", "8", "--layers", "4", "--top-k", "2", "--median", "600", "--max", "2048", "--put", "4",
+            "--cap", "4096", "--out", str(tmp_path), *route]
+    assert routed_experts.main(args) == 0
+    result = json.loads((tmp_path / "routed_experts.json").read_text())
+    assert result["bytes_per_id_unit"] == 1.0 and result["bytes_per_id_get_wire"] == 1.0
+    assert result["dense_table_bytes"] > result["engine_bytes"] == 4 * result["ids"]
+    assert "| tqueue: held by the unit |" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
 from ..wire import FieldBlock, FieldSpec
 from ..wire._layout import TORCH_ITEMSIZE, int_dtype
 from ..wire._messages import FieldKind, PackedType
-from ..wire._pack import PACKED, PROBE, Narrowing, guess, narrow, packable
+from ..wire._pack import MIN_BYTES, PACKED, PROBE, Narrowing, guess, narrow, packable, width_of
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +392,9 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any], counts: list[i
     return [b - a for a, b in runs]
 
 
-def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False) -> Encoded:
+def pack(
+    enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False, jagged_only: bool = False,
+) -> Encoded:
     """``enc`` with each integer field whose values all fit a narrower type
     sent in that type (tqueue/wire/_pack.py): for writes that cross a socket, where fewer bytes
     cost less than the pass that narrows them. ``enc`` itself where nothing narrows.
@@ -400,15 +402,18 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
 
     ``defer``: big fields become :class:`~tqueue.wire._pack.Narrowing` frames in the type their
     first values fit, narrowed and checked only as a bulk stream sends them (which raises
-    :class:`~tqueue.transport._bulk.FrameRefused` where the guess was wrong: pack again without ``defer``)."""
+    :class:`~tqueue.transport._bulk.FrameRefused` where the guess was wrong: pack again without ``defer``).
+    ``jagged_only``: dense fields stay wide (the same-host arena's readers view them in place;
+    a jagged field's readers copy it anyway to pad or pack its samples), and each jagged one
+    goes at one width (an arena range holds a field as one frame)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):
         frames = enc.buffers[at : at + len(block.counts)]
         at += len(block.counts)
-        if whole is None and block.spec.layout == "jagged" and _jagged_ints(block, frames, take, out):
+        if whole is None and block.spec.layout == "jagged" and _jagged_ints(block, frames, take, out, jagged_only):
             continue
-        wide = int_dtype(block.spec) if whole is not None else None
+        wide = int_dtype(block.spec) if whole is not None and not jagged_only else None
         values = np.frombuffer(whole, dtype=wide) if wide is not None else None
         if defer and values is not None and _deferred(values, block, enc.count, chunk, out):
             continue
@@ -431,28 +436,40 @@ def pack(enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = No
     return out if out.copied > enc.copied else enc
 
 
-def _jagged_ints(block: FieldBlock, frames: Sequence[Any], take: Callable[[int], np.ndarray] | None, out: Encoded) -> bool:
+def _jagged_ints(
+    block: FieldBlock, frames: Sequence[Any], take: Callable[[int], np.ndarray] | None, out: Encoded, one_width: bool,
+) -> bool:
     """Append a jagged integer field's frames to ``out``, each one whose values all fit a
     narrower type in that type (a frame holds whole samples: each sample travels at one
-    width); False, appending nothing, where no frame narrows."""
+    width), or with ``one_width`` all of them in the type every value fits; False,
+    appending nothing, where nothing narrows."""
     wide = int_dtype(block.spec)
     if wide is None or block.packed is not None or not all(isinstance(f, (bytes, memoryview)) for f in frames):
         return False  # (frames still on a device are not narrowed here)
     frames = [memoryview(f) for f in frames]
-    narrowed = [narrow(np.frombuffer(f, dtype=wide), take) if f.nbytes % wide.itemsize == 0 else None for f in frames]
+    if any(f.nbytes % wide.itemsize for f in frames):
+        return False
+    values = [np.frombuffer(f, dtype=wide) for f in frames]
+    if one_width:
+        name = width_of(values) if sum(v.nbytes for v in values) >= MIN_BYTES else ""
+        if not name:
+            return False
+        narrowed: list[tuple[np.ndarray, PackedType] | None] = [(v.astype(PACKED[name]), name) for v in values]
+    else:
+        narrowed = [narrow(v, take) for v in values]
     if not any(narrowed):
         return False
     packed: list[PackedType] = []
     for frame, got in zip(frames, narrowed):
-        name: PackedType = ""
+        width: PackedType = ""
         if got is None:
             buf = frame
         else:
-            buf, name = memoryview(got[0].view(np.uint8)), got[1]
+            buf, width = memoryview(got[0].view(np.uint8)), got[1]
             out.copied += buf.nbytes  # the narrow values were written once: a copy
         out.buffers.append(buf)
         out.nbytes += buf.nbytes
-        packed.append(name)
+        packed.append(width)
     out.blocks.append(msgspec.structs.replace(block, packed=packed))
     out.whole.append(None)
     return True

@@ -19,7 +19,7 @@ built). ``ClientConfig.pack_ints`` (``TQUEUE_PACK_INTS=0``) turns it off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -83,6 +83,16 @@ def narrow(values: np.ndarray, take: Callable[[int], np.ndarray] | None = None) 
     out = _empty(len(values), PACKED[name], take)
     np.copyto(out, values, casting="unsafe")  # every value fits: nothing is lost
     return out, name
+
+
+def width_of(parts: Sequence[np.ndarray]) -> PackedType:
+    """The packed type every value of ``parts`` (flat arrays of one :func:`packable` dtype)
+    fits, or "" (none narrower than theirs, or no values)."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return ""
+    lo, hi = min(int(p.min()) for p in parts), max(int(p.max()) for p in parts)
+    return _width_for(lo, hi, parts[0].dtype.itemsize)
 
 
 def guess(values: np.ndarray) -> PackedType:

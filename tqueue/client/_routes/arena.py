@@ -84,9 +84,14 @@ class ArenaRoute(Route):
         self._leasing: asyncio.Future[bool] | None = None  # a lease asked for, not yet given
 
     async def store(self, put: Outgoing, msg: Store) -> Sent:
-        enc = put.wide  # no socket to cross: never narrowed
+        enc = put.wide
         if self._devices is None:
             enc.materialize()
+        if put.narrow_jagged is not None and not enc.on_device:
+            # jagged integer fields (routed experts) are held narrow in the arena too: a half
+            # to an eighth of their bytes. Dense ones stay wide, for readers to view in place:
+            # narrow, a batch of them read 3-4x slower here (5 ms -> 16-21 ms a get)
+            enc = put.narrow_jagged()
         placed = await self._place(enc) if enc.nbytes >= self._min_bytes else None
         if placed is None:
             enc.materialize()
