@@ -100,6 +100,7 @@ def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True)
                 part.unchecked.append(name)
                 continue
             block, frames = unpack(block, frames)
+            part.blocks[name] = (block, frames)  # widened once: assembly takes these
         _compare(meta, unit_id, name, part.positions, want, crcs_of(block, frames))
 
 
