@@ -299,6 +299,8 @@ def test_jagged_integer_samples_travel_and_are_stored_narrow(cluster, partition,
         got = consumer.get_data(partition, ["routed_experts"], len(lengths), task="t", timeout=10)["routed_experts"]
         assert [t.dtype for t in got] == [torch.int32] * len(lengths)
         assert all(torch.equal(a, b) for a, b in zip(got, experts))
+        # what the reader received is counted narrow, what it got wide
+        assert (consumer.stats.wire_bytes, consumer.stats.get_bytes) == (producer.stats.wire_bytes, ids * 4)
 
 
 def test_an_update_of_an_integer_field_is_packed_and_exact(cluster, partition):

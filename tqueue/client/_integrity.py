@@ -24,7 +24,7 @@ from .._threads import on_two_threads, worth_splitting
 from ..errors import DataCorruptionError
 from ..wire import BatchMeta, FieldBlock
 from ..wire._crc import ranges
-from ..wire._layout import frame_layout
+from ..wire._layout import frame_layout, nbytes
 from ._args import listed
 from ._assemble import Part, unpack
 from ._encode import Encoded
@@ -99,8 +99,11 @@ def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True)
             if assembled and block.spec.layout == "dense":
                 part.unchecked.append(name)
                 continue
+            if part.wire < 0:  # what crossed, counted before a block is widened here
+                part.wire = sum(nbytes(f) for _, got in part.blocks.values() for f in got)
             block, frames = unpack(block, frames)
             part.blocks[name] = (block, frames)  # widened once: assembly takes these
+            part.widened += sum(nbytes(f) for f in frames)
         _compare(meta, unit_id, name, part.positions, want, crcs_of(block, frames))
 
 
