@@ -223,6 +223,8 @@ class Partition:
         return start
 
     def commit(self, grant: GrantRecord, unit_id: int) -> None:
+        """Record a grant's samples as stored on ``unit_id``; the grant ends (its timer stops)."""
+        grant.stop_timer()
         bits = COMMITTED
         for name in grant.fields:
             bits |= self.schema.bits[name]
@@ -357,11 +359,19 @@ class Partition:
         self._abort_groups_of(indexes, f"member failed: {reason}")
 
     def promote(self, unit_id: int, alive: set[int]) -> int:
-        """Before :meth:`lose`: samples with a copy on a live unit are served from it."""
-        promoted, gone = self.samples.promote(unit_id, alive)
-        if promoted or gone:  # held once now (``single``), until copied again
+        """Before :meth:`lose`, a unit died: samples it held whose copy is on a live unit are
+        served from that copy now, and copies it held are gone; all of them are held once
+        (``single``) until copied again. Returns how many were promoted."""
+        n = self.n
+        unit, second = self.samples.unit[:n], self.samples.second_unit[:n]
+        promoted = np.flatnonzero((unit == unit_id) & (second >= 0) & np.isin(second, list(alive)))
+        unit[promoted] = second[promoted]
+        second[promoted] = -1
+        gone = np.flatnonzero(second == unit_id)
+        second[gone] = -1
+        if len(promoted) or len(gone):
             self.twice = True
-        return promoted
+        return len(promoted)
 
     def lose(self, unit_id: int, keep: np.ndarray | None = None) -> int:
         """The samples stored on a dead unit: excluded for good (reason ``lost``), counted

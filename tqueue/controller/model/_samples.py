@@ -228,19 +228,6 @@ class Samples:
         return [ids[g] if g >= 0 else None for g in self.group[indexes].tolist()]
 
 
-    def promote(self, unit_id: int, alive: set[int]) -> tuple[int, int]:
-        """A unit died: samples it held whose copy is on a live unit are served from that
-        copy now, and copies it held are gone. Returns (samples promoted, copies gone): all
-        of them are held once until copied again."""
-        n = self.n
-        unit, second = self.unit[:n], self.second_unit[:n]
-        promoted = np.flatnonzero((unit == unit_id) & (second >= 0) & np.isin(second, list(alive)))
-        unit[promoted] = second[promoted]
-        second[promoted] = -1
-        gone = np.flatnonzero(second == unit_id)
-        second[gone] = -1
-        return len(promoted), len(gone)
-
     def on_unit(self, unit_id: int) -> np.ndarray:
         """The committed samples stored on a unit, not excluded yet."""
         n = self.n

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError, PartitionClearedError, TQueueError
-from ...wire import Commit, Committed, Fetch, Fetched, Grant, Locate, Located, Store, Stored
+from ...wire import Commit, Committed, Fetch, Fetched, Grant, Locate, Located, Store, Stored, UnitInfo
 from ..model._partition import GrantRecord, Partition
 from ..model._state import ControllerState, Unit
 
@@ -291,9 +291,9 @@ class Copies:
         self._copy_again = copy_again  # the copier (its own loop goes from one batch to the next)
 
     def place(self, msg: Grant, first: Unit) -> Unit | None:
-        """A second unit for a put of two copies: on another host where one has room, else
-        another unit; None where no other live unit has room (the put is stored once, and
-        said so: its samples count among the partition's single copies)."""
+        """A second unit for a put to a partition of two copies: on another host where one has
+        room, else another unit; None where no other live unit has room (the put is stored
+        once, and said so: its samples count among the partition's single copies)."""
         others = [u for u in self.state.units.values()
                   if u.alive and not u.suspect and u is not first and u.fits(msg.nbytes)]
         if not others:
@@ -303,6 +303,30 @@ class Copies:
         apart = [u for u in others if u.info.host != first.info.host]
         pool = apart or others
         return min(pool, key=lambda u: (u.load, u.info.unit_id))
+
+    def of_update(self, part: Partition, indexes: np.ndarray) -> tuple[UnitInfo | None, list[UnitInfo]] | None:
+        """The units an update of ``indexes`` in a partition of two copies writes: those of the
+        copies now, which may differ from where the writer located them (a death promoted a
+        copy, a copy was made); None where the samples are not all on the same two (the writer
+        locates them again). (None, []): the unit is the one the writer located."""
+        if not len(indexes) or indexes.min() < 0 or indexes.max() >= part.n:
+            return None, []
+        pairs = set(zip(part.samples.unit[indexes].tolist(), part.samples.second_unit[indexes].tolist()))
+        if len(pairs) != 1:
+            return None
+        first, second = pairs.pop()
+        units = self.state.units
+        return (units[first].info if first in units else None), ([units[second].info] if second in units else [])
+
+    def committed(self, part: Partition, grant: GrantRecord) -> None:
+        """A write to a partition of two copies committed on every unit it was granted: a put's
+        second copy recorded, or a put that no second unit had room for held once and copied
+        when one has."""
+        if grant.second_unit >= 0:  # both copies are stored: the samples are ready, each on two units
+            part.samples.second_unit[grant.start : grant.start + grant.count] = grant.second_unit
+        elif grant.indexes is None:
+            part.single += grant.count
+            self.state.loop.call_soon(self._copy_again)
 
     def copied(self, grant: GrantRecord, msg: Commit) -> Committed:
         """A copy made again is stored: recorded where still wanted."""

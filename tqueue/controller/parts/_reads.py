@@ -34,7 +34,7 @@ from ...wire import Ack, BatchMeta, GetMeta, MetaReply, Ok, Renew
 from ..model._partition import Partition
 from ..model._samples import CONSUMED, LEASED
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
-from ..planning._batch_policies import BUILT_IN, Candidates, Policy, check
+from ..planning._batch_policies import BUILT_IN, FIRST_READY, Candidates, Policy, check
 from ..planning._rounds import Round, RoundBook, token_counts
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Reads:
                 "takes them in index order, and may split groups (create_partition(..., grouping=Grouping(n)) keeps them whole)",
                 part.name,
             )
-        return "first_ready"
+        return FIRST_READY
 
     def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait."""
@@ -149,9 +149,12 @@ class Reads:
         min_version = None if msg.max_staleness is None else self.state.trainer.version - msg.max_staleness
         args = MappingProxyType(msg.policy_args) if msg.policy_args else MappingProxyType({})
         candidates = Candidates(part, task, mask, min_version, args)
-        found = policy.select(candidates, count)
+        if policy is BUILT_IN[FIRST_READY]:  # the default, the hot path: FirstReady.select's own call
+            found = task.find_ready(mask, count, min_version)
+        else:
+            found = policy.select(candidates, count)
         if found is not None:
-            return found if name in BUILT_IN else check(found, candidates, name)
+            return found if BUILT_IN.get(name) is policy else check(found, candidates, name)
         if not part.drained() or part.uid in self.state.prefetching:
             return None
         groups = name == "groups"

@@ -25,7 +25,7 @@ from ...errors import (
     WaitTimeoutError,
 )
 from ...transport._liveness import session_of
-from ...wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, UnitInfo, error_reply
+from ...wire import Commit, Commits, CommitsDone, Committed, Grant, Granted, Ok, Reserve, error_reply
 from ..model._partition import NO_STEP, GrantRecord, Partition
 from ..model._state import MAX_SERVED, ControllerState, ParkedWrite, Unit, Wait
 from ._copies import Copies, copies_of
@@ -51,7 +51,6 @@ class Writes:
         self.granted: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> grant
         self.committed: collections.OrderedDict[int, None] = collections.OrderedDict()  # lately committed grants
         self.placements = itertools.count()  # ties between units rotate by it
-        self._copy_again = copy_again  # copy samples held once again (_copies)
         self.copies = Copies(state, copy_again)  # the second copies of writes to partitions of two copies
         self._free = free  # free a partition if every task consumed it
         self._wake = wake  # serve the parked reads of a partition (after the reply: loop.call_soon)
@@ -136,8 +135,7 @@ class Writes:
             if added is None:
                 return self._late_put(part, msg, via)
         unit = self.state.units.pick(msg, self.state.config.capacity_bytes, self.placements)
-        copies = (part.options.copies if part is not None else 0) or self.state.config.copies
-        second = self.copies.place(msg, unit) if copies > 1 else None
+        second = self.copies.place(msg, unit) if self._twice(part) else None
         admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
         if part is None:
             part = self.state.partitions.get_or_create(msg.partition)
@@ -183,18 +181,10 @@ class Writes:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
-        # a partition of two copies: the units to write are those of the copies now, which may
-        # differ from where the writer located them (a death promoted a copy, a copy was made)
-        unit: UnitInfo | None = None
-        second_units: list[UnitInfo] = []
-        if (part.options.copies or self.state.config.copies) > 1 and len(indexes) and 0 <= indexes.min() and indexes.max() < part.n:
-            pairs = set(zip(part.samples.unit[indexes].tolist(), part.samples.second_unit[indexes].tolist()))
-            if len(pairs) != 1:
-                return Granted(grant_id=0, partition_uid=part.uid, start=0, status="moved", partition=part.name)
-            first, second = pairs.pop()
-            units = self.state.units
-            unit = units[first].info if first in units else None
-            second_units = [units[second].info] if second in units else []
+        placed = self.copies.of_update(part, indexes) if self._twice(part) else (None, [])
+        if placed is None:
+            return Granted(grant_id=0, partition_uid=part.uid, start=0, status="moved", partition=part.name)
+        unit, second_units = placed
         kept = part.admit_update(msg, indexes)
         if kept is None:
             return Granted(grant_id=0, partition_uid=part.uid, start=0, status="aborted", sealed=part.sealed,
@@ -229,7 +219,6 @@ class Writes:
         if grant.waiting - {msg.unit_id}:  # a put or update of two copies: one copy of two
             return self.copies.first(grant, msg)
         del self.state.grants[msg.grant_id]
-        grant.stop_timer()
         self.committed[msg.grant_id] = None
         while len(self.committed) > MAX_SERVED:
             self.committed.popitem(last=False)
@@ -238,16 +227,14 @@ class Writes:
             unit.reserved -= grant.nbytes
         part = self.state.partitions.by_uid.get(grant.partition_uid)
         if part is None:
+            grant.stop_timer()
             raise PartitionClearedError(
                 f"the partition of grant {msg.grant_id} was cleared before its data was stored"
             )
         was_sealed = part.sealed
-        part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)
-        if grant.second_unit >= 0:  # both copies are stored: the samples are ready, each on two units
-            part.samples.second_unit[grant.start : grant.start + grant.count] = grant.second_unit
-        elif grant.indexes is None and (part.options.copies or self.state.config.copies) > 1:
-            part.single += grant.count  # no second unit had room: held once, copied when one has
-            self.state.loop.call_soon(self._copy_again)
+        part.commit(grant, grant.unit_id if grant.indexes is None else msg.unit_id)  # ends the grant: its timer too
+        if self._twice(part):
+            self.copies.committed(part, grant)
         if unit is not None:
             unit.nbytes = msg.unit_bytes
         part.unit_bytes[msg.unit_id] = msg.partition_bytes
@@ -276,6 +263,10 @@ class Writes:
                 sealed.append(False)
                 errors.append((i, error.code, error.message))
         return CommitsDone(sealed=sealed, errors=errors)
+
+    def _twice(self, part: Partition | None) -> bool:
+        """Whether ``part`` (None: the one a put makes) is a partition of two copies."""
+        return ((part.options.copies if part is not None else 0) or self.state.config.copies) > 1
 
     def place(self, msg: Grant) -> Unit:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError

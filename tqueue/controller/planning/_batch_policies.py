@@ -88,10 +88,14 @@ class Policy(Protocol):
     def select(self, candidates: Candidates, count: int) -> np.ndarray | None: ...
 
 
-class FirstReady:
-    """The first ready samples, in index order (arrival order for one producer)."""
+FIRST_READY = "first_ready"
 
-    name = "first_ready"
+
+class FirstReady:
+    """The first ready samples, in index order (arrival order for one producer). The
+    controller's reads take this path without calling it (``Reads.select``)."""
+
+    name = FIRST_READY
 
     def select(self, candidates: Candidates, count: int) -> np.ndarray | None:
         return candidates.first(count)

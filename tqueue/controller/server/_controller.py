@@ -17,7 +17,6 @@ routes each message to one of them (docs/architecture.md, "Controller floor plan
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -92,7 +91,7 @@ from ..parts._units import Liveness
 from ..parts._user_keys import Keys
 from ..parts._writes import Writes
 from ..planning._batch_policies import load as load_policies
-from ._limits import check as check_limits
+from ._limits import Door
 from ._prometheus import Totals
 
 log = logging.getLogger(__name__)
@@ -146,12 +145,12 @@ class Controller:
         # a controller restarted from a checkpoint: its units get their ids back, and requests
         # wait until the checkpoint is loaded (a missing or damaged one fails the start here)
         self._manifest: dict[str, Any] | None = None
-        self._restored: asyncio.Event | None = None
+        self.door = Door(self.config)  # every request's way in: bounds, then the restore gate
         self._registered = asyncio.Event()
         if self.config.restore:
             self._manifest = read_manifest(self.config.restore, self.config.checkpoint_root)
             self.liveness.known([(int(u["unit_id"]), str(u["name"])) for u in self._manifest["units"]])
-            self._restored = asyncio.Event()
+            self.door.restored = asyncio.Event()
         self.keys = Keys(self.state, meta_of=self.reads.meta_of)
         self.corruption = Corruption(
             self.state, drop_on=self.cleanup.drop_on, copy_again=self.copier.wake, wake_soon=self._wake_soon,
@@ -167,7 +166,7 @@ class Controller:
             (Commits, self.writes.commits),
         )
         for msg_type, handler in units:
-            self._server.route(msg_type, self._bounded(handler), role=_auth.CLUSTER)
+            self._server.route(msg_type, self.door.wrap(handler, gated=False), role=_auth.CLUSTER)
         anyone: tuple[tuple[type[Any], Callable[[bytes, Any, list[Any]], Any]], ...] = (
             (Hello, self._hello),
             (CreatePartition, self._create_partition),
@@ -202,51 +201,21 @@ class Controller:
         )
         ungated = (Hello, StatusRequest, Cancel)
         for msg_type, handler in anyone:
-            handler = self._bounded(handler)
-            self._server.route(msg_type, handler if msg_type in ungated else self._gated(handler))
+            self._server.route(msg_type, self.door.wrap(handler, gated=msg_type not in ungated))
 
     @property
     def s(self) -> ControllerState:
         """``state``, under the short name a debugger or a test types."""
         return self.state
 
-    def _bounded(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:
-        """``handler``, run only for a request within the limits of ``_limits`` (else its
-        InvalidArgumentError is the reply, and nothing changed)."""
-        config = self.config
-
-        def bounded(ident: bytes, msg: Any, bufs: list[Any]) -> Any:
-            check_limits(msg, config)
-            return handler(ident, msg, bufs)
-
-        return bounded
-
-    def _gated(self, handler: Callable[[bytes, Any, list[Any]], Any]) -> Callable[[bytes, Any, list[Any]], Any]:
-        """``handler``, held until a restarting controller has loaded its checkpoint."""
-
-        def gated(ident: bytes, msg: Any, bufs: list[Any]) -> Any:
-            if self._restored is None or self._restored.is_set():
-                return handler(ident, msg, bufs)
-            return self._after_restore(handler, ident, msg, bufs)
-
-        return gated
-
-    async def _after_restore(self, handler: Callable[[bytes, Any, list[Any]], Any], ident: bytes, msg: Any, bufs: list[Any]) -> Any:
-        assert self._restored is not None
-        await self._restored.wait()
-        result = handler(ident, msg, bufs)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
-
     async def _resume(self) -> None:
-        assert self._manifest is not None and self._restored is not None
+        assert self._manifest is not None and self.door.restored is not None
         await self.checkpoints.resume(self.config.restore, self._manifest, self._registered, self.config.restore_wait)
-        self._restored.set()
+        self.door.restored.set()
 
     async def serve(self) -> None:
         log.info("controller serving at %s", self.address)
-        if self._restored is not None:
+        if self.door.restored is not None:
             # a restore that fails stops the controller: it was asked to resume, not to start empty
             resume = asyncio.get_running_loop().create_task(self._resume())
             serving = asyncio.get_running_loop().create_task(self._serve())

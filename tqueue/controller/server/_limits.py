@@ -1,4 +1,5 @@
-"""Bounds on what a request may ask of the controller, checked before any handler runs.
+"""A request's way in: its bounds checked, then its handler run (held while a restarting
+controller loads its checkpoint). :class:`Door` wraps every handler the server routes.
 
 Every count, index, length and duration the controller takes from a message is checked here
 against :class:`~tqueue.config.ControllerConfig` (or a fixed structural limit), so that no
@@ -10,6 +11,8 @@ size, its size after a put) are made by the handlers, also before they record an
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +43,40 @@ from ..model._partition import MAX_FIELDS
 
 MAX_DIMS = 32  # dimensions of one sample of a field (torch allows 25)
 MAX_NAME = 4096  # characters of a partition, task or field name
+
+
+Handler = Callable[[bytes, Any, list[Any]], Any]
+
+
+class Door:
+    """Every request passes here on its way to its handler: a request past its bounds gets
+    the InvalidArgumentError as its reply (nothing changed), and one that comes while a
+    restarting controller loads its checkpoint (``restored`` set and not yet done) waits
+    for it, unless its handler was routed ungated."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.restored: asyncio.Event | None = None
+
+    def wrap(self, handler: Handler, gated: bool = True) -> Handler:
+        config = self.config
+
+        def admitted(ident: bytes, msg: Any, bufs: list[Any]) -> Any:
+            check(msg, config)
+            restored = self.restored
+            if not gated or restored is None or restored.is_set():
+                return handler(ident, msg, bufs)
+            return _after(restored, handler, ident, msg, bufs)
+
+        return admitted
+
+
+async def _after(restored: asyncio.Event, handler: Handler, ident: bytes, msg: Any, bufs: list[Any]) -> Any:
+    await restored.wait()
+    result = handler(ident, msg, bufs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
 
 
 def check(msg: Any, config: ControllerConfig) -> None:
