@@ -182,7 +182,7 @@ def _partition_stub(sent: list[Any]) -> SimpleNamespace:
     async def ctl() -> SimpleNamespace:
         return SimpleNamespace(request=request)
 
-    return SimpleNamespace(_conns=SimpleNamespace(ctl=ctl))
+    return SimpleNamespace(_conns=SimpleNamespace(ctl=ctl), _puts=SimpleNamespace(shared={}))
 
 
 def test_create_partition_replicas_is_the_old_spelling_of_copies():

@@ -203,13 +203,15 @@ def test_an_update_whose_samples_are_on_two_pairs_now_is_located_again(cluster, 
 def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(cluster, partition):
     """Three units: the first death leaves samples held once; the controller copies them to
     the third unit in the background (``status().single`` back to 0), dense and jagged fields
-    alike; then a second unit dies and nothing is lost either."""
+    alike, and a field shared by content (one value for all 32 samples); then a second unit
+    dies and nothing is lost either."""
     with tqueue.Client(cluster.address) as c:
-        c.create_partition(partition, copies=2)
+        c.create_partition(partition, copies=2, dedup=["img"])
         x = rows(0, 32)
         jag = [torch.arange(i % 7 + 1) for i in range(32)]
+        img = torch.rand(4096)
         for k in range(4):
-            c.put(partition, {"x": x[8 * k : 8 * k + 8], "j": jag[8 * k : 8 * k + 8]})
+            c.put(partition, {"x": x[8 * k : 8 * k + 8], "j": jag[8 * k : 8 * k + 8], "img": [img] * 8})
         first, second = sorted({u.unit_id for u in c.status().units})[:2]
         kill_unit(cluster, c, first)
         until(lambda: any(not u.alive for u in c.status().units)
@@ -218,8 +220,9 @@ def test_samples_held_once_are_copied_again_so_a_second_death_loses_nothing(clus
         until(lambda: sum(not u.alive for u in c.status().units) == 2, 30, "the second unit declared dead")
         part = status_of(c, partition)
         assert part.lost == 0 and part.single == 32  # one unit left: held once, nowhere to copy to
-        batch = c.get_data(c.select(partition, ["x", "j"]))
+        batch = c.get_data(c.select(partition, ["x", "j", "img"]))
         assert torch.equal(batch["x"], x) and all(torch.equal(a, b) for a, b in zip(batch["j"], jag))
+        assert all(torch.equal(a, img) for a in batch["img"])
 
 
 def test_a_restored_partition_of_two_copies_is_copied_again(partition, tmp_path):

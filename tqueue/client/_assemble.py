@@ -28,7 +28,7 @@ import torch
 from .._memory import BufferPool
 from .._threads import copy_bytes
 from ..errors import InvalidArgumentError, ProtocolError
-from ..wire import BatchMeta, FieldBlock, FieldSpec
+from ..wire import BatchMeta, FieldBlock, FieldSpec, _shared
 from ..wire._layout import TORCH_ITEMSIZE, frame_layout, int_dtype, itemsize, nbytes, numpy_dtype, sample_sizes
 from ..wire._messages import PackedType
 from ..wire._pack import PACKED, widen, widen_all
@@ -91,6 +91,20 @@ class Part:
     widened: int = 0  # bytes written by widening packed frames on arrival
     unit: int = -1  # the unit it came from
     unchecked: list[str] = dataclasses.field(default_factory=list)  # dense packed fields checked once assembled
+
+
+def expanded(part: Part) -> Part:
+    """``part`` with each block of values shared by content (``value_of``) as one value per
+    sample, each a view of the bytes that came once (tqueue/wire/_shared.py); what crossed is
+    counted before."""
+    if all(block.value_of is None for block, _ in part.blocks.values()):
+        return part
+    if part.wire < 0:
+        part.wire = sum(nbytes(f) for _, frames in part.blocks.values() for f in frames)
+    for name, (block, frames) in part.blocks.items():
+        if block.value_of is not None:
+            part.blocks[name] = _shared.expand(block, frames)
+    return part
 
 
 @contextlib.contextmanager
@@ -316,7 +330,8 @@ def unpack(block: FieldBlock, frames: Sequence[Any]) -> tuple[FieldBlock, list[A
             widen(full, narrow)
             buf = full.view(np.uint8)
         out.append(buf)
-    unpacked = FieldBlock(name=block.name, spec=block.spec, counts=block.counts, shapes=block.shapes, sizes=block.sizes)
+    unpacked = FieldBlock(name=block.name, spec=block.spec, counts=block.counts, shapes=block.shapes, sizes=block.sizes,
+                          value_of=block.value_of)
     return unpacked, out
 
 

@@ -191,6 +191,7 @@ class AsyncClient:
         prefetch: str = "",
         step: int | None = None,
         copies: int = 0,
+        dedup: Sequence[str] = (),
         # deprecated: grouping and over_sampling replace them (and replicas, copies)
         group_size: int | None = None,
         on_member_failure: str | None = None,
@@ -216,6 +217,10 @@ class AsyncClient:
         ``copies``: 2 stores each put on two units (on different hosts where there are) and
         acknowledges it once both hold it, so that one unit's death loses no acknowledged
         sample: its samples are served from the other copy (0: ``ControllerConfig.copies``).
+        ``dedup``: fields shared by content (a GRPO group's image, its prompt): a put sends
+        each distinct value once, a unit stores it once for every sample and put that holds
+        it (equal by xxh3-64 digest, then byte for byte), and a read sends it once and hands
+        each sample a view of it (a dense field: its own rows, copied).
         ``group_size``, ``on_member_failure``, ``target``, ``target_groups``, ``recycle_to`` and
         ``replicas`` are the deprecated spellings (they warn).
         """
@@ -243,9 +248,11 @@ class AsyncClient:
                 prefetch=prefetch,
                 step=-1 if step is None else step,
                 copies=copies,
+                dedup=list(dedup) if dedup else None,
             ),
             expect=Ok,
         )
+        self._puts.shared[partition] = frozenset(dedup)
 
     async def clear(self, target: str | Meta) -> None:
         """Free a partition (by name), or only the samples of a meta, on every unit.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ..errors import FieldTypeError, InvalidArgumentError, SchemaError
-from ..wire import FieldBlock, FieldSpec
-from ..wire._layout import TORCH_ITEMSIZE, int_dtype
+from ..wire import FieldBlock, FieldSpec, _shared
+from ..wire._layout import TORCH_ITEMSIZE, block_shapes, int_dtype
 from ..wire._messages import FieldKind, PackedType
 from ..wire._pack import MIN_BYTES, PACKED, PROBE, Narrowing, guess, narrow, packable, width_of
 
@@ -74,6 +74,8 @@ class Encoded:
     # route copies it straight into the unit's pages instead
     on_device: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     defer_device: bool = False
+    # bytes of values shared by content that :func:`share` left out (sent once, held by more samples)
+    shared: int = 0
 
     def materialize(self) -> None:
         """Copy the fields still on a device to pinned host memory (as encode does without
@@ -94,10 +96,37 @@ class Encoded:
         self.on_device = {}
 
     def grant_blocks(self) -> list[FieldBlock]:
-        """The blocks as the controller needs them: specs and shapes, not frame layout."""
-        return [
-            FieldBlock(name=b.name, spec=b.spec, counts=[], shapes=b.shapes) for b in self.blocks
-        ]
+        """The blocks as the controller needs them: specs and each sample's shape, not frame layout."""
+        return [FieldBlock(name=b.name, spec=b.spec, counts=[], shapes=_sample_shapes(b)) for b in self.blocks]
+
+
+def _sample_shapes(block: FieldBlock) -> list[int] | None:
+    """A block's per-sample shapes (a block of values shared by content lists its values')."""
+    if block.value_of is None or block.shapes is None or block.spec.layout != "jagged":
+        return block.shapes
+    return block_shapes(block)[np.asarray(block.value_of, dtype=np.int64)].reshape(-1).tolist()
+
+
+def share(enc: Encoded, fields: Collection[str]) -> None:
+    """Send each distinct value of ``fields`` (shared by content) once: their blocks get
+    ``value_of`` and only the frames of their first samples (slices, no copy)."""
+    todo = [i for i, b in enumerate(enc.blocks) if b.name in fields and b.value_of is None]
+    if not todo:
+        return
+    if any(i in enc.on_device for i in todo):
+        enc.materialize()
+    starts = np.cumsum([0] + [len(b.counts) for b in enc.blocks]).tolist()
+    buffers: list[Any] = []
+    for i, block in enumerate(enc.blocks):
+        frames = enc.buffers[starts[i] : starts[i + 1]]
+        if i in todo:
+            enc.blocks[i], frames, left = _shared.shrink(block, frames)
+            if left:
+                enc.whole[i] = None  # the values sent are no longer the field's bytes in one buffer
+                enc.nbytes -= left
+                enc.shared += left
+        buffers.extend(frames)
+    enc.buffers = buffers
 
 
 def join(partition: str, encs: Sequence[Encoded]) -> Encoded:

@@ -25,7 +25,7 @@ from ..transport import _zmq
 from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, MetaReply, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
-from ._assemble import Part, assemble
+from ._assemble import Part, assemble, expanded
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._integrity import verify, verify_rows
@@ -230,6 +230,7 @@ class Gets:
             part = await route.fetch(meta, pos, idx, fields, rows)
             if self.config.checksums and (not route.local or self.config.arena_checksums):
                 verify(meta, route.info.unit_id, part, assembled=dense is None)
+            part = expanded(part)  # values shared by content: one per sample, as views
             if dense is not None:
                 dense.add(part)
             return [part]

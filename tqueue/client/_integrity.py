@@ -104,7 +104,16 @@ def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True)
             block, frames = unpack(block, frames)
             part.blocks[name] = (block, frames)  # widened once: assembly takes these
             part.widened += sum(nbytes(f) for f in frames)
-        _compare(meta, unit_id, name, part.positions, want, crcs_of(block, frames))
+        _compare(meta, unit_id, name, _holders(part.positions, block), want, crcs_of(block, frames))
+
+
+def _holders(positions: np.ndarray, block: FieldBlock) -> np.ndarray:
+    """The batch position that names each of a block's values: its sample's, or for a block
+    of values shared by content (``value_of``), its first holder's."""
+    if block.value_of is None:
+        return positions
+    _, first = np.unique(np.asarray(block.value_of, dtype=np.int64), return_index=True)
+    return positions[first]
 
 
 def verify_rows(meta: BatchMeta, parts: Sequence[Part], values: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ from ..wire._messages import SampleFate
 from ._args import _groups, _versions, _wait, listed
 from ._ask import PutAsk
 from ._connections import ClientStats, Connections
-from ._encode import Encoded, encode, join, pack, sample_count
+from ._encode import Encoded, encode, join, pack, sample_count, share
 from ._integrity import checksum
 from ._routes import Outgoing
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 COALESCE_SAMPLES = 4096  # coalesce_puts: samples in one put made of several
 COALESCE_BYTES = 256 << 20  # and bytes
+MAX_KNOWN = 4096  # partitions whose fields shared by content a client remembers
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +80,8 @@ class Puts:
         self.reserved = 0  # samples admitted by reserve() and not yet put
         self._waiting: dict[Any, list[_Waiting]] = {}  # coalesce_puts: puts that go next turn, by kind
         self._tasks: set[asyncio.Task[None]] = set()
+        # fields shared by content per partition, as create_partition or a grant told this client
+        self.shared: dict[str, frozenset[str]] = {}
 
     async def put(self, ask: PutAsk) -> BatchMeta:
         """:meth:`AsyncClient.put`."""
@@ -187,6 +190,7 @@ class Puts:
     ) -> BatchMeta:
         """One put of ``enc``: grant, store (placed again where its unit failed), its meta."""
         reserved = min(self.reserved, enc.count)
+        share(enc, self.shared.get(partition, ()))  # values shared by content go once
         grant = Grant(
             partition=partition, count=enc.count, blocks=enc.grant_blocks(), host=self._conns.host,
             groups=group_ids, nbytes=enc.nbytes, versions=versions, reserved=reserved, partial=partial,
@@ -209,6 +213,7 @@ class Puts:
                     fields=[b.name for b in enc.blocks], schema={}, status="aborted", sealed=reply.sealed,
                 )
             assert reply.unit is not None
+            self._learn(reply.partition or partition, reply.dedup, enc)
             try:
                 stored = await self._store_copies(reply, reply.partition or partition, enc)
                 break
@@ -241,6 +246,15 @@ class Puts:
             recycled_to=where if reply.status == "recycled" else "",
             fates=fates,
         )
+
+    def _learn(self, partition: str, dedup: list[str], enc: Encoded) -> None:
+        """A grant names the partition's fields shared by content: kept for the next puts,
+        and applied to this one where it was sent before this client knew."""
+        if frozenset(dedup) != self.shared.get(partition, frozenset()):
+            if len(self.shared) >= MAX_KNOWN and partition not in self.shared:
+                self.shared.clear()  # bounded: a partition forgotten is learned again at its next grant
+            self.shared[partition] = frozenset(dedup)
+        share(enc, dedup)
 
     async def _store_copies(self, grant: Granted, partition: str, enc: Encoded) -> Stored:
         """Store a put on its unit, and on the unit of its second copy where the partition
@@ -298,7 +312,7 @@ class Puts:
             store,
         )
         self.stats.puts += 1
-        self.stats.put_bytes += enc.nbytes
+        self.stats.put_bytes += enc.nbytes + enc.shared
         self.stats.wire_bytes += sent.wire
         self.stats.copied_bytes += sent.copied
         return sent.stored
@@ -335,6 +349,7 @@ class Puts:
         refused: list[int] = []
 
         async def write(unit_id: int, copy: int, indexes: list[int], enc: Encoded, sub: Any, tries: int = 3) -> None:
+            share(enc, self.shared.get(meta.partition, ()))
             reply, _ = await ctl.request(
                 Grant(
                     partition=meta.partition,
@@ -358,6 +373,7 @@ class Puts:
                     )
                 await self._rewrite(meta, indexes, sub, write, tries - 1)
                 return
+            self._learn(meta.partition, reply.dedup, enc)
             if reply.unit is not None:  # two copies: their units now, as the controller has them
                 targets = [reply.unit.unit_id, *(r.unit_id for r in reply.second_units)]
                 for info in (reply.unit, *reply.second_units):

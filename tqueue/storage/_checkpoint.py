@@ -49,7 +49,7 @@ import numpy as np
 from .. import _threads
 from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError
 from ..transport._arena import Arena, Region
-from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _durable
+from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _durable, _shared
 from ..wire._layout import int_dtype
 from ..wire._pack import PACKED
 from ._store import PayloadStore, Piece
@@ -71,6 +71,7 @@ class _Column:
     pids: np.ndarray
     rows: np.ndarray
     pieces: dict[int, Piece]
+    shared: bool = False  # a field shared by content: loaded back, each value is stored once again
 
 
 class UnitCheckpoints:
@@ -127,7 +128,7 @@ class UnitCheckpoints:
                     if mine is not None:
                         indexes, pids, rows = _before_write(mine, indexes, pids, rows, pieces)
                 if len(indexes):
-                    out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces))
+                    out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces, shared=col.index is not None))
         return out
 
     async def _write(
@@ -239,6 +240,8 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
         "field": col.field, "spec": {"kind": spec.kind, "dtype": spec.dtype, "layout": spec.layout,
                                      "shape": list(spec.shape), "ndim": spec.ndim},
     }
+    if col.shared:
+        header["shared"] = True
     columns_ = [pa.field("index", pa.int64()), pa.field("value", pa.large_binary(), nullable=False)]
     ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
     if spec.kind != "object" and ndim:
@@ -392,7 +395,8 @@ def _read_file(pa: Any, data: Any, entry: UnitFile, where: _Where, max_index: in
         rows += batch.num_rows
         if rows > entry.rows:
             raise InvalidArgumentError(f"{where}: holds more than the {entry.rows} samples the manifest says")
-        out.append((entry.partition_uid, entry.partition, *_batch(batch, spec, entry.field, where, max_index)))
+        out.append((entry.partition_uid, entry.partition,
+                    *_batch(batch, spec, entry.field, where, max_index, shared=header.get("shared") is True)))
     if rows != entry.rows:
         raise InvalidArgumentError(f"{where}: holds {rows} samples, the manifest says {entry.rows}")
     return out
@@ -411,8 +415,12 @@ def _header(schema: Any, where: _Where) -> dict[str, Any]:
     return header
 
 
-def _batch(batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: int) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
-    """A record batch as a write: its indexes, its block, its one frame (a copy of its values)."""
+def _batch(
+    batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: int, *, shared: bool = False,
+) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
+    """A record batch as a write: its indexes, its block, its one frame (a copy of its values;
+    of a field shared by content, of each distinct value once: the block says which sample
+    holds which)."""
     n = batch.num_rows
     names = batch.schema.names
     if names[:2] != ["index", "value"] or str(batch.schema.field("value").type) != "large_binary":
@@ -425,7 +433,7 @@ def _batch(batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: in
         raise InvalidArgumentError(f"{where}: samples without a value")
     _, offsets_buf, data_buf = values.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int64)[values.offset : values.offset + n + 1]
-    frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])].copy() if n else np.zeros(0, np.uint8)
+    frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])] if n else np.zeros(0, np.uint8)
     block = FieldBlock(name=field, spec=spec, counts=[n])
     if spec.kind == "object":
         block.sizes = np.diff(offsets).tolist()
@@ -441,4 +449,8 @@ def _batch(batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: in
         if n and (int(crcs.min()) < -1 or int(crcs.max()) > 0xFFFFFFFF):
             raise InvalidArgumentError(f"{where}: a sample checksum outside [-1, 2**32)")
         block.crcs = crcs.tolist() if (crcs >= 0).any() else None
-    return indexes, block, frame
+    if shared and n:
+        block, parts, _ = _shared.shrink(block, [frame])
+        block.counts = [sum(block.counts)]
+        return indexes, block, np.concatenate([np.frombuffer(f, dtype=np.uint8) for f in parts])
+    return indexes, block, frame.copy()

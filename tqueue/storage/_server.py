@@ -197,6 +197,7 @@ class StorageUnit:
         return Heartbeat(
             unit_id=unit_id, name=self.config.name, nbytes=self.data.resident,
             arena_used=self.arena.used if self.arena is not None else 0, held_bytes=self.held_bytes,
+            bytes_shared=self.data.bytes_shared(),
         )
 
     def _keep_only(self, uids: set[int]) -> None:

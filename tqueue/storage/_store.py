@@ -1,10 +1,17 @@
 """Columnar payload store of a storage unit, free of IO.
 
 Received frames are kept as they arrived: a write becomes, per field, a *piece* that holds
-the frames and, per sample, which frame and which byte range. A frame is either a ZeroMQ
-frame or a range of the unit's shared-memory arena that a same-host producer filled. Reads
-slice those frames (no copy) and coalesce consecutive samples into one range. Only tiny
-runs, which ZeroMQ would copy anyway, are joined into one frame.
+the frames and, per row, which frame and which byte range; each sample points at one row. A
+frame is either a ZeroMQ frame or a range of the unit's shared-memory arena that a same-host
+producer filled. Reads slice those frames (no copy) and coalesce consecutive samples into one
+range. Only tiny runs, which ZeroMQ would copy anyway, are joined into one frame.
+
+A field shared by content (its blocks carry ``value_of``, tqueue/wire/_shared.py) holds a row
+per distinct value, which several samples point at. Once its write commits, each row equal to
+one the partition already stores (same digest, then the same bytes) gives its samples to that
+row instead, and a piece no sample points at any longer is freed: a value is stored once per
+unit and partition, and freed with the last sample that holds it. A read sends each value
+once (its block's ``value_of`` says which sample holds which).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, PartitionClearedError, ProtocolError, SchemaError
 from ..transport._arena import Arena, Region
-from ..wire import FieldBlock, FieldSpec
+from ..wire import FieldBlock, FieldSpec, _shared
 from ..wire._layout import block_shapes, frame_layout, nbytes
 from ..wire._messages import PackedType
 
@@ -76,7 +83,7 @@ def _cost(piece: Piece, *, frames: bool) -> int:
 class Piece:
     __slots__ = (
         "spec", "frames", "arena", "region", "frame_of", "offsets", "sizes", "shapes", "live", "nbytes", "packed",
-        "crcs", "cost",
+        "crcs", "cost", "keys",
     )
 
     def __init__(self, block: FieldBlock, frames: Sequence[Any], arena: Sequence[int], region: Region | None) -> None:
@@ -92,7 +99,19 @@ class Piece:
         self.nbytes = sum(nbytes(f) for f in frames)
         self.packed = block.packed  # per frame: "" or the narrower int type its values are in
         self.crcs = checked_crcs(block, len(self.sizes))  # per row: the producer's CRC-32C, -1: none
+        self.keys: list[tuple[Any, int]] | None = None  # a shared field's: (content key, row) in its column's index
         self.cost = _cost(self, frames=True)
+
+    def row_bytes(self, row: int) -> memoryview:
+        """The bytes of one row, as stored (a packed row narrow)."""
+        a = int(self.offsets[row])
+        return memoryview(self.frames[int(self.frame_of[row])]).cast("B")[a : a + int(self.sizes[row])]
+
+    def content_key(self, row: int) -> tuple[int, int, str, tuple[int, ...]]:
+        """What equal values share: digest, size, packed type and shape (bytes compared too)."""
+        kind = self.packed[int(self.frame_of[row])] if self.packed else ""
+        shape = tuple(self.shapes[row].tolist()) if self.shapes is not None else ()
+        return _shared.digest(self.row_bytes(row)), int(self.sizes[row]), kind, shape
 
     def subset(self, rows: np.ndarray) -> Piece:
         """A piece over some of these rows, sharing the frames (for moving samples)."""
@@ -104,6 +123,7 @@ class Piece:
         sub.crcs = None if self.crcs is None else self.crcs[rows]
         sub.live = len(rows)
         sub.nbytes = int(sub.sizes.sum())
+        sub.keys = None
         sub.cost = _cost(sub, frames=False) + sub.nbytes
         return sub
 
@@ -131,6 +151,35 @@ class Column:
         self.row_of = np.zeros(0, dtype=np.int64)
         self.pieces: dict[int, Piece] = {}
         self.top = 0  # highest index written + 1
+        # a field shared by content: its values by content key -> (piece id, row) holding it
+        self.index: dict[Any, list[tuple[int, int]]] | None = None
+        self.logical = 0  # a shared field's: bytes its samples hold (a value once per sample)
+
+    def add(self, pid: int, piece: Piece) -> None:
+        self.pieces[pid] = piece
+        if self.index is not None and piece.keys:
+            for key, row in piece.keys:
+                self.index.setdefault(key, []).append((pid, row))
+
+    def remove(self, pid: int) -> Piece:
+        """Take a piece out (no sample points at it), and its values out of the index."""
+        piece = self.pieces.pop(pid)
+        if self.index is not None and piece.keys:
+            for key, row in piece.keys:
+                held = self.index.get(key)
+                if held is not None:
+                    held.remove((pid, row))
+                    if not held:
+                        del self.index[key]
+        return piece
+
+    def held_by(self, indexes: np.ndarray) -> int:
+        """Bytes of the values the samples at ``indexes`` point at (each counted per sample)."""
+        pids, rows = self.piece_of[indexes], self.row_of[indexes]
+        total = 0
+        for pid in np.unique(pids[pids > 0]).tolist():
+            total += int(self.pieces[pid].sizes[rows[pids == pid]].sum())
+        return total
 
     def ensure(self, size: int) -> None:
         self.top = max(self.top, size)
@@ -269,10 +318,11 @@ class PayloadStore:
         where = list(arena) if arena is not None else [-1] * len(frames)
         pieces = []
         at = 0
+        rows_of: list[np.ndarray | None] = []  # per piece: the row each sample points at (None: its own)
         for block in blocks:
-            if sum(block.counts) != len(indexes):
+            if _shared.samples(block) != len(indexes):
                 raise ProtocolError(
-                    f"field {block.name!r}: {sum(block.counts)} samples in the block, "
+                    f"field {block.name!r}: {_shared.samples(block)} samples in the block, "
                     f"{len(indexes)} in the write"
                 )
             take = frames[at : at + len(block.counts)]
@@ -281,7 +331,12 @@ class PayloadStore:
                     f"field {block.name!r}: header declares {len(block.counts)} frame(s), "
                     f"{len(take)} arrived"
                 )
-            pieces.append((block.name, Piece(block, take, where[at : at + len(block.counts)], region)))
+            held = _shared.value_of(block)
+            piece = Piece(block, take, where[at : at + len(block.counts)], region)
+            if held is not None:
+                piece.live = len(indexes)
+            pieces.append((block.name, piece))
+            rows_of.append(held)
             at += len(block.counts)
         if at != len(frames):
             raise ProtocolError(f"{len(frames) - at} frame(s) beyond what the header declares")
@@ -292,24 +347,30 @@ class PayloadStore:
             if piece.region is not None:
                 assert self.arena is not None
                 self.arena.incref(piece.region)
-        rows = np.arange(len(indexes), dtype=np.int64)
+        own = np.arange(len(indexes), dtype=np.int64)
         top = int(indexes.max()) + 1 if len(indexes) else 0
         befores = [_before(part.columns.get(field), indexes) for field, _ in pieces] if grant else []
-        steps = [self._install(part, field, piece, span, rows, top) for field, piece in pieces]
+        steps = [
+            self._install(part, field, piece, span, own if held is None else held, top, shared=held is not None)
+            for (field, piece), held in zip(pieces, rows_of)
+        ]
         if any(b is not None for b in befores):  # an overwrite: new samples need no record
             self.installed[grant] = Installed(uid, pieces, indexes, befores)
 
         def commit() -> None:
             self.installed.pop(grant, None)
-            for _, _, dead in steps:
+            for _, _, dead, _ in steps:
                 for piece in dead:
                     self._free(piece)
+            for (field, piece), held, (_, _, _, pid) in zip(pieces, rows_of, steps):
+                if held is not None and self.partitions.get(uid) is part:
+                    self._share(part, field, pid, piece, indexes)
 
         def rollback() -> None:
             self.installed.pop(grant, None)
             if self.partitions.get(uid) is not part:
                 return  # dropped meanwhile: its pieces are already freed and accounted
-            for undo, new, _ in reversed(steps):
+            for undo, new, _, _ in reversed(steps):
                 undo()
                 self._free(new)
             if not any(col.pieces for col in part.columns.values()):
@@ -328,16 +389,23 @@ class PayloadStore:
             )
 
     def _install(
-        self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int
-    ) -> tuple[Callable[[], None], Piece, list[Piece]]:
+        self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int,
+        *, shared: bool = False,
+    ) -> tuple[Callable[[], None], Piece, list[Piece], int]:
         """Point the samples at ``indexes`` (a slice where they are a plain range: cheaper
-        than fancy indexing) of ``field`` to ``piece``'s ``rows``; ``top`` = max index + 1."""
+        than fancy indexing) of ``field`` to ``piece``'s ``rows``; ``top`` = max index + 1.
+        ``shared``: the field is shared by content (its values are indexed once committed)."""
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
+        if shared and col.index is None:
+            col.index = {}
         self._grow(col, top)
         pid = next(self._piece_ids)
         col.pieces[pid] = piece
+        at = np.arange(indexes.start, indexes.stop) if isinstance(indexes, slice) else indexes
+        held = (int(piece.sizes[rows].sum()) - col.held_by(at)) if col.index is not None else 0
+        col.logical += held
         old_pieces = col.piece_of[indexes].copy()
         old_rows = col.row_of[indexes].copy()
         col.piece_of[indexes] = pid
@@ -355,14 +423,14 @@ class PayloadStore:
             old.live -= count
             released.append((old_pid, old, count))
             if old.live == 0:
-                del col.pieces[old_pid]
+                col.remove(old_pid)
                 self._account(part, old, -1)
 
         def undo() -> None:
             # only the samples still pointing at this write go back: a later write of the
             # same samples, not yet committed either, keeps what it installed
-            at = np.arange(indexes.start, indexes.stop) if isinstance(indexes, slice) else indexes
             ours = col.piece_of[at] == pid
+            col.logical -= int(piece.sizes[col.row_of[at[ours]]].sum()) if col.index is not None else 0
             col.piece_of[at[ours]] = old_pieces[ours]
             col.row_of[at[ours]] = old_rows[ours]
             back = old_pieces[ours]
@@ -372,12 +440,50 @@ class PayloadStore:
                 old = olds[old_pid]
                 if old.live == 0:
                     self._account(part, old, 1)
-                    col.pieces[old_pid] = old
+                    col.add(old_pid, old)
                 old.live += count
-            if col.pieces.pop(pid, None) is not None:  # else overwritten whole: accounted off
+            if col.index is not None:
+                col.logical += col.held_by(at[ours])
+            if pid in col.pieces:  # else overwritten whole: accounted off
+                col.remove(pid)
                 self._account(part, piece, -1)
 
-        return undo, piece, [old for _, old, _ in released if old.live == 0]
+        return undo, piece, [old for _, old, _ in released if old.live == 0], pid
+
+    def _share(self, part: PartitionData, field: str, pid: int, piece: Piece, indexes: np.ndarray) -> None:
+        """A committed write of a field shared by content: each of its rows equal to a value
+        the partition stores already (same content key, then the same bytes) gives its samples
+        to that value; the piece goes once none is left to it, else its rows join the index."""
+        col = part.columns.get(field)
+        if col is None or col.pieces.get(pid) is not piece or col.index is None:
+            return  # overwritten or dropped before its commit
+        mine = indexes[(indexes < len(col.piece_of))]
+        mine = mine[col.piece_of[mine] == pid]
+        rows = col.row_of[mine]
+        keys: list[tuple[Any, int]] = []
+        for row in np.unique(rows).tolist():
+            key = piece.content_key(row)
+            match = None
+            for other_pid, other_row in col.index.get(key, ()):
+                other = col.pieces[other_pid]
+                if _shared.equal(other.row_bytes(other_row), piece.row_bytes(row)):
+                    match = other_pid, other_row
+                    break
+            if match is None:
+                keys.append((key, row))
+                continue
+            sel = mine[rows == row]
+            col.piece_of[sel], col.row_of[sel] = match
+            col.pieces[match[0]].live += len(sel)
+            piece.live -= len(sel)
+        if piece.live == 0:
+            col.remove(pid)
+            self._account(part, piece, -1)
+            self._free(piece)
+            return
+        col.pieces.pop(pid)
+        piece.keys = keys
+        col.add(pid, piece)
 
     def _free(self, piece: Piece) -> None:
         if piece.region is not None and self.arena is not None:
@@ -415,20 +521,28 @@ class PayloadStore:
             if out is None:
                 out = target.columns[field] = Column()
             self._grow(out, int(d.max()) + 1)
+            if col.index is not None:
+                moved = col.held_by(s)
+                col.logical -= moved
+                if out.index is None:
+                    out.index = {}  # shared there too: a read sends a value once (moved values are not indexed)
+                out.logical += moved
             for pid in np.unique(pids).tolist():
                 piece = col.pieces[pid]
                 sel = pids == pid
-                sub = piece.subset(rows[sel])
+                kept, row_in = np.unique(rows[sel], return_inverse=True)  # a value several samples hold: once
+                sub = piece.subset(kept)
+                sub.live = int(sel.sum())
                 if sub.region is not None and self.arena is not None:
                     self.arena.incref(sub.region)
                 new = next(self._piece_ids)
                 out.pieces[new] = sub
                 out.piece_of[d[sel]] = new
-                out.row_of[d[sel]] = np.arange(int(sel.sum()))
+                out.row_of[d[sel]] = row_in
                 self._account(target, sub, 1)
                 piece.live -= int(sel.sum())
                 if piece.live == 0:
-                    del col.pieces[pid]
+                    col.remove(pid)
                     self._account(part, piece, -1)
                     self._free(piece)
             col.piece_of[s] = 0
@@ -443,13 +557,15 @@ class PayloadStore:
             inside = indexes[(indexes >= 0) & (indexes < len(col.piece_of))]
             pids = col.piece_of[inside]
             held = inside[pids > 0]
+            if col.index is not None:
+                col.logical -= col.held_by(held)
             ids, counts = np.unique(col.piece_of[held], return_counts=True)
             col.piece_of[held] = 0
             for pid, count in zip(ids.tolist(), counts.tolist()):
                 piece = col.pieces[pid]
                 piece.live -= count
                 if piece.live == 0:
-                    del col.pieces[pid]
+                    col.remove(pid)
                     self._account(part, piece, -1)
                     self._free(piece)
         return before - part.nbytes
@@ -465,6 +581,16 @@ class PayloadStore:
             self.resident -= col.held
         self.nbytes -= part.nbytes
         return part.nbytes
+
+    def bytes_shared(self) -> int:
+        """Bytes the samples of fields shared by content hold beyond what their values take
+        (a value stored once, held by several samples)."""
+        total = 0
+        for part in self.partitions.values():
+            for col in part.columns.values():
+                if col.index is not None:
+                    total += max(0, col.logical - sum(p.nbytes for p in col.pieces.values()))
+        return total
 
     # --- reads ----------------------------------------------------------------------
 
@@ -506,7 +632,16 @@ class PayloadStore:
                 f"(samples without it: {_named(bad)})"
             )
         rows = col.row_of[indexes]
-        n = len(indexes)
+        value_of: np.ndarray | None = None  # a field shared by content: the value each sample holds
+        if col.index is not None:
+            pairs = pids * (1 << 32) + rows
+            _, firsts, which = np.unique(pairs, return_index=True, return_inverse=True)
+            order = np.argsort(firsts, kind="stable")  # values in the order their first sample comes
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            value_of, pick = rank[which.reshape(-1)], firsts[order]
+            pids, rows = pids[pick], rows[pick]
+        n = len(pids)
         key = np.empty(n, dtype=np.int64)
         start = np.empty(n, dtype=np.int64)
         size = np.empty(n, dtype=np.int64)
@@ -530,7 +665,8 @@ class PayloadStore:
             sources.extend((piece, i) for i in range(len(piece.frames)))
             layouts.add(tuple(piece.spec.shape) if piece.shapes is None else None)
         spec = col.pieces[unique[0]].spec
-        block = FieldBlock(name=field, spec=spec, counts=[], crcs=None if crcs is None else crcs.tolist())
+        block = FieldBlock(name=field, spec=spec, counts=[], crcs=None if crcs is None else crcs.tolist(),
+                           value_of=None if value_of is None else value_of.tolist())
         if spec.kind == "object":
             block.sizes = size.tolist()
         elif len(layouts) == 1 and (shape := next(iter(layouts))) is not None:

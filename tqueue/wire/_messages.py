@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 11  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed)
+PROTOCOL_VERSION = 12  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed); 12: values shared by content (FieldBlock.value_of, CreatePartition.dedup, Granted.dedup, Heartbeat.bytes_shared)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -160,6 +160,11 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``crcs``: per sample, the CRC-32C of its bytes as the producer put them (before any
     packing: what readers get back), or -1 where none was computed; computed once by the
     producer, kept by the unit, checked by the reader (tqueue/client/_integrity.py).
+
+    ``value_of`` (a field shared by content, ``create_partition(dedup=...)``): the block
+    carries each distinct value once, and ``value_of[i]`` is the one sample ``i`` holds.
+    ``counts``, ``shapes``, ``sizes``, ``packed`` and ``crcs`` then describe the values, not the
+    samples; values appear in the order their first sample does. See tqueue/wire/_shared.py.
     """
 
     name: str
@@ -169,6 +174,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     sizes: list[int] | None = None
     packed: list[PackedType] | None = None
     crcs: list[int] | None = None
+    value_of: list[int] | None = None
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -342,6 +348,7 @@ class CreatePartition(Message):
     prefetch: str = ""  # a consumer short of samples may take ready ones from this partition
     step: int = -1  # the trainer version that reads it, for the staleness bound (-1: from a name ending in step-N)
     copies: int = 0  # copies of each put on as many units (0: the cluster's ControllerConfig.copies)
+    dedup: list[str] | None = None  # fields shared by content: a value is stored and moved once per unit
 
 
 class Grant(Message):
@@ -387,6 +394,7 @@ class Granted(Message):
     kept: int = -1  # >= 0: only the first ``kept`` samples count (the target is reached)
     stored: bool = False  # the grant named by ``replaces`` was committed after all: nothing to send
     second_units: list[UnitInfo] = []  # units to store the same bytes on too (the partition's second copy)
+    dedup: list[str] = []  # the partition's fields shared by content: the writer sends each value once
 
 
 class Alloc(Message):
@@ -656,6 +664,7 @@ class Heartbeat(Message):
     nbytes: int = 0
     arena_used: int = 0  # bytes of its shared-memory arena in use (stored, being written, held by readers)
     held_bytes: int = 0  # bytes of replies its readers have not taken yet (ZeroMQ and bulk streams)
+    bytes_shared: int = 0  # bytes its samples hold beyond what it stores: values shared by content
 
 
 class HeartbeatReply(Message):

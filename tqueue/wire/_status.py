@@ -45,6 +45,7 @@ class PartitionStatus(msgspec.Struct, kw_only=True):
     copies: int = 1  # copies of each put
     single: int = 0  # samples held once now (a unit died, no second unit had room): not lost, aborted or cleared ones
     corrupt: int = 0  # copies dropped because a reader found their bytes changed (CRC-32C)
+    dedup: list[str] = []  # fields shared by content (create_partition(dedup=...))
 
     @property
     def replicas(self) -> int:
@@ -68,6 +69,9 @@ class UnitStatus(msgspec.Struct, kw_only=True):
     # bytes of replies its readers have not taken yet, as of its last heartbeat: they stay in
     # memory, a cleared partition's too, until taken or cut off (StorageConfig.max_queued_bytes_total)
     held_bytes: int = 0
+    # bytes its samples hold beyond what it stores, as of its last heartbeat: values of fields
+    # shared by content (create_partition(dedup=...)), stored once and held by several samples
+    bytes_shared: int = 0
 
 
 class WaiterStatus(msgspec.Struct, kw_only=True):
@@ -113,6 +117,12 @@ class StatusReply(Message):
     metrics: str = ""  # the controller's Prometheus endpoint ("": none)
     weights: str = ""  # where the weights of ``version`` are (SetVersion.weights)
     keys: KeyStatus = msgspec.field(default_factory=KeyStatus)
+
+    @property
+    def bytes_shared(self) -> int:
+        """Bytes the units' samples hold beyond what the units store (values shared by
+        content, stored once), as of their last heartbeats."""
+        return sum(u.bytes_shared for u in self.units)
 
 
 register(globals())

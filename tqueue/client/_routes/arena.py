@@ -239,5 +239,5 @@ def in_one_range(block: FieldBlock) -> FieldBlock:
     frame (the arena and NIXL routes)."""
     return FieldBlock(
         name=block.name, spec=block.spec, counts=[sum(block.counts)], shapes=block.shapes,
-        sizes=block.sizes, packed=block.packed[:1] if block.packed else None, crcs=block.crcs,
+        sizes=block.sizes, packed=block.packed[:1] if block.packed else None, crcs=block.crcs, value_of=block.value_of,
     )

@@ -14,7 +14,7 @@ import numpy as np
 from ...config import ClientConfig
 from ...errors import ProtocolError, UnavailableError
 from ...transport import _bulk, _zmq
-from ...wire import BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo
+from ...wire import BatchMeta, Fetched, FieldBlock, Store, Stored, UnitInfo, _shared
 from ...wire._layout import int_dtype, itemsize, nbytes, sample_sizes
 from ...wire._pack import PACKED, Narrowing, Widening
 from .._assemble import Part
@@ -219,11 +219,12 @@ def bulk_targets(
         sizes = sample_sizes(block)
         ends = np.concatenate(([0], np.cumsum(sizes)))
         bounds = np.concatenate(([0], np.cumsum(np.asarray(block.counts, dtype=np.int64))))
-        if bounds[-1] != len(positions):
+        if _shared.samples(block) != len(positions):
             raise ProtocolError(
-                f"field {block.name!r}: the unit sent {int(bounds[-1])} samples, {len(positions)} were asked"
+                f"field {block.name!r}: the unit sent {_shared.samples(block)} samples, {len(positions)} were asked"
             )
-        own = rows.of(block.name) if block.spec.layout == "dense" else None
+        # a block of values shared by content is expanded once verified: staged, not in the rows
+        own = rows.of(block.name) if block.spec.layout == "dense" and block.value_of is None else None
         in_place = own is not None and tuple(block.spec.shape) == tuple(own[0].shape) and block.spec.dtype == own[0].dtype
         dest = own[1] if own is not None and in_place else None
         row = int(np.prod(block.spec.shape, dtype=np.int64)) * itemsize(block.spec) if in_place else 0

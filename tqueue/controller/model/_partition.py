@@ -77,7 +77,9 @@ class Options:
     ``prefetch``: a consumer short of samples here may take ready ones from that partition.
     ``step``: the trainer's version at which it reads this partition, for the staleness
     bound (NO_STEP: taken from a name ending in ``step-N``, else none). ``copies``: copies
-    of each put, on as many units (1 or 2; 0: ``ControllerConfig.copies``).
+    of each put, on as many units (1 or 2; 0: ``ControllerConfig.copies``). ``dedup``: fields
+    shared by content, each value stored once per unit and sent once per put and per read
+    (tqueue/wire/_shared.py).
     """
 
     fields: frozenset[str] | None = None
@@ -91,6 +93,7 @@ class Options:
     prefetch: str = ""
     step: int = NO_STEP
     copies: int = 0
+    dedup: frozenset[str] = frozenset()
 
 
 DEFAULT_OPTIONS = Options()

@@ -65,6 +65,7 @@ class Unit:
     ident: bytes = b""  # its connection at the controller, whose messages are handled first
     arena_used: int = 0  # as its last heartbeat said
     held_bytes: int = 0  # replies not yet taken by their readers, as its last heartbeat said
+    bytes_shared: int = 0  # what its samples hold beyond what it stores (values shared by content)
     metrics: str = ""  # its Prometheus endpoint
 
     @property

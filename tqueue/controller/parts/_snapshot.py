@@ -75,7 +75,7 @@ def capture(part: Partition) -> Image:
             "group_size": opts.group_size, "on_member_failure": opts.on_member_failure,
             "auto_free": opts.auto_free, "target": opts.target, "target_groups": opts.target_groups,
             "recycle_to": opts.recycle_to, "prefetch": opts.prefetch, "step": opts.step,
-            "copies": opts.copies,
+            "copies": opts.copies, "dedup": sorted(opts.dedup),
         },
         "fields": [[name, msgspec.to_builtins(part.specs[name])] for name in part.schema.bits],  # in bit order
         "committed": part.committed, "excluded": part.excluded, "lost": part.lost, "reasons": dict(part.reasons),
@@ -227,7 +227,7 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
         tasks=frozenset(o["tasks"]) if o["tasks"] is not None else None,
         group_size=o["group_size"], on_member_failure=o["on_member_failure"], auto_free=o["auto_free"],
         target=o["target"], target_groups=o["target_groups"], recycle_to=o["recycle_to"], prefetch=o["prefetch"],
-        step=o["step"], copies=_copies(o),
+        step=o["step"], copies=_copies(o), dedup=frozenset(o.get("dedup", ())),
     )
     part = Partition(image.name, image.uid, options, max_samples=max_samples, max_tasks=max_tasks)
     part.schema.add({name: msgspec.convert(spec, FieldSpec) for name, spec in h["fields"]})

@@ -204,6 +204,7 @@ class Liveness:
             unit.ident, unit.session = ident, session_of(ident)
         unit.arena_used = msg.arena_used
         unit.held_bytes = msg.held_bytes
+        unit.bytes_shared = msg.bytes_shared
         return HeartbeatReply(known=True)
 
     def _sweep(self) -> None:

@@ -156,6 +156,7 @@ class Writes:
             grant_id=grant_id, partition_uid=part.uid, start=start, unit=unit.info, schema=dict(part.schema.specs),
             partition=part.name, kept=-1 if kept == msg.count else kept,
             second_units=[second.info] if second is not None else [],
+            dedup=sorted(part.options.dedup),
         )
 
     def _late_put(self, part: Partition, msg: Grant, via: frozenset[str]) -> Granted:
@@ -198,7 +199,8 @@ class Writes:
             # as a put's: an update whose writer never stores gives back the target places it took
             timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
         )
-        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit, second_units=second_units)
+        return Granted(grant_id=grant_id, partition_uid=part.uid, start=0, schema=dict(part.specs), unit=unit,
+                       second_units=second_units, dedup=sorted(part.options.dedup))
 
     def commit(self, ident: bytes, msg: Commit, bufs: list[Any]) -> Committed:
         grant = self.state.grants.get(msg.grant_id)

@@ -347,6 +347,7 @@ class Controller:
                 prefetch=msg.prefetch,
                 step=msg.step,
                 copies=msg.copies,
+                dedup=frozenset(msg.dedup or ()),
             ),
         )
         return Ok()
@@ -393,6 +394,7 @@ class Controller:
                 sealed=p.sealed,
                 lost=p.lost,
                 copies=p.options.copies or self.config.copies,
+                dedup=sorted(p.options.dedup),
                 single=p.single,
                 corrupt=p.corrupt,
             )
@@ -403,7 +405,7 @@ class Controller:
                 unit_id=u.info.unit_id, address=u.info.address, host=u.info.host, nbytes=u.nbytes,
                 capacity=u.capacity, undropped=self.cleanup.drops.count(u.info.unit_id),
                 name=u.name, alive=u.alive, silent=max(0.0, now - u.heard), arena_used=u.arena_used,
-                metrics=u.metrics, held_bytes=u.held_bytes,
+                metrics=u.metrics, held_bytes=u.held_bytes, bytes_shared=u.bytes_shared,
             )
             for u in self.state.units.values()
         ]

@@ -239,6 +239,7 @@ def _create(msg: CreatePartition, config: ControllerConfig) -> None:
     name("prefetch", msg.prefetch)
     names("fields", msg.fields, MAX_FIELDS)
     names("tasks", msg.tasks, config.max_tasks_per_partition)
+    names("dedup", msg.dedup, MAX_FIELDS)
     count("group_size", msg.group_size, config.max_samples_per_request)
     count("target", msg.target, config.max_partition_samples)
     count("target_groups", msg.target_groups, config.max_partition_samples)

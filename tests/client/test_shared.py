@@ -1,0 +1,234 @@
+"""Fields shared by content (``create_partition(dedup=[...])``): a GRPO group's image and
+prompt stored once per unit, sent once per put and per read, and freed with their last holder,
+on every route (ZeroMQ frames, bulk streams, the same-host arena).
+
+The servers run in this process (``LoopCluster``), so that a test can read a unit's store
+directly and force a hash collision by replacing ``tqueue.wire._shared.digest`` on both sides."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tqueue
+from tqueue.errors import ProtocolError
+from tqueue.wire import FieldBlock, FieldSpec, _shared
+
+from ..servers import LoopCluster
+
+ROUTES = {
+    "inline": tqueue.ClientConfig(shm=False, bulk=False),
+    "bulk": tqueue.ClientConfig(shm=False, bulk_lanes=1, bulk_put_min_bytes=1),
+    "arena": tqueue.ClientConfig(shm=True, shm_min_bytes=0),
+}
+FIELDS = ["image", "prompt_ids", "response_ids"]
+IMAGE = (256, 1024)  # float32: 1 MiB
+PROMPT = 4096  # int64 tokens, ids past 2**16 (not narrowed on the way)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopCluster]:
+    with LoopCluster(num_storage_units=1, clock=True) as c:
+        yield c
+
+
+@pytest.fixture(params=list(ROUTES))
+def client(cluster: LoopCluster, request: pytest.FixtureRequest) -> Iterator[tqueue.Client]:
+    with tqueue.Client(cluster.address, config=ROUTES[request.param]) as c:
+        yield c
+
+
+_names = iter(range(1 << 30))
+
+
+def _partition(client: tqueue.Client, **kwargs: Any) -> str:
+    name = f"shared-{next(_names)}"
+    client.create_partition(name, dedup=["image", "prompt_ids"], **kwargs)
+    return name
+
+
+def _group(n: int = 16, seed: int = 0, image: torch.Tensor | None = None) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    image = torch.rand(*IMAGE, generator=g) if image is None else image
+    prompt = torch.randint(70_000, 1 << 40, (PROMPT,), generator=g)
+    return {
+        "image": [image] * n,  # one tensor, n references (as a rollout worker repeats a prompt's)
+        "prompt_ids": [prompt.clone() for _ in range(n)],  # n equal copies: found by content
+        "response_ids": [torch.randint(70_000, 1 << 40, (50 + 7 * i,), generator=g) for i in range(n)],
+    }
+
+
+def _held(cluster: LoopCluster) -> int:
+    return cluster.call(lambda: sum(u.data.nbytes for u in cluster.units))
+
+
+def _nbytes(values: list[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+def _check(batch: Any, group: dict[str, Any], at: list[int]) -> None:
+    for field in FIELDS:
+        for got, k in zip(batch[field], at):
+            assert torch.equal(got, group[field][k]), (field, k)
+
+
+def test_a_group_sharing_an_image_and_a_prompt_is_stored_sent_and_read_once(cluster: LoopCluster, client: tqueue.Client) -> None:
+    part = _partition(client)
+    group = _group()
+    once = _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
+    logical = _nbytes([t for f in FIELDS for t in group[f]])
+    before, sent, put = _held(cluster), client.stats.wire_bytes, client.stats.put_bytes
+    client.put(part, group)
+    assert _held(cluster) - before <= 1.2 * once  # held once; the responses' own bytes beside
+    assert client.stats.wire_bytes - sent <= 1.2 * once
+    assert client.stats.put_bytes - put == logical  # what the fields hold, counted as put
+
+    meta = client.get_meta(part, FIELDS, 16, task="t")
+    got, sent = client.stats.get_bytes, client.stats.wire_bytes
+    batch = client.get_data(meta)
+    assert client.stats.wire_bytes - sent <= 1.2 * once  # sent once per read
+    assert client.stats.get_bytes - got == logical
+    _check(batch, group, meta.indexes)
+    prompts = batch["prompt_ids"]
+    assert len({t.data_ptr() for t in prompts}) == 1, "each sample's prompt is a view of the one that came"
+    prompts[0][0] = -1  # a view: the others see it (the docs say so), the store does not
+    assert int(prompts[5][0]) == -1
+    client.ack(meta)
+
+
+def test_a_second_group_with_the_same_image_adds_only_what_differs(cluster: LoopCluster, client: tqueue.Client) -> None:
+    part = _partition(client)
+    first = _group(seed=1)
+    client.put(part, first)
+    before = _held(cluster)
+    second = _group(seed=2, image=first["image"][0].clone())  # equal bytes, another tensor
+    client.put(part, second)
+    added = _held(cluster) - before
+    assert added == _nbytes([second["prompt_ids"][0], *second["response_ids"]])
+    meta = client.get_meta(part, FIELDS, 32, task="t")
+    batch = client.get_data(meta)
+    at = {i: k for k, i in enumerate(meta.indexes)}
+    both = {f: first[f] + second[f] for f in FIELDS}
+    _check(batch, both, [sorted(at).index(i) for i in meta.indexes])
+    shared = 31 * IMAGE[0] * IMAGE[1] * 4
+    for _ in range(20):  # the unit's figure reaches status() with its next heartbeat
+        cluster.advance(1.0)
+        status = client.status()
+        if status.bytes_shared >= shared:
+            break
+    assert status.bytes_shared >= shared
+    assert next(p for p in status.partitions if p.name == part).dedup == ["image", "prompt_ids"]
+
+
+def test_a_dense_shared_field_comes_back_as_its_rows(cluster: LoopCluster, client: tqueue.Client) -> None:
+    part = _partition(client)
+    rows = torch.rand(3, 64, 64)
+    image = rows[torch.tensor([0, 1, 0, 2, 1, 0, 0, 2])]  # one dense tensor, 3 distinct rows
+    before = _held(cluster)
+    client.put(part, {"image": image})
+    assert _held(cluster) - before == 3 * 64 * 64 * 4
+    batch = client.get_data(client.get_meta(part, ["image"], 8, task="t"))
+    assert torch.equal(batch["image"], image)
+
+
+def test_a_forced_hash_collision_compares_the_bytes_and_keeps_both(
+    cluster: LoopCluster, client: tqueue.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_shared, "digest", lambda data: 7)  # every value collides, on both sides
+    part = _partition(client)
+    a, b = torch.rand(*IMAGE), torch.rand(*IMAGE)
+    before = _held(cluster)
+    client.put(part, {"image": [a, b, a, b]})
+    client.put(part, {"image": [b, a]})
+    assert _held(cluster) - before == 2 * a.numel() * 4  # two values, each stored once
+    meta = client.get_meta(part, ["image"], 6, task="t")
+    got = client.get_data(meta)["image"]
+    want = [a, b, a, b, b, a]
+    for tensor, i in zip(got, meta.indexes):
+        assert torch.equal(tensor, want[i - min(meta.indexes)])
+
+
+def test_a_shared_value_is_freed_with_its_last_holder(cluster: LoopCluster, client: tqueue.Client) -> None:
+    part = _partition(client)
+    first = _group(n=4, seed=3)
+    second = _group(n=4, seed=4, image=first["image"][0])
+    start = _held(cluster)
+    m1 = client.put(part, first)
+    client.put(part, second)
+    image = IMAGE[0] * IMAGE[1] * 4
+    client.clear(m1)  # the first put's samples: the image stays, held by the second's
+    left = _held(cluster) - start
+    assert image <= left <= image + _nbytes([second["prompt_ids"][0], *second["response_ids"]])
+    meta = client.get_meta(part, FIELDS, 4, task="t")
+    _check(client.get_data(meta), second, [i - min(meta.indexes) for i in meta.indexes])
+    client.clear(part)
+    assert _held(cluster) == start
+    assert cluster.call(lambda: all(not u.data.partitions.get(meta.partition_uid) for u in cluster.units))
+
+
+def test_a_postponed_shared_sample_reads_back_exactly(cluster: LoopCluster, client: tqueue.Client) -> None:
+    part = _partition(client)
+    group = _group(n=6, seed=5)
+    client.put(part, group)
+    meta = client.get_meta(part, FIELDS, 6, task="t")
+    later = f"{part}-later"
+    moved = client.rollouts.postpone(meta, later)
+    batch = client.get_data(client.get_meta(later, FIELDS, 6, task="t"))
+    _check(batch, group, [i - min(moved.indexes) for i in moved.indexes])
+
+
+def test_a_checkpoint_of_shared_values_restores_them_once(tmp_path: pathlib.Path) -> None:
+    with LoopCluster(num_storage_units=1) as old, tqueue.Client(old.address) as c:
+        part = _partition(c)
+        group = _group(n=8, seed=6)
+        c.put(part, group)
+        c.save_checkpoint(tmp_path / "ck", metadata=None)
+    with LoopCluster(num_storage_units=1) as other, tqueue.Client(other.address) as c:
+        c.load_checkpoint(tmp_path / "ck")
+        held = _held(other)
+        assert held == _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
+        meta = c.get_meta(part, FIELDS, 8, task="t")
+        _check(c.get_data(meta), group, [i - min(meta.indexes) for i in meta.indexes])
+        c.put(part, _group(n=2, seed=7, image=group["image"][0]))  # matched against the restored value
+        assert _held(other) - held == _nbytes([*_group(n=2, seed=7)["response_ids"], _group(n=2, seed=7)["prompt_ids"][0]])
+
+
+def test_a_producer_that_does_not_know_learns_at_its_grant(cluster: LoopCluster) -> None:
+    with tqueue.Client(cluster.address) as maker:
+        part = _partition(maker)
+    group = _group(n=8, seed=8)
+    with tqueue.Client(cluster.address) as producer:  # another process's client, in effect
+        sent = producer.stats.wire_bytes
+        producer.put(part, group)  # its first put learns the fields at its grant
+        assert producer.stats.wire_bytes - sent <= 1.2 * _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
+
+
+# --- the wire form ---------------------------------------------------------------------
+
+def test_shrink_and_expand_give_each_sample_its_bytes_back() -> None:
+    values = [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)]
+    frame = np.concatenate(values).view(np.uint8)
+    block = FieldBlock(name="x", spec=FieldSpec(kind="ndarray", dtype="int32", layout="jagged", ndim=1),
+                       counts=[3], shapes=[5, 3, 5])
+    small, frames, left = _shared.shrink(block, [memoryview(frame)])
+    assert small.value_of == [0, 1, 0] and small.shapes == [5, 3] and left == 20
+    assert sum(memoryview(f).nbytes for f in frames) == 32
+    back, out = _shared.expand(small, frames)
+    assert back.shapes == [5, 3, 5] and back.value_of is None
+    joined = np.concatenate([np.frombuffer(f, np.uint8) for f in out])
+    assert joined.tobytes() == frame.tobytes()
+
+
+@pytest.mark.parametrize(("value_of", "match"), [
+    ([0, 2], "outside the block's 2"), ([0, -1], "outside"), ([0, 0], "values no sample holds"), ([], "values no sample holds"),
+])
+def test_a_value_of_that_names_what_the_block_does_not_carry_is_refused(value_of: list[int], match: str) -> None:
+    block = FieldBlock(name="x", spec=FieldSpec(kind="ndarray", dtype="int32", layout="dense", shape=(2,)),
+                       counts=[2], value_of=value_of)
+    with pytest.raises(ProtocolError, match=match):
+        _shared.value_of(block)
