@@ -77,6 +77,19 @@ def test_tutorial_runs_pasted_into_a_python_prompt():
     assert "['ok', 'ok', 'ok', 'aborted', 'aborted']" in out.stdout
 
 
+_RUNS = re.compile(r"<!-- runs: tests/test_docs_and_demo.py::(\w+) -->\n```python\n(.*?)```", re.S)
+
+
+def test_the_api_pages_examples_run():
+    """Each example of docs/api.md marked to run here, as a user runs it: a program of its own."""
+    examples = _RUNS.findall((ROOT / "docs" / "api.md").read_text())
+    assert {name for name, _ in examples} == {"test_the_api_pages_examples_run"} and len(examples) >= 1
+    for _, code in examples:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert "the unit holds" in out.stdout
+
+
 def test_demo_quick_shows_progress_and_ends_with_its_table():
     """``--log-level`` after the command; an explicit ``--steps`` wins over ``--quick``'s; the
     micro-batch row has one count per step; the table is the last thing on stdout."""

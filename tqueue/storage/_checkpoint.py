@@ -17,7 +17,9 @@ integers widened back to the field's dtype, objects as MessagePack), for tensor 
 ndarray fields ``shape`` (fixed-size list of int64), and ``crc`` (int64: each sample's CRC-32C
 as its producer computed it, -1 for none; a restored unit keeps them, so readers check the
 restored bytes as any others). The schema's metadata ``tqueue`` is
-JSON: the partition, its uid, the field and its spec. pyarrow alone reads them. The unit's
+JSON: the partition, its uid, the field and its spec (and ``shared`` for a field shared by
+content: each sample's bytes are in the file, and the load stores each value once again).
+pyarrow alone reads them. The unit's
 folder is new (the controller made the generation's folder), each file is created with
 ``O_EXCL`` and no link followed, and its CRC-32C (of the whole file, computed as it is
 written) goes into its ``UnitFile``.
