@@ -80,6 +80,10 @@ class Options:
     pad_value: float | int | bool = 0
     padding_side: Literal["right", "left"] = "right"
     device: str | torch.device | None = None
+    dtype: Mapping[str, torch.dtype] | None = None
+    """Integer fields read in a narrower integer dtype (``{"routed_experts": torch.uint8}``):
+    stored packed at that width, they are not widened on the way; any value that does not
+    fit raises :class:`~tqueue.errors.InvalidArgumentError` naming it."""
 
     def mode(self, field: str) -> JaggedAs:
         mode = self.jagged if isinstance(self.jagged, str) else self.jagged.get(field, "list")

@@ -93,6 +93,77 @@ class Part:
     unchecked: list[str] = dataclasses.field(default_factory=list)  # dense packed fields checked once assembled
 
 
+_INTS = {torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
+_TORCH = {name: t for t, name in _INTS.items()}
+_INTEGER = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+
+
+def _wanted(meta: BatchMeta, field: str, options: Options) -> str | None:
+    """The integer dtype (a name) the reader asked ``field`` in (``Options.dtype``), checked."""
+    want = (options.dtype or {}).get(field)
+    if want is None:
+        return None
+    spec = meta.schema.get(field)
+    if want not in _INTS:
+        raise InvalidArgumentError(f"dtype= for field {field!r} is {want}: an integer dtype ({sorted(map(str, _INTS))})")
+    if spec is None or spec.kind == "object" or spec.dtype not in _INTEGER:
+        raise InvalidArgumentError(
+            f"dtype= for field {field!r} of partition {meta.partition!r}: the field holds "
+            f"{'objects' if spec is not None and spec.kind == 'object' else spec.dtype if spec else 'nothing'}, not integers"
+        )
+    return _INTS[want]
+
+
+def narrowed(batch: Batch, options: Options) -> Batch:
+    """``batch`` with the fields of ``options.dtype`` in those dtypes; a value that does not fit
+    raises InvalidArgumentError naming its field, partition and sample."""
+    if not options.dtype:
+        return batch
+    meta = batch.meta
+    out: dict[str, Any] = {}
+    for field in batch:
+        name = _wanted(meta, field, options)
+        value = batch[field]
+        values = value if isinstance(value, list) else [value]
+        if name is None or all(_dtype_of(v) == _TORCH[name] for v in values):
+            continue
+        info = torch.iinfo(_TORCH[name])
+        for k, v in enumerate(values):
+            t = torch.as_tensor(v)
+            flat = t.values() if t.is_nested else t
+            if not flat.numel() or (info.min <= int(flat.min()) and int(flat.max()) <= info.max):
+                continue
+            if isinstance(value, list):
+                k = int(meta.indexes[k])
+            elif not t.is_nested and t.dim() and t.shape[0] == len(meta.indexes):  # a row per sample
+                rows = t.reshape(len(meta.indexes), -1)
+                k = int(meta.indexes[int(torch.nonzero(((rows < info.min) | (rows > info.max)).any(1))[0, 0])])
+            else:
+                k = -1
+            where = f"sample {k}" if k >= 0 else "a sample"
+            raise InvalidArgumentError(
+                f"field {field!r} of partition {meta.partition!r}: {where} holds a value outside {name} "
+                f"[{info.min}, {info.max}]: read it in a wider dtype"
+            )
+        cast = [_cast(v, _TORCH[name]) for v in values]
+        out[field] = cast if isinstance(value, list) else cast[0]
+    return batch.replaced({f: out.get(f, batch[f]) for f in batch}) if out else batch
+
+
+def _dtype_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value[:0]).dtype if value.dtype.kind in "iu" else None
+    return None
+
+
+def _cast(value: Any, want: torch.dtype) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.astype(np.dtype(_INTS[want]))
+    return value.to(want)
+
+
 def expanded(part: Part) -> Part:
     """``part`` with each block of values shared by content (``value_of``) as one value per
     sample, each a view of the bytes that came once (tqueue/wire/_shared.py); what crossed is
@@ -203,7 +274,13 @@ def assemble_field(
     options.check()
     size = len(meta.indexes)
     spec = meta.schema[field]
-    pieces = _gather(field, spec, parts)
+    want = _wanted(meta, field, options)
+    narrow = _packed_as(field, parts) if want is not None and spec.layout == "jagged" else None
+    if narrow is not None and PACKED[narrow].itemsize <= _TORCH[want].itemsize:  # type: ignore[index]
+        spec = msgspec.structs.replace(spec, dtype=narrow)  # read at the width it is held in: not widened
+    else:
+        narrow = None
+    pieces = _gather(field, spec, parts, narrow)
     if spec.kind == "object":
         return _objects(pieces, size, pool), None, 0
     if pads is None:
@@ -255,9 +332,16 @@ def dense_frames(
     return seen
 
 
-def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
+def _packed_as(field: str, parts: Sequence[Part]) -> str | None:
+    """The one type every frame of ``field`` is packed in, across the parts (None: another case)."""
+    kinds = {k for part in parts for k in (part.blocks[field][0].packed or [""])}
+    return kinds.pop() if len(kinds) == 1 and "" not in kinds else None
+
+
+def _gather(field: str, spec: FieldSpec, parts: Sequence[Part], narrow: str | None = None) -> Pieces:
     """A field's pieces across the parts. For a dense field only frames and positions (what
-    :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise."""
+    :func:`_dense` reads); per-sample offsets, sizes and shapes otherwise. ``narrow``: every
+    block's frames are packed at that width, which ``spec`` reads them in (nothing widened)."""
     positions, buffer_of, offsets, sizes, shapes = [], [], [], [], []
     buffers: list[np.ndarray] = []
     counts: list[tuple[int, int]] = []
@@ -266,6 +350,8 @@ def _gather(field: str, spec: FieldSpec, parts: Sequence[Part]) -> Pieces:
     dense_only = spec.kind != "object" and spec.layout == "dense"
     for part in parts:
         block, frames = part.blocks[field]
+        if narrow is not None:
+            block = msgspec.structs.replace(block, spec=msgspec.structs.replace(block.spec, dtype=narrow), packed=None)
         if block.spec.kind != spec.kind or block.spec.dtype != spec.dtype:
             raise ProtocolError(f"field {field!r}: a unit sent {block.spec}, the meta says {spec}")
         if dense_only and block.spec.layout == "dense" and tuple(block.spec.shape) == tuple(spec.shape):

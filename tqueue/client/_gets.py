@@ -25,7 +25,7 @@ from ..transport import _zmq
 from ..wire import Ack, BatchMeta, Corrupt, GetMeta, Locate, Located, MetaReply, Ok, Renew
 from ._args import _by_unit, _wait, listed
 from ._ask import MetaAsk, Options, ask  # MetaAsk: defined there; still importable from here
-from ._assemble import Part, assemble, expanded
+from ._assemble import Part, assemble, expanded, narrowed
 from ._batch import Batch
 from ._connections import ClientStats, Connections
 from ._integrity import verify, verify_rows
@@ -207,11 +207,11 @@ class Gets:
         self.stats.wire_bytes += tally.wire
         self.stats.copied_bytes += tally.copied
         if delivery is None:
-            return batch
+            return narrowed(batch, options)
         moved = deliver(batch, delivery, fields, on_device)
         self.stats.copied_bytes += delivery.bounced
         self.stats.device_bytes += delivery.direct + delivery.bounced
-        return moved
+        return narrowed(moved, options)
 
     def _delivered(self, batch: Batch, acc: Accelerator | None) -> Batch:
         """An empty batch on its device (the device route), or as it is."""

@@ -1,0 +1,59 @@
+"""``get_data(..., dtype={field: torch.uint8})``: integer fields read at a narrower width.
+Routed experts stored packed at one byte come back at one byte (on the same-host route without
+being widened); a value the width cannot hold is refused, naming its field, partition and
+sample; non-integer fields and dtypes are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tqueue
+from tqueue.client import _assemble
+
+
+def _experts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (400 + 9 * i, 4, 2), generator=g, dtype=torch.int32) for i in range(n)]
+
+
+def test_routed_experts_read_at_one_byte_an_id(any_client: tqueue.Client, partition: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = _experts(6)
+    dense = torch.randint(0, 200, (6, 16), dtype=torch.int64)
+    any_client.put(partition, {"routed_experts": experts, "pos": dense})
+    meta = any_client.get_meta(partition, ["routed_experts", "pos"], 6, task="t")
+    if any_client.config.shm:  # held packed in the arena (ids under 128: int8), read as they lie: never widened
+        monkeypatch.setattr(_assemble, "unpack", lambda *a: pytest.fail("a packed field was widened"))
+    batch = any_client.get_data(meta, fields=["routed_experts"], dtype={"routed_experts": torch.uint8})
+    monkeypatch.undo()
+    batch = any_client.get_data(meta, dtype={"routed_experts": torch.uint8, "pos": torch.uint8})
+    at = [i - min(meta.indexes) for i in meta.indexes]
+    for got, k in zip(batch["routed_experts"], at):
+        assert got.dtype == torch.uint8 and torch.equal(got.to(torch.int32), experts[k])
+    assert batch["pos"].dtype == torch.uint8 and torch.equal(batch["pos"].to(torch.int64), dense[at])
+    padded = any_client.get_data(meta, fields=["routed_experts"], jagged="padded", dtype={"routed_experts": torch.int16})
+    assert padded["routed_experts"].dtype == torch.int16
+
+
+def test_a_value_too_wide_for_the_asked_dtype_is_refused_by_name(client: tqueue.Client, partition: str) -> None:
+    experts = _experts(3, seed=1)
+    experts[2][5, 1, 0] = 300
+    client.put(partition, {"routed_experts": experts, "pos": torch.tensor([[1], [2], [999]])})
+    meta = client.get_meta(partition, ["routed_experts", "pos"], 3, task="t")
+    third = meta.indexes[[i - min(meta.indexes) for i in meta.indexes].index(2)]
+    with pytest.raises(tqueue.InvalidArgumentError,
+                       match=rf"field 'routed_experts' of partition '{partition}': sample {third} holds a value outside uint8"):
+        client.get_data(meta, fields=["routed_experts"], dtype={"routed_experts": torch.uint8})
+    with pytest.raises(tqueue.InvalidArgumentError, match=rf"field 'pos' of partition '{partition}': sample {third} holds"):
+        client.get_data(meta, fields=["pos"], dtype={"pos": torch.int8})
+    assert torch.equal(client.get_data(meta, fields=["pos"], dtype={"pos": torch.int16})["pos"].flatten().sort().values,
+                       torch.tensor([1, 2, 999], dtype=torch.int16))
+
+
+def test_dtype_is_for_integer_fields_and_integer_dtypes(client: tqueue.Client, partition: str) -> None:
+    client.put(partition, {"reward": torch.rand(2), "ids": torch.arange(4).reshape(2, 2)})
+    meta = client.get_meta(partition, ["reward", "ids"], 2, task="t")
+    with pytest.raises(tqueue.InvalidArgumentError, match="field 'reward' of partition .* holds float32, not integers"):
+        client.get_data(meta, dtype={"reward": torch.int8})
+    with pytest.raises(tqueue.InvalidArgumentError, match="dtype= for field 'ids' is torch.float16: an integer dtype"):
+        client.get_data(meta, dtype={"ids": torch.float16})
