@@ -109,9 +109,9 @@ def test_the_blocking_client_uses_only_the_public_methods_of_the_async_one():
 
 
 def test_how_a_read_presents_jagged_fields_is_written_once():
-    """``jagged``, ``pad_value``, ``padding_side`` and ``device`` of get_data are Options' fields, which
-    DataAsk inherits: no other list of the client's source holds ``jagged``."""
+    """``jagged``, ``pad_value``, ``padding_side``, ``device`` and ``dtype`` of get_data are Options'
+    fields, which DataAsk inherits: no other list of the client's source holds ``jagged``."""
     source = "".join(p.read_text() for p in sorted(CLIENT.rglob("*.py")))
     holding = [r for r in parameter_lists(source) if "jagged" in r]
-    assert holding == [{"jagged", "pad_value", "padding_side", "device"}]
+    assert holding == [{"jagged", "pad_value", "padding_side", "device", "dtype"}]
     assert issubclass(DataAsk, Options)

@@ -327,11 +327,11 @@ def test_a_copy_made_while_an_update_is_in_flight_is_made_again_once_it_commits(
         granted, release = threading.Event(), threading.Event()
         real = Puts._store
 
-        async def held_back(self, unit, part, grant, enc, indexes):
+        async def held_back(self, unit, part, grant, enc, indexes, *rest):
             if indexes is not None:  # the update's store, after its grant
                 granted.set()
                 await asyncio.to_thread(release.wait, 30)
-            return await real(self, unit, part, grant, enc, indexes)
+            return await real(self, unit, part, grant, enc, indexes, *rest)
 
         monkeypatch.setattr(Puts, "_store", held_back)
         updating = threading.Thread(target=writer.update, args=(meta, {"r": torch.arange(8.0)}))

@@ -240,3 +240,18 @@ def test_puts_made_as_a_unit_dies_are_placed_again_on_the_live_one(caplog):
             until(lambda: dead(c, victim), 30, f"unit {victim} declared dead")
             declared = time.monotonic() - t0
             assert declared < interval * UNIT_LIVENESS, declared  # the probe, not the heartbeat window
+
+
+def test_an_append_to_samples_whose_unit_died_fails_by_name_and_they_are_lost(cluster, partition):
+    """A turn appended to a trajectory whose unit was SIGKILLed: a typed error naming the
+    partition and the samples, at once (the unit refuses connections); once the controller
+    declares the unit dead the samples are lost, and a read of them says so."""
+    with tqueue.Client(cluster.address) as c:
+        meta = c.put(partition, {"t": [torch.arange(3), torch.arange(4)]}, partial=True, version=0)
+        address = next(u.address for u in c.status().units if u.unit_id == meta.units[0])
+        os.kill(cluster.pids[1 + cluster.unit_addresses.index(address)], signal.SIGKILL)
+        with pytest.raises(tqueue.errors.StorageUnitUnavailableError,
+                           match=rf"partition '{partition}': samples \[{meta.indexes[0]}, {meta.indexes[1]}\] were not stored"):
+            c.rollouts.complete(meta, {"t": [torch.arange(2), torch.arange(2)]}, version=1, first_token=3, append=["t"])
+        until(lambda: next(p for p in c.status().partitions if p.name == partition).lost == 2, UNIT_BOUND,
+              "the trajectories counted lost")

@@ -28,7 +28,7 @@ import torch
 from .._memory import BufferPool
 from .._threads import copy_bytes
 from ..errors import InvalidArgumentError, ProtocolError
-from ..wire import BatchMeta, FieldBlock, FieldSpec, _shared
+from ..wire import BatchMeta, FieldBlock, FieldSpec, _appends, _shared
 from ..wire._layout import TORCH_ITEMSIZE, frame_layout, int_dtype, itemsize, nbytes, numpy_dtype, sample_sizes
 from ..wire._messages import PackedType
 from ..wire._pack import PACKED, widen, widen_all
@@ -166,15 +166,19 @@ def _cast(value: Any, want: torch.dtype) -> Any:
 
 def expanded(part: Part) -> Part:
     """``part`` with each block of values shared by content (``value_of``) as one value per
-    sample, each a view of the bytes that came once (tqueue/wire/_shared.py); what crossed is
-    counted before."""
-    if all(block.value_of is None for block, _ in part.blocks.values()):
+    sample, each a view of the bytes that came once (tqueue/wire/_shared.py), and each block of
+    samples appends grew (``rows_per_sample``) joined (tqueue/wire/_appends.py); what crossed
+    is counted before."""
+    if all(block.value_of is None and block.rows_per_sample is None for block, _ in part.blocks.values()):
         return part
     if part.wire < 0:
         part.wire = sum(nbytes(f) for _, frames in part.blocks.values() for f in frames)
     for name, (block, frames) in part.blocks.items():
         if block.value_of is not None:
             part.blocks[name] = _shared.expand(block, frames)
+        elif block.rows_per_sample is not None:  # a sample appends grew: its rows joined, once
+            part.blocks[name] = joined = _appends.joined(block, frames)
+            part.widened += sum(nbytes(f) for f in joined[1])
     return part
 
 

@@ -110,6 +110,8 @@ def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True)
 def _holders(positions: np.ndarray, block: FieldBlock) -> np.ndarray:
     """The batch position that names each of a block's values: its sample's, or for a block
     of values shared by content (``value_of``), its first holder's."""
+    if block.rows_per_sample is not None:  # a sample appends grew: each of its rows
+        return np.repeat(positions, np.asarray(block.rows_per_sample, dtype=np.int64))
     if block.value_of is None:
         return positions
     _, first = np.unique(np.asarray(block.value_of, dtype=np.int64), return_index=True)

@@ -148,11 +148,10 @@ class Lifecycle:
         for name in [*append, *splice]:
             if name not in cols:
                 raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
-        old = await self._gets.get_data(meta, [*append, *splice]) if (append or splice) else None
+        # appended fields: only the new rows are sent, and the unit adds them after the stored
+        # ones (nothing stored is read back or copied); spliced ones are read and written whole
+        old = await self._gets.get_data(meta, list(splice)) if splice else None
         new = dict(cols)
-        for name in append:
-            assert old is not None
-            new[name] = [torch.cat([o, x]) for o, x in zip(_rows(old[name]), _rows(cols[name]))]
         for name, at in splice.items():
             assert old is not None
             offsets = [at] * n if isinstance(at, int) else list(at)
@@ -171,7 +170,8 @@ class Lifecycle:
                     )
                 out.append(row)
             new[name] = out
-        return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token))
+        return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token),
+                                       append=list(append))
 
     async def postpone(self, given: UserMeta, to: str, *, whole_groups: bool = False) -> UserMeta:
         """Move these samples (with ``whole_groups``, every member of their groups) to a later

@@ -267,11 +267,14 @@ class Puts:
         stored = await all_or_none(*(self._store(u, partition, grant, enc, None) for u in units if u is not None))
         return stored[0]
 
-    async def _store(self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None) -> Stored:
+    async def _store(
+        self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None,
+        append: Sequence[str] = (),
+    ) -> Stored:
         """Store one put's bytes on its unit; a unit that went silent is named with the
         partition and the samples the put would have written (and its id is on the error)."""
         try:
-            return await self._store_on(unit, partition, grant, enc, indexes)
+            return await self._store_on(unit, partition, grant, enc, indexes, append)
         except StorageUnitUnavailableError as exc:
             samples = indexes if indexes is not None else list(range(grant.start, grant.start + enc.count))
             failed = type(exc)(
@@ -282,7 +285,8 @@ class Puts:
             raise failed from exc
 
     async def _store_on(
-        self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None
+        self, unit: UnitInfo, partition: str, grant: Granted, enc: Encoded, indexes: list[int] | None,
+        append: Sequence[str] = (),
     ) -> Stored:
         route = self._conns.route_to(unit)
         if not route.device_writes:
@@ -296,6 +300,7 @@ class Puts:
             blocks=enc.blocks,
             indexes=indexes,
             timeout=self.config.request_timeout,
+            append=list(append) or None,
         )
         chunk, take = self.config.chunk_bytes, self._pool.take
         sums = (lambda: checksum(enc)) if self.config.checksums else (lambda: None)
@@ -324,6 +329,7 @@ class Puts:
         *,
         complete: bool = False,
         segment: tuple[int, int] | None = None,
+        append: Sequence[str] = (),
     ) -> list[int]:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
         :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
@@ -359,6 +365,7 @@ class Puts:
                     indexes=indexes,
                     complete=complete,
                     segment=(segment[0], segment[1]) if segment is not None else None,
+                    append=list(append) or None,
                 ),
                 expect=Granted,
             )
@@ -386,7 +393,7 @@ class Puts:
                     await self._conns.unit(u)
             if copy >= 0:
                 enc.materialize()  # two routes read it at once
-            await all_or_none(*(self._store(self._conns.units[u], meta.partition, reply, enc, indexes) for u in targets))
+            await all_or_none(*(self._store(self._conns.units[u], meta.partition, reply, enc, indexes, append) for u in targets))
 
         await all_or_none(*(write(*w) for w in writes))
         return sorted(refused)

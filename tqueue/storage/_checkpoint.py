@@ -51,7 +51,7 @@ import numpy as np
 from .. import _threads
 from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError
 from ..transport._arena import Arena, Region
-from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _durable, _shared
+from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _crc, _durable, _shared
 from ..wire._layout import int_dtype
 from ..wire._pack import PACKED
 from ._store import PayloadStore, Piece
@@ -74,6 +74,8 @@ class _Column:
     rows: np.ndarray
     pieces: dict[int, Piece]
     shared: bool = False  # a field shared by content: loaded back, each value is stored once again
+    chains: dict[int, list[tuple[int, Piece]]] = dataclasses.field(default_factory=dict)
+    """Samples appends grew: their rows after the first ((row, piece) each), joined in the file."""
 
 
 class UnitCheckpoints:
@@ -125,12 +127,20 @@ class UnitCheckpoints:
                 pids = held[indexes]
                 rows = col.row_of[indexes]
                 pieces = dict(col.pieces)  # each one holds a sample (no sort of a million piece ids)
+                chains = {i: [(r, col.pieces[p]) for p, r in segs] for i, segs in col.chains.items()}
                 for write in hidden:
                     mine = write.field(field) if write.uid == uid else None
-                    if mine is not None:
-                        indexes, pids, rows = _before_write(mine, indexes, pids, rows, pieces)
+                    if mine is None:
+                        continue
+                    if field in write.appended:  # its rows are not the samples' yet
+                        chains = {i: [(r, q) for r, q in segs if q is not mine[0]] for i, segs in chains.items()}
+                    chains.update(write.chains.get(field, {}))  # an overwrite: the rows it took off come back
+                    indexes, pids, rows = _before_write(mine, indexes, pids, rows, pieces)
                 if len(indexes):
-                    out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces, shared=col.index is not None))
+                    kept = set(indexes.tolist())
+                    chains = {i: segs for i, segs in chains.items() if segs and i in kept}
+                    out.append(_Column(uid, part.name, field, indexes, pids, rows, pieces, shared=col.index is not None,
+                                       chains=chains))
         return out
 
     async def _write(
@@ -279,7 +289,7 @@ def _file_spec(col: _Column) -> FieldSpec:
     if first.kind == "object":
         return FieldSpec(kind="object", dtype=first.dtype, layout="jagged")
     shapes = {tuple(s.shape) if s.layout == "dense" else None for s in specs}
-    if len(shapes) == 1 and (shape := next(iter(shapes))) is not None:
+    if len(shapes) == 1 and (shape := next(iter(shapes))) is not None and not col.chains:
         return FieldSpec(kind=first.kind, dtype=first.dtype, layout="dense", shape=shape)
     ndim = first.ndim if first.layout == "jagged" else len(first.shape)
     return FieldSpec(kind=first.kind, dtype=first.dtype, layout="jagged", ndim=ndim)
@@ -289,7 +299,9 @@ def _runs(col: _Column) -> Any:
     """(indexes, values back to back, int64 offsets, shapes [n, ndim], CRC-32Cs) per run: the
     samples of one frame of one piece, cut at BATCH_BYTES; packed integers widened (their
     CRC-32C is of the wide bytes already)."""
-    order = np.argsort(col.pids, kind="stable")  # by piece, each in index order
+    plain = ~np.isin(col.indexes, np.fromiter(col.chains, dtype=np.int64, count=len(col.chains))) if col.chains \
+        else np.ones(len(col.indexes), dtype=bool)
+    order = np.flatnonzero(plain)[np.argsort(col.pids[plain], kind="stable")]  # by piece, each in index order
     cuts = np.flatnonzero(np.diff(col.pids[order])) + 1
     for chunk in np.split(order, cuts) if len(order) else ():
         piece = col.pieces[int(col.pids[chunk[0]])]
@@ -298,6 +310,29 @@ def _runs(col: _Column) -> Any:
         for f in np.unique(frame_of).tolist():
             at = frame_of == f
             yield from _cut(piece, f, indexes[at], rows[at])
+    for k in np.flatnonzero(~plain).tolist():  # a sample appends grew: its rows joined
+        i = int(col.indexes[k])
+        yield _joined(i, [(int(col.rows[k]), col.pieces[int(col.pids[k])]), *col.chains[i]])
+
+
+def _joined(index: int, segments: list[tuple[int, Piece]]) -> Any:
+    """One run of a sample made of rows of several pieces: their wide bytes back to back, its
+    shape (dim 0 summed) and the CRC-32C of the whole, once each row's own is checked."""
+    parts, shapes, whole, checked = [], [], -1, True
+    for row, piece in segments:
+        [(_, data, _, shape, crcs)] = list(_cut(piece, int(piece.frame_of[row]), np.asarray([index]), np.asarray([row])))
+        data = np.ascontiguousarray(data)
+        if int(crcs[0]) >= 0 and _crc.crc(data) != int(crcs[0]):
+            raise DataCorruptionError(f"sample {index}: the bytes of one of its appended rows fail their CRC-32C")
+        checked = checked and int(crcs[0]) >= 0
+        whole = _crc.crc(data) if whole < 0 else _crc.extend(whole, data)
+        parts.append(data)
+        shapes.append(shape[0])
+    shape = np.asarray(shapes[0]).copy()
+    shape[0] = sum(int(x[0]) for x in shapes)
+    data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    return (np.asarray([index], dtype=np.int64), data, np.asarray([0, len(data)], dtype=np.int64), shape.reshape(1, -1),
+            np.asarray([whole if checked else -1], dtype=np.int64))
 
 
 def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:

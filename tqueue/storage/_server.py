@@ -290,7 +290,7 @@ class StorageUnit:
             frames, where = self.holds.frames(msg, raw, region)
             pending = self.data.write(
                 msg.partition_uid, msg.partition, indexes, msg.blocks, frames, arena=where, region=region,
-                grant=msg.grant_id,
+                grant=msg.grant_id, append=msg.append or (),
             )
             nbytes = sum(nbytes_of(f) for f in frames)
             part = self.data.partitions[msg.partition_uid]

@@ -6,6 +6,10 @@ frame is either a ZeroMQ frame or a range of the unit's shared-memory arena that
 producer filled. Reads slice those frames (no copy) and coalesce consecutive samples into one
 range. Only tiny runs, which ZeroMQ would copy anyway, are joined into one frame.
 
+A write that appends (``Store.append``) adds, per sample, a row after those it has: the
+sample's value is its rows in order (``Column.chains``, along dim 0), nothing stored is
+copied, and a read sends the rows (``FieldBlock.rows_per_sample``), which the reader joins.
+
 A field shared by content (its blocks carry ``value_of``, tqueue/wire/_shared.py) holds a row
 per distinct value, which several samples point at. Once its write commits, each row equal to
 one the partition already stores (same digest, then the same bytes) gives its samples to that
@@ -16,10 +20,11 @@ once (its block's ``value_of`` says which sample holds which).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,6 +159,28 @@ class Column:
         # a field shared by content: its values by content key -> (piece id, row) holding it
         self.index: dict[Any, list[tuple[int, int]]] | None = None
         self.logical = 0  # a shared field's: bytes its samples hold (a value once per sample)
+        # samples grown by appends: the (piece id, row) of each row after the first, in order
+        self.chains: dict[int, list[tuple[int, int]]] = {}
+
+    def rows(self, indexes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(piece ids, rows) of every row of the samples at ``indexes`` in order, and how many
+        each sample has (None: one each)."""
+        pids, rows = self.piece_of[indexes], self.row_of[indexes]
+        if not self.chains:
+            return pids, rows, None
+        extra = [self.chains.get(i, ()) for i in indexes.tolist()]
+        if not any(extra):
+            return pids, rows, None
+        out_p: list[int] = []
+        out_r: list[int] = []
+        for p, r, more in zip(pids.tolist(), rows.tolist(), extra):
+            out_p.append(p)
+            out_r.append(r)
+            for mp, mr in more:
+                out_p.append(mp)
+                out_r.append(mr)
+        counts = np.fromiter((1 + len(m) for m in extra), dtype=np.int64, count=len(extra))
+        return np.asarray(out_p, dtype=np.int64), np.asarray(out_r, dtype=np.int64), counts
 
     def add(self, pid: int, piece: Piece) -> None:
         self.pieces[pid] = piece
@@ -223,6 +250,9 @@ class Installed:
     pieces: list[tuple[str, Piece]]
     indexes: np.ndarray
     befores: list[tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None]
+    appended: frozenset[str] = frozenset()  # fields whose piece holds rows appended to the samples'
+    chains: dict[str, dict[int, list[tuple[int, Piece]]]] = dataclasses.field(default_factory=dict)
+    """Per field, the appended rows an overwrite took off its samples ((row, piece) each)."""
 
     def field(self, name: str) -> tuple[Piece, np.ndarray, tuple[np.ndarray, np.ndarray, dict[int, Piece]] | None] | None:
         for (field, piece), before in zip(self.pieces, self.befores):
@@ -303,9 +333,11 @@ class PayloadStore:
         arena: Sequence[int] | None = None,
         region: Region | None = None,
         grant: int = 0,
+        append: Collection[str] = (),
     ) -> Pending:
         """Install a write; pieces it overwrites stay until ``commit()``. ``grant``: the
-        controller's grant it belongs to, remembered (``installed``) until commit or rollback."""
+        controller's grant it belongs to, remembered (``installed``) until commit or rollback.
+        ``append``: fields whose rows go after each sample's (a sample without one: its first)."""
         if uid <= 0:
             raise ProtocolError(f"bad partition uid {uid}")
         self.check_indexes(name, indexes)
@@ -332,6 +364,8 @@ class PayloadStore:
                     f"{len(take)} arrived"
                 )
             held = _shared.value_of(block)
+            if block.name in append and (held is not None or block.spec.layout != "jagged" and block.spec.kind == "object"):
+                raise ProtocolError(f"field {block.name!r}: an append of values shared by content or of objects")
             piece = Piece(block, take, where[at : at + len(block.counts)], region)
             if held is not None:
                 piece.live = len(indexes)
@@ -350,12 +384,17 @@ class PayloadStore:
         own = np.arange(len(indexes), dtype=np.int64)
         top = int(indexes.max()) + 1 if len(indexes) else 0
         befores = [_before(part.columns.get(field), indexes) for field, _ in pieces] if grant else []
+        chains: dict[str, dict[int, list[tuple[int, Piece]]]] = {}
         steps = [
-            self._install(part, field, piece, span, own if held is None else held, top, shared=held is not None)
+            self._append(part, field, piece, indexes, top) if field in append else
+            self._install(part, field, piece, span, own if held is None else held, top, shared=held is not None,
+                          chains=chains.setdefault(field, {}))
             for (field, piece), held in zip(pieces, rows_of)
         ]
         if any(b is not None for b in befores):  # an overwrite: new samples need no record
-            self.installed[grant] = Installed(uid, pieces, indexes, befores)
+            self.installed[grant] = Installed(
+                uid, pieces, indexes, befores, frozenset(append), {f: c for f, c in chains.items() if c},
+            )
 
         def commit() -> None:
             self.installed.pop(grant, None)
@@ -390,11 +429,12 @@ class PayloadStore:
 
     def _install(
         self, part: PartitionData, field: str, piece: Piece, indexes: slice | np.ndarray, rows: np.ndarray, top: int,
-        *, shared: bool = False,
+        *, shared: bool = False, chains: dict[int, list[tuple[int, Piece]]] | None = None,
     ) -> tuple[Callable[[], None], Piece, list[Piece], int]:
         """Point the samples at ``indexes`` (a slice where they are a plain range: cheaper
         than fancy indexing) of ``field`` to ``piece``'s ``rows``; ``top`` = max index + 1.
-        ``shared``: the field is shared by content (its values are indexed once committed)."""
+        ``shared``: the field is shared by content (its values are indexed once committed).
+        Rows appended to those samples go (into ``chains``: (row, piece) each, for a snapshot)."""
         col = part.columns.get(field)
         if col is None:
             col = part.columns[field] = Column()
@@ -412,6 +452,17 @@ class PayloadStore:
         col.row_of[indexes] = rows
         self._account(part, piece, 1)
         released = []
+        cut = {i: col.chains.pop(i) for i in at.tolist() if i in col.chains} if col.chains else {}
+        for i, segs in cut.items():  # an overwrite replaces every row of an appended sample
+            for old_pid, old_row in segs:
+                old = col.pieces[old_pid]
+                old.live -= 1
+                released.append((old_pid, old, 1))
+                if chains is not None:
+                    chains.setdefault(i, []).append((old_row, old))
+                if old.live == 0:
+                    col.remove(old_pid)
+                    self._account(part, old, -1)
         overwritten = old_pieces[old_pieces > 0]
         if len(overwritten):  # new samples (the usual write) replace nothing
             ids, counts = np.unique(overwritten, return_counts=True)
@@ -436,19 +487,64 @@ class PayloadStore:
             back = old_pieces[ours]
             ids, counts = np.unique(back[back > 0], return_counts=True)
             olds = {old_pid: old for old_pid, old, _ in released}
-            for old_pid, count in zip(ids.tolist(), counts.tolist()):
+            mine = set(at[ours].tolist()) if cut else set()
+            back_chains = {i: segs for i, segs in cut.items() if i in mine}  # their appended rows come back too
+            counted = collections.Counter(old_pid for segs in back_chains.values() for old_pid, _ in segs)
+            for old_pid, count in [*zip(ids.tolist(), counts.tolist()), *counted.items()]:
                 old = olds[old_pid]
                 if old.live == 0:
                     self._account(part, old, 1)
                     col.add(old_pid, old)
                 old.live += count
+            col.chains.update(back_chains)
             if col.index is not None:
                 col.logical += col.held_by(at[ours])
             if pid in col.pieces:  # else overwritten whole: accounted off
                 col.remove(pid)
                 self._account(part, piece, -1)
 
-        return undo, piece, [old for _, old, _ in released if old.live == 0], pid
+        dead = {id(old): old for _, old, _ in released if old.live == 0}
+        return undo, piece, list(dead.values()), pid
+
+    def _append(
+        self, part: PartitionData, field: str, piece: Piece, indexes: np.ndarray, top: int,
+    ) -> tuple[Callable[[], None], Piece, list[Piece], int]:
+        """Add ``piece``'s rows after the samples' rows of ``field`` (row ``k`` to the sample at
+        ``indexes[k]``; a sample without the field gets it as its first row). Nothing stored
+        moves or is copied; ``undo`` takes the rows off again."""
+        col = part.columns.get(field)
+        if col is None:
+            col = part.columns[field] = Column()
+        if col.index is not None:
+            raise ProtocolError(f"field {field!r} is shared by content: it cannot be appended to")
+        self._grow(col, top)
+        pid = next(self._piece_ids)
+        col.pieces[pid] = piece
+        self._account(part, piece, 1)
+        piece.live = len(indexes)
+        first = col.piece_of[indexes] == 0
+        col.piece_of[indexes[first]] = pid
+        col.row_of[indexes[first]] = np.flatnonzero(first)
+        for k in np.flatnonzero(~first).tolist():
+            col.chains.setdefault(int(indexes[k]), []).append((pid, k))
+
+        def undo() -> None:
+            # only rows still last go: one a later append went after stays (as its samples do)
+            for k, i in enumerate(indexes.tolist()):
+                chain = col.chains.get(i)
+                if chain and chain[-1] == (pid, k):
+                    chain.pop()
+                    if not chain:
+                        del col.chains[i]
+                    piece.live -= 1
+                elif col.piece_of[i] == pid and col.row_of[i] == k and i not in col.chains:
+                    col.piece_of[i] = 0
+                    piece.live -= 1
+            if piece.live == 0 and pid in col.pieces:
+                col.remove(pid)
+                self._account(part, piece, -1)
+
+        return undo, piece, [], pid
 
     def _share(self, part: PartitionData, field: str, pid: int, piece: Piece, indexes: np.ndarray) -> None:
         """A committed write of a field shared by content: each of its rows equal to a value
@@ -545,6 +641,21 @@ class PayloadStore:
                     col.remove(pid)
                     self._account(part, piece, -1)
                     self._free(piece)
+            for a, b in zip(s.tolist(), d.tolist()):  # appended rows move with their samples
+                for pid, row in col.chains.pop(a, ()):
+                    piece = col.pieces[pid]
+                    sub = piece.subset(np.asarray([row], dtype=np.int64))
+                    if sub.region is not None and self.arena is not None:
+                        self.arena.incref(sub.region)
+                    new = next(self._piece_ids)
+                    out.pieces[new] = sub
+                    out.chains.setdefault(b, []).append((new, 0))
+                    self._account(target, sub, 1)
+                    piece.live -= 1
+                    if piece.live == 0:
+                        col.remove(pid)
+                        self._account(part, piece, -1)
+                        self._free(piece)
             col.piece_of[s] = 0
 
     def drop_samples(self, uid: int, indexes: np.ndarray) -> int:
@@ -559,7 +670,12 @@ class PayloadStore:
             held = inside[pids > 0]
             if col.index is not None:
                 col.logical -= col.held_by(held)
-            ids, counts = np.unique(col.piece_of[held], return_counts=True)
+            if col.chains:  # appended rows go with their samples
+                extra = [p for i in held.tolist() for p, _ in col.chains.pop(i, ())]
+                held_pids = np.concatenate([col.piece_of[held], np.asarray(extra, dtype=np.int64)])
+            else:
+                held_pids = col.piece_of[held]
+            ids, counts = np.unique(held_pids, return_counts=True)
             col.piece_of[held] = 0
             for pid, count in zip(ids.tolist(), counts.tolist()):
                 piece = col.pieces[pid]
@@ -631,7 +747,7 @@ class PayloadStore:
                 f"sample {int(bad[0])} of partition {part.name!r} has no field {field!r} on this unit "
                 f"(samples without it: {_named(bad)})"
             )
-        rows = col.row_of[indexes]
+        pids, rows, per_sample = col.rows(indexes)  # a sample appends grew: its rows, in order
         value_of: np.ndarray | None = None  # a field shared by content: the value each sample holds
         if col.index is not None:
             pairs = pids * (1 << 32) + rows
@@ -666,7 +782,8 @@ class PayloadStore:
             layouts.add(tuple(piece.spec.shape) if piece.shapes is None else None)
         spec = col.pieces[unique[0]].spec
         block = FieldBlock(name=field, spec=spec, counts=[], crcs=None if crcs is None else crcs.tolist(),
-                           value_of=None if value_of is None else value_of.tolist())
+                           value_of=None if value_of is None else value_of.tolist(),
+                           rows_per_sample=None if per_sample is None else per_sample.tolist())
         if spec.kind == "object":
             block.sizes = size.tolist()
         elif len(layouts) == 1 and (shape := next(iter(layouts))) is not None:

@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 12  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed); 12: values shared by content (FieldBlock.value_of, CreatePartition.dedup, Granted.dedup, Heartbeat.bytes_shared)
+PROTOCOL_VERSION = 12  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed); 12: values shared by content (FieldBlock.value_of, CreatePartition.dedup, Granted.dedup, Heartbeat.bytes_shared), appends that write only the new rows (Grant.append, Store.append, FieldBlock.rows_per_sample)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -165,6 +165,10 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     carries each distinct value once, and ``value_of[i]`` is the one sample ``i`` holds.
     ``counts``, ``shapes``, ``sizes``, ``packed`` and ``crcs`` then describe the values, not the
     samples; values appear in the order their first sample does. See tqueue/wire/_shared.py.
+
+    ``rows_per_sample`` (a read of samples that appends grew, ``Store.append``): sample ``i``
+    is ``rows_per_sample[i]`` consecutive rows of the block, its value their concatenation
+    along dim 0; ``counts``, ``shapes``, ``packed`` and ``crcs`` describe the rows.
     """
 
     name: str
@@ -175,6 +179,7 @@ class FieldBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
     packed: list[PackedType] | None = None
     crcs: list[int] | None = None
     value_of: list[int] | None = None
+    rows_per_sample: list[int] | None = None
 
 
 class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -371,6 +376,7 @@ class Grant(Message):
     segment: tuple[int, int] | None = None  # (update) (version, first_token) of a resumed rollout
     replaces: int = 0  # a grant of this client whose store failed on its unit: placed again, elsewhere
     failed_unit: int = -1  # the unit that failed it (suspected dead from now on)
+    append: list[str] | None = None  # (update) fields whose new rows go after the stored ones, along dim 0
 
 
 class Granted(Message):
@@ -448,6 +454,7 @@ class Store(Message):
     timeout: float | None = None  # seconds the writer waits for Stored: the unit answers within it (None: unknown)
     keep: bool = False
     release: list[list[int]] | None = None
+    append: list[str] | None = None  # (update) fields whose rows the unit appends to each sample's, copying nothing
 
 
 class Stored(Message):

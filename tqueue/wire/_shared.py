@@ -29,7 +29,10 @@ def digest(data: memoryview) -> int:
 
 
 def samples(block: FieldBlock) -> int:
-    """How many samples ``block`` describes (its values, for a block without ``value_of``)."""
+    """How many samples ``block`` describes (its values or rows, for a block without
+    ``value_of`` and ``rows_per_sample``)."""
+    if block.rows_per_sample is not None:
+        return len(block.rows_per_sample)
     return len(block.value_of) if block.value_of is not None else sum(block.counts)
 
 

@@ -224,7 +224,7 @@ def bulk_targets(
                 f"field {block.name!r}: the unit sent {_shared.samples(block)} samples, {len(positions)} were asked"
             )
         # a block of values shared by content is expanded once verified: staged, not in the rows
-        own = rows.of(block.name) if block.spec.layout == "dense" and block.value_of is None else None
+        own = rows.of(block.name) if block.spec.layout == "dense" and block.value_of is None and block.rows_per_sample is None else None
         in_place = own is not None and tuple(block.spec.shape) == tuple(own[0].shape) and block.spec.dtype == own[0].dtype
         dest = own[1] if own is not None and in_place else None
         row = int(np.prod(block.spec.shape, dtype=np.int64)) * itemsize(block.spec) if in_place else 0

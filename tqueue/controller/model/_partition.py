@@ -202,8 +202,10 @@ class Partition:
         target places a completion takes, or None where the target has no room for all of
         them (nothing is granted: the samples stay partial)."""
         added = self.schema.check_blocks(msg.blocks, msg.count)
+        appended = frozenset(msg.append or ())
+        self.schema.check_appends(appended, msg.blocks, self.options.dedup)
         self.samples.check_indexes(indexes, self.name)
-        self.schema.record(added, msg.blocks, msg.count, indexes, self.n)
+        self.schema.record(added, msg.blocks, msg.count, indexes, self.n, appended)
         if not (msg.complete and self.options.target):
             return 0
         # completing partial rollouts takes places of the target, as a put does: all of
@@ -508,13 +510,29 @@ class Schema:
             )
         return added
 
+    def check_appends(self, appended: frozenset[str], blocks: Sequence[FieldBlock], shared: frozenset[str]) -> None:
+        """An update's appended fields: jagged tensor fields the partition has, of the write,
+        and not shared by content."""
+        names = {b.name for b in blocks}
+        for name in appended:
+            spec = self.specs.get(name)
+            if name not in names:
+                raise SchemaError(f"partition {self.name!r}: field {name!r} is to be appended but the write has no values of it")
+            if spec is None or spec.kind == "object" or spec.layout != "jagged" or spec.ndim == 0:
+                raise SchemaError(
+                    f"field {name!r} of partition {self.name!r}: only jagged tensor fields the partition holds "
+                    "grow by appends (their rows along dim 0)"
+                )
+            if name in shared:
+                raise SchemaError(f"field {name!r} of partition {self.name!r} is shared by content: it is written whole")
+
     def record(self, added: dict[str, FieldSpec], blocks: Sequence[FieldBlock], count: int,
-               where: slice | np.ndarray, n: int) -> None:
+               where: slice | np.ndarray, n: int, appended: frozenset[str] = frozenset()) -> None:
         """Record a write ``check_blocks`` passed: the fields it adds, the shapes it gives,
-        the lengths of its samples at ``where`` (of ``n``)."""
+        the lengths of its samples at ``where`` (of ``n``; grown by those of ``appended``)."""
         self.add(added)
         self.note_shapes(blocks, count)
-        self.record_lengths(blocks, where, n)
+        self.record_lengths(blocks, where, n, appended)
 
     def add(self, specs: dict[str, FieldSpec]) -> None:
         """Add new fields' specs; a jagged field already here whose one shape differs from
@@ -537,8 +555,11 @@ class Schema:
             if _one_shape(block, count) != tuple(old.shape):
                 self.specs[block.name] = _varied(old)
 
-    def record_lengths(self, blocks: Sequence[FieldBlock], where: slice | np.ndarray, n: int) -> None:
-        """Remember dim 0 of each sample of jagged tensor fields (for token balancing)."""
+    def record_lengths(
+        self, blocks: Sequence[FieldBlock], where: slice | np.ndarray, n: int, appended: frozenset[str] = frozenset(),
+    ) -> None:
+        """Remember dim 0 of each sample of jagged tensor fields (for token balancing); an
+        appended field's grows by the rows appended."""
         for block in blocks:
             spec = self.specs.get(block.name)
             if spec is None or spec.kind == "object" or spec.layout != "jagged" or spec.ndim == 0:
@@ -546,10 +567,13 @@ class Schema:
             arr = self.lengths.get(block.name)
             arr = grow(arr if arr is not None else np.zeros(1024, dtype=np.int64), n)
             if block.spec.layout == "dense":
-                arr[where] = block.spec.shape[0] if block.spec.shape else 1
+                rows: int | np.ndarray = block.spec.shape[0] if block.spec.shape else 1
             else:
-                shapes = np.asarray(block.shapes, dtype=np.int64).reshape(-1, block.spec.ndim)
-                arr[where] = shapes[:, 0]
+                rows = np.asarray(block.shapes, dtype=np.int64).reshape(-1, block.spec.ndim)[:, 0]
+            if block.name in appended:
+                arr[where] += rows
+            else:
+                arr[where] = rows
             self.lengths[block.name] = arr
 
     def field_mask(self, fields: Iterable[str]) -> tuple[np.uint64, list[str]]:

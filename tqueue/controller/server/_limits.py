@@ -160,6 +160,9 @@ def _grant(msg: Grant, config: ControllerConfig) -> None:
             )
     indexes("indexes", msg.indexes, config)
     _blocks(msg.blocks, config)
+    names("append", msg.append, MAX_FIELDS)
+    if msg.append and msg.indexes is None:
+        raise InvalidArgumentError(f"partition {msg.partition!r}: only an update (of indexes) appends to samples")
 
 
 def _get_meta(msg: GetMeta, config: ControllerConfig) -> None:
