@@ -344,7 +344,7 @@ def test_token_versions_of_routed_experts_are_those_of_the_calls_that_computed_t
                 assert versions == [row[0][0] // 10_000 for row in rows.tolist()]  # the version each row was computed with
                 assert versions == ([0] * boundary + [1] * (BUDGET - PARK_AFTER) if held else [1] * (len(prompt) + BUDGET - 1))
                 assert batch.token_versions("response_ids")[0].tolist() == [0] * PARK_AFTER + [1] * (BUDGET - PARK_AFTER)
-                with pytest.raises(InvalidArgumentError, match=r"holds routed_experts_splices"):
+                with pytest.raises(InvalidArgumentError, match=r"the rows each segment starts at are recorded"):
                     batch.token_versions("routed_experts", prompt_lengths=len(prompt))
         finally:
             await fake.stop()

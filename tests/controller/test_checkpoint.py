@@ -38,6 +38,7 @@ def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
     part.commit(GrantRecord(1, 7, 0, start, 3, None, frozenset({"x", "ids"}), kept=3), 0)
     part.allocate(1, [5], None)  # granted, never committed
     part.samples.add_segment(np.array([2]), 3, 17)
+    part.samples.add_segment(np.array([1, 2]), 4, 20, splice={"ids": np.array([2, 4])})
     task = part.task("a")
     task.take(np.array([0, 1]), 99)
     task.ack(np.array([0]), 99)  # 0 consumed, 1 still leased
@@ -51,8 +52,10 @@ def test_a_partition_comes_back_from_its_image(tmp_path: pathlib.Path) -> None:
     s = back.samples
     assert s.n == 4 and s.unit[:3].tolist() == [4, 4, 4] and s.unit[3] == -1
     assert np.all(s.mask[:3] & COMMITTED) and s.mask[3] & EXCLUDED  # the put that never committed stays out
-    assert s.version[:3].tolist() == [1, 1, 2] and s.version_max[2] == 3
-    assert s.segments == {2: [(2, 0), (3, 17)]} and s.segments_of(np.array([2])) == [[[2, 0], [3, 17]]]
+    assert s.version[:3].tolist() == [1, 1, 2] and s.version_max[2] == 4
+    assert s.segments == {1: [(1, 0), (4, 20, (("ids", 2),))], 2: [(2, 0), (3, 17), (4, 20, (("ids", 4),))]}
+    assert s.segments_of(np.array([2])) == [[[2, 0], [3, 17], [4, 20]]]
+    assert s.splices_of(np.array([0, 1, 2])) == {"ids": [[0], [0, 2], [0, -1, 4]]}  # the splice rows come back
     assert s.groups.ids == ["g0", 5] and s.groups.members == [[0, 1], [2, 3]] and s.groups.order == [0]
     assert back.schema.lengths["ids"].tolist() == [3, 4, 5, 0]
     t = back.tasks["a"]
@@ -89,3 +92,16 @@ def test_a_file_that_is_not_an_image_is_refused(tmp_path: pathlib.Path) -> None:
         w.write_table(table)
     with pytest.raises(InvalidArgumentError, match="other.arrow: not a tqueue partition file"):
         read_image(path.read_bytes(), "other.arrow")
+
+
+@pytest.mark.parametrize("segment", [[1, 2, [["ids", -1]]], [1, 2, [["ids"]]], [1, 2, [[3, 4]]], [1, 2, 3], [1]])
+def test_an_image_whose_splice_rows_are_malformed_is_refused(tmp_path: pathlib.Path, segment) -> None:
+    part = Partition("p", 3, Options())
+    part.schema.add({"ids": FieldSpec(kind="tensor", dtype="int64", layout="jagged", ndim=1)})
+    part.schema.lengths["ids"] = np.array([3], dtype=np.int64)
+    start = part.allocate(1, None, [1])
+    part.commit(GrantRecord(1, 3, 0, start, 1, None, frozenset({"ids"}), kept=1), 0)
+    image = capture(part)
+    _write(tmp_path, "p.arrow", dataclasses.replace(image, header={**image.header, "segments": [[0, [[1, 0], segment]]]}))
+    with pytest.raises(InvalidArgumentError, match=r"p.arrow: (a rollout segment of sample 0 is not|not a valid partition header)"):
+        read_image((tmp_path / "p.arrow").read_bytes(), "p.arrow")

@@ -69,6 +69,38 @@ def test_routed_experts_spliced_across_two_resumes(client, partition):
                         append=["resp"], splice={"experts": 6}, lengths=[15])
 
 
+def test_the_splice_rows_follow_a_sample_postponed_and_are_refused_when_malformed(client, partition):
+    """The controller keeps each splice's first row with its segment: a postponed sample takes
+    them along, and its next splice adds one; rows that do not fit are refused by name."""
+    later = f"{partition}-later"
+    one = [torch.full((6, 2, 2), 0, dtype=torch.int32)]
+    meta = client.put(partition, {"resp": [torch.arange(2)], "experts": one}, version=0, partial=True)
+    client.complete(meta, {"resp": [torch.arange(2, 4)], "experts": [torch.full((8, 2, 2), 1, dtype=torch.int32)]},
+                    version=1, first_token=2, append=["resp"], splice={"experts": 5}, finished=False)
+    moved = client.postpone(meta, later)
+    client.complete(moved, {"resp": [torch.arange(4, 5)], "experts": [torch.full((9, 2, 2), 2, dtype=torch.int32)]},
+                    version=2, first_token=4, append=["resp"], splice={"experts": 7})
+    got = client.get_meta(later, ["resp", "experts"], 1, task="t", timeout=5)
+    assert got.splices == {"experts": [[0, 5, 7]]}
+    batch = client.get_data(got)
+    assert batch.token_versions("experts")[0].tolist() == batch["experts"][0][:, 0, 0].tolist() == [0] * 5 + [1, 1, 2, 2]
+    fresh = client.put(partition, {"resp": [torch.arange(2)], "experts": one}, version=0, partial=True)
+    with pytest.raises(InvalidArgumentError, match=r"field 'experts' of partition '.*' is spliced at one row >= 0 per sample \(1\)"):
+        client.complete(fresh, {"resp": [torch.arange(1)], "experts": one}, version=1, first_token=2, append=["resp"],
+                        splice={"experts": [1, 2]})
+
+    async def raw(**splice_args):  # what complete() would never send
+        async with tqueue.AsyncClient(client.address) as c:
+            await c._puts.update(fresh, {"resp": [torch.arange(1)]}, append=["resp"], **splice_args)
+
+    with pytest.raises(SchemaError, match=r"field 'experts' is spliced but the write has no values of it"):
+        asyncio.run(raw(segment=(1, 2), splice={"experts": [3]}))
+    with pytest.raises(InvalidArgumentError, match=r"splice rows come with a version segment"):
+        asyncio.run(raw(splice={"resp": [3]}))
+    with pytest.raises(InvalidArgumentError, match=r"field 'resp' of partition '.*': splice rows are one row >= 0 per sample \(1\)"):
+        asyncio.run(raw(segment=(1, 2), splice={"resp": [-3]}))
+
+
 def test_postpone_and_prefetch_across_partitions(client, partition):
     """verl #2101: unfinished rollouts move to the next step; a short step prefetches."""
     step0, step1 = f"{partition}-0", f"{partition}-1"
@@ -216,25 +248,47 @@ def test_postpone_whole_groups(client, partition):
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=5, policy="first_ready").groups == ["b", "b"]
 
 
-def test_token_versions_of_a_spliced_whole_sequence_field_count_the_prompt(client, partition):
+@pytest.mark.parametrize("spliced", [True, False], ids=["spliced", "rewritten"])
+def test_token_versions_of_a_whole_sequence_field_from_its_splices_or_the_prompt(client, partition, spliced):
     """Segment offsets count response tokens; routed experts also hold the prompt's rows.
-    Given the prompt lengths, each row gets the version its splice kept it from."""
+    Spliced by ``complete(splice=)``, the controller keeps the row each segment starts at and
+    each row gets the version that computed it; written whole at each resume, the prompt
+    lengths place the segments."""
     prompt, layers, top_k = 3, 2, 2
 
     def experts(rows, value):
         return [torch.full((rows, layers, top_k), value, dtype=torch.int32)]
 
+    def whole(rows, keep, value):
+        return [torch.cat([torch.full((keep, layers, top_k), 0, dtype=torch.int32),
+                           torch.full((rows - keep, layers, top_k), value, dtype=torch.int32)])]
+
     meta = client.put(partition, {"resp": [torch.arange(2)], "experts": experts(prompt + 2, 0)}, version=0, partial=True)
-    client.complete(meta, {"resp": [torch.arange(2, 4)], "experts": experts(prompt + 4, 1)}, version=1,
-                    first_token=2, append=["resp"], splice={"experts": prompt + 2}, finished=False)
-    client.complete(meta, {"resp": [torch.arange(4, 5)], "experts": experts(prompt + 5, 2)}, version=2,
-                    first_token=4, append=["resp"], splice={"experts": prompt + 4})
-    batch = client.get_data(client.get_meta(partition, ["resp", "experts"], 1, task="t", timeout=5))
-    spliced = batch["experts"][0][:, 0, 0].tolist()
-    assert spliced == [0, 0, 0, 0, 0, 1, 1, 2]
-    assert batch.token_versions("experts", prompt_lengths=prompt)[0].tolist() == spliced
-    assert batch.token_versions("experts", prompt_lengths=[prompt])[0].tolist() == spliced
+    if spliced:
+        client.complete(meta, {"resp": [torch.arange(2, 4)], "experts": experts(prompt + 4, 1)}, version=1,
+                        first_token=2, append=["resp"], splice={"experts": prompt + 2}, finished=False)
+        client.complete(meta, {"resp": [torch.arange(4, 5)], "experts": experts(prompt + 5, 2)}, version=2,
+                        first_token=4, append=["resp"], splice={"experts": prompt + 4})
+    else:
+        second = whole(prompt + 4, prompt + 2, 1)
+        client.complete(meta, {"resp": [torch.arange(2, 4)], "experts": second}, version=1,
+                        first_token=2, append=["resp"], finished=False)
+        third = [torch.cat([second[0], torch.full((1, layers, top_k), 2, dtype=torch.int32)])]
+        client.complete(meta, {"resp": [torch.arange(4, 5)], "experts": third}, version=2, first_token=4, append=["resp"])
+    got = client.get_meta(partition, ["resp", "experts"], 1, task="t", timeout=5)
+    batch = client.get_data(got)
+    values = batch["experts"][0][:, 0, 0].tolist()
+    assert values == [0, 0, 0, 0, 0, 1, 1, 2]
     assert batch.token_versions("resp")[0].tolist() == [0, 0, 1, 1, 2]  # response-aligned
+    if spliced:
+        assert got.splices == {"experts": [[0, prompt + 2, prompt + 4]]}
+        assert batch.token_versions("experts")[0].tolist() == values
+        with pytest.raises(InvalidArgumentError, match=r"token_versions\('experts'\): the rows each segment starts at are recorded"):
+            batch.token_versions("experts", prompt_lengths=prompt)
+        return
+    assert got.splices is None
+    assert batch.token_versions("experts", prompt_lengths=prompt)[0].tolist() == values
+    assert batch.token_versions("experts", prompt_lengths=[prompt])[0].tolist() == values
     with pytest.raises(InvalidArgumentError, match=r"field 'experts' of sample \d+ has 8 rows, fewer than its prompt length 9"):
         batch.token_versions("experts", prompt_lengths=9)
     with pytest.raises(InvalidArgumentError, match=r"got 2 prompt lengths for 1 samples"):

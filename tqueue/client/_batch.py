@@ -71,11 +71,12 @@ class Batch(Mapping[str, Any]):
         tqueue does. A field whose rows are response tokens (the tokens, their log-probs)
         maps row ``r`` to response token ``r``: leave ``prompt_lengths`` out.
 
-        A field spliced at each resume (routed experts ``[prompt + response - 1, layers,
-        top_k]``, as the rollout driver stores them) maps each segment from the row its call
-        computed first, which the driver records in ``<field>_splices`` (one int per
-        segment): read that field too, and each row gets the version of the call that
-        computed it. A resumed call computes the row of the last token it was given, so the
+        A field spliced at each resume by ``complete(splice=...)`` (routed experts
+        ``[prompt + response - 1, layers, top_k]``, as the rollout driver stores them) maps
+        each segment from the row its call computed first, which the controller keeps with
+        the segment (``meta.splices``; a batch that holds a ``<field>_splices`` field, one int
+        per segment, written by the caller, is read as such a record): each row gets the
+        version of the call that computed it. A resumed call computes the row of the last token it was given, so the
         boundary row is the new segment's; where a call's rows were lost (a closed stream),
         the call that recomputed them has them.
 
@@ -85,11 +86,13 @@ class Batch(Mapping[str, Any]):
         that starts at response token 0 (the weights that prefilled it)."""
         values = self._values[field]
         meta = self._meta
-        splices = self._values.get(f"{field}_splices")
+        splices = (meta.splices or {}).get(field)
+        if splices is None:
+            splices = self._values.get(f"{field}_splices")
         if splices is not None and prompt_lengths is not None:
             raise InvalidArgumentError(
-                f"token_versions({field!r}): the batch holds {field}_splices, the rows each segment starts "
-                f"at; prompt lengths are for fields without them"
+                f"token_versions({field!r}): the rows each segment starts at are recorded (complete(splice=), "
+                f"or the batch's {field}_splices); prompt lengths are for fields without them"
             )
         prompts = _prompt_lengths(prompt_lengths, len(values), field)
         out = []
@@ -113,7 +116,8 @@ class Batch(Mapping[str, Any]):
                 )
             for j, (version, first) in enumerate(segments):
                 if rows is not None:
-                    versions[int(rows[j]) :] = version
+                    if int(rows[j]) >= 0:  # -1: the segment computed none of its rows
+                        versions[int(rows[j]) :] = version
                 else:
                     versions[prompt + first if first > 0 else 0 :] = version
             out.append(versions)

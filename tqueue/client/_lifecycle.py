@@ -150,13 +150,21 @@ class Lifecycle:
                 raise SchemaError(f"complete(): field {name!r} is to be appended or spliced but has no new values")
         # appended fields: only the new rows are sent, and the unit adds them after the stored
         # ones (nothing stored is read back or copied); spliced ones are read and written whole
-        old = await self._gets.get_data(meta, list(splice)) if splice else None
+        offsets = {name: [int(at)] * n if isinstance(at, int) else [int(k) for k in at] for name, at in splice.items()}
+        for name, rows in offsets.items():
+            if len(rows) != n or min(rows, default=0) < 0:
+                raise InvalidArgumentError(
+                    f"complete(): field {name!r} of partition {meta.partition!r} is spliced at one row >= 0 per "
+                    f"sample ({n}), got {rows}"
+                )
+        # a field spliced at row 0 everywhere is written whole: nothing stored is read
+        kept = [name for name, rows in offsets.items() if any(rows)]
+        old = await self._gets.get_data(meta, kept) if kept else {}
         new = dict(cols)
-        for name, at in splice.items():
-            assert old is not None
-            offsets = [at] * n if isinstance(at, int) else list(at)
+        for name, rows in offsets.items():
             out = []
-            for i, (o, x, k) in enumerate(zip(_rows(old[name]), _rows(cols[name]), offsets)):
+            stored = _rows(old[name]) if name in old else [x[:0] for x in _rows(cols[name])]
+            for i, (o, x, k) in enumerate(zip(stored, _rows(cols[name]), rows)):
                 if len(o) < k or len(x) < k:
                     raise SchemaError(
                         f"field {name!r} of sample {meta.indexes[i]} (partition {meta.partition!r}): "
@@ -171,7 +179,7 @@ class Lifecycle:
                 out.append(row)
             new[name] = out
         return await self._puts.update(meta, new, complete=call.finished, segment=(call.version, call.first_token),
-                                       append=list(append))
+                                       append=list(append), splice=offsets)
 
     async def postpone(self, given: UserMeta, to: str, *, whole_groups: bool = False) -> UserMeta:
         """Move these samples (with ``whole_groups``, every member of their groups) to a later

@@ -330,9 +330,11 @@ class Puts:
         complete: bool = False,
         segment: tuple[int, int] | None = None,
         append: Sequence[str] = (),
+        splice: Mapping[str, Sequence[int]] | None = None,
     ) -> list[int]:
         """:meth:`AsyncClient.update`; ``complete`` and ``segment`` for
-        :meth:`AsyncClient.complete`. Returns the indexes not written because completing them
+        :meth:`AsyncClient.complete` (``splice``: per field, per sample, the first row this
+        update computed, which the controller keeps with the segment). Returns the indexes not written because completing them
         would pass the partition's target (each unit's share is written whole or not at all).
         Samples on no unit yet (allocated rows) are placed first, and those of a partition of
         two copies are written on both units of their copies, where the controller says they
@@ -353,6 +355,7 @@ class Puts:
             writes.append((unit_id, copy, [meta.indexes[i] for i in pos.tolist()], enc, sub))
         ctl = await self._conns.ctl()
         refused: list[int] = []
+        rows_of = {f: dict(zip(meta.indexes, (int(r) for r in rows))) for f, rows in (splice or {}).items()}
 
         async def write(unit_id: int, copy: int, indexes: list[int], enc: Encoded, sub: Any, tries: int = 3) -> None:
             share(enc, self.shared.get(meta.partition, ()))
@@ -366,6 +369,7 @@ class Puts:
                     complete=complete,
                     segment=(segment[0], segment[1]) if segment is not None else None,
                     append=list(append) or None,
+                    splice={f: [m[i] for i in indexes] for f, m in rows_of.items()} or None,
                 ),
                 expect=Granted,
             )

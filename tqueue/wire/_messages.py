@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 12  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed); 12: values shared by content (FieldBlock.value_of, CreatePartition.dedup, Granted.dedup, Heartbeat.bytes_shared), appends that write only the new rows (Grant.append, Store.append, FieldBlock.rows_per_sample)
+PROTOCOL_VERSION = 13  # 2: FieldBlock.packed; 3: heartbeats (Ping, Pong, Bye, Heartbeat), unit names, lost samples; 4: Notice, CreatePartition.step; 5: timeouts are explicit (math.inf: none); 6: arena epochs (Allocated, Fetched); 7: arena leases (Store.keep, Store.release, Allocated.ttl); 8: a unit's commits of one loop turn in one message (Commits, CommitsDone); 9: per-sample CRC-32C (FieldBlock.crcs); 10: storage copies are named copies (CreatePartition.copies, BatchMeta.two_copies, Granted.second_units, Located.two_copies and second_units, PartitionStatus.copies); 11: integers packed as uint8 (FieldBlock.packed); 12: values shared by content (FieldBlock.value_of, CreatePartition.dedup, Granted.dedup, Heartbeat.bytes_shared), appends that write only the new rows (Grant.append, Store.append, FieldBlock.rows_per_sample); 13: splice rows kept by the controller (Grant.splice, BatchMeta.splices)
 
 GroupId = Union[str, int, None]
 FieldKind = Literal["tensor", "ndarray", "object"]
@@ -225,6 +225,9 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     micro_batch_indices: list[list[int]] | None = None
     versions_max: list[int] | None = None
     segments: list[list[list[int]]] | None = None  # per sample: [[version, first_token], ...]
+    # per field spliced by ``complete(splice=)``, per sample: the field's first row that each of
+    # its segments computed (-1: that segment computed none of them)
+    splices: dict[str, list[list[int]]] | None = None
     revisions: list[int] | None = None
     status: PutStatus = "ok"  # a put's fate: "ok", "aborted" (discarded), "recycled" or "trimmed"
     sealed: bool = False  # the partition takes no more samples (its target was reached)
@@ -260,6 +263,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             versions=take(self.versions),
             versions_max=take(self.versions_max),
             segments=take(self.segments),
+            splices=None if self.splices is None else {f: [rows[i] for i in pick] for f, rows in self.splices.items()},
             revisions=take(self.revisions),
             micro_batch_indices=None,
             num_microbatches=1,
@@ -377,6 +381,7 @@ class Grant(Message):
     replaces: int = 0  # a grant of this client whose store failed on its unit: placed again, elsewhere
     failed_unit: int = -1  # the unit that failed it (suspected dead from now on)
     append: list[str] | None = None  # (update) fields whose new rows go after the stored ones, along dim 0
+    splice: dict[str, list[int]] | None = None  # (update) per spliced field, per sample: the first row it computes
 
 
 class Granted(Message):

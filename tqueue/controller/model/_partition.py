@@ -46,6 +46,7 @@ class GrantRecord:
     partial: bool = False
     complete: bool = False
     segment: tuple[int, int] | None = None
+    splice: dict[str, np.ndarray] | None = None  # an update's spliced fields: per sample, the first row it computes
     kept: int = 0  # a put's samples that count toward the target (the first ``kept``)
     admitted: int = 0  # staleness admission it took, given back if it never commits
     owner: bytes = b""  # the client session that asked for it (freed when that session ends)
@@ -238,7 +239,7 @@ class Partition:
             self.samples.mask[idx] |= bits
             self.samples.revision[idx] += 1
             if grant.segment is not None:
-                self.samples.add_segment(idx, *grant.segment)
+                self.samples.add_segment(idx, *grant.segment, splice=grant.splice)
             if grant.complete:
                 finished = idx[(self.samples.mask[idx] & PARTIAL) != 0]
                 self.samples.mask[finished] &= ~PARTIAL

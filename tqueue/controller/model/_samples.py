@@ -26,6 +26,8 @@ HIDDEN = EXCLUDED | PARTIAL
 # per-sample arrays start empty (shared) and double as samples come: an empty partition costs little
 _EMPTY: dict[type, Any] = {dtype: np.zeros(0, dtype=dtype) for dtype in (np.uint64, np.int16, np.int64)}
 NO_VERSION = -1
+#: a rollout segment: (version, first_token), and the rows of the fields its update spliced
+Segment = tuple[int, int] | tuple[int, int, tuple[tuple[str, int], ...]]
 
 
 def grow(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
@@ -50,7 +52,7 @@ class Moved:
     version: np.ndarray
     version_max: np.ndarray
     revision: np.ndarray
-    segments: list[list[tuple[int, int]] | None]
+    segments: list[list[Segment] | None]
     groups: list[GroupId] | None
     lengths: dict[str, np.ndarray]
     indexes: np.ndarray  # where they were
@@ -151,7 +153,7 @@ class Samples:
         self.version = _EMPTY[np.int64]  # oldest segment's
         self.version_max = _EMPTY[np.int64]
         self.revision = _EMPTY[np.int64]  # committed updates
-        self.segments: dict[int, list[tuple[int, int]]] = {}  # samples of several segments
+        self.segments: dict[int, list[Segment]] = {}  # samples of several segments
         self.group = _EMPTY[np.int64]
         self.groups = Groups()
         self.has_groups = False
@@ -192,16 +194,40 @@ class Samples:
             raise InvalidArgumentError(f"partition {partition!r}: a sample is listed twice")
 
 
-    def add_segment(self, indexes: np.ndarray, version: int, first_token: int) -> None:
-        """A resumed rollout: tokens from ``first_token`` on come from ``version``."""
-        for i in indexes.tolist():
+    def add_segment(
+        self, indexes: np.ndarray, version: int, first_token: int, splice: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """A resumed rollout: tokens from ``first_token`` on come from ``version``; rows of
+        each field of ``splice`` from its row (per sample) on."""
+        for k, i in enumerate(indexes.tolist()):
             segs = self.segments.get(i)
             if segs is None:
                 segs = self.segments[i] = [(int(self.version[i]), 0)] if self.version[i] != NO_VERSION else []
-            segs.append((version, first_token))
+            if splice:
+                segs.append((version, first_token, tuple((name, int(rows[k])) for name, rows in splice.items())))
+            else:
+                segs.append((version, first_token))
         old = self.version[indexes]
         self.version[indexes] = np.where(old == NO_VERSION, version, np.minimum(old, version))
         self.version_max[indexes] = np.maximum(self.version_max[indexes], version)
+
+    def splices_of(self, indexes: np.ndarray) -> dict[str, list[list[int]]] | None:
+        """Per field a segment spliced, per sample: the first row of the field each segment
+        computed (the first segment row 0, one that spliced another field or none: -1)."""
+        held = [self.segments.get(i) for i in indexes.tolist()]
+        names = {name for segs in held if segs for seg in segs if len(seg) > 2 for name, _ in seg[2]}
+        if not names:
+            return None
+        out: dict[str, list[list[int]]] = {}
+        for name in sorted(names):
+            rows = out[name] = []
+            for i, segs in zip(indexes.tolist(), held):
+                if segs is None:
+                    rows.append([0] if self.version[i] != NO_VERSION else [])
+                    continue
+                rows.append([dict(seg[2]).get(name, -1) if len(seg) > 2 else (0 if j == 0 else -1)
+                             for j, seg in enumerate(segs)])
+        return out
 
     def segments_of(self, indexes: np.ndarray) -> list[list[list[int]]] | None:
         if not self.segments or not any(i in self.segments for i in indexes.tolist()):
@@ -212,7 +238,7 @@ class Samples:
             if segs is None:
                 v = int(self.version[i])
                 segs = [(v, 0)] if v != NO_VERSION else []
-            out.append([[v, t] for v, t in segs])
+            out.append([[seg[0], seg[1]] for seg in segs])
         return out
 
     def finishing(self, indexes: np.ndarray) -> int:

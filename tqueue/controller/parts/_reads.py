@@ -328,9 +328,10 @@ class Reads:
         if groups is not None and padded:
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
         segments = samples.segments_of(indexes[real] if padded else indexes) if samples.segments else None
+        splices = samples.splices_of(indexes[real] if padded else indexes) if segments is not None else None
         if segments is not None and padded:
-            it = iter(segments)
-            segments = [next(it) if r else [] for r in real.tolist()]
+            segments = _padded(segments, real)
+            splices = None if splices is None else {f: _padded(rows, real) for f, rows in splices.items()}
         return BatchMeta(
             partition=part.name,
             partition_uid=part.uid,
@@ -345,6 +346,7 @@ class Reads:
             versions=versions.tolist() if versioned else None,
             versions_max=per_sample(samples.version_max, -1) if versioned else None,
             segments=segments,
+            splices=splices,
             revisions=per_sample(samples.revision, 0) if samples.revision[safe].any() else None,
             global_batch_size=len(listed),
             sealed=part.sealed,
@@ -585,3 +587,9 @@ def _whole_groups_left(candidates: Candidates, fewer_than: int) -> np.ndarray:
             return found
     return np.zeros(0, dtype=np.int64)
 
+
+
+def _padded(per_sample: list[list[Any]], real: np.ndarray) -> list[list[Any]]:
+    """Per-sample lists of the real samples, with ``[]`` at the pad rows."""
+    it = iter(per_sample)
+    return [next(it) if r else [] for r in real.tolist()]

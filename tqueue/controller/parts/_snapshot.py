@@ -32,7 +32,7 @@ from ...wire import FieldSpec
 from ...wire._durable import MAX_UNIT_ID, Summed
 from ..model._keyindex import KeyIndex
 from ..model._partition import Options, Partition
-from ..model._samples import AVAILABLE, COMMITTED, EXCLUDED, LEASED, Groups
+from ..model._samples import AVAILABLE, COMMITTED, EXCLUDED, LEASED, Groups, Segment
 
 FORMAT: Final = "tqueue-partition"
 FORMAT_VERSION: Final = 1
@@ -89,7 +89,7 @@ def capture(part: Partition) -> Image:
             "ids": list(g.ids), "committed": list(g.committed), "failed": list(g.failed),
             "aborted": list(g.aborted), "complete": list(g.complete), "order": list(g.order),
         },
-        "segments": [[i, [list(seg) for seg in segs]] for i, segs in s.segments.items()],
+        "segments": [[i, [_segment_out(seg) for seg in segs]] for i, segs in s.segments.items()],
         "keys": part.keys.encode() if part.keys is not None else None,
     }
     return Image(header, arrays)
@@ -181,7 +181,7 @@ class _Header(msgspec.Struct):
     tasks: dict[str, dict[str, int]]
     has_groups: bool
     groups: _Groups
-    segments: list[tuple[int, list[tuple[int, int]]]]
+    segments: list[tuple[int, list[list[Any]]]]  # [version, first_token] or [.., [[field, row], ...]]
     keys: Any = None
 
 
@@ -206,9 +206,29 @@ def _check_arrays(header: dict[str, Any], arrays: dict[str, np.ndarray], bad: An
         a = arrays[name]
         if n and (int(a.min()) < lo or int(a.max()) > hi):
             raise bad(f"column {name!r} holds values outside [{lo}, {hi}]")
-    for i, _ in header["segments"]:
+    for i, segs in header["segments"]:
         if not 0 <= i < n:
             raise bad(f"a rollout segment of sample {i}, outside [0, {n})")
+        if not all(_segment_ok(seg) for seg in segs):
+            raise bad(f"a rollout segment of sample {i} is not [version, first_token] with its splice rows")
+
+
+def _segment_out(seg: Segment) -> list[Any]:
+    return [seg[0], seg[1]] if len(seg) == 2 else [seg[0], seg[1], [list(r) for r in seg[2]]]
+
+
+def _segment_ok(seg: list[Any]) -> bool:
+    ints = len(seg) in (2, 3) and all(type(x) is int for x in seg[:2])
+    rows = seg[2] if len(seg) == 3 else []
+    return ints and isinstance(rows, list) and all(
+        isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and type(r[1]) is int and r[1] >= 0 for r in rows
+    )
+
+
+def _segment_in(seg: list[Any]) -> Segment:
+    if len(seg) == 2:
+        return (int(seg[0]), int(seg[1]))
+    return (int(seg[0]), int(seg[1]), tuple((str(f), int(r)) for f, r in seg[2]))
 
 
 def _copies(options: dict[str, Any]) -> int:
@@ -244,7 +264,7 @@ def rebuild(image: Image, units: dict[int, int], *, max_samples: int, max_tasks:
     s.second_unit = np.full(len(s.unit), -1, dtype=np.int16)  # a checkpoint holds one copy of each sample
     # a put that never committed never will (the cluster that granted it is gone)
     s.mask[(s.mask & COMMITTED) == 0] |= EXCLUDED
-    s.segments = {int(i): [(int(v), int(t)) for v, t in segs] for i, segs in h["segments"]}
+    s.segments = {int(i): [_segment_in(seg) for seg in segs] for i, segs in h["segments"]}
     _rebuild_groups(s.groups, h["groups"], s.group)
     s.has_groups = bool(h["has_groups"])
     for field in part.schema.bits:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...errors import (
     InvalidArgumentError,
+    SchemaError,
     PartitionClearedError,
     StorageFullError,
     StorageUnitUnavailableError,
@@ -182,6 +183,7 @@ class Writes:
         indexes = np.asarray(msg.indexes, dtype=np.int64)
         if len(indexes) != msg.count:
             raise InvalidArgumentError("count and indexes disagree")
+        splice = _splice_rows(msg, part.name, frozenset(b.name for b in msg.blocks))
         placed = self.copies.of_update(part, indexes) if self._twice(part) else (None, [])
         if placed is None:
             return Granted(grant_id=0, partition_uid=part.uid, start=0, status="moved", partition=part.name)
@@ -195,6 +197,7 @@ class Writes:
         segment = (int(msg.segment[0]), int(msg.segment[1])) if msg.segment else None
         self.state.grants[grant_id] = GrantRecord(
             grant_id, part.uid, -1, 0, msg.count, indexes, fields, complete=msg.complete, segment=segment, kept=kept,
+            splice=splice,
             waiting=copies_of(part, indexes),
             # as a put's: an update whose writer never stores gives back the target places it took
             timer=self.state.loop.call_later(self.state.config.grant_timeout, self._lapse_grant, grant_id),
@@ -431,3 +434,23 @@ class Writes:
         if part is None or not len(grant.indexes):
             return False
         return bool((part.samples.unit[grant.indexes] == unit_id).any())
+
+
+def _splice_rows(msg: Grant, partition: str, fields: frozenset[str]) -> dict[str, np.ndarray] | None:
+    """An update's splice rows, checked: per field it writes, one row >= 0 per sample, and a
+    version segment for them to belong to."""
+    if not msg.splice:
+        return None
+    if msg.segment is None:
+        raise InvalidArgumentError(f"partition {partition!r}: splice rows come with a version segment (complete())")
+    out = {}
+    for name, rows in msg.splice.items():
+        if name not in fields:
+            raise SchemaError(f"partition {partition!r}: field {name!r} is spliced but the write has no values of it")
+        arr = np.asarray(rows, dtype=np.int64)
+        if len(arr) != msg.count or (arr < 0).any():
+            raise InvalidArgumentError(
+                f"field {name!r} of partition {partition!r}: splice rows are one row >= 0 per sample ({msg.count})"
+            )
+        out[name] = arr
+    return out
