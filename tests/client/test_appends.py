@@ -126,3 +126,21 @@ def test_an_append_to_a_field_shared_by_content_or_of_objects_is_refused(client:
         client.rollouts.complete(meta, {"image": [torch.zeros(1)] * 2}, version=1, first_token=0, append=["image"], finished=False)
     with pytest.raises(tqueue.errors.SchemaError, match="only jagged tensor fields the partition holds grow by appends"):
         client.rollouts.complete(meta, {"obj": [{"c": 3}] * 2}, version=1, first_token=0, append=["obj"], finished=False)
+
+
+def test_appended_rows_read_narrow_over_a_socket_are_joined(client: tqueue.Client) -> None:
+    """Rows of expert ids under 128 travel packed (int8); a reader widens them for their
+    checksums and still joins each sample's rows (the widened block keeps its rows per sample)."""
+    part = f"agent-{next(_names)}"
+    g = torch.Generator().manual_seed(3)
+    turns = [[torch.randint(0, 128, (400, LAYERS, TOP_K), generator=g, dtype=torch.int32) for _ in range(4)]
+             for _ in range(3)]
+    meta = client.put(part, {"experts": turns[0]}, version=0, partial=True)
+    for t in (1, 2):
+        client.rollouts.complete(meta, {"experts": turns[t]}, version=t, first_token=400 * t, append=["experts"],
+                                 finished=t == 2)
+    got = client.get_meta(part, ["experts"], 4, task="t", timeout=10)
+    batch = client.get_data(got)
+    for k, i in enumerate(got.indexes):
+        s = meta.indexes.index(i)
+        assert torch.equal(batch["experts"][k], torch.cat([turns[t][s] for t in range(3)]))

@@ -116,12 +116,15 @@ def test_a_second_group_with_the_same_image_adds_only_what_differs(cluster: Loop
     both = {f: first[f] + second[f] for f in FIELDS}
     _check(batch, both, [sorted(at).index(i) for i in meta.indexes])
     shared = 31 * IMAGE[0] * IMAGE[1] * 4
-    for _ in range(20):  # the unit's figure reaches status() with its next heartbeat
+    stored = cluster.call(lambda: cluster.units[0].data.resident)
+    for _ in range(20):  # the unit's figures reach status() with its next heartbeat
         cluster.advance(1.0)
         status = client.status()
-        if status.bytes_shared >= shared:
+        if status.bytes_shared >= shared and status.units[0].nbytes == stored:
             break
     assert status.bytes_shared >= shared
+    # what the unit stores, the second image dropped after its commit had reported it
+    assert status.units[0].nbytes == stored
     assert next(p for p in status.partitions if p.name == part).dedup == ["image", "prompt_ids"]
 
 

@@ -420,9 +420,8 @@ def unpack(block: FieldBlock, frames: Sequence[Any]) -> tuple[FieldBlock, list[A
             widen(full, narrow)
             buf = full.view(np.uint8)
         out.append(buf)
-    unpacked = FieldBlock(name=block.name, spec=block.spec, counts=block.counts, shapes=block.shapes, sizes=block.sizes,
-                          value_of=block.value_of)
-    return unpacked, out
+    # the same block but for ``packed`` (values shared by content, a sample's rows, checksums kept)
+    return msgspec.structs.replace(block, packed=None), out
 
 
 def _objects(p: Pieces, size: int, pool: BufferPool | None = None) -> list[Any]:

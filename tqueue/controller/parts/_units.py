@@ -202,6 +202,9 @@ class Liveness:
             self.state.server.serve_first(unit.ident, False)
             self.state.server.serve_first(ident)
             unit.ident, unit.session = ident, session_of(ident)
+        # what it stores now: a commit reports it before the unit drops the values it found it
+        # holds already (shared by content), and this connection orders the two
+        unit.nbytes = msg.nbytes
         unit.arena_used = msg.arena_used
         unit.held_bytes = msg.held_bytes
         unit.bytes_shared = msg.bytes_shared
