@@ -186,3 +186,39 @@ def test_the_routed_experts_bench_reads_every_id_back_at_one_byte_each(tmp_path,
     assert result["bytes_per_id_unit"] == 1.0 and result["bytes_per_id_get_wire"] == 1.0
     assert result["dense_table_bytes"] > result["engine_bytes"] == 4 * result["ids"]
     assert "| tqueue: held by the unit |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("route", [[], ["--shm"]], ids=["sockets", "arena"])
+def test_the_shared_values_bench_holds_a_group_once_beside_the_naive_layout(tmp_path, capsys, route):
+    """benchmarks/shared_values.py on two tiny groups: with dedup the unit holds about one image,
+    one prompt and the responses of each group, and a group whose image it holds adds far less
+    than its copies; without, every sample's copy."""
+    from benchmarks import shared_values
+
+    args = ["--groups", "2", "--group", "4", "--image-mib", "0.25", "--prompt", "512", "--response", "128",
+            "--out", str(tmp_path), *route]
+    assert shared_values.main(args) == 0
+    r = json.loads((tmp_path / "shared_values.json").read_text())
+    shared, naive = r["shared"], r["naive"]
+    assert shared["held_over_distinct"] <= 1.2 and naive["held_over_distinct"] > 3
+    # (at this size a piece's fixed cost, an arena page's, weighs beside the 4 kB of responses)
+    assert shared["again_growth"] < naive["again_growth"] / 3
+    assert shared["bytes_shared"] > 0 == naive["bytes_shared"]
+    assert shared["get_wire_bytes"] < shared["get_logical_bytes"] / 2
+    assert "| status().bytes_shared |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("route", [[], ["--shm"]], ids=["sockets", "arena"])
+def test_the_agent_trajectories_bench_reads_every_turn_back_and_sends_only_the_turns(tmp_path, capsys, route):
+    """benchmarks/agent_trajectories.py on a tiny step: every sample read back exactly (bytes and
+    per-token versions), and a late turn sends no more than an early one."""
+    from benchmarks import agent_trajectories
+
+    args = ["--samples", "4", "--tokens", "2048", "--turns", "8", "--layers", "4", "--top-k", "2",
+            "--out", str(tmp_path), *route]
+    assert agent_trajectories.main(args) == 0
+    r = json.loads((tmp_path / "agent_trajectories.json").read_text())
+    assert r["read_back_exact"] is True
+    assert r["turn_wire_last_half"] <= 1.1 * r["turn_wire_first_half"]
+    assert r["appends_wire_total"] < r["rewrite_wire_total"] / 3
+    assert "| after turn | unit stores |" in capsys.readouterr().out
