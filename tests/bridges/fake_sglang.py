@@ -14,7 +14,10 @@ requests have all arrived and the first ``hold[0]`` have finished: ``"500"`` or 
 an abort of a request not on the engine yet (``dropped``). ``admit``, if set to an unset event,
 keeps each request off the engine (no response opened) until it is set; such a request, once
 admitted, streams ``PARK_AFTER`` tokens and waits ``late_wait`` seconds for an abort before it
-runs to its end. ``running`` counts the requests on the
+runs to its end. ``stop_at``: sequence lengths at which the model emits its stop token
+(the call ends with ``finish_reason`` stop there, an agent's turn ending). ``park``, if set, is
+asked of each request's body: where it says so, the request streams ``PARK_AFTER`` tokens and
+waits until aborted, as a held one does. ``running`` counts the requests on the
 engine; a request stops counting before its last event is sent, so that a client that has
 read every answer sees the count it left behind.
 """
@@ -72,6 +75,8 @@ class FakeSGLang:
         self.parked = 0
         self.parked_event = asyncio.Event()
         self.requests: list[dict[str, Any]] = []
+        self.stop_at: set[int] = set()
+        self.park: Any = None  # (body) -> bool
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -163,6 +168,7 @@ class FakeSGLang:
         rid, ids = body["rid"], body["input_ids"]
         budget = body["sampling_params"]["max_new_tokens"]
         late = self.admit is not None
+        parks = self.park is not None and self.park(body)
         if self.admit is not None:
             self.waiting += 1
             self.waiting_event.set()
@@ -182,14 +188,15 @@ class FakeSGLang:
                 if aborted.is_set() or (late and len(out) == PARK_AFTER and await _within(aborted, self.late_wait)):
                     finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
                     break
-                if self.hold is not None and len(out) == PARK_AFTER and order <= self.hold[1]:
-                    if order > self.hold[0]:
-                        self.parked += 1
-                        self.parked_rids.add(rid)
-                        self.parked_event.set()
-                        await aborted.wait()
-                        finish = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
-                        break
+                held = self.hold is not None and order <= self.hold[1]
+                if len(out) == PARK_AFTER and (parks or (held and order > self.hold[0])):
+                    self.parked += 1
+                    self.parked_rids.add(rid)
+                    self.parked_event.set()
+                    await aborted.wait()
+                    finish = {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
+                    break
+                if len(out) == PARK_AFTER and held:
                     await self.all_arrived.wait()
                 out.append(token(len(ids) + len(out)))
                 if spans and spans[-1]["version"] == str(version):
@@ -197,10 +204,12 @@ class FakeSGLang:
                 else:
                     spans.append({"version": str(version), "start": len(out) - 1, "end": len(out)})
                 await self._send(resp, rid, ids, out, spans, None, body)
+                if len(ids) + len(out) in self.stop_at:
+                    finish = {"type": "stop", "matched": out[-1]}
             ended()
             await self._send(resp, rid, ids, out, spans, finish, body)
             await resp.write(b"data: [DONE]\n\n")
-            if finish["type"] == "length":
+            if finish["type"] in ("length", "stop"):
                 self.finished += 1
                 if self.hold is not None and self.finished >= self.hold[0]:
                     self.held_finished.set()

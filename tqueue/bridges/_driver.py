@@ -18,6 +18,16 @@ member is reported to its group's policy (``client.fail``), and ``step`` raises 
 sample number; the driver remembers the keys each step partition is done with (stored, or
 failed and reported), so running a step again sends only what is not.
 
+Multi-turn agents: with a ``tool`` callback, a trajectory is built turn by turn. After each
+assistant turn that ended with ``"stop"`` the tool returns the tokens of a tool (environment)
+turn, inserted with loss mask 0, and the engine continues from prompt + everything so far;
+``None`` ends the trajectory. The sample is put, partial, after its first assistant turn, and
+each later write (the tool turn and the assistant turn after it) is a ``complete`` that appends
+only the new rows; ``finished=True`` once the trajectory ends. A turn the seal cuts short is
+kept partial and recycled like any partial rollout; the step that resumes it continues that
+same turn, then the tool loop. A tool that raises fails its sample (``client.fail``) and the
+step goes on.
+
 Engines implement :class:`Engine`; the SGLang and vLLM bridges provide them.
 """
 
@@ -26,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import logging
 import math
+import operator
 import os
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -40,7 +52,7 @@ import torch
 from .._meta import Meta
 from ..errors import EngineError, InvalidArgumentError, PartitionClearedError
 from ..wire import GroupId
-from ._fields import SPLICES, Trajectory
+from ._fields import ASSISTANT, SPLICES, Trajectory
 
 if TYPE_CHECKING:
     from ..client import AsyncClient
@@ -49,10 +61,17 @@ log = logging.getLogger(__name__)
 
 #: the fields ``complete`` appends when a partial rollout is resumed
 APPENDED = ("response_ids", "response_logprobs", "loss_mask", "version_spans")
+#: and for a multi-turn trajectory, its turns too
+TURN_APPENDED = (*APPENDED, "turn_spans")
 #: how many step partitions' done keys a driver remembers (the most recent ones)
 REMEMBERED_STEPS = 64
 #: the reason a failed member is reported with (``client.fail``)
 FAILED = "engine call failed"
+#: the reason a sample whose tool callback raised is reported with, before the exception's type
+TOOL_FAILED = "tool failed"
+
+#: a tool callback: the tokens of the next tool turn, or None to end the trajectory
+Tool = Callable[[Any, Trajectory], "Awaitable[Sequence[int] | None] | Sequence[int] | None"]
 
 #: a request of a step: its group and its sample number in the group
 Key = tuple[GroupId, int]
@@ -87,7 +106,10 @@ class StepReport:
     after the seal with nowhere to go; ``resumed``: partial rollouts of earlier steps continued
     here; ``failed``: calls that failed for good, each reported to its group's policy;
     ``retried``: engine calls tried again after an error worth retrying; ``skipped``: requests
-    an earlier run of this step is done with, not sent again; ``abort_seconds``: from the seal
+    an earlier run of this step is done with, not sent again; ``tool_calls``: tool callbacks
+    that returned; ``tool_failed``: samples whose tool callback raised (each reported to its
+    group's policy, the step going on; ``errors`` names them); ``turn_limited``: trajectories
+    ended by ``max_turns``; ``abort_seconds``: from the seal
     (or the failure) until the last aborted call ended; ``errors``: the engine errors met (the
     failures, failed aborts, errors of calls after the step stopped); ``keys``: the requests
     this step partition is done with, this run and earlier ones."""
@@ -102,6 +124,9 @@ class StepReport:
     failed: int = 0
     retried: int = 0
     skipped: int = 0
+    tool_calls: int = 0
+    tool_failed: int = 0
+    turn_limited: int = 0
     sealed: bool = False
     abort_seconds: float | None = None
     versions: dict[int, int] = dataclasses.field(default_factory=dict)  # oldest version -> stored samples
@@ -111,11 +136,36 @@ class StepReport:
 
 @dataclasses.dataclass
 class _Partial:
-    meta: Meta
+    meta: Meta | None  # None: not stored yet
     trajectory: Trajectory
     group: GroupId
-    budget: int  # max_new_tokens of the whole trajectory
+    budget: int  # max_new_tokens of the whole trajectory (its assistant tokens)
     splices: list[int]  # per stored segment, its first routed-experts row
+    # what of the trajectory is stored: response rows, version spans, turn spans
+    rows: int = 0
+    spans: int = 0
+    turns: int = 0
+    ended: bool = False  # nothing more to generate: only its finishing write is left
+
+    @property
+    def stored(self) -> Meta:
+        """Its meta: a partial waiting for a step, or continued by one, is stored."""
+        assert self.meta is not None, "the trajectory is not stored yet"
+        return self.meta
+
+
+class _Ends:
+    """What comes after a turn, where not a tool turn's tokens."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+END = _Ends("END")  # the trajectory is finished
+WAIT = _Ends("WAIT")  # the step stopped: kept partial for a later step (or the rerun)
 
 
 class Rollouts:
@@ -129,6 +179,13 @@ class Rollouts:
     or a call failed), how long its calls still on the engine have to end before they are
     cancelled. ``extra(group, prompt_ids, trajectory)``, if given, returns more fields for
     each finished sample (a reward, say).
+
+    ``tool(group, trajectory)``, if given, makes every trajectory a multi-turn one (its
+    ``turn_spans`` stored): called after each assistant turn that ended with ``"stop"``, it
+    returns the tokens of the next tool turn (an ``async def``, or a plain function), or None
+    to end the trajectory. ``max_turns`` bounds the assistant turns of one trajectory (the
+    tool is not called after the last). ``max_new_tokens`` counts assistant tokens only: tool
+    tokens take none of the budget (the engine's context length bounds the whole).
     """
 
     def __init__(
@@ -142,11 +199,17 @@ class Rollouts:
         backoff: float = 0.5,
         abort_timeout: float = 30.0,
         extra: Any = None,
+        tool: Tool | None = None,
+        max_turns: int = 8,
     ) -> None:
         if max_new_tokens <= 0:
             raise InvalidArgumentError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if retries < 0 or error_retries < 0:
             raise InvalidArgumentError(f"retries and error_retries must be >= 0, got {retries} and {error_retries}")
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise InvalidArgumentError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if tool is not None and not callable(tool):
+            raise InvalidArgumentError(f"tool is a callable (group, trajectory) -> tokens or None, got {type(tool).__name__}")
         if not backoff >= 0 or not 0 < abort_timeout < math.inf:
             raise InvalidArgumentError(f"backoff must be >= 0 and abort_timeout finite and positive, got {backoff} and {abort_timeout}")
         self.client = client
@@ -157,6 +220,8 @@ class Rollouts:
         self.backoff = backoff
         self.abort_timeout = abort_timeout
         self.extra = extra
+        self.tool = tool
+        self.max_turns = max_turns
         self.version = 0
         self._partials: list[_Partial] = []
         self._done: dict[str, set[Key]] = {}  # step partition -> keys it is done with, oldest first
@@ -200,8 +265,8 @@ class Rollouts:
         report = StepReport(partition=partition)
         done = self._done_with(partition)
         step = _Step(self, partition, report, done)
-        resumes = [p for p in self._partials if p.meta.partition == partition]
-        self._partials = [p for p in self._partials if p.meta.partition != partition]
+        resumes = [p for p in self._partials if p.stored.partition == partition]
+        self._partials = [p for p in self._partials if p.stored.partition != partition]
         calls = [step.resume(p) for p in resumes]
         for i, prompt in enumerate(prompts):
             group = groups[i] if groups is not None else f"{partition}/{i}"
@@ -242,6 +307,8 @@ class _Step:
         self.report = report
         self.done = done
         self.running: dict[str, asyncio.Future[None]] = {}  # engine calls in flight, by request id
+        self.tools: set[asyncio.Future[Any]] = set()  # tool callbacks in flight
+        self.cut_tools: set[asyncio.Future[Any]] = set()  # cancelled at the abort bound
         self.aborting: set[str] = set()  # the engine was told to abort these
         self.cut: set[str] = set()  # cancelled: still running when the abort bound passed
         self.bound_passed = False
@@ -327,6 +394,12 @@ class _Step:
         self.cut.update(self.running)
         for call in self.running.values():
             call.cancel()
+        if self.tools:
+            log.warning("step %s: %d tool callbacks still running %.1f s after the step stopped: cancelling them",
+                        self.partition, len(self.tools), self.d.abort_timeout)
+        self.cut_tools.update(self.tools)
+        for task in self.tools:
+            task.cancel()
 
     async def settle_aborts(self) -> None:
         """The abort requests, within what is left of the bound."""
@@ -345,7 +418,7 @@ class _Step:
         continued = errors = 0
         while not self.stopping:  # a call the step stopped before it started is not sent
             rid = self.d.rid()
-            call = asyncio.ensure_future(self.d.engine.generate(rid, traj, budget - len(traj.response_ids)))
+            call = asyncio.ensure_future(self.d.engine.generate(rid, traj, budget - traj.generated))
             self.running[rid] = call
             failure = None
             try:
@@ -403,7 +476,7 @@ class _Step:
         return traj.finish == "abort" and self.halted and self.sealed_at is None
 
     async def fresh(self, key: Key, prompt: list[int], group: GroupId, budget: int) -> None:
-        traj = Trajectory(prompt_ids=prompt)
+        traj = Trajectory(prompt_ids=prompt, turn_spans=[] if self.d.tool is not None else None)
         try:
             await self.call(traj, budget)
         except EngineError as exc:
@@ -413,30 +486,134 @@ class _Step:
         self.ended(traj)
         if self.cut_short(traj):
             return
+        p = _Partial(None, traj, group, budget, [0])
+        after = await self.next_turn(p)
+        if after is None:  # the tool raised: reported
+            self.done.add(key)
+            return
+        finished = after is END
+        closed = _closed_turns(traj, finished)
         fields = traj.fields()
         if traj.routed_experts is not None:
             fields[SPLICES] = [0]
-        if self.d.extra is not None and traj.finish != "abort":
+        if traj.turn_spans is not None:
+            fields["turn_spans"] = _spans(traj.turn_spans[:closed])
+        if self.d.extra is not None and finished and traj.finish != "abort":
             fields.update(self.d.extra(group, prompt, traj))
         version = traj.version if traj.version >= 0 else self.d.version
-        meta = await self.d.client.put(self.partition, [fields], groups=[group], version=version, if_sealed="discard")
+        meta = await self.d.client.put(
+            self.partition, [fields], groups=[group], version=version, if_sealed="discard", partial=not finished,
+        )
         self.done.add(key)
-        self.fate(meta, _Partial(meta, traj, group, budget, [0]))
+        p = dataclasses.replace(p, meta=meta, rows=len(traj.response_ids), spans=len(traj.version_spans), turns=closed,
+                                ended=finished)
+        if finished:
+            self.fate(meta, p)
+            return
+        # a partial sample: an agent's first turn, or a trajectory the seal cut short
+        if isinstance(after, list):
+            traj.add_tool(after)
+        if meta.status == "recycled":  # sealed meanwhile: stored partial in the next partition
+            self.d._partials.append(p)
+            self.report.recycled += 1
+        elif meta.status != "ok":
+            self.report.discarded += 1
+        elif isinstance(after, list):
+            await self.turns(p)
+        else:
+            await self.keep(p)
 
     async def resume(self, p: _Partial) -> None:
-        traj = p.trajectory
-        before, spans_before = len(traj.response_ids), len(traj.version_spans)
-        held = traj.routed_experts is not None
-        start = traj.experts_start  # the first routed-experts row the resumed call computes
         self.report.resumed += 1
-        if traj.finish == "abort":
-            try:
-                await self.call(traj, p.budget)
-            except EngineError as exc:
-                await self.failed(exc, meta=p.meta)
+        await self.turns(p)
+
+    async def turns(self, p: _Partial) -> None:
+        """Continue the stored partial ``p``: each engine call (the turn an abort cut short,
+        or the assistant turn after a tool turn) is written with ``complete``, appending what
+        is new, until the trajectory ends or the step stops."""
+        while True:
+            traj = p.trajectory
+            start = traj.experts_start  # the first routed-experts row the next call computes
+            held = traj.routed_experts is not None
+            if not p.ended and traj.awaits_engine:
+                if self.stopping:  # not sent: anything it holds unwritten (a tool turn) stays with it
+                    await self.keep(p)
+                    return
+                try:
+                    await self.call(traj, p.budget)
+                except EngineError as exc:
+                    await self.failed(exc, meta=p.stored)
+                    return
+                self.ended(traj)
+            after = END if p.ended else await self.next_turn(p)
+            if after is None:
                 return
-            self.ended(traj)
-        spans = traj.version_spans[spans_before:]
+            p, finished, refused = await self.write(p, start, held, after is END)
+            if finished:
+                self.report.stored += 1
+                self.report.versions[traj.version] = self.report.versions.get(traj.version, 0) + 1
+                return
+            if isinstance(after, list):
+                traj.add_tool(after)
+                continue
+            await self.keep(p, refused=refused)
+            return
+
+    async def next_turn(self, p: _Partial) -> list[int] | _Ends | None:
+        """What follows the turn just generated: :data:`END`, :data:`WAIT`, the tokens of a
+        tool turn, or None where the tool raised (the sample is reported failed)."""
+        traj = p.trajectory
+        if traj.awaits_engine:  # cut short by the step; or aborted by the engine, its retries spent: as it is
+            return WAIT if self.stopping else END
+        if self.d.tool is None or traj.turn_spans is None or traj.finish != "stop" or traj.generated >= p.budget:
+            return END
+        if traj.turns >= self.d.max_turns:
+            self.report.turn_limited += 1
+            return END
+        if self.stopping:  # the tool runs in the step that resumes it
+            return WAIT
+        task = asyncio.ensure_future(_called(self.d.tool, p.group, traj))
+        self.tools.add(task)
+        try:
+            out = await task
+            tokens = None if out is None else [_token(t) for t in out]
+        except asyncio.CancelledError:
+            if task not in self.cut_tools:
+                task.cancel()
+                raise
+            return WAIT  # cut at the abort bound: called again by the step that resumes it
+        except Exception as exc:
+            await self.tool_failed(p, exc)
+            return None
+        finally:
+            self.tools.discard(task)
+        self.report.tool_calls += 1
+        return END if tokens is None else tokens
+
+    async def tool_failed(self, p: _Partial, exc: Exception) -> None:
+        """The tool raised: the sample fails alone (its group's policy learns of it), the
+        step goes on."""
+        self.report.tool_failed += 1
+        what = f"step {self.partition!r}: the tool raised on a trajectory of group {p.group!r}: {type(exc).__name__}: {exc}"
+        self.report.errors.append(what)
+        log.warning("%s", what)
+        reason = f"{TOOL_FAILED}: {type(exc).__name__}"
+        if p.meta is not None:
+            await self.d.client.rollouts.fail(p.meta, reason=reason)
+        else:
+            await self.d.client.rollouts.fail(self.partition, reason=reason, group=p.group, count=1)
+
+    async def write(self, p: _Partial, start: int, held: bool, finished: bool) -> tuple[_Partial, bool, bool]:
+        """``complete`` the stored partial with what its trajectory holds beyond what is
+        stored. Returns the partial as stored now, whether it finished, and whether the
+        partition refused to finish it (its target full)."""
+        traj = p.trajectory
+        before = p.rows
+        closed = _closed_turns(traj, finished)
+        now = (len(traj.response_ids), len(traj.version_spans), closed, traj.experts_start)
+        if not finished and now == (p.rows, p.spans, p.turns, start):
+            return p, False, False  # nothing new: no call, or one cut before its first token
+        spans = traj.version_spans[p.spans:]
         version = min((v for v, _, _ in spans), default=self.d.version)
         data: dict[str, Any] = {
             "response_ids": torch.tensor(traj.response_ids[before:], dtype=torch.int64),
@@ -445,41 +622,49 @@ class _Step:
             "version_spans": torch.tensor(spans, dtype=torch.int64).reshape(-1, 3),
             "finish": traj.finish,
         }
+        append: Sequence[str] = APPENDED
+        if traj.turn_spans is not None:
+            data["turn_spans"] = _spans(traj.turn_spans[p.turns:closed])
+            append = TURN_APPENDED
         p = dataclasses.replace(p, splices=[*p.splices, start])  # this segment's rows start there
         splice, lengths = None, None
         if traj.routed_experts is not None:
-            data["routed_experts"] = torch.from_numpy(np.ascontiguousarray(traj.routed_experts))
+            # rows of every position but the last; fewer where a closed stream lost the call's
+            # rows: those are not written, and the next call computes them from ``start``
+            if traj.routed_experts.shape[0] == traj.length - 1:
+                data["routed_experts"] = torch.from_numpy(np.ascontiguousarray(traj.routed_experts))
+                if held:
+                    splice, lengths = {"routed_experts": start}, [traj.length - 1]
             data[SPLICES] = list(p.splices)
-            if held:
-                splice, lengths = {"routed_experts": start}, [traj.length - 1]
-        finished = traj.finish != "abort"
         if finished and self.d.extra is not None:
             data.update(self.d.extra(p.group, traj.prompt_ids, traj))
         columns = {name: [value] for name, value in data.items()}
         refused = await self.d.client.rollouts.complete(
-            p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
+            p.stored, columns, version=version, first_token=before, append=append, splice=splice, lengths=lengths,
             finished=finished,
         )
         if refused:  # the step's target filled first: keep the tokens, still partial, for the next step
             finished = False
             await self.d.client.rollouts.complete(
-                p.meta, columns, version=version, first_token=before, append=APPENDED, splice=splice, lengths=lengths,
+                p.stored, columns, version=version, first_token=before, append=append, splice=splice, lengths=lengths,
                 finished=False,
             )
-        if finished:
-            self.report.stored += 1
-            self.report.versions[traj.version] = self.report.versions.get(traj.version, 0) + 1
-            return
-        if self.cut_short(traj):  # its tokens are kept; a rerun of this step resumes it
+        stored = dataclasses.replace(p, rows=len(traj.response_ids), spans=len(traj.version_spans), turns=closed,
+                                     ended=p.ended or bool(refused))
+        return stored, finished, bool(refused)
+
+    async def keep(self, p: _Partial, *, refused: bool = False) -> None:
+        """A stored partial the step stopped (or could not finish): for the rerun where the
+        step failed, else on to the partition this one recycles into, still partial."""
+        if not refused and self.halted and self.sealed_at is None:  # a rerun of this step resumes it
             self.d._partials.append(p)
             return
-        # aborted again, or finished too late: on to the partition this one recycles into, still partial
         nxt = await self.recycle_target()
         if not nxt:
-            await self.d.client.clear(p.meta)
+            await self.d.client.clear(p.stored)
             self.report.discarded += 1
             return
-        moved = await self.d.client.rollouts.postpone(p.meta, nxt)
+        moved = await self.d.client.rollouts.postpone(p.stored, nxt)
         self.d._partials.append(dataclasses.replace(p, meta=moved))
         self.report.recycled += 1
 
@@ -511,3 +696,28 @@ class _Step:
         )
         err.report = r
         return err
+
+
+def _closed_turns(traj: Trajectory, finished: bool) -> int:
+    """The turns of ``traj`` that are whole: every one but an assistant turn an abort cut
+    short, which the call that resumes it continues (all of them once it is finished)."""
+    spans = traj.turn_spans or []
+    if not finished and spans and spans[-1][0] == ASSISTANT and traj.finish == "abort":
+        return len(spans) - 1
+    return len(spans)
+
+
+def _spans(spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    return torch.tensor(list(spans), dtype=torch.int64).reshape(-1, 3)
+
+
+async def _called(tool: Tool, group: GroupId, traj: Trajectory) -> Any:
+    out = tool(group, traj)
+    return await out if inspect.isawaitable(out) else out
+
+
+def _token(t: Any) -> int:
+    value = operator.index(t)  # an int, a numpy or 0-d tensor integer; not a float
+    if value < 0:
+        raise InvalidArgumentError(f"a tool turn's token is an id >= 0, got {value}")
+    return value

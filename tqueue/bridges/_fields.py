@@ -20,7 +20,17 @@ field              dtype     shape per sample                 coordinates
                    SGLang,                                    last token routes nothing
                    uint8/16                                   that is kept)
                    vLLM)
+``turn_spans``     int64     ``[t, 3]``: (kind, start, end)   response: turn ``[start,
+                                                              end)``, kind
+                                                              :data:`ASSISTANT` or
+                                                              :data:`TOOL` (multi-turn only)
 ================== ========= ================================ ===========================
+
+A multi-turn trajectory (an agent: :class:`Trajectory` made with ``turn_spans=[]``) holds
+assistant turns, the engine's tokens (loss mask 1, their log-probs and version spans), and
+tool turns, tokens inserted by the agent between them (loss mask 0, log-prob 0.0, no version
+span). An assistant turn continued after an abort stays one turn; its version spans say
+which weights produced which of its tokens.
 
 Beside ``routed_experts`` the rollout driver writes :data:`SPLICES` (``routed_experts_splices``,
 a list of ints per sample): for each of the sample's version segments, the first row of
@@ -50,6 +60,8 @@ FINISHES = ("stop", "length", "abort", "error")
 #: per sample, the first ``routed_experts`` row of each version segment (a list of ints)
 SPLICES = "routed_experts_splices"
 FIELDS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "finish", "version_spans", "routed_experts")
+#: the kinds of ``turn_spans``: the engine's tokens, and tokens an agent inserted between them
+ASSISTANT, TOOL = 0, 1
 
 
 @dataclasses.dataclass
@@ -64,6 +76,8 @@ class Trajectory:
     version_spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     routed_experts: np.ndarray | None = None  # [rows, layers, top_k], rows from sequence position 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: (kind, start, end) per turn, in response coordinates; None: a single-turn trajectory
+    turn_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def length(self) -> int:
@@ -75,6 +89,21 @@ class Trajectory:
         """The row a continuing call asks routed experts from: the rows held so far (every
         position but the last, once a call has returned them; 0 before)."""
         return 0 if self.routed_experts is None else int(self.routed_experts.shape[0])
+
+    @property
+    def tool_tokens(self) -> int:
+        """Response tokens inserted by tool turns (the rest came from the engine)."""
+        return sum(end - start for kind, start, end in self.turn_spans or () if kind == TOOL)
+
+    @property
+    def generated(self) -> int:
+        """Response tokens the engine generated (assistant turns)."""
+        return len(self.response_ids) - self.tool_tokens
+
+    @property
+    def turns(self) -> int:
+        """Assistant turns begun (0 for a single-turn trajectory)."""
+        return sum(1 for kind, _, _ in self.turn_spans or () if kind == ASSISTANT)
 
     @property
     def version(self) -> int:
@@ -105,8 +134,30 @@ class Trajectory:
         self.response_logprobs += [float(x) for x in logprobs]
         self.loss_mask += [1] * len(ids)
         self.finish = finish
+        if self.turn_spans is not None:  # an assistant turn: a new one, or the one an abort cut short, continued
+            if self.turn_spans and self.turn_spans[-1][0] == ASSISTANT:
+                self.turn_spans[-1] = (ASSISTANT, self.turn_spans[-1][1], len(self.response_ids))
+            else:
+                self.turn_spans.append((ASSISTANT, offset, len(self.response_ids)))
         if experts is not None:
             self.splice_experts(experts, experts_start)
+
+    def add_tool(self, ids: Sequence[int]) -> None:
+        """Insert a tool turn: ``ids`` with loss mask 0 and log-prob 0.0, under no version span.
+        The next engine call continues after them (and computes their routed-expert rows)."""
+        if self.turn_spans is None:
+            raise InvalidArgumentError("a tool turn goes into a multi-turn trajectory: Trajectory(..., turn_spans=[])")
+        tokens = [int(t) for t in ids]
+        start = len(self.response_ids)
+        self.response_ids += tokens
+        self.response_logprobs += [0.0] * len(tokens)
+        self.loss_mask += [0] * len(tokens)
+        self.turn_spans.append((TOOL, start, len(self.response_ids)))
+
+    @property
+    def awaits_engine(self) -> bool:
+        """Its last call was cut short, or a tool turn awaits the assistant's answer."""
+        return self.finish == "abort" or bool(self.turn_spans and self.turn_spans[-1][0] == TOOL)
 
     def splice_experts(self, rows: np.ndarray, start: int) -> None:
         """Routed-expert rows of one call, covering sequence positions ``[start, length - 1)``:
@@ -142,5 +193,7 @@ class Trajectory:
         }
         if self.routed_experts is not None:
             out["routed_experts"] = torch.from_numpy(np.ascontiguousarray(self.routed_experts))
+        if self.turn_spans is not None:
+            out["turn_spans"] = torch.tensor(self.turn_spans, dtype=torch.int64).reshape(-1, 3)
         out.update(self.extra)
         return out
