@@ -311,7 +311,8 @@ def test_token_versions_of_routed_experts_are_those_of_the_calls_that_computed_t
     abort request, the first call's rows are kept and the resumed call computes from the row
     of the last token it was given (P + 3 - 1): that row is version 1. A closed stream
     returns no rows (SGLang sends them in its last event): the resumed call computes every
-    row, all version 1. ``token_versions`` says so from the recorded splices alone."""
+    row, all version 1. ``token_versions`` says so from the splices the controller recorded,
+with nothing written beside the field."""
     async def main():
         fake = FakeSGLang(hold=(1, 2))
         url = await fake.start()
@@ -329,9 +330,9 @@ def test_token_versions_of_routed_experts_are_those_of_the_calls_that_computed_t
                 report = await asyncio.wait_for(driver.step(step1, []), 60)
                 assert (report.resumed, report.stored) == (1, 1)
 
-                fields = ["response_ids", "routed_experts", "routed_experts_splices"]
+                fields = ["response_ids", "routed_experts"]
                 fresh = await c.get_data(step0, fields, 1, task="t", timeout=10)
-                assert fresh["routed_experts_splices"] == [[0]]
+                assert fresh.meta.splices is None and set(fresh) == set(fields)  # nothing written beside
                 assert fresh.token_versions("routed_experts")[0].tolist() == [0] * (len(prompt) + BUDGET - 1)
 
                 batch = await c.get_data(step1, fields, 1, task="t", timeout=10)
@@ -339,7 +340,7 @@ def test_token_versions_of_routed_experts_are_those_of_the_calls_that_computed_t
                 rows = batch["routed_experts"][0]
                 assert rows.tolist() == expected(prompt, [(0, PARK_AFTER), (1, BUDGET - PARK_AFTER)], held=held)["experts"]
                 boundary = len(prompt) + PARK_AFTER - 1  # the row of the last token the first call generated
-                assert batch["routed_experts_splices"] == [[0, boundary if held else 0]]
+                assert batch.meta.splices == {"routed_experts": [[0, boundary if held else 0]]}  # the controller's record
                 versions = batch.token_versions("routed_experts")[0].tolist()
                 assert versions == [row[0][0] // 10_000 for row in rows.tolist()]  # the version each row was computed with
                 assert versions == ([0] * boundary + [1] * (BUDGET - PARK_AFTER) if held else [1] * (len(prompt) + BUDGET - 1))

@@ -52,7 +52,7 @@ import torch
 from .._meta import Meta
 from ..errors import EngineError, InvalidArgumentError, PartitionClearedError
 from ..wire import GroupId
-from ._fields import ASSISTANT, SPLICES, Trajectory
+from ._fields import ASSISTANT, Trajectory
 
 if TYPE_CHECKING:
     from ..client import AsyncClient
@@ -140,7 +140,6 @@ class _Partial:
     trajectory: Trajectory
     group: GroupId
     budget: int  # max_new_tokens of the whole trajectory (its assistant tokens)
-    splices: list[int]  # per stored segment, its first routed-experts row
     # what of the trajectory is stored: response rows, version spans, turn spans
     rows: int = 0
     spans: int = 0
@@ -486,7 +485,7 @@ class _Step:
         self.ended(traj)
         if self.cut_short(traj):
             return
-        p = _Partial(None, traj, group, budget, [0])
+        p = _Partial(None, traj, group, budget)
         after = await self.next_turn(p)
         if after is None:  # the tool raised: reported
             self.done.add(key)
@@ -494,8 +493,6 @@ class _Step:
         finished = after is END
         closed = _closed_turns(traj, finished)
         fields = traj.fields()
-        if traj.routed_experts is not None:
-            fields[SPLICES] = [0]
         if traj.turn_spans is not None:
             fields["turn_spans"] = _spans(traj.turn_spans[:closed])
         if self.d.extra is not None and finished and traj.finish != "abort":
@@ -626,16 +623,15 @@ class _Step:
         if traj.turn_spans is not None:
             data["turn_spans"] = _spans(traj.turn_spans[p.turns:closed])
             append = TURN_APPENDED
-        p = dataclasses.replace(p, splices=[*p.splices, start])  # this segment's rows start there
         splice, lengths = None, None
         if traj.routed_experts is not None:
             # rows of every position but the last; fewer where a closed stream lost the call's
-            # rows: those are not written, and the next call computes them from ``start``
+            # rows: those are not written, and the next call computes them from ``start``. The
+            # controller keeps the row this segment's rows start at (``meta.splices``); where
+            # none were held, the call computed every row: spliced at 0, written whole
             if traj.routed_experts.shape[0] == traj.length - 1:
                 data["routed_experts"] = torch.from_numpy(np.ascontiguousarray(traj.routed_experts))
-                if held:
-                    splice, lengths = {"routed_experts": start}, [traj.length - 1]
-            data[SPLICES] = list(p.splices)
+                splice, lengths = {"routed_experts": start if held else 0}, [traj.length - 1]
         if finished and self.d.extra is not None:
             data.update(self.d.extra(p.group, traj.prompt_ids, traj))
         columns = {name: [value] for name, value in data.items()}

@@ -32,10 +32,10 @@ tool turns, tokens inserted by the agent between them (loss mask 0, log-prob 0.0
 span). An assistant turn continued after an abort stays one turn; its version spans say
 which weights produced which of its tokens.
 
-Beside ``routed_experts`` the rollout driver writes :data:`SPLICES` (``routed_experts_splices``,
-a list of ints per sample): for each of the sample's version segments, the first row of
-``routed_experts`` that the segment's engine call computed. ``Batch.token_versions`` reads it
-to give each row its version.
+The rollout driver splices ``routed_experts`` with ``complete(splice=...)``, and the controller
+keeps, for each of the sample's version segments, the first row of ``routed_experts`` that the
+segment's engine call computed (``meta.splices``): ``Batch.token_versions`` reads it to give
+each row its version.
 
 The group id travels as the put's ``groups``; the oldest span's version as its ``version`` (what
 staleness admission counts). Other fields (``reward``, metadata) go alongside under their own
@@ -57,8 +57,6 @@ import torch
 from ..errors import InvalidArgumentError, SchemaError
 
 FINISHES = ("stop", "length", "abort", "error")
-#: per sample, the first ``routed_experts`` row of each version segment (a list of ints)
-SPLICES = "routed_experts_splices"
 FIELDS = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "finish", "version_spans", "routed_experts")
 #: the kinds of ``turn_spans``: the engine's tokens, and tokens an agent inserted between them
 ASSISTANT, TOOL = 0, 1
