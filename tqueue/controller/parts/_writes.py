@@ -18,8 +18,8 @@ import numpy as np
 
 from ...errors import (
     InvalidArgumentError,
-    SchemaError,
     PartitionClearedError,
+    SchemaError,
     StorageFullError,
     StorageUnitUnavailableError,
     TQueueError,
