@@ -1,6 +1,6 @@
 """``get_data(..., dtype={field: torch.uint8})``: integer fields read at a narrower width.
-Routed experts stored packed at one byte come back at one byte (on the same-host route without
-being widened); a value the width cannot hold is refused, naming its field, partition and
+Routed experts stored packed at one byte come back at one byte (on every route without
+being widened, their checksums checked as they stand); a value the width cannot hold is refused, naming its field, partition and
 sample; non-integer fields and dtypes are refused."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def test_routed_experts_read_at_one_byte_an_id(any_client: tqueue.Client, partit
     dense = torch.randint(0, 200, (6, 16), dtype=torch.int64)
     any_client.put(partition, {"routed_experts": experts, "pos": dense})
     meta = any_client.get_meta(partition, ["routed_experts", "pos"], 6, task="t")
-    if any_client.config.shm:  # held packed in the arena (ids under 128: int8), read as they lie: never widened
-        monkeypatch.setattr(_assemble, "unpack", lambda *a: pytest.fail("a packed field was widened"))
+    # held packed (ids under 128: int8) and read as they lie, never widened: on the arena, and
+    # over sockets, where their checksums are checked through a small buffer
+    monkeypatch.setattr(_assemble, "unpack", lambda *a: pytest.fail("a packed field was widened"))
     batch = any_client.get_data(meta, fields=["routed_experts"], dtype={"routed_experts": torch.uint8})
     monkeypatch.undo()
     batch = any_client.get_data(meta, dtype={"routed_experts": torch.uint8, "pos": torch.uint8})

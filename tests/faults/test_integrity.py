@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.client._assemble import Part
-from tqueue.client._integrity import crcs_of
+from tqueue.client._assemble import Part, unpack
+from tqueue.client._integrity import crcs_of, crcs_widened
 from tqueue.client._routes import BatchBuffers, InlineRoute
 from tqueue.wire import BatchMeta, FieldBlock, FieldSpec
 
@@ -160,6 +160,43 @@ def test_checksums_are_per_sample_over_the_bytes_readers_get():
     import crc32c
 
     assert crcs_of(block, [b"abcdef"]).tolist() == [crc32c.crc32c(b"abc"), crc32c.crc32c(b"def")]
+
+
+def test_packed_values_are_checked_as_widened_without_widening_them():
+    """crcs_widened gives each value of packed frames the CRC-32C of its widened bytes, as
+    crcs_of of the widened frames does: small values in runs, one past the scratch buffer in
+    pieces, a frame left wide between packed ones, an empty value."""
+    rng = np.random.default_rng(3)
+    lengths = [[5, 0, 300], [400_000], [7, 9]]  # frame 1: 1.6 MB once widened (past 1 MiB)
+    frames, shapes, packed = [], [], []
+    for f, (kind, lens) in enumerate(zip(["uint8", "int16", ""], lengths)):
+        wide = [rng.integers(0, 250 if f == 0 else 30000, size=(n, 1), dtype=np.int32) for n in lens]
+        frames.append(np.concatenate(wide).astype(kind or np.int32).tobytes())
+        shapes += [v for n in lens for v in (n, 1)]
+        packed.append(kind)
+    block = FieldBlock(name="ids", spec=FieldSpec(kind="tensor", dtype="int32", layout="jagged", ndim=2),
+                       counts=[len(x) for x in lengths], shapes=shapes, packed=packed)
+    assert crcs_widened(block, frames).tolist() == crcs_of(*unpack(block, frames)).tolist()
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_routed_experts_packed_over_sockets_are_checked_kept_narrow(pair, partition, copies):
+    """Routed experts (jagged int32, ids under 128) are held at one byte an id: a bit flipped in
+    the unit is caught in the sample it hit, for a reader that keeps them narrow too."""
+    g = torch.Generator().manual_seed(5)
+    experts = [torch.randint(0, 128, (3000 + 500 * i, 8, 8), dtype=torch.int32, generator=g) for i in range(4)]
+    with tqueue.Client(pair.address, config=ROUTES["inline"]) as c:
+        c.create_partition(partition, copies=copies)
+        put = c.put(partition, {"routed_experts": experts})
+        narrow = experts[2][1000:1008].numpy().astype(np.int8).tobytes()
+        assert flip_in_memory(_unit_pid(pair, c, put.units[2]), narrow, at=5) >= 1
+        if copies == 1:
+            with pytest.raises(tqueue.DataCorruptionError, match=r"field 'routed_experts' of samples \[2\]"):
+                c.get_data(put, dtype={"routed_experts": torch.uint8})
+        else:
+            got = c.get_data(put, dtype={"routed_experts": torch.uint8})["routed_experts"]
+            assert all(v.dtype == torch.uint8 and torch.equal(v.int(), e) for v, e in zip(got, experts))
+        assert c.stats.corrupt == 1
 
 
 @pytest.mark.parametrize("copies", [1, 2])

@@ -3,7 +3,8 @@ it put, kept by the unit beside them, and checked by every reader as the bytes a
 
 The CRC covers a sample's bytes as readers get them back: a tensor's raw bytes in C order,
 an object value's MessagePack bytes. Integers narrowed for the trip (``pack_ints``) are
-checked once widened. A mismatch is a :class:`~tqueue.errors.DataCorruptionError` naming the
+checked as they would be widened, through a small buffer (:func:`crcs_widened`): a reader that
+keeps them narrow never holds them wide. A mismatch is a :class:`~tqueue.errors.DataCorruptionError` naming the
 partition, the samples, the field and the unit; :mod:`._gets` reports it to the controller,
 which drops that copy, and reads the other copy where the partition keeps one.
 
@@ -23,10 +24,11 @@ import torch
 from .._threads import on_two_threads, worth_splitting
 from ..errors import DataCorruptionError
 from ..wire import BatchMeta, FieldBlock
-from ..wire._crc import ranges
-from ..wire._layout import frame_layout, nbytes
+from ..wire._crc import extend, ranges
+from ..wire._layout import frame_layout, int_dtype
+from ..wire._pack import PACKED, widen
 from ._args import listed
-from ._assemble import Part, unpack
+from ._assemble import Part
 from ._encode import Encoded
 
 __all__ = ["checksum", "crcs_of", "verify", "verify_rows"]
@@ -95,16 +97,59 @@ def verify(meta: BatchMeta, unit_id: int, part: Part, *, assembled: bool = True)
         if block.crcs is None:
             continue
         want = np.asarray(block.crcs, dtype=np.int64)
-        if block.packed is not None and any(block.packed):
-            if assembled and block.spec.layout == "dense":
-                part.unchecked.append(name)
+        packed = block.packed is not None and any(block.packed)
+        if packed and assembled and block.spec.layout == "dense":
+            part.unchecked.append(name)
+            continue
+        got = crcs_widened(block, frames) if packed else crcs_of(block, frames)
+        _compare(meta, unit_id, name, _holders(part.positions, block), want, got)
+
+
+_SCRATCH = 1 << 20  # bytes of widened values one pass of crcs_widened checks
+
+
+def crcs_widened(block: FieldBlock, frames: Sequence[Any]) -> np.ndarray:
+    """:func:`crcs_of` for a block whose frames hold packed integers: each value's CRC-32C
+    as the reader gets it back, widened, computed through a small buffer a run of values at a
+    time, so no widened copy of the block is made (a reader that keeps the field narrow,
+    ``get_data(dtype=...)``, never holds it wide)."""
+    wide = int_dtype(block.spec)
+    assert wide is not None and block.packed is not None  # only integer fields are packed
+    frame_of, offsets, sizes = frame_layout(block, frames)  # checks the header against the frames
+    out = np.empty(len(sizes), dtype=np.int64)
+    scratch = np.empty(_SCRATCH // wide.itemsize, dtype=wide)
+    for f, frame in enumerate(frames):
+        sel = np.flatnonzero(frame_of == f)
+        if not len(sel):
+            continue
+        buf = _bytes(frame)
+        if not block.packed[f]:
+            out[sel] = _fill(np.empty(len(sel), dtype=np.int64), buf, offsets[sel], sizes[sel])
+            continue
+        narrow = PACKED[block.packed[f]]
+        values = buf.view(narrow)
+        firsts = (offsets[sel] // narrow.itemsize).tolist()
+        counts = (sizes[sel] // narrow.itemsize).tolist()
+        i = 0
+        while i < len(sel):
+            if counts[i] > len(scratch):  # a big value: its CRC extended a buffer at a time
+                value = 0
+                for a in range(firsts[i], firsts[i] + counts[i], len(scratch)):
+                    k = min(len(scratch), firsts[i] + counts[i] - a)
+                    widen(scratch[:k], values[a : a + k])
+                    value = extend(value, scratch[:k].view(np.uint8))
+                out[sel[i]] = value
+                i += 1
                 continue
-            if part.wire < 0:  # what crossed, counted before a block is widened here
-                part.wire = sum(nbytes(f) for _, got in part.blocks.values() for f in got)
-            block, frames = unpack(block, frames)
-            part.blocks[name] = (block, frames)  # widened once: assembly takes these
-            part.widened += sum(nbytes(f) for f in frames)
-        _compare(meta, unit_id, name, _holders(part.positions, block), want, crcs_of(block, frames))
+            j, end = i + 1, firsts[i] + counts[i]  # a run of values back to back that fits the buffer
+            while j < len(sel) and firsts[j] == end and end + counts[j] - firsts[i] <= len(scratch):
+                end += counts[j]
+                j += 1
+            widen(scratch[: end - firsts[i]], values[firsts[i] : end])
+            starts = (np.asarray(firsts[i:j], dtype=np.int64) - firsts[i]) * wide.itemsize
+            out[sel[i:j]] = ranges(scratch.view(np.uint8), starts, np.asarray(counts[i:j], dtype=np.int64) * wide.itemsize)
+            i = j
+    return out
 
 
 def _holders(positions: np.ndarray, block: FieldBlock) -> np.ndarray:
