@@ -381,6 +381,10 @@ class ClientConfig:
     pack_ints: bool = _setting(
         True, "an integer field (dense, or jagged frame by frame) whose values all fit a narrower type (token ids in int32, masks in int8, expert ids in uint8) "
         "is sent and stored in that type; readers get the field's own dtype back (see tqueue.wire._pack)")
+    arena_pack_dense: bool = _setting(
+        False, "dense integer fields are held narrow in a same-host unit's arena too (jagged ones always are): "
+        "a half to an eighth of their resident bytes, but every read widens them instead of viewing the pages "
+        "in place (docs/performance.md, 'Integer widths'); off by default")
     pin_memory: bool = _setting(
         False, "assemble batches in page-locked (pinned) host memory, which a trainer moves to its GPU by DMA "
         "(.to('cuda', non_blocking=True)): 54 against 10 GB/s from pageable memory on an H100 host "

@@ -11,6 +11,8 @@ import torch
 import tqueue
 from tqueue.client import _assemble
 
+from ..servers import LoopCluster
+
 
 def _experts(n: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -58,3 +60,29 @@ def test_dtype_is_for_integer_fields_and_integer_dtypes(client: tqueue.Client, p
         client.get_data(meta, dtype={"reward": torch.int8})
     with pytest.raises(tqueue.InvalidArgumentError, match="dtype= for field 'ids' is torch.float16: an integer dtype"):
         client.get_data(meta, dtype={"ids": torch.float16})
+
+
+@pytest.mark.parametrize("pack_dense", [False, True])
+def test_dense_integer_fields_in_the_arena_are_wide_unless_asked(pack_dense: bool) -> None:
+    """The choice docs/api.md states: on the same-host arena a dense integer field stays wide
+    (its readers view the pages in place) and a jagged one is held narrow; with
+    ``arena_pack_dense`` the dense one is held narrow too. Either way readers get exact values
+    in the field's dtype, or at the width they ask."""
+    ids = torch.randint(0, 30_000, (8, 512), dtype=torch.int64, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(8, 512, dtype=torch.int64)
+    experts = _experts(8, seed=3)
+    config = tqueue.ClientConfig(shm=True, shm_min_bytes=0, arena_pack_dense=pack_dense)
+    with LoopCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address, config=config) as c:
+        c.put("p", {"ids": ids, "mask": mask, "routed_experts": experts})
+        held = cluster.call(lambda: sum(u.data.nbytes for u in cluster.units))
+        narrow_experts = sum(e.numel() for e in experts)  # ids under 128: one byte each
+        dense = (ids.numel() * 2 + mask.numel()) if pack_dense else (ids.nbytes + mask.nbytes)  # int16, int8
+        assert held == dense + narrow_experts
+        meta = c.get_meta("p", ["ids", "mask", "routed_experts"], 8, task="t")
+        at = [i - min(meta.indexes) for i in meta.indexes]
+        batch = c.get_data(meta)
+        assert batch["ids"].dtype == torch.int64 and torch.equal(batch["ids"], ids[at])
+        assert torch.equal(batch["mask"], mask[at])
+        assert all(torch.equal(batch["routed_experts"][j], experts[k]) for j, k in enumerate(at))
+        small = c.get_data(meta, fields=["mask"], dtype={"mask": torch.int8})["mask"]
+        assert small.dtype == torch.int8 and torch.equal(small.long(), mask[at])

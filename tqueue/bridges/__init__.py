@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._driver import Engine, Rollouts, StepReport
-    from ._fields import FIELDS, FINISHES, Trajectory
+    from ._fields import ASSISTANT, FIELDS, FINISHES, TOOL, Trajectory
     from .sglang import SGLangEngine, from_generate
     from .vllm import VLLMEngine, VLLMHTTPEngine, from_completion
 
 __all__ = [
+    "ASSISTANT",
     "FIELDS",
     "FINISHES",
     "Engine",
     "Rollouts",
     "SGLangEngine",
     "StepReport",
+    "TOOL",
     "Trajectory",
     "VLLMEngine",
     "VLLMHTTPEngine",
@@ -39,7 +41,8 @@ __all__ = [
 
 _WHERE = {
     "Engine": "._driver", "Rollouts": "._driver", "StepReport": "._driver",
-    "FIELDS": "._fields", "FINISHES": "._fields", "Trajectory": "._fields",
+    "ASSISTANT": "._fields", "FIELDS": "._fields", "FINISHES": "._fields", "TOOL": "._fields",
+    "Trajectory": "._fields",
     "SGLangEngine": ".sglang", "from_generate": ".sglang",
     "VLLMEngine": ".vllm", "VLLMHTTPEngine": ".vllm", "from_completion": ".vllm",
 }

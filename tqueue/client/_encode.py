@@ -422,7 +422,8 @@ def _chunks(buf: memoryview, n: int, chunk: int, into: list[Any], counts: list[i
 
 
 def pack(
-    enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False, jagged_only: bool = False,
+    enc: Encoded, chunk: int, take: Callable[[int], np.ndarray] | None = None, *, defer: bool = False,
+    dense: bool = True, one_width: bool = False,
 ) -> Encoded:
     """``enc`` with each integer field whose values all fit a narrower type
     sent in that type (tqueue/wire/_pack.py): for writes that cross a socket, where fewer bytes
@@ -432,17 +433,17 @@ def pack(
     ``defer``: big fields become :class:`~tqueue.wire._pack.Narrowing` frames in the type their
     first values fit, narrowed and checked only as a bulk stream sends them (which raises
     :class:`~tqueue.transport._bulk.FrameRefused` where the guess was wrong: pack again without ``defer``).
-    ``jagged_only``: dense fields stay wide (the same-host arena's readers view them in place;
-    a jagged field's readers copy it anyway to pad or pack its samples), and each jagged one
-    goes at one width (an arena range holds a field as one frame)."""
+    ``dense`` false: dense fields stay wide (the same-host arena's readers view them in place;
+    a jagged field's readers copy it anyway to pad or pack its samples). ``one_width``: each
+    jagged field goes at one width (an arena range holds a field as one frame)."""
     out = Encoded(count=enc.count, blocks=[], buffers=[], copied=enc.copied)
     at = 0
     for block, whole in zip(enc.blocks, enc.whole):
         frames = enc.buffers[at : at + len(block.counts)]
         at += len(block.counts)
-        if whole is None and block.spec.layout == "jagged" and _jagged_ints(block, frames, take, out, jagged_only):
+        if whole is None and block.spec.layout == "jagged" and _jagged_ints(block, frames, take, out, one_width):
             continue
-        wide = int_dtype(block.spec) if whole is not None and not jagged_only else None
+        wide = int_dtype(block.spec) if whole is not None and dense else None
         values = np.frombuffer(whole, dtype=wide) if wide is not None else None
         if defer and values is not None and _deferred(values, block, enc.count, chunk, out):
             continue

@@ -310,7 +310,10 @@ class Puts:
             Outgoing(
                 wide=enc,
                 narrow=(lambda defer: pack(enc, chunk, take, defer=defer)) if self.config.pack_ints else None,
-                narrow_jagged=(lambda: pack(enc, chunk, take, jagged_only=True)) if self.config.pack_ints else None,
+                narrow_arena=(
+                    (lambda: pack(enc, chunk, take, dense=self.config.arena_pack_dense, one_width=True))
+                    if self.config.pack_ints else None
+                ),
                 split=lambda sizes, lanes: split_lanes(sizes, lanes),
                 checksum=sums,
             ),

@@ -87,11 +87,11 @@ class ArenaRoute(Route):
         enc = put.wide
         if self._devices is None:
             enc.materialize()
-        if put.narrow_jagged is not None and not enc.on_device:
+        if put.narrow_arena is not None and not enc.on_device:
             # jagged integer fields (routed experts) are held narrow in the arena too: a half
-            # to an eighth of their bytes. Dense ones stay wide, for readers to view in place:
-            # narrow, a batch of them read 3-4x slower here (5 ms -> 16-21 ms a get)
-            enc = put.narrow_jagged()
+            # to an eighth of their bytes. Dense ones stay wide unless arena_pack_dense, for
+            # readers to view in place: narrow, each read widens them (docs/performance.md)
+            enc = put.narrow_arena()
         placed = await self._place(enc) if enc.nbytes >= self._min_bytes else None
         if placed is None:
             enc.materialize()

@@ -28,13 +28,14 @@ class Outgoing:
     """One put as a route sees it: the encoded batch as the caller's values hold it, and
     how to narrow its integer fields for a socket (``narrow(defer)``; None when
     ``ClientConfig.pack_ints`` is off) and cut its frames into lanes of about equal cost.
-    ``narrow_jagged``: its jagged integer fields alone narrowed (the same-host arena's: dense
-    ones stay wide there, for readers to view in place)."""
+    ``narrow_arena``: the same-host arena's narrowing, each field at one width: its jagged
+    integer fields, and its dense ones only with ``ClientConfig.arena_pack_dense`` (by
+    default they stay wide there, for readers to view in place)."""
 
     wide: Encoded
     narrow: Callable[[bool], Encoded] | None
     split: Callable[[list[int], int], list[int]]
-    narrow_jagged: Callable[[], Encoded] | None = None
+    narrow_arena: Callable[[], Encoded] | None = None
     # give the put its samples' CRC-32Cs (ClientConfig.checksums): for bytes that cross a
     # socket; a same-host route calls it only where ClientConfig.arena_checksums is on
     checksum: Callable[[], None] = lambda: None
