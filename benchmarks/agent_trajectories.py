@@ -2,7 +2,8 @@
 what each turn costs, against rewriting the whole sample every turn.
 
     python benchmarks/agent_trajectories.py [--samples 64] [--tokens 131072] [--turns 16]
-                                            [--layers 48] [--top-k 8] [--experts 128] [--shm] [--out DIR]
+                                            [--layers 48] [--top-k 8] [--experts 128] [--shm]
+                                            [--heartbeat 1] [--out DIR]
 
 Each of ``--samples`` trajectories of ``--tokens`` tokens grows in ``--turns`` turns of equal
 length, assistant turns (loss mask 1, the policy version of the turn) and tool turns (loss mask
@@ -18,7 +19,9 @@ middle and last turns; per turn, the wall time and the bytes sent (``ClientStats
 (medians of the first and of the last half of the turns: an append's cost does not grow with
 what is stored); the bytes rewriting whole samples at every turn would have sent (at the
 width the turns crossed at); the read's time.
-``--shm`` writes through the same-host arena instead of sockets.
+``--shm`` writes through the same-host arena instead of sockets. The unit's bytes are read from
+``status()`` once two of its heartbeats came after the turn: ``--heartbeat`` (the cluster's
+interval, s; tqueue's default 1) shortens that wait, as the smoke tests do.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 import tqueue
 from benchmarks.routed_experts import rss
 from benchmarks.shared_values import _settled, _unit_bytes
+from tqueue.config import HEARTBEAT_INTERVAL
 
 FIELDS = ["response_ids", "loss_mask", "routed_experts"]
 
@@ -62,7 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ids": args.samples * tokens * args.layers * args.top_k,
     }
     per_turn: list[dict[str, float]] = []
-    with tqueue.LocalCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address, config=config) as producer:
+    with (
+        tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": args.heartbeat}) as cluster,
+        tqueue.Client(cluster.address, config=config) as producer,
+    ):
         unit = cluster.pids[1]
         base = rss(unit)
         meta = None
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--read", type=int, default=8, help="samples a read")
     p.add_argument("--shm", action="store_true", help="write through the same-host arena")
+    p.add_argument("--heartbeat", type=float, default=HEARTBEAT_INTERVAL,
+                   help="the cluster's heartbeat interval, s (tqueue's default: 1); status() is read after two")
     p.add_argument("--out", type=pathlib.Path, default=None, help="write agent_trajectories.json there")
     args = p.parse_args(argv)
     result = run(args)

@@ -2,7 +2,7 @@
 what crosses, against the same partition without it (every sample holding its own copy).
 
     python benchmarks/shared_values.py [--groups 8] [--group 16] [--image-mib 1] [--prompt 4096]
-                                       [--response 1024] [--shm] [--out DIR]
+                                       [--response 1024] [--shm] [--heartbeat 1] [--out DIR]
 
 Each group's samples share one float32 image of ``--image-mib`` MiB and one int64 prompt of
 ``--prompt`` tokens; each has its own response (int64, a seeded length around ``--response``).
@@ -15,7 +15,9 @@ Reported: the logical bytes (every sample's values), the bytes the unit stores (
 their ratio to one image, one prompt and the responses of each group; ``status().bytes_shared``;
 the bytes sent to the unit (``ClientStats.wire_bytes``) and to the reader for one group; the
 unit's growth for a group whose image it already holds; put and read wall time (medians).
-``--shm`` puts through the same-host arena instead of sockets.
+``--shm`` puts through the same-host arena instead of sockets. The unit's bytes are read from
+``status()`` once two of its heartbeats came after the puts: ``--heartbeat`` (the cluster's
+interval, s; tqueue's default 1) shortens that wait, as the smoke tests do.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if __package__ in (None, ""):
 import torch
 
 import tqueue
+from tqueue.config import HEARTBEAT_INTERVAL
 
 SHARED = ["image", "prompt_ids"]
 
@@ -54,9 +57,10 @@ def _nbytes(values: list[torch.Tensor]) -> int:
 
 
 def _settled(client: tqueue.Client, within: float = 20.0) -> Any:
-    """``status()`` once two heartbeats of every unit (one a second) came after this call: a
-    unit drops a value it finds it holds already after its commit reported its bytes, and the
-    controller hears from a unit by other messages too."""
+    """``status()`` once two heartbeats of every unit (one an interval, the cluster's
+    ``heartbeat_interval``) came after this call: a unit drops a value it finds it holds already
+    after its commit reported its bytes, and the controller hears from a unit by other messages
+    too."""
     deadline = time.monotonic() + within
     for _ in range(2):
         t0 = time.monotonic()
@@ -77,7 +81,10 @@ def one(args: argparse.Namespace, dedup: bool) -> dict[str, Any]:
     side = int((args.image_mib * (1 << 20) / 12) ** 0.5)  # float32 [3, side, side]
     images = [torch.rand(3, side, side, generator=torch.Generator().manual_seed(100 + g)) for g in range(args.groups)]
     out: dict[str, Any] = {"dedup": dedup}
-    with tqueue.LocalCluster(num_storage_units=1) as cluster, tqueue.Client(cluster.address, config=config) as producer:
+    with (
+        tqueue.LocalCluster(num_storage_units=1, controller={"heartbeat_interval": args.heartbeat}) as cluster,
+        tqueue.Client(cluster.address, config=config) as producer,
+    ):
         producer.create_partition("step", dedup=SHARED if dedup else ())
         logical = distinct = 0
         puts, sent = [], 0
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--response", type=int, default=1024, help="response tokens (about)")
     p.add_argument("--shm", action="store_true", help="put through the same-host arena")
+    p.add_argument("--heartbeat", type=float, default=HEARTBEAT_INTERVAL,
+                   help="the cluster's heartbeat interval, s (tqueue's default: 1); status() is read after two")
     p.add_argument("--out", type=pathlib.Path, default=None, help="write shared_values.json there")
     args = p.parse_args(argv)
     result = run(args)

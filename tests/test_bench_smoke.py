@@ -188,6 +188,11 @@ def test_the_routed_experts_bench_reads_every_id_back_at_one_byte_each(tmp_path,
     assert "| tqueue: held by the unit |" in capsys.readouterr().out
 
 
+# The benches read a unit's bytes from status() after two of its heartbeats (tqueue's default
+# interval: 1 s); a shorter interval for their tiny runs, as tests/client/test_lease.py uses.
+BEAT = 0.25
+
+
 @pytest.mark.parametrize("route", [[], ["--shm"]], ids=["sockets", "arena"])
 def test_the_shared_values_bench_holds_a_group_once_beside_the_naive_layout(tmp_path, capsys, route):
     """benchmarks/shared_values.py on two tiny groups: with dedup the unit holds about one image,
@@ -196,7 +201,7 @@ def test_the_shared_values_bench_holds_a_group_once_beside_the_naive_layout(tmp_
     from benchmarks import shared_values
 
     args = ["--groups", "2", "--group", "4", "--image-mib", "0.25", "--prompt", "512", "--response", "128",
-            "--out", str(tmp_path), *route]
+            "--heartbeat", str(BEAT), "--out", str(tmp_path), *route]
     assert shared_values.main(args) == 0
     r = json.loads((tmp_path / "shared_values.json").read_text())
     shared, naive = r["shared"], r["naive"]
@@ -215,7 +220,7 @@ def test_the_agent_trajectories_bench_reads_every_turn_back_and_sends_only_the_t
     from benchmarks import agent_trajectories
 
     args = ["--samples", "4", "--tokens", "2048", "--turns", "8", "--layers", "4", "--top-k", "2",
-            "--out", str(tmp_path), *route]
+            "--heartbeat", str(BEAT), "--out", str(tmp_path), *route]
     assert agent_trajectories.main(args) == 0
     r = json.loads((tmp_path / "agent_trajectories.json").read_text())
     assert r["read_back_exact"] is True
