@@ -117,6 +117,26 @@ def test_put_over_budget_raises_after_its_timeout(cluster, client, partition):
     assert partition not in {p.name for p in client.status().partitions}  # nothing half-made
 
 
+def test_a_put_that_would_wait_for_memory_is_checked_first(cluster, client, partition):
+    """The controller checks a put once it has room, but one that would wait for memory is
+    checked before it waits: a put against the partition's schema fails at once, and one to a
+    sealed partition is answered at once, neither parked for the whole timeout."""
+    client.put(partition, {"x": torch.zeros(1, 1 << 16)})
+    client.put(f"{partition}-a", mib(3))
+    client.put(f"{partition}-b", mib(3))  # one per unit: both nearly full
+    try:
+        with pytest.raises(tqueue.SchemaError, match=rf"field 'x' of partition '{partition}'"):
+            client.put(partition, {"x": torch.zeros(4 * 2, 1 << 16, dtype=torch.float64)}, timeout=60)
+        client.seal(partition)
+        with pytest.raises(tqueue.PartitionSealedError, match=rf"to partition '{partition}' stored nothing"):
+            client.put(partition, mib(2), timeout=60)
+        assert client.put(partition, mib(2), timeout=60, if_sealed="discard").status == "aborted"
+        assert client.status().waiting == []
+    finally:
+        client.clear(f"{partition}-a")
+        client.clear(f"{partition}-b")
+
+
 def test_a_cancelled_write_waiting_for_the_trainer_is_withdrawn(cluster, client, raw):
     peer = raw(cluster.address)
     client.set_staleness(max_staleness=0, batch_size=2)

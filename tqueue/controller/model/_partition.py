@@ -183,6 +183,12 @@ class Partition:
         self.check_room(msg.count)
         return self.schema.check_blocks(msg.blocks, msg.count)
 
+    def put(self, msg: Grant) -> tuple[int, int] | None:
+        """``check_put`` then ``admit_put``: where its samples start and how many are kept;
+        None where the put comes late (nothing is changed)."""
+        added = self.check_put(msg)
+        return None if added is None else self.admit_put(msg, added)
+
     def check_room(self, count: int) -> None:
         """Refuse ``count`` more samples past ``max_samples`` (nothing is changed)."""
         if count < 0 or self.n + count > self.max_samples:
@@ -429,6 +435,12 @@ class Partition:
             state = self.tasks[name] = TaskState(self.samples)
             state.lost = self.lost  # what died before this task's first read, it never consumed
         return state
+
+    def reading(self, fields: Iterable[str], task: str) -> tuple[np.uint64, list[str], TaskState | None]:
+        """For a read of ``fields`` by ``task`` (one call): the fields' mask, those never
+        written yet, and the task's state (None while some are missing)."""
+        mask, missing = self.schema.field_mask(fields)
+        return mask, missing, None if missing else self.task(task)
 
     def count_ready(self, task: TaskState | None, mask: np.uint64) -> int:
         return count_ready(self.samples, task, mask)

@@ -365,10 +365,13 @@ class TaskState:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self._ok(mask, self.lo, n, min_version)) + self.lo
 
-    def find_ready(self, mask: np.uint64, count: int, min_version: int | None = None) -> np.ndarray | None:
+    def find_ready(
+        self, mask: np.uint64, count: int, min_version: int | None = None, lease_id: int = 0,
+    ) -> np.ndarray | None:
         """The first ``count`` samples that have every field in ``mask``, that are not
         excluded, and that this task has neither leased nor consumed, in index order; None if
-        there are fewer. Samples older than ``min_version`` are refused (and counted).
+        there are fewer. Samples older than ``min_version`` are refused (and counted). With
+        ``lease_id``, they are leased under it (``take``).
 
         Scans from the task's low-water mark in windows that start small (a few times
         ``count``) and double, so the usual case touches little more than it returns."""
@@ -387,7 +390,10 @@ class TaskState:
             window = min(2 * window, SCAN_CHUNK)
         if need > 0:
             return None
-        return np.concatenate(found) if len(found) > 1 else found[0]
+        out = np.concatenate(found) if len(found) > 1 else found[0]
+        if lease_id:
+            self.take(out, lease_id)
+        return out
 
     def find_groups(self, mask: np.uint64, count: int, min_version: int | None = None) -> np.ndarray | None:
         """Live members of the first ``count`` complete groups whose every live member has

@@ -32,7 +32,7 @@ from ...errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldE
 from ...transport._liveness import session_of
 from ...wire import Ack, BatchMeta, GetMeta, MetaReply, Ok, Renew
 from ..model._partition import Partition
-from ..model._samples import CONSUMED, LEASED
+from ..model._samples import CONSUMED, LEASED, TaskState
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
 from ..planning._batch_policies import BUILT_IN, FIRST_READY, Candidates, Policy, check
 from ..planning._rounds import Round, RoundBook, token_counts
@@ -135,26 +135,29 @@ class Reads:
             )
         return FIRST_READY
 
-    def select(self, part: Partition, msg: GetMeta, count: int) -> np.ndarray | None:
-        """Samples for a request (index -1: a pad row), or None if it must wait."""
+    def select(self, part: Partition, msg: GetMeta, count: int, lease_id: int = 0) -> np.ndarray | None:
+        """Samples for a request (index -1: a pad row), or None if it must wait. With
+        ``lease_id``, the samples are leased under it as they are found (the default
+        policy's scan takes them in the same call)."""
         name = self.policy_of(part, msg)
         policy = self.policies.get(name)
         if policy is None:
             raise InvalidArgumentError(f"unknown policy {name!r}; known: {sorted(self.policies)}")
-        mask, missing = part.schema.field_mask(msg.fields)
-        if missing:
+        mask, missing, task = part.reading(msg.fields, msg.task)
+        if task is None:
             self._check_can_come(part, missing)
             return None
-        task = part.task(msg.task)
         min_version = None if msg.max_staleness is None else self.state.trainer.version - msg.max_staleness
+        if policy is BUILT_IN[FIRST_READY]:  # the default, the hot path: FirstReady.select's own call
+            found = task.find_ready(mask, count, min_version, lease_id)
+            if found is not None:
+                return found
         args = MappingProxyType(msg.policy_args) if msg.policy_args else MappingProxyType({})
         candidates = Candidates(part, task, mask, min_version, args)
-        if policy is BUILT_IN[FIRST_READY]:  # the default, the hot path: FirstReady.select's own call
-            found = task.find_ready(mask, count, min_version)
-        else:
+        if policy is not BUILT_IN[FIRST_READY]:
             found = policy.select(candidates, count)
-        if found is not None:
-            return found if BUILT_IN.get(name) is policy else check(found, candidates, name)
+            if found is not None:
+                return _leased(task, found if BUILT_IN.get(name) is policy else check(found, candidates, name), lease_id)
         if not part.drained() or part.uid in self.state.prefetching:
             return None
         groups = name == "groups"
@@ -163,7 +166,7 @@ class Reads:
         if msg.pad:
             ready = _whole_groups_left(candidates, count // part.options.group_size) if groups else candidates.ready()
             if len(ready):
-                return np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)])
+                return _leased(task, np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)]), lease_id)
             if not msg.dp_size and not task.leased:  # nothing left, nothing to come back: the end
                 return np.zeros(0, dtype=np.int64)
         return None
@@ -210,12 +213,13 @@ class Reads:
             return None
         if msg.dp_size:
             return self.serve_round(part, msg)
-        indexes = self.select(part, msg, msg.batch_size)
+        lease_id = self.new_lease_id()
+        indexes = self.select(part, msg, msg.batch_size, lease_id)
         if indexes is None:
             return None
         if not len(indexes):  # the end of a drained partition: nothing to lease
             return MetaReply(meta=self.meta(part, msg, indexes, 0))
-        lease = self.lease(part, msg.task, indexes, msg.lease_timeout)
+        lease = self.lease(part, msg.task, indexes, msg.lease_timeout, taken=lease_id)
         return MetaReply(meta=self.meta(part, msg, indexes, lease))
 
     def serve_round(self, part: Partition, msg: GetMeta) -> MetaReply | None:
@@ -353,10 +357,16 @@ class Reads:
             two_copies=(part.options.copies or self.state.config.copies) > 1,
         )
 
-    def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float) -> int:
-        lease_id = (self.epoch << _LEASE_BITS) | (next(self.lease_ids) & _LEASE_MASK) | 1
+    def new_lease_id(self) -> int:
+        return (self.epoch << _LEASE_BITS) | (next(self.lease_ids) & _LEASE_MASK) | 1
+
+    def lease(self, part: Partition, task: str, indexes: np.ndarray, timeout: float, taken: int = 0) -> int:
+        """Lease ``indexes`` to ``task`` (``taken``: the lease id ``select`` already took
+        them under); returns the lease id."""
+        lease_id = taken or self.new_lease_id()
         indexes = indexes[indexes >= 0]  # pad rows are nobody's
-        part.tasks[task].take(indexes, lease_id)  # (the read that leases made the task's state)
+        if not taken:
+            part.tasks[task].take(indexes, lease_id)  # (the read that leases made the task's state)
         record = Lease(lease_id, part.uid, task, indexes)
         if not math.isinf(timeout):
             record.timer = self.state.loop.call_later(timeout, self.expire_lease, lease_id)
@@ -593,3 +603,10 @@ def _padded(per_sample: list[list[Any]], real: np.ndarray) -> list[list[Any]]:
     """Per-sample lists of the real samples, with ``[]`` at the pad rows."""
     it = iter(per_sample)
     return [next(it) if r else [] for r in real.tolist()]
+
+
+def _leased(task: TaskState, indexes: np.ndarray, lease_id: int) -> np.ndarray:
+    """``indexes``, leased to ``task`` under ``lease_id`` where one is given."""
+    if lease_id:
+        task.take(indexes[indexes >= 0], lease_id)
+    return indexes

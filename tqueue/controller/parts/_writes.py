@@ -131,16 +131,31 @@ class Writes:
             self.state.partitions.check_new(msg.partition)
             added = Partition(msg.partition, 0, max_samples=self.state.config.max_partition_samples).check_put(msg)
             assert added is not None  # a new partition is neither sealed nor has a target
-        else:
-            added = part.check_put(msg)
-            if added is None:
-                return self._late_put(part, msg, via)
-        unit = self.state.units.pick(msg, self.state.config.capacity_bytes, self.placements)
-        second = self.copies.place(msg, unit) if self._twice(part) else None
-        admitted = self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
-        if part is None:
+            twice = self._twice(None)
+            unit, admitted = self._room(msg)
             part = self.state.partitions.get_or_create(msg.partition)
-        start, kept = part.admit_put(msg, added)
+            start, kept = part.admit_put(msg, added)
+        else:
+            # the partition is asked once, to check and record the put, once there is room
+            # for it; a put that must wait for room is checked first (a bad one fails now, a
+            # late one is answered now)
+            twice = self._twice(part)
+            try:
+                unit, admitted = self._room(msg)
+            except Wait:
+                if part.check_put(msg) is None:
+                    return self._late_put(part, msg, via)
+                raise
+            try:
+                placed = part.put(msg)
+            except BaseException:
+                self.state.trainer.admitted -= admitted  # not admitted after all
+                raise
+            if placed is None:
+                self.state.trainer.admitted -= admitted
+                return self._late_put(part, msg, via)
+            start, kept = placed
+        second = self.copies.place(msg, unit) if twice else None
         unit.reserved += msg.nbytes
         if second is not None:
             second.reserved += msg.nbytes
@@ -272,6 +287,12 @@ class Writes:
     def _twice(self, part: Partition | None) -> bool:
         """Whether ``part`` (None: the one a put makes) is a partition of two copies."""
         return ((part.options.copies if part is not None else 0) or self.state.config.copies) > 1
+
+    def _room(self, msg: Grant) -> tuple[Unit, int]:
+        """The unit a put goes to and the samples admission counts for it (Wait where the
+        memory budget or staleness holds it back)."""
+        unit = self.state.units.pick(msg, self.state.config.capacity_bytes, self.placements)
+        return unit, self._admit(msg.count - min(msg.reserved, msg.count), msg.partition)
 
     def place(self, msg: Grant) -> Unit:
         """A unit for ``msg`` now, as its grant would pick it; StorageUnitUnavailableError
