@@ -7,6 +7,7 @@ directly and force a hash collision by replacing ``tqueue.wire._shared.digest`` 
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,8 @@ import torch
 
 import tqueue
 from tqueue.errors import ProtocolError
-from tqueue.wire import FieldBlock, FieldSpec, _shared
+from tqueue.wire import FieldBlock, FieldSpec, _durable, _shared
+from tqueue.wire._crc import crc
 
 from ..servers import LoopCluster
 
@@ -185,6 +187,54 @@ def test_a_postponed_shared_sample_reads_back_exactly(cluster: LoopCluster, clie
     _check(batch, group, [i - min(moved.indexes) for i in moved.indexes])
 
 
+def _figures(cluster: LoopCluster, client: tqueue.Client) -> tuple[int, int]:
+    """``status()``'s bytes_shared and its unit's nbytes, once a heartbeat has brought the
+    unit's own figures (a cluster started with ``clock=True``)."""
+    own = cluster.call(lambda: (cluster.units[0].data.bytes_shared(), cluster.units[0].data.resident))
+    for _ in range(20):
+        cluster.advance(1.0)
+        status = client.status()
+        if (status.bytes_shared, status.units[0].nbytes) == own:
+            break
+    return status.bytes_shared, status.units[0].nbytes
+
+
+def _on_disk(folder: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_a_checkpoint_holds_a_shared_value_once_and_restores_it_once_shared(tmp_path: pathlib.Path) -> None:
+    """16 samples sharing a 1 MiB image (and a prompt): the checkpoint's files hold it once
+    (about 1.1 MB in all; 17.3 MB when each sample's bytes went in), the restored unit stores
+    it once and shared (status() as before the save), every sample reads back exact, and the
+    value goes with the last sample that holds it."""
+    group = _group(n=16, seed=10)
+    once = _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
+    with LoopCluster(num_storage_units=1, clock=True) as old, tqueue.Client(old.address) as c:
+        part = _partition(c)
+        c.put(part, group)
+        before = _figures(old, c)
+        c.save_checkpoint(tmp_path / "ck", metadata=None)
+    assert before[0] == 15 * _nbytes([group["image"][0], group["prompt_ids"][0]])
+    assert _on_disk(tmp_path / "ck") < 1.2 * once, "each shared value once in the file, the rest beside it"
+    with LoopCluster(num_storage_units=1, clock=True) as other, tqueue.Client(other.address) as c:
+        c.load_checkpoint(tmp_path / "ck")
+        assert _held(other) == once
+        assert _figures(other, c) == before  # bytes_shared and the unit's nbytes as they were
+        meta = c.get_meta(part, FIELDS, 16, task="t")
+        batch = c.get_data(meta)
+        _check(batch, group, [i - min(meta.indexes) for i in meta.indexes])
+        first = [k for k, i in enumerate(meta.indexes) if i - min(meta.indexes) < 8]
+        c.clear(meta.select(first))  # half the group: the image and the prompt stay, held by the others
+        rest = meta.select([k for k in range(16) if k not in first])
+        assert _held(other) == once  # (the responses' piece goes with its last sample too)
+        _check(c.get_data(rest), group, [i - min(meta.indexes) for i in rest.indexes])
+        c.clear(rest)  # the last holders: the image and the prompt are freed with them
+        assert _held(other) == 0
+        left = other.call(lambda: [col.pieces for col in other.units[0].data.partitions[meta.partition_uid].columns.values()])
+        assert left == [{}, {}, {}]
+
+
 def test_a_checkpoint_of_shared_values_restores_them_once(tmp_path: pathlib.Path) -> None:
     with LoopCluster(num_storage_units=1) as old, tqueue.Client(old.address) as c:
         part = _partition(c)
@@ -199,6 +249,63 @@ def test_a_checkpoint_of_shared_values_restores_them_once(tmp_path: pathlib.Path
         _check(c.get_data(meta), group, [i - min(meta.indexes) for i in meta.indexes])
         c.put(part, _group(n=2, seed=7, image=group["image"][0]))  # matched against the restored value
         assert _held(other) - held == _nbytes([*_group(n=2, seed=7)["response_ids"], _group(n=2, seed=7)["prompt_ids"][0]])
+
+
+def _as_version_1(folder: pathlib.Path) -> int:
+    """The checkpoint in ``folder`` rewritten as version 1 wrote it: each sample's bytes in
+    its own row, shared fields too (no ``ref`` column); its manifest with the files' sizes and
+    CRC-32Cs. Returns the bytes of the payload files."""
+    import pyarrow as pa
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    total = 0
+    for unit in manifest["units"]:
+        for entry in unit["files"]:
+            path = folder / manifest["generation"] / entry["path"]
+            reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))
+            header = json.loads(reader.schema.metadata[b"tqueue"])
+            assert header["version"] == 2
+            header["version"] = 1
+            names = [n for n in reader.schema.names if n != "ref"]
+            schema = pa.schema([reader.schema.field(n) for n in names], metadata={"tqueue": json.dumps(header)})
+            sink = pa.BufferOutputStream()
+            payload = 0
+            with pa.ipc.new_file(sink, schema) as writer:
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    columns = {n: batch.column(n) for n in names}
+                    if "ref" in batch.schema.names:  # each holder's own copy of its value
+                        ref = batch.column("ref").to_numpy()
+                        columns["value"] = columns["value"].take(np.where(ref < 0, np.arange(len(ref)), ref))
+                    payload += sum(len(v) for v in columns["value"].to_pylist())
+                    writer.write_batch(pa.RecordBatch.from_arrays(list(columns.values()), schema=schema))
+            data = sink.getvalue().to_pybytes()
+            path.write_bytes(data)
+            entry.update(nbytes=len(data), crc32c=crc(data), payload=payload)
+            total += len(data)
+    manifest["crc32c"] = _durable.manifest_crc(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return total
+
+
+def test_a_checkpoint_of_the_first_format_still_loads_its_shared_values_once(tmp_path: pathlib.Path) -> None:
+    """A checkpoint written before shared values were kept once (payload format version 1:
+    every holder's bytes in the file) loads: each value stored once again and shared, every
+    sample exact."""
+    group = _group(n=16, seed=11)
+    once = _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
+    with LoopCluster(num_storage_units=1, clock=True) as old, tqueue.Client(old.address) as c:
+        part = _partition(c)
+        c.put(part, group)
+        before = _figures(old, c)
+        c.save_checkpoint(tmp_path / "ck", metadata=None)
+    assert _as_version_1(tmp_path / "ck") > 16 * _nbytes([group["image"][0]])  # 16 copies of the image
+    with LoopCluster(num_storage_units=1, clock=True) as other, tqueue.Client(other.address) as c:
+        c.load_checkpoint(tmp_path / "ck")
+        assert _held(other) == once
+        assert _figures(other, c) == before
+        meta = c.get_meta(part, FIELDS, 16, task="t")
+        _check(c.get_data(meta), group, [i - min(meta.indexes) for i in meta.indexes])
 
 
 def test_a_producer_that_does_not_know_learns_at_its_grant(cluster: LoopCluster) -> None:

@@ -17,9 +17,24 @@ integers widened back to the field's dtype, objects as MessagePack), for tensor 
 ndarray fields ``shape`` (fixed-size list of int64), and ``crc`` (int64: each sample's CRC-32C
 as its producer computed it, -1 for none; a restored unit keeps them, so readers check the
 restored bytes as any others). The schema's metadata ``tqueue`` is
-JSON: the partition, its uid, the field and its spec (and ``shared`` for a field shared by
-content: each sample's bytes are in the file, and the load stores each value once again).
-pyarrow alone reads them. The unit's
+JSON: the format, its version, the partition, its uid, the field and its spec, and ``shared``
+for a field shared by content. pyarrow alone reads them.
+
+**Values shared by content** (version 2). Such a file holds each distinct value once (equal
+values found as the store finds them: xxh3-64 digest, size and shape, then the bytes; packed
+integers compared widened, as the file holds them), across the unit's pieces, and a
+fifth column, ``ref`` (int64): -1 for the row that carries its value, else the row of the same
+record batch that does (a row before it, carrying one); a row that refers carries no bytes
+(an empty ``value``) but its own index, shape and CRC-32C. A value's holders are never split
+between record batches, so each batch is read alone
+(``value.take(where(ref < 0, arange(n), ref))`` gives every sample's bytes). The load puts
+each batch back as one write of its values with the sample that holds each
+(``FieldBlock.value_of``): every value stored once again, shared by its holders. A reference
+to a row that is not there or carries no value, a referring row with bytes of its own or
+another shape, or a CRC-32C that differs from its value's is refused (``DataCorruptionError``
+naming the field, the partition, the sample and the file). Version 1 files (each sample's
+bytes in its own row, shared fields too) are read as before, their equal values found again
+per batch. The unit's
 folder is new (the controller made the generation's folder), each file is created with
 ``O_EXCL`` and no link followed, and its CRC-32C (of the whole file, computed as it is
 written) goes into its ``UnitFile``.
@@ -57,7 +72,8 @@ from ..wire._pack import PACKED
 from ._store import PayloadStore, Piece
 
 FORMAT: Final = "tqueue-payload"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2  # 2: a field shared by content holds each value once (``ref``); 1 (read too): per sample
+READ_VERSIONS: Final = (1, 2)
 BATCH_BYTES: Final = 64 << 20  # a run of samples longer than this is cut into several record batches
 
 
@@ -256,21 +272,27 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
         header["shared"] = True
     columns_ = [pa.field("index", pa.int64()), pa.field("value", pa.large_binary(), nullable=False)]
     ndim = spec.ndim if spec.layout == "jagged" else len(spec.shape)
-    if spec.kind != "object" and ndim:
+    with_shape = spec.kind != "object" and bool(ndim)
+    if with_shape:
         columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
     columns_.append(pa.field("crc", pa.int64()))  # each sample's CRC-32C as its producer computed it (-1: none)
+    refs = col.shared  # (the store refuses appends to a field shared by content: it has no chains)
+    if refs:
+        columns_.append(pa.field("ref", pa.int64()))  # -1: the row carries its value, else the row that does
     schema = pa.schema(columns_, metadata={"tqueue": json.dumps(header)})
     rows = payload = 0
     with _durable.Summed(dir_fd, name) as sink:
         with pa.ipc.new_file(sink, schema) as writer:
-            for indexes, data, offsets, shapes, crcs in _runs(col):
+            for indexes, data, offsets, shapes, crcs, *ref in _shared_runs(col, ndim) if refs else _runs(col):
                 arrays = [
                     pa.array(indexes, type=pa.int64()),
                     pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
                 ]
-                if len(columns_) == 4:
+                if with_shape:
                     arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
                 arrays.append(pa.array(crcs, type=pa.int64()))
+                if refs:
+                    arrays.append(pa.array(ref[0], type=pa.int64()))
                 writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 rows += len(indexes)
                 payload += int(offsets[-1])
@@ -313,6 +335,133 @@ def _runs(col: _Column) -> Any:
     for k in np.flatnonzero(~plain).tolist():  # a sample appends grew: its rows joined
         i = int(col.indexes[k])
         yield _joined(i, [(int(col.rows[k]), col.pieces[int(col.pids[k])]), *col.chains[i]])
+
+
+def _shared_runs(col: _Column, ndim: int) -> Any:
+    """The runs of a field shared by content (see the module's docstring): each distinct
+    value once, in the row of its first holder (by index), its other holders after it with
+    ``ref`` naming that row; a batch is cut at BATCH_BYTES between values, never inside a
+    value's holders. Equal values of several pieces (a write not committed, a move's: neither
+    matched against the stored values) are one value too. Yields (indexes, carried values back
+    to back, int64 offsets, shapes [n, ndim], CRC-32Cs, refs)."""
+    pairs = col.pids * (1 << 32) + col.rows
+    stored, inverse = np.unique(pairs, return_inverse=True)  # each row a piece stores, once
+    inverse = inverse.reshape(-1)
+    pids, rows = stored >> 32, stored & 0xFFFFFFFF
+    content = np.empty(len(stored), dtype=np.int64)  # the file's value of each stored row
+    crc_of = np.full(len(stored), -1, dtype=np.int64)
+    values = _Values(ndim)
+    cuts = np.flatnonzero(np.diff(pids)) + 1
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(stored)]):
+        piece = col.pieces[int(pids[a])]
+        content[a:b] = values.add(piece, rows[a:b])
+        if piece.crcs is not None:
+            crc_of[a:b] = piece.crcs[rows[a:b]]
+    held = content[inverse]  # per sample: its value
+    order = np.lexsort((col.indexes, held))  # by value, each value's holders by index
+    held = held[order]
+    n = values.count
+    firsts = np.searchsorted(held, np.arange(n + 1))  # where each value's holders start
+    sizes, shape_of = values.sizes(), values.shapes()
+    ends = np.cumsum(sizes)
+    start = 0
+    while start < n:
+        stop = max(int(np.searchsorted(ends, ends[start] - sizes[start] + BATCH_BYTES, side="right")), start + 1)
+        a, b = int(firsts[start]), int(firsts[stop])
+        mine = held[a:b]
+        first = firsts[mine]
+        ref = np.where(np.arange(a, b) == first, -1, first - a)
+        offsets = np.concatenate(([0], np.cumsum(np.where(ref < 0, sizes[mine], 0)))).astype(np.int64)
+        yield (col.indexes[order[a:b]], values.data(start, stop), offsets, shape_of[mine], crc_of[inverse[order[a:b]]],
+               ref)
+        start = stop
+
+
+class _Values:
+    """The distinct values of a shared field's file, found as the store finds them (digest,
+    size and shape, a dense piece's too, then the bytes; the store's own key where it indexed
+    the row), packed integers compared as the file holds them, widened; each value kept as
+    where a piece holds it."""
+
+    def __init__(self, ndim: int) -> None:
+        self.ndim = ndim
+        self.count = 0
+        self._seen: dict[Any, list[int]] = {}
+        self._pieces: list[Piece] = []
+        self._at: list[tuple[int, int, int, int]] = []  # per value: piece, frame, offset, size (as stored)
+        self._shapes: list[tuple[int, ...]] = []
+        self._sizes: list[int] = []  # per value: its size in the file
+
+    def add(self, piece: Piece, rows: np.ndarray) -> np.ndarray:
+        """The value of each of ``piece``'s ``rows`` (new ones added)."""
+        p = len(self._pieces)
+        self._pieces.append(piece)
+        views = [memoryview(f).cast("B") for f in piece.frames]
+        known = {row: key for key, row in piece.keys} if piece.keys else {}  # the store's, where it indexed them
+        dense = tuple(piece.spec.shape) if piece.shapes is None and piece.spec.kind != "object" else ()
+        if piece.shapes is not None:
+            shapes = [tuple(s) for s in piece.shapes[rows].tolist()]
+        else:  # (an object field's file has no shape column: zeros)
+            shapes = [dense if dense and self.ndim else (0,) * self.ndim] * len(rows)
+        out = np.empty(len(rows), dtype=np.int64)
+        for k, (row, f, o, z) in enumerate(zip(rows.tolist(), piece.frame_of[rows].tolist(),
+                                                piece.offsets[rows].tolist(), piece.sizes[rows].tolist())):
+            data = views[f][o : o + z]
+            if piece.packed and piece.packed[f]:  # compared widened: equal to a value stored wide
+                data = memoryview(_widened(piece, f, np.frombuffer(data, dtype=np.uint8)))
+                key = (_shared.digest(data), len(data), "", shapes[k] if piece.shapes is not None else ())
+            else:
+                key = known.get(row) or (_shared.digest(data), z, "", shapes[k] if piece.shapes is not None else ())
+            candidates = self._seen.setdefault((key, dense), [])
+            match = next((v for v in candidates if _shared.equal(self._stored(v), data)), -1)
+            if match < 0:
+                match = self.count
+                self.count += 1
+                self._at.append((p, f, o, z))
+                self._shapes.append(shapes[k])
+                self._sizes.append(len(data))
+                candidates.append(match)
+            out[k] = match
+        return out
+
+    def _stored(self, v: int) -> memoryview:
+        """Value ``v``'s bytes as the file holds them."""
+        p, f, o, z = self._at[v]
+        piece = self._pieces[p]
+        data = memoryview(piece.frames[f]).cast("B")[o : o + z]
+        return memoryview(_widened(piece, f, np.frombuffer(data, dtype=np.uint8))) if piece.packed and piece.packed[f] else data
+
+    def sizes(self) -> np.ndarray:
+        """Each value's size in the file (packed integers widened)."""
+        return np.asarray(self._sizes, dtype=np.int64)
+
+    def shapes(self) -> np.ndarray:
+        return np.asarray(self._shapes, dtype=np.int64).reshape(self.count, self.ndim)
+
+    def data(self, start: int, stop: int) -> np.ndarray:
+        """Values ``start`` to ``stop`` back to back as the file holds them: one slice per
+        stretch of them back to back in one frame, packed integers widened."""
+        parts = []
+        at = self._at[start:stop]
+        k = 0
+        while k < len(at):
+            p, f, o, z = at[k]
+            end = o + z
+            k += 1
+            while k < len(at) and at[k][:2] == (p, f) and at[k][2] == end:
+                end += at[k][3]
+                k += 1
+            parts.append(_widened(self._pieces[p], f, np.frombuffer(self._pieces[p].frames[f], dtype=np.uint8)[o:end]))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _widened(piece: Piece, f: int, data: np.ndarray) -> np.ndarray:
+    """Bytes of frame ``f`` of ``piece`` as the file holds them: integers narrowed for the trip
+    widened back to the field's dtype (a copy), anything else as it is."""
+    narrow = piece.packed[f] if piece.packed else ""
+    if not narrow:
+        return data
+    return np.frombuffer(data, dtype=PACKED[narrow]).astype(int_dtype(piece.spec)).view(np.uint8)
 
 
 def _joined(index: int, segments: list[tuple[int, Piece]]) -> Any:
@@ -433,7 +582,8 @@ def _read_file(pa: Any, data: Any, entry: UnitFile, where: _Where, max_index: in
         if rows > entry.rows:
             raise InvalidArgumentError(f"{where}: holds more than the {entry.rows} samples the manifest says")
         out.append((entry.partition_uid, entry.partition,
-                    *_batch(batch, spec, entry.field, where, max_index, shared=header.get("shared") is True)))
+                    *_batch(batch, spec, entry.field, where, max_index, shared=header.get("shared") is True,
+                            version=header["version"])))
     if rows != entry.rows:
         raise InvalidArgumentError(f"{where}: holds {rows} samples, the manifest says {entry.rows}")
     return out
@@ -447,13 +597,15 @@ def _header(schema: Any, where: _Where) -> dict[str, Any]:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise InvalidArgumentError(f"{where}: not a tqueue payload file")
-    if header.get("version") != FORMAT_VERSION:
-        raise InvalidArgumentError(f"{where}: a payload file of version {header.get('version')!r}; this unit reads version {FORMAT_VERSION}")
+    if header.get("version") not in READ_VERSIONS or type(header.get("version")) is not int:
+        raise InvalidArgumentError(f"{where}: a payload file of version {header.get('version')!r}; this unit reads versions "
+                                   f"{', '.join(map(str, READ_VERSIONS))}")
     return header
 
 
 def _batch(
     batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: int, *, shared: bool = False,
+    version: int = FORMAT_VERSION,
 ) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
     """A record batch as a write: its indexes, its block, its one frame (a copy of its values;
     of a field shared by content, of each distinct value once: the block says which sample
@@ -486,8 +638,65 @@ def _batch(
         if n and (int(crcs.min()) < -1 or int(crcs.max()) > 0xFFFFFFFF):
             raise InvalidArgumentError(f"{where}: a sample checksum outside [-1, 2**32)")
         block.crcs = crcs.tolist() if (crcs >= 0).any() else None
-    if shared and n:
+    if "ref" in names:  # each value once, its other holders referring to its row
+        if not shared or version < 2:
+            raise InvalidArgumentError(f"{where}: a ref column in a file that holds no values shared by content")
+        return _referred(batch, block, indexes, offsets, frame, where)
+    if shared and version >= 2 and n:
+        raise InvalidArgumentError(f"{where}: a field shared by content without its ref column")
+    if shared and n:  # version 1: each sample's bytes; equal ones stored once again
         block, parts, _ = _shared.shrink(block, [frame])
         block.counts = [sum(block.counts)]
         return indexes, block, np.concatenate([np.frombuffer(f, dtype=np.uint8) for f in parts])
+    return indexes, block, frame.copy()
+
+
+def _referred(
+    batch: Any, block: FieldBlock, indexes: np.ndarray, offsets: np.ndarray, frame: np.ndarray, where: _Where,
+) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
+    """A batch of a field shared by content (version 2) as one write: each row that carries a
+    value gives one (its bytes are the frame: a referring row carries none), each sample holds
+    its row's or the one its ``ref`` names. Every reference is checked first."""
+    n = len(indexes)
+    ref = batch.column("ref").to_numpy(zero_copy_only=False).astype(np.int64)
+    own = ref == -1
+    sizes = np.diff(offsets)
+    target = np.where(own, np.arange(n), ref)
+    outside = (ref < -1) | (ref >= n)
+    target[outside] = 0
+    for bad, what in (
+        (outside, ", which is not there"),
+        (~own & ~own[target], ", which carries no value"),  # itself, or a row that refers too
+        (~own & (sizes != 0), " and carries bytes of its own"),
+    ):
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise DataCorruptionError(f"{where}: sample {int(indexes[k])} refers to row {int(ref[k])} of its record "
+                                      f"batch{what}: the checkpoint is damaged")
+    carried = np.flatnonzero(own)
+    rank = np.cumsum(own) - 1  # a carrying row's value
+    held = rank[target]
+    if block.shapes:
+        ndim = len(block.shapes) // n
+        shapes = np.asarray(block.shapes, dtype=np.int64).reshape(n, ndim)
+        differ = (shapes != shapes[target]).any(axis=1)
+        if differ.any():
+            k = int(np.flatnonzero(differ)[0])
+            raise DataCorruptionError(f"{where}: sample {int(indexes[k])} has shape {shapes[k].tolist()}, the value "
+                                      f"it refers to {shapes[target[k]].tolist()}: the checkpoint is damaged")
+        block.shapes = shapes[carried].reshape(-1).tolist()
+    if block.sizes is not None:
+        block.sizes = sizes[carried].tolist()
+    if block.crcs is not None:  # a value's CRC-32C: its holders' (those computed agree)
+        crcs = np.asarray(block.crcs, dtype=np.int64)
+        value_crc = np.full(len(carried), -1, dtype=np.int64)
+        np.maximum.at(value_crc, held, crcs)
+        differ = (crcs >= 0) & (crcs != value_crc[held])
+        if differ.any():
+            k = int(np.flatnonzero(differ)[0])
+            raise DataCorruptionError(f"{where}: sample {int(indexes[k])} has a CRC-32C other than the value it "
+                                      f"refers to: the checkpoint is damaged")
+        block.crcs = value_crc.tolist()
+    block.counts = [len(carried)]
+    block.value_of = held.tolist()
     return indexes, block, frame.copy()
