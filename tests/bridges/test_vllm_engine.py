@@ -137,6 +137,187 @@ def test_over_sampling_against_a_real_engine_aborts_the_surplus_and_resumes_it_u
     gc.collect()  # AsyncLLM's reference cycles, while vLLM's modules are there: its __del__ shuts down again
 
 
+STOPS = list(range(500, 1000))  # the agent tests' turns end at the first of these past MIN_TURN tokens
+MIN_TURN = 3
+
+
+class Recorded:
+    """``AsyncLLM`` as ``VLLMEngine`` calls it, each call recorded from vLLM's own output: its
+    input, ``max_tokens``, and the final ``CompletionOutput``'s tokens, sampled log-probs, finish
+    and weight versions. The first call of prompt ``hold`` past its first turn is sampled with no
+    stop tokens and, at its first output, the engine's scheduler is frozen (``pause_generation
+    (mode="keep")``): the call is on the engine, mid-turn, until an abort ends it."""
+
+    def __init__(self, llm, hold: list[int]):
+        self.llm, self.hold = llm, hold
+        self.calls: list[dict] = []
+        self.parked = asyncio.Event()
+        self.held = False
+
+    async def generate(self, prompt, params, request_id):
+        from vllm import SamplingParams
+
+        ids = list(prompt["prompt_token_ids"])
+        call = {"input": ids, "max_tokens": params.max_tokens}
+        self.calls.append(call)
+        hold = not self.held and ids[: len(self.hold)] == self.hold and len(ids) > len(self.hold)
+        if hold:
+            self.held = True
+            params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=params.max_tokens, logprobs=0)
+        final = None
+        async for out in self.llm.generate(prompt, params, request_id=request_id):
+            if hold and not self.parked.is_set():
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+                self.parked.set()
+            final = out
+            yield out
+        choice = final.outputs[0]
+        call["ids"] = [int(t) for t in choice.token_ids]
+        call["logprobs"] = [float(choice.logprobs[i][t].logprob) for i, t in enumerate(call["ids"])]
+        call["finish"] = choice.finish_reason
+        call["versions"] = [(s.version, s.start, s.end) for s in choice.weight_versions or []]
+
+    async def abort(self, rids):
+        await self.llm.abort(rids)
+
+    async def update_weight_version(self, version):
+        await self.llm.update_weight_version(version)
+
+
+@pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning")
+def test_multi_turn_agents_on_a_real_engine_mask_tool_turns_and_continue_a_turn_cut_at_the_seal(model_dir):
+    """Two agents, the tool answering between assistant turns (each turn ends at a stop token,
+    sampled past 3 tokens). Step 0, target 1: agent ``a`` runs 3 turns, the tool moving the
+    weights on between them (versions 0, 1, 2), and fills the target; agent ``b``'s second turn
+    is on the engine, mid-stream, at the seal: aborted, stored partial with the tokens it had,
+    recycled. Step 1 (version 3) continues that same turn, then the tool loop (turn 3 under
+    version 4). Read back, each sample is exactly its turns: the engine's tokens and log-probs
+    with loss mask 1, the tool's with 0, its turn spans, version spans and token versions."""
+    pa, pb = [11, 12, 13], [21, 22, 23, 24]
+    answers = {(11, 1): [101, 102, 103], (11, 2): [111, 112], (21, 1): [201, 202, 203], (21, 2): [211, 212]}
+    budget = 200
+    A, T = 0, 1  # turn kinds: assistant, tool
+
+    async def main(llm):
+        recorded = Recorded(llm, hold=pb)
+        b_in_tool, a_last = asyncio.Event(), asyncio.Event()
+        seen = []
+        with tqueue.LocalCluster(num_storage_units=1) as cluster:
+            async with tqueue.AsyncClient(cluster.address) as c:
+                await c.create_partition("agents-0", target=1, recycle_to="agents-1")
+                await c.create_partition("agents-1")
+
+                async def tool(group, traj):
+                    key = (traj.prompt_ids[0], traj.turns)
+                    seen.append((key, traj.finish, driver.version))
+                    if key == (11, 1):  # b in its tool: no call of b runs while the weights move on
+                        await asyncio.wait_for(b_in_tool.wait(), 120)
+                        await driver.set_version(1)
+                    elif key == (11, 2):
+                        await driver.set_version(2)
+                    elif key == (11, 3):  # a fills the target once b is mid-turn, frozen on the engine
+                        a_last.set()
+                        await asyncio.wait_for(recorded.parked.wait(), 120)
+                    elif key == (21, 1):
+                        b_in_tool.set()
+                        await asyncio.wait_for(a_last.wait(), 120)
+                    elif key == (21, 2):
+                        await driver.set_version(4)
+                    return answers.get(key)
+
+                sampling = {"temperature": 1.0, "ignore_eos": True, "stop_token_ids": STOPS, "min_tokens": MIN_TURN}
+                driver = Rollouts(c, VLLMEngine(recorded, sampling=sampling), max_new_tokens=budget, tool=tool)
+                await driver.set_version(0)
+                try:
+                    report = await asyncio.wait_for(driver.step("agents-0", [pa, pb]), 120)
+                finally:
+                    await llm.resume_generation()
+                assert report.sealed and (report.stored, report.aborted, report.recycled, report.tool_calls) == (1, 1, 1, 4), report
+                assert llm.output_processor.get_num_unfinished_requests() == 0
+                await driver.set_version(3)
+                report = await asyncio.wait_for(driver.step("agents-1", []), 120)
+                assert (report.resumed, report.stored, report.aborted, report.tool_calls) == (1, 1, 0, 2), report
+                # the first turns end in either order; then a's tools, then b's in step 1, each turn ended "stop"
+                assert sorted(seen[:2]) == [((11, 1), "stop", 0), ((21, 1), "stop", 0)], seen
+                assert seen[2:] == [((11, 2), "stop", 1), ((11, 3), "stop", 2), ((21, 2), "stop", 3), ((21, 3), "stop", 4)], seen
+
+                calls = {p[0]: [k for k in recorded.calls if k["input"][0] == p[0]] for p in (pa, pb)}
+                assert [len(calls[11]), len(calls[21])] == [3, 4], recorded.calls
+                a1, a2, a3 = calls[11]
+                b1, cut, b2, b3 = calls[21]  # cut: b's second turn, aborted at the seal; b2 continues it
+                # vLLM's turns: each ends at its first stop token past MIN_TURN, but the cut one
+                for k in (a1, a2, a3, b1, b2, b3):
+                    assert k["finish"] == "stop" and len(k["ids"]) > MIN_TURN and k["ids"][-1] >= 500, k
+                    assert all(t < 500 for t in k["ids"][:-1]), k
+                assert cut["finish"] == "abort" and 0 < len(cut["ids"]) < cut["max_tokens"], cut
+                # each call under the version set before it (vLLM's weight_versions)
+                for call, version in zip((a1, a2, a3, b1, cut, b2, b3), "0120234"):
+                    assert call["versions"] == [(version, 0, len(call["ids"]))], call
+                # a: turn, tool, turn, tool, turn; b: turn, tool, the cut turn continued (two calls), tool, turn
+                turns = {11: [a1, answers[(11, 1)], a2, answers[(11, 2)], a3], 21: [b1, answers[(21, 1)], cut, b2, answers[(21, 2)], b3]}
+                for p, prompt in ((11, pa), (21, pb)):
+                    response, generated = [], 0
+                    for part in turns[p]:
+                        if isinstance(part, dict):  # sent prompt + the response so far, and the rest of the budget
+                            assert part["input"] == prompt + response and part["max_tokens"] == budget - generated, (part, response)
+                            generated += len(part["ids"])
+                        response += part["ids"] if isinstance(part, dict) else part
+
+                def concat(parts) -> dict[str, list]:
+                    out: dict[str, list] = {"response_ids": [], "response_logprobs": [], "loss_mask": []}
+                    for part in parts:  # the engine's tokens and log-probs, mask 1; a tool's tokens, 0.0, mask 0
+                        ids = part["ids"] if isinstance(part, dict) else part
+                        out["response_ids"] += ids
+                        out["response_logprobs"] += part["logprobs"] if isinstance(part, dict) else [0.0] * len(ids)
+                        out["loss_mask"] += [int(isinstance(part, dict))] * len(ids)
+                    return out
+
+                n1, n2, n3 = len(a1["ids"]), len(a2["ids"]), len(a3["ids"])
+                e2, e3 = n1 + 3 + n2, n1 + 3 + n2 + 2 + n3  # where a's turns 2 and 3 end
+                want_a = {
+                    **concat(turns[11]),
+                    "turn_spans": [[A, 0, n1], [T, n1, n1 + 3], [A, n1 + 3, e2], [T, e2, e2 + 2], [A, e2 + 2, e3]],
+                    "version_spans": [[0, 0, n1], [1, n1 + 3, e2], [2, e2 + 2, e3]],
+                    # each write a segment: turn 1; tool 1 and turn 2; tool 2 and turn 3
+                    "token_versions": [0] * n1 + [1] * (3 + n2) + [2] * (2 + n3),
+                    "segments": [[0, 0], [1, n1], [2, e2]],
+                }
+                m1, k, m2, m3 = len(b1["ids"]), len(cut["ids"]), len(b2["ids"]), len(b3["ids"])
+                c0, c1 = m1 + 3, m1 + 3 + k + m2  # where b's second turn starts and ends
+                want_b = {
+                    **concat(turns[21]),
+                    # the second turn is one turn of two version spans: the tokens it had at the seal, then step 1's
+                    "turn_spans": [[A, 0, m1], [T, m1, c0], [A, c0, c1], [T, c1, c1 + 2], [A, c1 + 2, c1 + 2 + m3]],
+                    "version_spans": [[0, 0, m1], [2, c0, c0 + k], [3, c0 + k, c1], [4, c1 + 2, c1 + 2 + m3]],
+                    # writes: turn 1; tool 1 and the cut turn's tokens (at the seal); the turn's rest; tool 2 and turn 3
+                    "token_versions": [0] * m1 + [2] * (3 + k) + [3] * m2 + [4] * (2 + m3),
+                    "segments": [[0, 0], [2, m1], [3, c0 + k], [4, c1]],
+                }
+
+                for part, prompt, want in (("agents-0", pa, want_a), ("agents-1", pb, want_b)):
+                    meta = await c.get_meta(part, ["prompt_ids", "response_ids", "response_logprobs", "loss_mask",
+                                                   "turn_spans", "version_spans", "finish"], 1, task="train", timeout=30)
+                    batch = await c.get_data(meta)
+                    assert batch["prompt_ids"][0].tolist() == prompt and batch["finish"][0] == "stop"
+                    assert torch.equal(batch["response_ids"][0], torch.tensor(want["response_ids"], dtype=torch.int64))
+                    assert torch.equal(batch["response_logprobs"][0], torch.tensor(want["response_logprobs"], dtype=torch.float32))
+                    assert torch.equal(batch["loss_mask"][0], torch.tensor(want["loss_mask"], dtype=torch.int8))
+                    assert batch["turn_spans"][0].tolist() == want["turn_spans"]
+                    assert batch["version_spans"][0].tolist() == want["version_spans"]
+                    assert batch.token_versions("response_ids")[0].tolist() == want["token_versions"]
+                    assert meta.segments[0] == want["segments"]
+
+    async def with_engine():
+        llm = start_engine(model_dir)
+        try:
+            await main(llm)
+        finally:
+            llm.shutdown(timeout=30)
+
+    asyncio.run(with_engine())
+    gc.collect()
+
+
 def run_demo(*flags: str, steps: int, script: str = "") -> tuple[list[dict[str, str]], str]:
     """Run ``tqueue demo --engine vllm FLAGS`` (or ``script``) and check what a user sees:
     stdout is the summary table and nothing else, stderr has one progress line per step, and
