@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc
@@ -334,3 +335,99 @@ def test_replace_swaps_a_live_partition_only_once_the_checkpoints_loaded(tmp_pat
         assert abs(unit_bytes(c) - before) < 8 << 10
         with pytest.raises(tqueue.errors.PartitionClearedError):
             c.get_data(old)
+
+
+# --- integers held narrow -------------------------------------------------------------------
+
+SOCKETS = tqueue.ClientConfig(shm=False)  # over sockets: integer fields narrowed (pack_ints), held so
+
+
+def moe_rows(n: int) -> dict[str, Any]:
+    """Routed experts (int32 [tokens, 48, 8], ids under 128: held as int8) and positions (a
+    dense int64 field, values under 1,000: held as int16)."""
+    g = torch.Generator().manual_seed(5)
+    return {
+        "routed_experts": [torch.randint(0, 128, (60 + 23 * i, 48, 8), dtype=torch.int32, generator=g) for i in range(n)],
+        "positions": torch.stack([torch.arange(2048, dtype=torch.int64) * (i + 1) % 1000 for i in range(n)]),  # dense
+    }
+
+
+def narrow_bytes(rows: dict[str, Any]) -> int:
+    return sum(t.numel() for t in rows["routed_experts"]) + 2 * rows["positions"].numel()
+
+
+def held_bytes(cluster: LoopCluster, client: tqueue.Client) -> int:
+    """``status().units[0].nbytes`` once a heartbeat has brought the unit's own figure."""
+    own = cluster.call(lambda: cluster.units[0].data.resident)
+    for _ in range(20):
+        cluster.advance(1.0)
+        if client.status().units[0].nbytes == own:
+            break
+    return client.status().units[0].nbytes
+
+
+def payload_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return [folder / manifest["generation"] / f["path"] for u in manifest["units"] for f in u["files"]]
+
+
+def test_packed_integers_stay_narrow_through_a_checkpoint(tmp_path: pathlib.Path) -> None:
+    """The payload files hold routed experts one byte an id and positions two bytes a value
+    (the file about the narrow bytes, a quarter of the wide); the restored unit holds them as
+    the saved one did (status()'s nbytes as before the save); reads give the field's dtype
+    back, or one byte an id where asked (get_data(dtype=...))."""
+    rows = moe_rows(12)
+    narrow = narrow_bytes(rows)
+    with LoopCluster(num_storage_units=1, clock=True) as old, tqueue.Client(old.address, config=SOCKETS) as c:
+        c.put("moe", rows)
+        before = held_bytes(old, c)
+        assert old.call(lambda: old.units[0].data.nbytes) == narrow  # narrowed on the way: held so
+        c.checkpoints.save(tmp_path / "ck")
+    on_disk = sum(p.stat().st_size for p in payload_files(tmp_path / "ck"))
+    wide = sum(t.nbytes for t in rows["routed_experts"]) + rows["positions"].nbytes
+    print(f"\npayload files: {on_disk / 1e6:.2f} MB for {narrow / 1e6:.2f} MB held narrow ({wide / 1e6:.2f} MB wide)")
+    assert on_disk < 1.3 * narrow + (32 << 10)
+    with LoopCluster(num_storage_units=1, clock=True) as new, tqueue.Client(new.address, config=SOCKETS) as c:
+        c.checkpoints.load(tmp_path / "ck")
+        assert new.call(lambda: new.units[0].data.nbytes) == narrow
+        assert held_bytes(new, c) == before
+        meta = c.get_meta("moe", ["routed_experts", "positions"], 12, task="t", timeout=10)
+        batch = c.get_data(meta)
+        assert batch["positions"].dtype == torch.int64
+        assert torch.equal(batch["positions"], rows["positions"][meta.indexes])
+        for got, i in zip(batch["routed_experts"], meta.indexes):
+            assert same(got, rows["routed_experts"][i])
+        small = c.get_data(meta, dtype={"routed_experts": torch.uint8})
+        for got, i in zip(small["routed_experts"], meta.indexes):
+            assert got.dtype == torch.uint8 and torch.equal(got.int(), rows["routed_experts"][i])
+
+
+def test_a_bit_flipped_in_a_narrow_value_is_caught_at_its_read_after_the_load(tmp_path: pathlib.Path) -> None:
+    """A payload file changed with its checksums made good again (a crafter, or the unit's
+    memory before the save): the load takes it, and the sample's own CRC-32C, of its wide
+    values, catches the narrow value's flipped bit at the read; the other samples read back."""
+    from tqueue.wire import _durable
+    from tqueue.wire._crc import crc
+
+    rows = moe_rows(4)
+    with LoopCluster(num_storage_units=1) as old, tqueue.Client(old.address, config=SOCKETS) as c:
+        c.put("moe", rows)
+        c.checkpoints.save(tmp_path / "ck")
+    folder = tmp_path / "ck"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entry = next(f for u in manifest["units"] for f in u["files"] if f["field"] == "routed_experts")
+    path = folder / manifest["generation"] / entry["path"]
+    data = bytearray(path.read_bytes())
+    data[data.index(rows["routed_experts"][2].to(torch.int8).numpy().tobytes()) + 1000] ^= 0x08
+    path.write_bytes(bytes(data))
+    entry.update(crc32c=crc(bytes(data)))
+    manifest["crc32c"] = _durable.manifest_crc(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with LoopCluster(num_storage_units=1) as new, tqueue.Client(new.address, config=SOCKETS) as c:
+        c.checkpoints.load(folder)
+        meta = c.select("moe", ["routed_experts"])
+        with pytest.raises(DataCorruptionError, match=r"field 'routed_experts' of samples \[2\]"):
+            c.get_data(meta)
+        good = c.get_data(meta.select([0, 1, 3]))
+        for got, i in zip(good["routed_experts"], [0, 1, 3]):
+            assert same(got, rows["routed_experts"][i])

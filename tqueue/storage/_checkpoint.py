@@ -12,32 +12,52 @@ unit's loop (``UnitSaved.pause``); the bytes are written by a thread while puts 
 on.
 
 **The files.** One per field of a partition: ``unit-<id>/p<uid>-f<k>.arrow``, a record batch
-per run of samples, columns ``index`` (int64), ``value`` (large_binary: each sample's bytes,
-integers widened back to the field's dtype, objects as MessagePack), for tensor and
-ndarray fields ``shape`` (fixed-size list of int64), and ``crc`` (int64: each sample's CRC-32C
-as its producer computed it, -1 for none; a restored unit keeps them, so readers check the
-restored bytes as any others). The schema's metadata ``tqueue`` is
-JSON: the format, its version, the partition, its uid, the field and its spec, and ``shared``
-for a field shared by content. pyarrow alone reads them.
+per run of samples, columns ``index`` (int64), ``value`` (large_binary: each sample's bytes as
+the unit holds them, objects as MessagePack), for tensor and ndarray fields ``shape``
+(fixed-size list of int64), and ``crc`` (int64: each sample's CRC-32C as its producer computed
+it, -1 for none; a restored unit keeps them, so readers check the restored bytes as any
+others). The schema's metadata ``tqueue`` is JSON: the format, its version, the partition, its
+uid, the field and its spec, and ``shared`` for a field shared by content. pyarrow alone reads
+them.
+
+**Packed integers** (version 3). Integers the unit holds narrower than the field's dtype
+(``FieldBlock.packed``: a routed expert id in one byte, not four) stay so in the file: a
+column ``packed`` (dictionary of int8 to string, present where some piece is packed) names
+per row the type its value is in, ``""`` for the field's own dtype (``int8``, ``uint8``,
+``int16``, ``int32``: ``numpy.frombuffer(value, packed or spec.dtype).astype(spec.dtype)`` is
+the sample). The CRC-32C is still that of the wide values, as readers get them back (so a
+flipped bit in a narrow value fails it at the read after a restore). The load stores each
+value in its type again: the unit holds what it held before the save. A record batch's
+custom metadata ``tqueue``, ``{"piece": k}``, says which piece of the unit its rows came from
+(one batch per frame of it, cut at BATCH_BYTES): consecutive batches of one piece load as one
+write, one piece again with those frames. A name that is not a packed type, one not
+narrower than the field's dtype (or any in a field that is not an integer one), a value whose
+size is not its shape's values in its type (not a whole number of them, or another count; in
+a file of any version), a
+``packed`` column in an older file or of another type: refused, naming the file, field,
+partition and sample (``DataCorruptionError`` for a row, ``InvalidArgumentError`` for a
+column). A sample appends grew is joined in the type of its rows, where all share one, else
+the narrowest all its values fit. Files of versions 1 and 2 (integers widened, no ``packed``)
+load wide, as they were written.
 
 **Values shared by content** (version 2). Such a file holds each distinct value once (equal
 values found as the store finds them: xxh3-64 digest, size and shape, then the bytes; packed
-integers compared widened, as the file holds them), across the unit's pieces, and a
-fifth column, ``ref`` (int64): -1 for the row that carries its value, else the row of the same
-record batch that does (a row before it, carrying one); a row that refers carries no bytes
-(an empty ``value``) but its own index, shape and CRC-32C. A value's holders are never split
-between record batches, so each batch is read alone
-(``value.take(where(ref < 0, arange(n), ref))`` gives every sample's bytes). The load puts
-each batch back as one write of its values with the sample that holds each
-(``FieldBlock.value_of``): every value stored once again, shared by its holders. A reference
-to a row that is not there or carries no value, a referring row with bytes of its own or
-another shape, or a CRC-32C that differs from its value's is refused (``DataCorruptionError``
-naming the field, the partition, the sample and the file). Version 1 files (each sample's
-bytes in its own row, shared fields too) are read as before, their equal values found again
-per batch. The unit's
-folder is new (the controller made the generation's folder), each file is created with
-``O_EXCL`` and no link followed, and its CRC-32C (of the whole file, computed as it is
-written) goes into its ``UnitFile``.
+integers compared widened: a value held narrow and wide is one, written in its narrowest
+form), across the unit's pieces, and a column ``ref`` (int64): -1 for the row that carries
+its value, else the row of the same record batch that does (a row before it, carrying one);
+a row that refers carries no bytes (an empty ``value``) but its own index, shape and
+CRC-32C, and its value's packed type. A value's holders are never split between record
+batches, so each batch is read alone (``value.take(where(ref < 0, arange(n), ref))`` gives
+every sample's bytes). The load puts each batch back as one write of its values with the
+sample that holds each (``FieldBlock.value_of``): every value stored once again, shared by
+its holders. A reference to a row that is not there or carries no value, a referring row
+with bytes of its own or another shape or packed type, or a CRC-32C that differs from its
+value's is refused (``DataCorruptionError`` naming the field, the partition, the sample and
+the file). Version 1 files (each sample's bytes in its own row, shared fields too) are read
+as before, their equal values found again per batch. The unit's folder is new (the
+controller made the generation's folder), each file is created with ``O_EXCL`` and no link
+followed, and its CRC-32C (of the whole file, computed as it is written) goes into its
+``UnitFile``.
 
 **Loading.** ``LoadUnit`` names files; a thread opens each inside the generation's folder
 (no link followed; under a checkpoint root, the folder must lie under it), checks its size
@@ -67,13 +87,16 @@ from .. import _threads
 from ..errors import DataCorruptionError, InvalidArgumentError, TQueueError
 from ..transport._arena import Arena, Region
 from ..wire import FieldBlock, FieldSpec, LoadUnit, SaveUnit, UnitFile, UnitLoaded, UnitSaved, _crc, _durable, _shared
-from ..wire._layout import int_dtype
-from ..wire._pack import PACKED
+from ..wire._layout import int_dtype, itemsize
+from ..wire._messages import PackedType
+from ..wire._pack import PACKED, width_of
 from ._store import PayloadStore, Piece
 
 FORMAT: Final = "tqueue-payload"
-FORMAT_VERSION: Final = 2  # 2: a field shared by content holds each value once (``ref``); 1 (read too): per sample
-READ_VERSIONS: Final = (1, 2)
+FORMAT_VERSION: Final = 3  # 3: packed integers kept narrow (``packed``); 2: a field shared by content holds
+# each value once (``ref``); 1: each sample's bytes in its own row (2 and 1 are read too)
+READ_VERSIONS: Final = (1, 2, 3)
+PACKED_NAMES: Final[tuple[PackedType, ...]] = ("", *PACKED)  # the ``packed`` column's dictionary, code k: name k
 BATCH_BYTES: Final = 64 << 20  # a run of samples longer than this is cut into several record batches
 
 
@@ -179,8 +202,8 @@ class UnitCheckpoints:
         loaded = await self._in_thread(_read_all, place, msg.files, self.store.max_index)
         uids = {msg.uids.get(f.partition_uid, f.partition_uid) for f in msg.files}
         try:
-            for old, name, indexes, block, frame in loaded:
-                self.store.write(msg.uids.get(old, old), name, indexes, [block], [frame]).commit()
+            for old, name, indexes, block, frames in loaded:
+                self.store.write(msg.uids.get(old, old), name, indexes, [block], frames).commit()
         except BaseException:
             for uid in uids:  # uids of the load alone: none of them held anything here before
                 self.store.drop(uid)
@@ -276,6 +299,10 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
     if with_shape:
         columns_.append(pa.field("shape", pa.list_(pa.int64(), ndim)))
     columns_.append(pa.field("crc", pa.int64()))  # each sample's CRC-32C as its producer computed it (-1: none)
+    with_packed = _any_packed(col)
+    if with_packed:  # per row: "" (the field's dtype) or the narrower integer type its value is in
+        columns_.append(pa.field("packed", pa.dictionary(pa.int8(), pa.string())))
+    names = pa.array(PACKED_NAMES, type=pa.string())
     refs = col.shared  # (the store refuses appends to a field shared by content: it has no chains)
     if refs:
         columns_.append(pa.field("ref", pa.int64()))  # -1: the row carries its value, else the row that does
@@ -283,7 +310,7 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
     rows = payload = 0
     with _durable.Summed(dir_fd, name) as sink:
         with pa.ipc.new_file(sink, schema) as writer:
-            for indexes, data, offsets, shapes, crcs, *ref in _shared_runs(col, ndim) if refs else _runs(col):
+            for piece, indexes, data, offsets, shapes, crcs, codes, *ref in _shared_runs(col, ndim) if refs else _runs(col):
                 arrays = [
                     pa.array(indexes, type=pa.int64()),
                     pa.Array.from_buffers(pa.large_binary(), len(indexes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
@@ -291,9 +318,15 @@ def _write_file(pa: Any, dir_fd: int, folder: str, col: _Column, k: int) -> Unit
                 if with_shape:
                     arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1), type=pa.int64()), ndim))
                 arrays.append(pa.array(crcs, type=pa.int64()))
+                if with_packed:
+                    arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes, type=pa.int8()), names))
                 if refs:
                     arrays.append(pa.array(ref[0], type=pa.int64()))
-                writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+                if piece is None:  # (a batch of its own: a field shared by content, a sample appends grew)
+                    writer.write_batch(batch)
+                else:  # the batches of one piece (its frames) go back as one piece
+                    writer.write_batch(batch, custom_metadata={"tqueue": json.dumps({"piece": piece})})
                 rows += len(indexes)
                 payload += int(offsets[-1])
         sink.sync()
@@ -317,24 +350,45 @@ def _file_spec(col: _Column) -> FieldSpec:
     return FieldSpec(kind=first.kind, dtype=first.dtype, layout="jagged", ndim=ndim)
 
 
+def _code(piece: Piece, f: int) -> int:
+    """The ``packed`` code of frame ``f`` of ``piece``: 0 where its bytes are in the field's
+    dtype, else the narrower integer type's (``PACKED_NAMES``)."""
+    narrow = piece.packed[f] if piece.packed else ""
+    if not narrow:
+        return 0
+    wide = int_dtype(piece.spec)
+    if wide is None or PACKED[narrow].itemsize >= wide.itemsize:  # (int32 "packed" as int32: the same bytes)
+        return 0
+    return PACKED_NAMES.index(narrow)
+
+
+def _any_packed(col: _Column) -> bool:
+    """Whether a piece the file reads from holds a frame of packed integers (the file then has
+    a ``packed`` column)."""
+    pieces = [*col.pieces.values(), *(q for segs in col.chains.values() for _, q in segs)]
+    return any(_code(p, f) for p in pieces if p.packed for f in range(len(p.packed)))
+
+
 def _runs(col: _Column) -> Any:
-    """(indexes, values back to back, int64 offsets, shapes [n, ndim], CRC-32Cs) per run: the
-    samples of one frame of one piece, cut at BATCH_BYTES; packed integers widened (their
-    CRC-32C is of the wide bytes already)."""
+    """(the piece's number, indexes, values back to back, int64 offsets, shapes [n, ndim],
+    CRC-32Cs, packed codes) per run: the samples of one frame of one piece, cut at BATCH_BYTES,
+    as the piece holds them (packed integers narrow: their CRC-32C is of the wide bytes, as
+    readers get them); a sample appends grew: a run of its own (number None)."""
     plain = ~np.isin(col.indexes, np.fromiter(col.chains, dtype=np.int64, count=len(col.chains))) if col.chains \
         else np.ones(len(col.indexes), dtype=bool)
     order = np.flatnonzero(plain)[np.argsort(col.pids[plain], kind="stable")]  # by piece, each in index order
     cuts = np.flatnonzero(np.diff(col.pids[order])) + 1
-    for chunk in np.split(order, cuts) if len(order) else ():
+    for number, chunk in enumerate(np.split(order, cuts) if len(order) else ()):
         piece = col.pieces[int(col.pids[chunk[0]])]
         indexes, rows = col.indexes[chunk], col.rows[chunk]
         frame_of = piece.frame_of[rows]
         for f in np.unique(frame_of).tolist():
             at = frame_of == f
-            yield from _cut(piece, f, indexes[at], rows[at])
+            for run in _cut(piece, f, indexes[at], rows[at]):
+                yield (number, *run)
     for k in np.flatnonzero(~plain).tolist():  # a sample appends grew: its rows joined
         i = int(col.indexes[k])
-        yield _joined(i, [(int(col.rows[k]), col.pieces[int(col.pids[k])]), *col.chains[i]])
+        yield (None, *_joined(i, [(int(col.rows[k]), col.pieces[int(col.pids[k])]), *col.chains[i]]))
 
 
 def _shared_runs(col: _Column, ndim: int) -> Any:
@@ -342,8 +396,10 @@ def _shared_runs(col: _Column, ndim: int) -> Any:
     value once, in the row of its first holder (by index), its other holders after it with
     ``ref`` naming that row; a batch is cut at BATCH_BYTES between values, never inside a
     value's holders. Equal values of several pieces (a write not committed, a move's: neither
-    matched against the stored values) are one value too. Yields (indexes, carried values back
-    to back, int64 offsets, shapes [n, ndim], CRC-32Cs, refs)."""
+    matched against the stored values; a packed one and a wide one) are one value too, in the
+    narrowest form a piece holds it in. Yields (None: no piece's, indexes, carried values back
+    to back, int64 offsets, shapes [n, ndim], CRC-32Cs, packed codes (a referring row: its
+    value's), refs)."""
     pairs = col.pids * (1 << 32) + col.rows
     stored, inverse = np.unique(pairs, return_inverse=True)  # each row a piece stores, once
     inverse = inverse.reshape(-1)
@@ -362,7 +418,7 @@ def _shared_runs(col: _Column, ndim: int) -> Any:
     held = held[order]
     n = values.count
     firsts = np.searchsorted(held, np.arange(n + 1))  # where each value's holders start
-    sizes, shape_of = values.sizes(), values.shapes()
+    sizes, shape_of, codes = values.sizes(), values.shapes(), values.codes()
     ends = np.cumsum(sizes)
     start = 0
     while start < n:
@@ -372,16 +428,16 @@ def _shared_runs(col: _Column, ndim: int) -> Any:
         first = firsts[mine]
         ref = np.where(np.arange(a, b) == first, -1, first - a)
         offsets = np.concatenate(([0], np.cumsum(np.where(ref < 0, sizes[mine], 0)))).astype(np.int64)
-        yield (col.indexes[order[a:b]], values.data(start, stop), offsets, shape_of[mine], crc_of[inverse[order[a:b]]],
-               ref)
+        yield (None, col.indexes[order[a:b]], values.data(start, stop), offsets, shape_of[mine], crc_of[inverse[order[a:b]]],
+               codes[mine], ref)
         start = stop
 
 
 class _Values:
     """The distinct values of a shared field's file, found as the store finds them (digest,
     size and shape, a dense piece's too, then the bytes; the store's own key where it indexed
-    the row), packed integers compared as the file holds them, widened; each value kept as
-    where a piece holds it."""
+    the row), packed integers compared widened (equal to a value held wide, or in another
+    width); each value kept as where a piece holds it, in the fewest bytes one does."""
 
     def __init__(self, ndim: int) -> None:
         self.ndim = ndim
@@ -390,10 +446,11 @@ class _Values:
         self._pieces: list[Piece] = []
         self._at: list[tuple[int, int, int, int]] = []  # per value: piece, frame, offset, size (as stored)
         self._shapes: list[tuple[int, ...]] = []
-        self._sizes: list[int] = []  # per value: its size in the file
+        self._codes: list[int] = []  # per value: the packed code of the frame it is taken from
 
     def add(self, piece: Piece, rows: np.ndarray) -> np.ndarray:
-        """The value of each of ``piece``'s ``rows`` (new ones added)."""
+        """The value of each of ``piece``'s ``rows`` (new ones added; one held narrower here
+        than where it was found first is taken from here)."""
         p = len(self._pieces)
         self._pieces.append(piece)
         views = [memoryview(f).cast("B") for f in piece.frames]
@@ -403,6 +460,7 @@ class _Values:
             shapes = [tuple(s) for s in piece.shapes[rows].tolist()]
         else:  # (an object field's file has no shape column: zeros)
             shapes = [dense if dense and self.ndim else (0,) * self.ndim] * len(rows)
+        codes = [_code(piece, f) for f in range(len(piece.frames))]
         out = np.empty(len(rows), dtype=np.int64)
         for k, (row, f, o, z) in enumerate(zip(rows.tolist(), piece.frame_of[rows].tolist(),
                                                 piece.offsets[rows].tolist(), piece.sizes[rows].tolist())):
@@ -419,28 +477,35 @@ class _Values:
                 self.count += 1
                 self._at.append((p, f, o, z))
                 self._shapes.append(shapes[k])
-                self._sizes.append(len(data))
+                self._codes.append(codes[f])
                 candidates.append(match)
+            elif z < self._at[match][3]:  # held narrower here: the file takes it from here
+                self._at[match] = (p, f, o, z)
+                self._codes[match] = codes[f]
             out[k] = match
         return out
 
     def _stored(self, v: int) -> memoryview:
-        """Value ``v``'s bytes as the file holds them."""
+        """Value ``v``'s bytes widened, as readers get them back (what equal values share)."""
         p, f, o, z = self._at[v]
         piece = self._pieces[p]
         data = memoryview(piece.frames[f]).cast("B")[o : o + z]
         return memoryview(_widened(piece, f, np.frombuffer(data, dtype=np.uint8))) if piece.packed and piece.packed[f] else data
 
     def sizes(self) -> np.ndarray:
-        """Each value's size in the file (packed integers widened)."""
-        return np.asarray(self._sizes, dtype=np.int64)
+        """Each value's size in the file (as stored: packed integers narrow)."""
+        return np.fromiter((at[3] for at in self._at), dtype=np.int64, count=self.count)
 
     def shapes(self) -> np.ndarray:
         return np.asarray(self._shapes, dtype=np.int64).reshape(self.count, self.ndim)
 
+    def codes(self) -> np.ndarray:
+        """Each value's packed code (``PACKED_NAMES``)."""
+        return np.asarray(self._codes, dtype=np.int8)
+
     def data(self, start: int, stop: int) -> np.ndarray:
-        """Values ``start`` to ``stop`` back to back as the file holds them: one slice per
-        stretch of them back to back in one frame, packed integers widened."""
+        """Values ``start`` to ``stop`` back to back as the file holds them (as stored): one
+        slice per stretch of them back to back in one frame."""
         parts = []
         at = self._at[start:stop]
         k = 0
@@ -451,13 +516,13 @@ class _Values:
             while k < len(at) and at[k][:2] == (p, f) and at[k][2] == end:
                 end += at[k][3]
                 k += 1
-            parts.append(_widened(self._pieces[p], f, np.frombuffer(self._pieces[p].frames[f], dtype=np.uint8)[o:end]))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            parts.append(np.frombuffer(self._pieces[p].frames[f], dtype=np.uint8)[o:end])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 def _widened(piece: Piece, f: int, data: np.ndarray) -> np.ndarray:
-    """Bytes of frame ``f`` of ``piece`` as the file holds them: integers narrowed for the trip
-    widened back to the field's dtype (a copy), anything else as it is."""
+    """Bytes of frame ``f`` of ``piece`` as readers get them back: integers narrowed for the
+    trip widened back to the field's dtype (a copy), anything else as it is."""
     narrow = piece.packed[f] if piece.packed else ""
     if not narrow:
         return data
@@ -465,30 +530,45 @@ def _widened(piece: Piece, f: int, data: np.ndarray) -> np.ndarray:
 
 
 def _joined(index: int, segments: list[tuple[int, Piece]]) -> Any:
-    """One run of a sample made of rows of several pieces: their wide bytes back to back, its
-    shape (dim 0 summed) and the CRC-32C of the whole, once each row's own is checked."""
-    parts, shapes, whole, checked = [], [], -1, True
+    """One run of a sample made of rows of several pieces: their bytes back to back (packed
+    rows narrow where all are packed alike; else widened, then narrowed to the type every
+    value fits), its shape (dim 0 summed) and the CRC-32C of the whole widened, once each
+    row's own is checked."""
+    parts, wides, codes, shapes, whole, checked = [], [], [], [], -1, True
+    wide_dtype = None
     for row, piece in segments:
-        [(_, data, _, shape, crcs)] = list(_cut(piece, int(piece.frame_of[row]), np.asarray([index]), np.asarray([row])))
+        f = int(piece.frame_of[row])
+        [(_, data, _, shape, crcs, code)] = list(_cut(piece, f, np.asarray([index]), np.asarray([row])))
         data = np.ascontiguousarray(data)
-        if int(crcs[0]) >= 0 and _crc.crc(data) != int(crcs[0]):
+        wide = _widened(piece, f, data) if code[0] else data  # what the CRC-32C covers
+        if int(crcs[0]) >= 0 and _crc.crc(wide) != int(crcs[0]):
             raise DataCorruptionError(f"sample {index}: the bytes of one of its appended rows fail their CRC-32C")
         checked = checked and int(crcs[0]) >= 0
-        whole = _crc.crc(data) if whole < 0 else _crc.extend(whole, data)
+        whole = _crc.crc(wide) if whole < 0 else _crc.extend(whole, wide)
         parts.append(data)
+        wides.append(wide)
+        codes.append(int(code[0]))
         shapes.append(shape[0])
+        if wide_dtype is None:
+            wide_dtype = int_dtype(piece.spec)
     shape = np.asarray(shapes[0]).copy()
     shape[0] = sum(int(x[0]) for x in shapes)
+    code = codes[0] if len(set(codes)) == 1 else 0
+    if len(set(codes)) > 1:  # rows of several widths: the one type all of them fit
+        assert wide_dtype is not None  # (only integer fields are packed)
+        values = np.concatenate(wides).view(wide_dtype)
+        name = width_of([values])
+        code = PACKED_NAMES.index(name) if name else 0
+        parts = [values.astype(PACKED[name]).view(np.uint8) if name else values.view(np.uint8)]
     data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     return (np.asarray([index], dtype=np.int64), data, np.asarray([0, len(data)], dtype=np.int64), shape.reshape(1, -1),
-            np.asarray([whole if checked else -1], dtype=np.int64))
+            np.asarray([whole if checked else -1], dtype=np.int64), np.asarray([code], dtype=np.int8))
 
 
 def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
     frame = np.frombuffer(piece.frames[f], dtype=np.uint8)
     offs, sizes = piece.offsets[rows], piece.sizes[rows]
-    narrow = piece.packed[f] if piece.packed else ""
-    wide = int_dtype(piece.spec) if narrow else None
+    code = _code(piece, f)  # integers narrowed for the trip stay narrow: the packed column says how
     if piece.shapes is not None:
         shapes = piece.shapes[rows]
     else:
@@ -504,15 +584,12 @@ def _cut(piece: Piece, f: int, indexes: np.ndarray, rows: np.ndarray) -> Any:
             data = frame[int(o[0]) : int(o[-1] + s[-1])]  # consecutive: a view, no copy
         else:
             data = np.concatenate([frame[int(a) : int(a + b)] for a, b in zip(o, s)])
-        if wide is not None:  # integers narrowed for the trip: the file holds the field's dtype
-            data = np.frombuffer(data, dtype=PACKED[narrow]).astype(wide).view(np.uint8)
-            s = s * (wide.itemsize // PACKED[narrow].itemsize)
         offsets = np.concatenate(([0], np.cumsum(s))).astype(np.int64)
-        yield indexes[start:stop], data, offsets, shapes[start:stop], crcs[start:stop]
+        yield indexes[start:stop], data, offsets, shapes[start:stop], crcs[start:stop], np.full(stop - start, code, np.int8)
         start = stop
 
 
-_Write = tuple[int, str, np.ndarray, FieldBlock, np.ndarray]
+_Write = tuple[int, str, np.ndarray, FieldBlock, list[np.ndarray]]
 
 
 def _read_all(place: _durable.Place, files: list[UnitFile], max_index: int) -> list[_Write]:
@@ -573,20 +650,67 @@ def _read_file(pa: Any, data: Any, entry: UnitFile, where: _Where, max_index: in
         spec = msgspec.convert(header.get("spec"), FieldSpec)
     except msgspec.ValidationError as exc:
         raise InvalidArgumentError(f"{where}: the field's spec is not one: {exc}") from None
-    out = []
+    out: list[_Write] = []
     rows = 0
+    piece: list[tuple[np.ndarray, FieldBlock, list[np.ndarray]]] = []  # the batches of one piece so far
+    number = None
     for i in range(reader.num_record_batches):
-        batch = reader.get_batch(i)
+        batch, custom = reader.get_batch_with_custom_metadata(i)
         batch.validate(full=True)  # offsets inside their buffers, lengths as declared
         rows += batch.num_rows
         if rows > entry.rows:
             raise InvalidArgumentError(f"{where}: holds more than the {entry.rows} samples the manifest says")
-        out.append((entry.partition_uid, entry.partition,
-                    *_batch(batch, spec, entry.field, where, max_index, shared=header.get("shared") is True,
-                            version=header["version"])))
+        write = _batch(batch, spec, entry.field, where, max_index, shared=header.get("shared") is True,
+                       version=header["version"])
+        mine = _piece_number(custom, where)
+        if piece and (mine is None or mine != number):
+            out.append((entry.partition_uid, entry.partition, *_one_write(piece, where)))
+            piece = []
+        piece.append(write)
+        number = mine
+    if piece:
+        out.append((entry.partition_uid, entry.partition, *_one_write(piece, where)))
     if rows != entry.rows:
         raise InvalidArgumentError(f"{where}: holds {rows} samples, the manifest says {entry.rows}")
     return out
+
+
+def _piece_number(custom: Any, where: _Where) -> int | None:
+    """A batch's piece (version 3: its custom metadata ``tqueue``, ``{"piece": k}``), or None."""
+    raw = (custom or {}).get(b"tqueue")
+    if raw is None:
+        return None
+    try:
+        number = json.loads(raw).get("piece")
+    except (ValueError, AttributeError):
+        number = ""
+    if type(number) is not int:
+        raise InvalidArgumentError(f"{where}: a record batch's metadata is not {{\"piece\": <int>}}: {bytes(raw)[:80]!r}")
+    return int(number)
+
+
+def _one_write(
+    batches: list[tuple[np.ndarray, FieldBlock, list[np.ndarray]]], where: _Where,
+) -> tuple[np.ndarray, FieldBlock, list[np.ndarray]]:
+    """Batches of one piece (none shared by content) as one write: their frames, one after
+    another."""
+    if len(batches) == 1:
+        return batches[0]
+    blocks = [b for _, b, _ in batches]
+    if any(b.value_of is not None for b in blocks):
+        raise InvalidArgumentError(f"{where}: record batches of values shared by content marked as one piece")
+    first = blocks[0]
+    block = FieldBlock(name=first.name, spec=first.spec, counts=[c for b in blocks for c in b.counts])
+    if first.shapes is not None:
+        block.shapes = [d for b in blocks for d in b.shapes or ()]
+    if first.sizes is not None:
+        block.sizes = [z for b in blocks for z in b.sizes or ()]
+    if any(b.crcs is not None for b in blocks):
+        block.crcs = [c for b in blocks for c in (b.crcs if b.crcs is not None else [-1] * sum(b.counts))]
+    if any(b.packed is not None for b in blocks):
+        wide: list[PackedType] = [""]
+        block.packed = [k for b in blocks for k in (b.packed if b.packed is not None else wide * len(b.counts))]
+    return np.concatenate([i for i, _, _ in batches]), block, [f for _, _, frames in batches for f in frames]
 
 
 def _header(schema: Any, where: _Where) -> dict[str, Any]:
@@ -606,10 +730,11 @@ def _header(schema: Any, where: _Where) -> dict[str, Any]:
 def _batch(
     batch: Any, spec: FieldSpec, field: str, where: _Where, max_index: int, *, shared: bool = False,
     version: int = FORMAT_VERSION,
-) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
-    """A record batch as a write: its indexes, its block, its one frame (a copy of its values;
-    of a field shared by content, of each distinct value once: the block says which sample
-    holds which)."""
+) -> tuple[np.ndarray, FieldBlock, list[np.ndarray]]:
+    """A record batch as a write: its indexes, its block, its frames (a copy of its values, a
+    frame per run of them in one width, packed integers as narrow as the file holds them; of a
+    field shared by content, of each distinct value once: the block says which sample holds
+    which)."""
     n = batch.num_rows
     names = batch.schema.names
     if names[:2] != ["index", "value"] or str(batch.schema.field("value").type) != "large_binary":
@@ -623,9 +748,10 @@ def _batch(
     _, offsets_buf, data_buf = values.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int64)[values.offset : values.offset + n + 1]
     frame = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])] if n else np.zeros(0, np.uint8)
+    sizes = np.diff(offsets)
     block = FieldBlock(name=field, spec=spec, counts=[n])
     if spec.kind == "object":
-        block.sizes = np.diff(offsets).tolist()
+        block.sizes = sizes.tolist()
     elif spec.layout == "jagged":
         if spec.ndim:
             if "shape" not in names:
@@ -638,29 +764,119 @@ def _batch(
         if n and (int(crcs.min()) < -1 or int(crcs.max()) > 0xFFFFFFFF):
             raise InvalidArgumentError(f"{where}: a sample checksum outside [-1, 2**32)")
         block.crcs = crcs.tolist() if (crcs >= 0).any() else None
-    if "ref" in names:  # each value once, its other holders referring to its row
+    codes = _packed_codes(batch, spec, indexes, where, version) if "packed" in names else np.zeros(n, dtype=np.int8)
+    ref = batch.column("ref").to_numpy(zero_copy_only=False).astype(np.int64) if "ref" in names else None
+    _check_sizes(block, indexes, sizes, codes, ref is None or ref == -1, where)  # (a referring row: _referred)
+    if ref is not None:  # each value once, its other holders referring to its row
         if not shared or version < 2:
             raise InvalidArgumentError(f"{where}: a ref column in a file that holds no values shared by content")
-        return _referred(batch, block, indexes, offsets, frame, where)
-    if shared and version >= 2 and n:
+        sizes, codes = _referred(ref, block, indexes, sizes, codes, where)
+    elif shared and version >= 2 and n:
         raise InvalidArgumentError(f"{where}: a field shared by content without its ref column")
-    if shared and n:  # version 1: each sample's bytes; equal ones stored once again
+    elif shared and n:  # version 1: each sample's bytes (none packed); equal ones stored once again
         block, parts, _ = _shared.shrink(block, [frame])
         block.counts = [sum(block.counts)]
-        return indexes, block, np.concatenate([np.frombuffer(f, dtype=np.uint8) for f in parts])
-    return indexes, block, frame.copy()
+        return indexes, block, [np.concatenate([np.frombuffer(f, dtype=np.uint8) for f in parts])]
+    return indexes, block, _frames(block, frame, sizes, codes)
+
+
+def _name(code: int, spec: FieldSpec) -> str:
+    return PACKED_NAMES[code] or spec.dtype
+
+
+def _packed_codes(batch: Any, spec: FieldSpec, indexes: np.ndarray, where: _Where, version: int) -> np.ndarray:
+    """The ``packed`` column (version 3) as each row's code (``PACKED_NAMES``), every name in it
+    checked: a narrower integer type than the field's."""
+    import pyarrow as pa
+
+    if version < 3:
+        raise InvalidArgumentError(f"{where}: a packed column in a payload file of version {version}")
+    column = batch.column("packed")
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = column.dictionary_encode()
+    if not pa.types.is_dictionary(column.type) or not (
+        pa.types.is_string(column.type.value_type) or pa.types.is_large_string(column.type.value_type)
+    ):
+        raise InvalidArgumentError(f"{where}: a packed column of {column.type}, not of type names")
+    if column.null_count:
+        raise InvalidArgumentError(f"{where}: samples without a packed type (\"\": the field's own dtype)")
+    at = column.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    given = column.dictionary.to_pylist()
+    wide = int_dtype(spec) if spec.kind != "object" else None
+    lut = np.zeros(len(given), dtype=np.int8)
+    for k in np.unique(at).tolist():
+        name = given[k]
+        sample = int(indexes[int(np.argmax(at == k))])
+        if name not in PACKED_NAMES:
+            raise DataCorruptionError(f"{where}: sample {sample} is packed as {name!r}, which is not a type integers "
+                                      f"are packed in ({', '.join(PACKED)}): the checkpoint is damaged")
+        if name and (wide is None or PACKED[name].itemsize >= wide.itemsize):
+            raise DataCorruptionError(f"{where}: sample {sample} is packed as {name!r}, which a {spec.kind} field of "
+                                      f"dtype {spec.dtype!r} cannot take (not an integer type narrower than it): "
+                                      "the checkpoint is damaged")
+        lut[k] = PACKED_NAMES.index(name)
+    return lut[at]
+
+
+def _check_sizes(
+    block: FieldBlock, indexes: np.ndarray, sizes: np.ndarray, codes: np.ndarray, rows: Any, where: _Where,
+) -> None:
+    """Each of ``rows`` (a mask: the rows that carry a value) holds its shape's values, in its
+    packed type or the field's dtype, and nothing else."""
+    spec = block.spec
+    n = len(sizes)
+    if spec.kind == "object" or not n:
+        return
+    if spec.layout == "dense":
+        shapes = np.tile(np.asarray(spec.shape, dtype=np.int64), (n, 1))
+    else:
+        shapes = np.asarray(block.shapes, dtype=np.int64)
+        if len(shapes) != n * spec.ndim:
+            raise InvalidArgumentError(f"{where}: a shape column of {len(shapes) // n} dimensions, the field's spec "
+                                       f"says {spec.ndim}")
+        shapes = shapes.reshape(n, spec.ndim)
+        if shapes.size and int(shapes.min()) < 0:
+            raise InvalidArgumentError(f"{where}: a negative dimension in the shape column")
+    count = np.prod(shapes, axis=1, dtype=np.int64)
+    items = np.asarray([itemsize(spec), *(dt.itemsize for dt in PACKED.values())], dtype=np.int64)[codes]
+    for bad, what in (
+        (rows & (sizes % items != 0), lambda k: f"holds {int(sizes[k])} bytes, not a whole number of "
+                                                f"{_name(int(codes[k]), spec)} values ({int(items[k])} bytes each)"),
+        (rows & (sizes != count * items), lambda k: f"holds {int(sizes[k] // items[k])} {_name(int(codes[k]), spec)} "
+                                                    f"values, its shape {shapes[k].tolist()} {int(count[k])}"),
+    ):
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise DataCorruptionError(f"{where}: sample {int(indexes[k])} {what(k)}: the checkpoint is damaged")
+
+
+def _frames(block: FieldBlock, data: np.ndarray, sizes: np.ndarray, codes: np.ndarray) -> list[np.ndarray]:
+    """``data`` (the block's values back to back: ``sizes`` bytes each, in the packed type of
+    ``codes``) copied, as a frame per run of values in one type (``block.counts`` and
+    ``block.packed`` set to say so)."""
+    whole = data.copy()
+    n = len(sizes)
+    if not n:
+        block.counts = [0]
+        return [whole]
+    cuts = (np.flatnonzero(np.diff(codes)) + 1).tolist()
+    starts, stops = [0, *cuts], [*cuts, n]
+    ends = np.concatenate(([0], np.cumsum(sizes)))
+    block.counts = [b - a for a, b in zip(starts, stops)]
+    if codes.any():
+        block.packed = [PACKED_NAMES[int(codes[a])] for a in starts]
+    return [whole[int(ends[a]) : int(ends[b])] for a, b in zip(starts, stops)]
 
 
 def _referred(
-    batch: Any, block: FieldBlock, indexes: np.ndarray, offsets: np.ndarray, frame: np.ndarray, where: _Where,
-) -> tuple[np.ndarray, FieldBlock, np.ndarray]:
-    """A batch of a field shared by content (version 2) as one write: each row that carries a
-    value gives one (its bytes are the frame: a referring row carries none), each sample holds
-    its row's or the one its ``ref`` names. Every reference is checked first."""
+    ref: np.ndarray, block: FieldBlock, indexes: np.ndarray, sizes: np.ndarray, codes: np.ndarray, where: _Where,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of a field shared by content (version 2 on) as one write: each row that carries
+    a value gives one (its bytes are the frame: a referring row carries none), each sample
+    holds its row's or the one its ``ref`` names. Every reference is checked first. Returns
+    each value's size and packed code."""
     n = len(indexes)
-    ref = batch.column("ref").to_numpy(zero_copy_only=False).astype(np.int64)
     own = ref == -1
-    sizes = np.diff(offsets)
     target = np.where(own, np.arange(n), ref)
     outside = (ref < -1) | (ref >= n)
     target[outside] = 0
@@ -673,6 +889,12 @@ def _referred(
             k = int(np.flatnonzero(bad)[0])
             raise DataCorruptionError(f"{where}: sample {int(indexes[k])} refers to row {int(ref[k])} of its record "
                                       f"batch{what}: the checkpoint is damaged")
+    differ = codes != codes[target]
+    if differ.any():
+        k = int(np.flatnonzero(differ)[0])
+        raise DataCorruptionError(f"{where}: sample {int(indexes[k])} is packed as {PACKED_NAMES[int(codes[k])]!r}, "
+                                  f"the value it refers to as {PACKED_NAMES[int(codes[target[k]])]!r}: the checkpoint "
+                                  "is damaged")
     carried = np.flatnonzero(own)
     rank = np.cumsum(own) - 1  # a carrying row's value
     held = rank[target]
@@ -697,6 +919,5 @@ def _referred(
             raise DataCorruptionError(f"{where}: sample {int(indexes[k])} has a CRC-32C other than the value it "
                                       f"refers to: the checkpoint is damaged")
         block.crcs = value_crc.tolist()
-    block.counts = [len(carried)]
     block.value_of = held.tolist()
-    return indexes, block, frame.copy()
+    return sizes[carried], codes[carried]
