@@ -264,7 +264,7 @@ def _as_version_1(folder: pathlib.Path) -> int:
             path = folder / manifest["generation"] / entry["path"]
             reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))
             header = json.loads(reader.schema.metadata[b"tqueue"])
-            assert header["version"] == 2
+            assert header["version"] in (2, 3)
             header["version"] = 1
             names = [n for n in reader.schema.names if n != "ref"]
             schema = pa.schema([reader.schema.field(n) for n in names], metadata={"tqueue": json.dumps(header)})
