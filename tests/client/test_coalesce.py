@@ -120,6 +120,27 @@ def test_a_put_to_a_sealed_partition_is_aborted_for_every_caller(cluster, partit
     assert f"put of 3 sample(s) (fields ['x']) to partition {partition!r} stored nothing" in str(refused)
 
 
+def test_a_request_made_after_coalesced_puts_goes_after_them(cluster, partition):
+    """Puts waiting in the loop's turn for company go out at once when the client makes
+    another request, and before it: a seal made after them finds them put (before, the seal
+    went first and every one of them was refused). tests/controller/test_admission.py, run
+    with TQUEUE_COALESCE_PUTS=1, holds the same for a status after a put that waits."""
+
+    async def main():
+        async with tqueue.AsyncClient(cluster.address, config=_config(False)) as c:
+            puts = [asyncio.ensure_future(c.put(partition, _sample(i))) for i in range(4)]
+            await asyncio.sleep(0)  # the puts are made: each waits for this turn's company
+            assert c.stats.puts == 0
+            await c.seal(partition)
+            metas = await asyncio.gather(*puts, return_exceptions=True)
+            status = {p.name: p for p in (await c.status()).partitions}[partition]
+            return metas, status
+
+    metas, status = asyncio.run(main())
+    assert [m.status for m in metas] == ["ok"] * 4, metas
+    assert status.sealed and status.ready == 12
+
+
 def test_puts_that_every_caller_gave_up_on_are_withdrawn(cluster, partition):
     """Puts waiting for memory at the controller, coalesced, all cancelled: withdrawn, as one
     put alone is (nothing is stored, and memory freed later is not granted to them)."""

@@ -148,6 +148,7 @@ class AsyncClient:
         self._conns.pool = pool  # a NIXL route stages puts in it
         self.host = self._conns.host
         self._puts = Puts(self._conns, pool, self.stats)
+        self._conns.before = self._puts.sent  # a request after a put goes after it, coalesced or not
         self._gets = Gets(self._conns, pool, self.stats)
         self._lifecycle = Lifecycle(self._conns, self._puts, self._gets)
         self._keys = KeyCalls(self._conns)

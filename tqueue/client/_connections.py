@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import _env, _memory
@@ -73,6 +73,7 @@ class Connections:
         self.tasks = Tasks("client")  # background work (releases of arena holds): cancelled at close
         self._loop: asyncio.AbstractEventLoop | None = None
         self.controller: _zmq.Peer | None = None
+        self.before: Callable[[], Awaitable[None]] | None = None  # see ctl (Puts.sent)
         self.units: dict[int, UnitInfo] = {}
         self.unit_peers: dict[int, _zmq.Peer] = {}
         self.routes: dict[int, Route] = {}
@@ -127,9 +128,14 @@ class Connections:
             peer.heartbeat(reply.heartbeat)
             self.controller = peer
 
-    async def ctl(self) -> _zmq.Peer:
-        """The controller's peer, connecting first if need be."""
+    async def ctl(self, *, ordered: bool = True) -> _zmq.Peer:
+        """The controller's peer, connecting first if need be. ``ordered``: once the puts
+        this client was asked for before have sent their requests (``before``: coalesced
+        puts wait a turn of the loop), so that a request comes after them on the connection,
+        as its caller made them; a put's own requests pass ``ordered=False``."""
         await self.connect()
+        if ordered and self.before is not None:
+            await self.before()
         assert self.controller is not None
         return self.controller
 

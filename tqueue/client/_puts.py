@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -79,6 +79,8 @@ class Puts:
         self.stats = stats
         self.reserved = 0  # samples admitted by reserve() and not yet put
         self._waiting: dict[Any, list[_Waiting]] = {}  # coalesce_puts: puts that go next turn, by kind
+        self._unsent = 0  # coalesced puts asked for whose grant request has not gone yet
+        self._idle: list[asyncio.Future[None]] = []  # callers of sent() waiting for them
         self._tasks: set[asyncio.Task[None]] = set()
         # fields shared by content per partition, as create_partition or a grant told this client
         self.shared: dict[str, frozenset[str]] = {}
@@ -122,6 +124,7 @@ class Puts:
             loop.call_soon(self._send_waiting, key)
         item = _Waiting(enc, group_ids, versions, done)
         waiting.append(item)
+        self._unsent += 1
         try:
             return await done
         except asyncio.CancelledError:
@@ -135,7 +138,9 @@ class Puts:
         """Send the puts of one kind that waited for this turn: one put of all of them (up to
         COALESCE_SAMPLES samples and COALESCE_BYTES bytes each)."""
         partition, partial, wait = key[0], key[1], key[2]
-        waiting = [w for w in self._waiting.pop(key, []) if not w.done.done()]  # not cancelled meanwhile
+        queued = self._waiting.pop(key, [])
+        waiting = [w for w in queued if not w.done.done()]  # not cancelled meanwhile
+        self._went(len(queued) - len(waiting))
         batch: list[_Waiting] = []
         for item in waiting:
             if batch and (
@@ -148,19 +153,53 @@ class Puts:
         if batch:
             self._start(partition, batch, wait, partial)
 
+    def _went(self, n: int) -> None:
+        """``n`` coalesced puts sent their grant request (or never will)."""
+        self._unsent -= n
+        if not self._unsent:
+            for fut in self._idle:
+                if not fut.done():
+                    fut.set_result(None)
+            self._idle.clear()
+
+    async def sent(self) -> None:
+        """Once every coalesced put asked for so far has sent its grant request (they go now,
+        without waiting for the loop's turn): a request made after a put comes after it on
+        the controller's connection, coalesced or not (``Connections.ctl``)."""
+        if not self._unsent:
+            return
+        for key in list(self._waiting):
+            self._send_waiting(key)
+        if self._unsent:
+            fut = asyncio.get_running_loop().create_future()
+            self._idle.append(fut)
+            await fut
+
     def _start(self, partition: str, batch: list[_Waiting], wait: float, partial: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._put_together(partition, batch, wait, partial))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _put_together(self, partition: str, batch: list[_Waiting], wait: float, partial: bool) -> None:
-        if len(batch) == 1:
-            enc, group_ids, versions = batch[0].enc, batch[0].groups, batch[0].versions
-        else:
-            enc = join(partition, [w.enc for w in batch])
-            group_ids = None if batch[0].groups is None else [g for w in batch for g in w.groups or ()]
-            versions = None if batch[0].versions is None else [v for w in batch for v in w.versions or ()]
-        put = asyncio.ensure_future(self._put(partition, enc, group_ids, versions, wait, partial))
+        went = [False]
+
+        def gone() -> None:  # its grant request is about to go (or never will)
+            if not went[0]:
+                went[0] = True
+                self._went(len(batch))
+
+        try:
+            if len(batch) == 1:
+                enc, group_ids, versions = batch[0].enc, batch[0].groups, batch[0].versions
+            else:
+                enc = join(partition, [w.enc for w in batch])
+                group_ids = None if batch[0].groups is None else [g for w in batch for g in w.groups or ()]
+                versions = None if batch[0].versions is None else [v for w in batch for v in w.versions or ()]
+        except BaseException:
+            gone()
+            raise
+        put = asyncio.ensure_future(self._put(partition, enc, group_ids, versions, wait, partial, gone))
+        put.add_done_callback(lambda _: gone())
 
         def withdraw(_: Any) -> None:  # every caller gave up: the put is withdrawn as one alone is
             if all(w.done.cancelled() for w in batch):
@@ -186,9 +225,10 @@ class Puts:
 
     async def _put(
         self, partition: str, enc: Encoded, group_ids: list[Any] | None, versions: list[int] | None,
-        wait: float, partial: bool,
+        wait: float, partial: bool, going: Callable[[], None] | None = None,
     ) -> BatchMeta:
-        """One put of ``enc``: grant, store (placed again where its unit failed), its meta."""
+        """One put of ``enc``: grant, store (placed again where its unit failed), its meta.
+        ``going``: called as its first grant request goes (the controller's connection)."""
         reserved = min(self.reserved, enc.count)
         share(enc, self.shared.get(partition, ()))  # values shared by content go once
         grant = Grant(
@@ -200,7 +240,10 @@ class Puts:
         left = wait
         while True:
             grant.timeout = left
-            ctl = await self._conns.ctl()
+            ctl = await self._conns.ctl(ordered=False)
+            if going is not None:
+                going()  # the request goes in the same step: who waited for it is resumed after
+                going = None
             reply, _ = await ctl.request(grant, timeout=left + self.config.request_timeout, expect=Granted)
             self.reserved -= reserved
             reserved = 0  # the reservation stays with the write when it is placed again
