@@ -203,18 +203,25 @@ def _on_disk(folder: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def test_a_checkpoint_holds_a_shared_value_once_and_restores_it_once_shared(tmp_path: pathlib.Path) -> None:
-    """16 samples sharing a 1 MiB image (and a prompt): the checkpoint's files hold it once
-    (about 1.1 MB in all; 17.3 MB when each sample's bytes went in), the restored unit stores
-    it once and shared (status() as before the save), every sample reads back exact, and the
-    value goes with the last sample that holds it."""
-    group = _group(n=16, seed=10)
+def _saved(folder: pathlib.Path, seed: int) -> tuple[dict[str, Any], int, str, Any]:
+    """A group of 16 put into a fresh cluster and checkpointed into ``folder``: the group, its
+    bytes held once, its partition and the unit's figures at the save."""
+    group = _group(n=16, seed=seed)
     once = _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
     with LoopCluster(num_storage_units=1, clock=True) as old, tqueue.Client(old.address) as c:
         part = _partition(c)
         c.put(part, group)
         before = _figures(old, c)
-        c.save_checkpoint(tmp_path / "ck", metadata=None)
+        c.save_checkpoint(folder, metadata=None)
+    return group, once, part, before
+
+
+def test_a_checkpoint_holds_a_shared_value_once_and_restores_it_once_shared(tmp_path: pathlib.Path) -> None:
+    """16 samples sharing a 1 MiB image (and a prompt): the checkpoint's files hold it once
+    (about 1.1 MB in all; 17.3 MB when each sample's bytes went in), the restored unit stores
+    it once and shared (status() as before the save), every sample reads back exact, and the
+    value goes with the last sample that holds it."""
+    group, once, part, before = _saved(tmp_path / "ck", seed=10)
     assert before[0] == 15 * _nbytes([group["image"][0], group["prompt_ids"][0]])
     assert _on_disk(tmp_path / "ck") < 1.2 * once, "each shared value once in the file, the rest beside it"
     with LoopCluster(num_storage_units=1, clock=True) as other, tqueue.Client(other.address) as c:
@@ -292,13 +299,7 @@ def test_a_checkpoint_of_the_first_format_still_loads_its_shared_values_once(tmp
     """A checkpoint written before shared values were kept once (payload format version 1:
     every holder's bytes in the file) loads: each value stored once again and shared, every
     sample exact."""
-    group = _group(n=16, seed=11)
-    once = _nbytes([group["image"][0], group["prompt_ids"][0], *group["response_ids"]])
-    with LoopCluster(num_storage_units=1, clock=True) as old, tqueue.Client(old.address) as c:
-        part = _partition(c)
-        c.put(part, group)
-        before = _figures(old, c)
-        c.save_checkpoint(tmp_path / "ck", metadata=None)
+    group, once, part, before = _saved(tmp_path / "ck", seed=11)
     assert _as_version_1(tmp_path / "ck") > 16 * _nbytes([group["image"][0]])  # 16 copies of the image
     with LoopCluster(num_storage_units=1, clock=True) as other, tqueue.Client(other.address) as c:
         c.load_checkpoint(tmp_path / "ck")
