@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.fil
 SHORT, LONG = 8, 160  # token budgets: the short requests finish; the long ones are the surplus
 # the HTTP test's surplus: about 2 s of the server's work, against the tenths of a second between
 # their first tokens and the abort
-HTTP_LONG, HTTP_MAX_LEN = 900, 1024
+HTTP_LONG, HTTP_MAX_LEN = 3000, 3072  # long enough that the pause lands before a loaded server ends them
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +444,8 @@ def test_over_sampling_through_the_vllm_token_api(vllm_server):
     the calls are then on the engine and cannot end first. (Sealed by short calls of the same
     step, the test lost a race on a loaded machine: the server had made all 160 tokens of the
     long calls, 0.35 s of work, before the shorts' puts sealed the step; and with 900 tokens
-    and no pause, the server had made them all before this process had read the first ones.) The cluster's heartbeat is 5 s: a server on the same 2 cores stalled
+    and no pause, the server had made them all before this process had read the first ones; and
+    with 900 tokens and the pause, once more in CI on 2026-12-03: now 3,000.) The cluster's heartbeat is 5 s: a server on the same 2 cores stalled
     every process here for over 3 s, the default window."""
     from tqueue.bridges import VLLMHTTPEngine
 
