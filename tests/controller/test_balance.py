@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import tqueue
-from tqueue.controller.planning import _balance
-from tqueue.controller.planning._balance import RoundPlan, balanced_partition, micro_batches, plan_groups, plan_round
+from tqueue.controller.planning import _balance, _batch_policies
+from tqueue.controller.planning._balance import RoundPlan, balanced_partition, micro_batches, plan_round
+from tqueue.controller.planning._batch_policies import deal_whole, plan_groups
 from tqueue.errors import InvalidArgumentError
 
 
@@ -554,7 +555,7 @@ def test_group_plan_with_a_short_group_by_swaps_on_a_big_round():
             members = [1500, 1500, 1000]  # the short group, heavy as two groups of 600s
         lengths += members
         sizes.append(len(members))
-    assert _balance._assignments(16, 2) > _balance._BRUTE_FORCE
+    assert _batch_policies._assignments(16, 2) > _batch_policies._BRUTE_FORCE
     groups = deal_groups(sizes)
     plan = plan_groups(lengths, groups, 2, max_tokens_per_micro_batch=1000)
     counts = [len(b) for b in plan.micro_batches]
@@ -579,11 +580,12 @@ def test_round_book_with_a_short_group_plans_or_raises_a_typed_error():
     lengths = np.asarray([600] * 8 + [1500, 1500, 1000] + [200] * 4, dtype=np.int64)
     indexes = np.arange(100, 115, dtype=np.int64)
     groups = [np.asarray(g, dtype=np.int64) for g in deal_groups([4, 4, 3, 4])]
-    rnd = RoundBook(2, 8, 1000).form(indexes, lengths, [], groups)
+    deal = deal_whole(groups, [f"with samples {indexes[g].tolist()}" for g in groups])
+    rnd = RoundBook(2, 8, 1000).form(indexes, lengths, [], deal)
     assert rnd.num_micro == 7 and all(len(m) == 7 for m in rnd.micro)
     assert sorted(i for s in rnd.shares for i in s.tolist()) == indexes.tolist()
     with pytest.raises(InvalidArgumentError, match=r"max_tokens_per_micro_batch=1000.*group with samples \[108, 109, 110\] \(3 samples"):
-        RoundBook(2, 8, 1000).form(indexes, np.full(15, 600, dtype=np.int64), [], groups)
+        RoundBook(2, 8, 1000).form(indexes, np.full(15, 600, dtype=np.int64), [], deal)
 
 
 # the micro-batch count: a minimum, a multiple (virtual pipeline stages), a fixed size

@@ -72,13 +72,17 @@ def test_by_default_a_batch_that_is_not_whole_groups_is_refused_at_once(client, 
 def test_a_default_read_of_groups_without_a_group_size_takes_index_order_and_says_so(partition, caplog):
     """Samples put with groups to a partition that has no group size: nothing can tell when a
     group is whole, so a default read takes index order, and the controller (served in this
-    process, to read its log) says so once."""
+    process, to read its log) says so once, at the first put with groups."""
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "has no group_size" in r.getMessage()]
+
     with LoopCluster(1) as cluster, cluster.client() as client, caplog.at_level("WARNING", logger="tqueue.controller"):
         client.put(partition, {"x": torch.arange(3)}, groups=["a", "a", "b"])
+        assert len(told()) == 1
+        client.put(partition, {"x": torch.arange(1)}, groups=["c"])
         assert client.get_meta(partition, ["x"], 2, task="t", timeout=5).groups == ["a", "a"]
         client.get_meta(partition, ["x"], 1, task="u", timeout=5)
-    told = [r.getMessage() for r in caplog.records if "has no group_size" in r.getMessage()]
-    assert told == [f"partition {partition!r} holds samples put with groups but has no group_size: a read that names "
+    assert told() == [f"partition {partition!r} holds samples put with groups but has no group_size: a read that names "
                     "no policy takes them in index order, and may split groups (create_partition(..., grouping=Grouping(n)) "
                     "keeps them whole)"]
 

@@ -253,6 +253,11 @@ class Samples:
         ids = self.groups.ids
         return [ids[g] if g >= 0 else None for g in self.group[indexes].tolist()]
 
+    def with_groups(self, indexes: np.ndarray) -> np.ndarray:
+        """``indexes`` and every other member of their groups, sorted, less the excluded."""
+        members = [self.groups.members[g] for g in np.unique(self.group[indexes]).tolist() if g >= 0]
+        out = np.unique(np.concatenate([indexes, *(np.asarray(m, dtype=np.int64) for m in members)]))
+        return out[(self.mask[out] & EXCLUDED) == 0]
 
     def on_unit(self, unit_id: int) -> np.ndarray:
         """The committed samples stored on a unit, not excluded yet."""

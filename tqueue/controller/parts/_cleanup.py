@@ -52,8 +52,9 @@ class Cleanup:
         self.maybe_free(part)
         return Ok()
 
-    def maybe_free(self, part: Partition) -> None:
-        if part.finished() and self.forget(part, None):
+    def maybe_free(self, part: Partition, finished: bool | None = None) -> None:
+        """Free ``part`` if it is finished (``finished``: what the caller's model call said)."""
+        if (part.finished() if finished is None else finished) and self.forget(part, None):
             log.info("partition %r (uid %d) consumed by every task: freeing it", part.name, part.uid)
             self.state.partitions.bury(part.name)
             self._wake_soon(part.name)  # waiters asking with pad learn that it is done

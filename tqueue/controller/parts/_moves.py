@@ -131,9 +131,7 @@ class Moves:
         idx = np.asarray(msg.indexes, dtype=np.int64)
         part.samples.check_indexes(idx, part.name)
         if msg.whole_groups:
-            members = [part.groups.members[g] for g in np.unique(part.samples.group[idx]).tolist() if g >= 0]
-            idx = np.unique(np.concatenate([idx, *(np.asarray(m, dtype=np.int64) for m in members)]))
-            idx = idx[(part.samples.mask[idx] & EXCLUDED) == 0]
+            idx = part.samples.with_groups(idx)
         dst = self.state.partitions.get_or_create(msg.to)
         if dst.sealed:
             raise InvalidArgumentError(f"partition {msg.to!r} is sealed: it takes no more samples")

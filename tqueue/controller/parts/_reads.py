@@ -31,7 +31,7 @@ import numpy as np
 from ...errors import InvalidArgumentError, PermissionDeniedError, UnknownFieldError, WaitTimeoutError, did_you_mean
 from ...transport._liveness import session_of
 from ...wire import Ack, BatchMeta, GetMeta, MetaReply, Ok, Renew
-from ..model._partition import Partition
+from ..model._partition import SMALL, Partition
 from ..model._samples import CONSUMED, LEASED, TaskState
 from ..model._state import MAX_SERVED, ControllerState, Waiter, random_ids
 from ..planning._batch_policies import BUILT_IN, FIRST_READY, Candidates, Policy, check
@@ -69,7 +69,7 @@ class Reads:
         state: ControllerState,
         *,
         policies: Mapping[str, Policy],
-        free: Callable[[Partition], None],
+        free: Callable[[Partition, bool | None], None],
         prefetch: Prefetch,
         needed: Callable[[str], None],
     ) -> None:
@@ -78,7 +78,6 @@ class Reads:
         self.leases: dict[int, Lease] = {}
         self.lease_ids = random_ids()  # not guessable: a lease id is what an ack names
         self.served: collections.OrderedDict[tuple[bytes, int], int] = collections.OrderedDict()  # (ident, rid) -> lease
-        self._told_ungrouped: set[int] = set()  # partitions (uids) whose default read of groups was logged
         self.rounds: dict[tuple[int, str, str], RoundBook] = {}  # (partition uid, task, replica group)
         self.staleness = np.zeros(17, dtype=np.int64)  # samples served, by versions behind (16: 16 or more)
         self._free = free  # free a partition if every task consumed it
@@ -116,24 +115,9 @@ class Reads:
             self.served.popitem(last=False)
 
     def policy_of(self, part: Partition, msg: GetMeta) -> str:
-        """The policy a request reads with: the one it names, or by default (``""``) whole
-        groups where the partition has a ``group_size``, else index order. (Without a group
-        size nothing tells when a group is whole: a default read of samples put with groups
-        there takes them in index order, and the controller logs it once per partition.)"""
-        if msg.policy:
-            return msg.policy
-        if part.options.group_size:
-            return "groups"
-        if part.samples.has_groups and not part.options.target and part.uid not in self._told_ungrouped:
-            if len(self._told_ungrouped) >= MAX_SERVED:
-                self._told_ungrouped.clear()  # bounded: at worst a partition is logged again
-            self._told_ungrouped.add(part.uid)
-            log.warning(
-                "partition %r holds samples put with groups but has no group_size: a read that names no policy "
-                "takes them in index order, and may split groups (create_partition(..., grouping=Grouping(n)) keeps them whole)",
-                part.name,
-            )
-        return FIRST_READY
+        """The policy a request reads with: the one it names, or its partition's default
+        (``Partition.default_policy``)."""
+        return msg.policy or part.default_policy
 
     def select(self, part: Partition, msg: GetMeta, count: int, lease_id: int = 0) -> np.ndarray | None:
         """Samples for a request (index -1: a pad row), or None if it must wait. With
@@ -160,11 +144,12 @@ class Reads:
                 return _leased(task, found if BUILT_IN.get(name) is policy else check(found, candidates, name), lease_id)
         if not part.drained() or part.uid in self.state.prefetching:
             return None
-        groups = name == "groups"
-        if not groups and part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
+        prefetches = getattr(policy, "prefetches", True)
+        if prefetches and part.options.prefetch and self._prefetch(part, msg, count, mask, min_version):
             return None  # samples are on their way in; their landing wakes this request
         if msg.pad:
-            ready = _whole_groups_left(candidates, count // part.options.group_size) if groups else candidates.ready()
+            last = getattr(policy, "last", None)
+            ready = candidates.ready() if last is None else last(candidates, count)
             if len(ready):
                 return _leased(task, np.concatenate([ready, np.full(count - len(ready), -1, dtype=np.int64)]), lease_id)
             if not msg.dp_size and not task.leased:  # nothing left, nothing to come back: the end
@@ -247,11 +232,8 @@ class Reads:
             if indexes is None:
                 return None
             lengths = token_counts(part.schema.lengths, indexes, msg.fields, msg.balance_by)
-            groups = None
-            if self.policy_of(part, msg) == "groups":  # whole groups per rank
-                ordinals = part.samples.group[indexes]
-                groups = [np.flatnonzero(ordinals == g) for g in dict.fromkeys(ordinals.tolist())]
-            rnd = book.form(indexes, lengths, [], groups)
+            deal = getattr(self.policies[self.policy_of(part, msg)], "deal", None)  # whole groups per rank
+            rnd = book.form(indexes, lengths, [], None if deal is None else deal(part, indexes))
             rnd.leases = [self.lease(part, msg.task, share, msg.lease_timeout) for share in rnd.shares]
             self.state.loop.call_soon(self.wake, part.name)  # peers of other ranks may be waiting
         meta = rnd.metas[msg.dp_rank]
@@ -307,7 +289,8 @@ class Reads:
     ) -> BatchMeta:
         samples = part.samples
         listed = indexes.tolist()
-        padded = bool(listed) and _lowest(listed, indexes) < 0  # pad rows (index -1) among them
+        # pad rows (index -1) among them? (Python's min on short lists: no call into the model)
+        padded = bool(listed) and (min(listed) if len(listed) <= SMALL else int(indexes.min())) < 0
         if padded:
             real = indexes >= 0
             safe = np.where(real, indexes, 0)
@@ -328,7 +311,7 @@ class Reads:
             known = versions[versions >= 0]
             behind = np.clip(self.state.trainer.version - known, 0, len(self.staleness) - 1)
             self.staleness += np.bincount(behind, minlength=len(self.staleness))
-        groups = samples.groups_of(safe) if samples.has_groups else None
+        groups = samples.groups_of(safe) if samples.has_groups else None  # (no call where none)
         if groups is not None and padded:
             groups = [g if r else None for g, r in zip(groups, real.tolist())]
         segments = samples.segments_of(indexes[real] if padded else indexes) if samples.segments else None
@@ -496,8 +479,9 @@ class Reads:
         else:
             ready = part.count_ready(part.tasks.get(msg.task), mask)
             note = ""
-        if msg.policy == "groups" or (not msg.policy and part.options.group_size):
-            note += f"; {len(part.groups.order)} groups complete"
+        note_of = getattr(self.policies.get(self.policy_of(part, msg)), "note", None)
+        if note_of is not None:
+            note += note_of(part)
         if msg.dp_size:
             book = self.rounds.get((part.uid, msg.task, msg.replica_group))
             formed = book.next if book else 0
@@ -513,15 +497,7 @@ class Reads:
         part = self.state.partitions.get(msg.partition)
         if part is None or (msg.partition_uid and part.uid != msg.partition_uid):
             return Ok()  # freed or cleared: nothing is left to acknowledge
-        task = part.tasks.get(msg.task)
-        if task is None:
-            raise InvalidArgumentError(
-                f"task {msg.task!r} has no samples of partition {msg.partition!r} to acknowledge"
-            )
-        indexes = np.asarray(msg.indexes, dtype=np.int64)
-        if len(indexes) and not 0 <= _lowest(msg.indexes, indexes) <= _highest(msg.indexes, indexes) < part.n:
-            raise InvalidArgumentError(f"partition {msg.partition!r} has no sample {msg.indexes}")
-        acked = task.ack(indexes, msg.lease)
+        task, acked, finished = part.ack(msg.task, msg.indexes, msg.lease)
         record = self.leases.get(msg.lease)
         if record is not None:
             # the whole lease acknowledged: at once when this ack took every sample of it (the
@@ -533,21 +509,12 @@ class Reads:
                 del self.leases[msg.lease]
                 if record.timer is not None:
                     record.timer.cancel()
-        self._free(part)
-        if part.drained() and not task.leased and msg.partition in self.state.parked.reads:
+        self._free(part, finished)
+        if part.sealed and msg.partition in self.state.parked.reads and part.drained() and not task.leased:
             self.wake_soon(part.name)  # a waiter asking with pad may now learn the partition is done
         return Ok()
 
 
-SMALL = 64  # lists this short: Python's min and max (0.1 µs) before numpy's (3 µs each)
-
-
-def _lowest(values: list[int], array: np.ndarray) -> int:
-    return min(values) if len(values) <= SMALL else int(array.min())
-
-
-def _highest(values: list[int], array: np.ndarray) -> int:
-    return max(values) if len(values) <= SMALL else int(array.max())
 
 
 def _with(meta: BatchMeta, **changes: Any) -> BatchMeta:
@@ -586,17 +553,6 @@ def _one_edit(a: str, b: str) -> bool:
     short, long = (a, b) if len(a) < len(b) else (b, a)
     i = next((k for k in range(len(short)) if short[k] != long[k]), len(short))
     return short[i:] == long[i + 1 :]
-
-
-def _whole_groups_left(candidates: Candidates, fewer_than: int) -> np.ndarray:
-    """The most whole groups (fewer than ``fewer_than``) a drained partition still has ready:
-    the last, short batch of a padded read under ``policy="groups"``."""
-    for count in range(fewer_than - 1, 0, -1):
-        found = candidates.groups(count)
-        if found is not None:
-            return found
-    return np.zeros(0, dtype=np.int64)
-
 
 
 def _padded(per_sample: list[list[Any]], real: np.ndarray) -> list[list[Any]]:

@@ -1,6 +1,6 @@
 """Token balance for one round: split samples among data-parallel ranks, then into micro-batches.
 
-The controller forms a round of ``dp_size * batch_size`` samples (or whole groups) and hands
+The controller forms a round of ``dp_size * batch_size`` samples and hands
 each rank a share with nearly the same number of tokens, then cuts every share into the same
 number of micro-batches (pipeline parallelism needs equal counts), each under a token cap where
 the samples allow it.
@@ -35,18 +35,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ...errors import InvalidArgumentError
 
-__all__ = ["MicroRule", "RoundPlan", "balanced_partition", "micro_batches", "plan_groups", "plan_round"]
+__all__ = ["Deal", "MicroRule", "RoundPlan", "balanced_partition", "micro_batches", "plan_round"]
 
 _PARTNERS = 4  # lightest parts a heavy one tries to trade with
-_BRUTE_FORCE = 2000  # assignments of groups to ranks tried exhaustively when the greedy fails
 
 
 def balanced_partition(
@@ -154,6 +151,11 @@ class RoundPlan:
     token_sums: list[int]
 
 
+Deal = Callable[[np.ndarray, int, MicroRule], RoundPlan]
+"""How a round's samples go to ranks: (token lengths, dp_size, rule) -> plan; a policy may
+deal its own way (``_batch_policies``), else :func:`plan_round`."""
+
+
 def plan_round(
     lengths: Sequence[int] | np.ndarray,
     dp_size: int,
@@ -176,48 +178,6 @@ def plan_round(
         raise ValueError("plan_round needs at least one sample; lengths is empty")
     rule = _rule(rule, max_tokens_per_micro_batch)
     return _with_micro(vals, _partition(vals, dp_size, equal_size=True), rule)
-
-
-def plan_groups(
-    lengths: Sequence[int] | np.ndarray,
-    groups: Sequence[Sequence[int]],
-    dp_size: int,
-    *,
-    max_tokens_per_micro_batch: int | None = None,
-    names: Sequence[str] | None = None,
-    rule: MicroRule | None = None,
-) -> RoundPlan:
-    """Whole groups per rank, the same number of groups each, balanced by token sums, every rank
-    cut into the same number of micro-batches (as ``rule`` says; default:
-    ``MicroRule(max_tokens_per_micro_batch)``).
-
-    ``groups`` lists positions into ``lengths``, one list per group; groups may differ in size
-    (a member masked out). A rank with fewer samples than another rank needs micro-batches
-    cannot follow it (nor, with a fixed micro-batch size, one of another size): the
-    token-balanced assignment is then traded (or, for few groups, searched exhaustively) for
-    one where every rank can be cut into the same count.
-
-    Raises InvalidArgumentError if no assignment found has such a count, naming the groups
-    (``names`` or their positions) and the rule; ValueError for malformed arguments.
-    """
-    vals = _as_lengths(lengths)
-    dp_size = _positive_int(dp_size, "dp_size")
-    rule = _rule(rule, max_tokens_per_micro_batch)
-    members = [sorted(int(p) for p in g) for g in groups]
-    if not members or len(members) % dp_size:
-        raise ValueError(f"{len(members)} groups cannot be split into {dp_size} equal parts")
-    sums = [sum(vals[p] for p in g) for g in members]
-    assignment = _partition(sums, dp_size, equal_size=True)
-    sizes = {sum(len(members[g]) for g in part) for part in assignment}
-    # Ranks of equal size have a common count (none needs more than its samples) unless the
-    # rule raises it or fixes the size: only then is the assignment checked.
-    plain = rule.micro_batch_size is None and rule.minimum == rule.multiple_of == 1
-    if not (plain and (len(sizes) == 1 or rule.max_tokens is None)) and _slack(vals, members, assignment, rule) < 0:
-        found = _feasible(vals, members, assignment, rule, sums) if len(sizes) > 1 else None
-        if found is None:
-            raise InvalidArgumentError(_no_plan(vals, members, dp_size, rule, names))
-        assignment = found
-    return _with_micro(vals, [[p for gi in part for p in members[gi]] for part in assignment], rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,8 +281,8 @@ def _descending(vals: list[int], positions: Sequence[int]) -> list[int]:
     return sorted(positions, key=vals.__getitem__, reverse=True)
 
 
-def _canonical(groups: list[list[int]]) -> list[list[int]]:
-    out = [sorted(g) for g in groups]
+def _canonical(parts: list[list[int]]) -> list[list[int]]:
+    out = [sorted(g) for g in parts]
     out.sort(key=lambda g: (0, g[0]) if g else (1, 0))
     return out
 
@@ -461,127 +421,6 @@ def _rule(rule: MicroRule | None, max_tokens: int | None) -> MicroRule:
     if max_tokens is not None and max_tokens != rule.max_tokens:
         raise ValueError(f"max_tokens_per_micro_batch={max_tokens} differs from the rule's {rule.max_tokens}")
     return rule
-
-
-# ---------------------------------------------------------------------------------------------
-# groups whose ranks differ in size
-
-
-def _slack(vals: list[int], members: list[list[int]], assignment: list[list[int]], rule: MicroRule) -> int:
-    """Fewest samples of a rank minus the micro-batches the rule cuts every rank into (with a
-    fixed size: minus the most samples of a rank): >= 0 where a common count exists."""
-    shapes = [_shape(vals, members, part, rule) for part in assignment]
-    return _score(shapes, rule)[0]
-
-
-def _score(shapes: list[tuple[int, int]], rule: MicroRule) -> tuple[int, int]:
-    """The slack, then fewer bottleneck ranks (fewest samples, or the neediest) first."""
-    low, high = min(n for n, _ in shapes), max(need for _, need in shapes)
-    size = rule.micro_batch_size
-    if size is not None:  # equal shares that the size divides, whose count the rule allows
-        slack = low - high if high % size == 0 and rule.count(high // size) * size == high else -high
-    else:
-        slack = low - rule.count(high)
-    return slack, -sum((n == low) + (need == high) for n, need in shapes)
-
-
-def _shape(vals: list[int], members: list[list[int]], part: list[int], rule: MicroRule) -> tuple[int, int]:
-    """(samples, micro-batches needed) of a rank holding the groups ``part``; with a fixed
-    micro-batch size, (samples, samples)."""
-    rank = [p for gi in part for p in members[gi]]
-    if rule.micro_batch_size is not None:
-        return len(rank), len(rank)
-    if rule.max_tokens is None:
-        return len(rank), 1
-    return len(rank), _needs(vals, rank, rule.max_tokens)[0]
-
-
-def _feasible(
-    vals: list[int], members: list[list[int]], start: list[list[int]], rule: MicroRule, sums: list[int]
-) -> list[list[int]] | None:
-    """An assignment of groups to ranks (same number each) with a common micro-batch count.
-
-    Where there are few assignments, every one is tried and the most balanced that works wins.
-    Else, from the token-balanced start, swaps of two groups between a bottleneck rank (fewest
-    samples, or most micro-batches needed) and another rank are taken while they raise the slack
-    (or keep it and free a bottleneck rank), until it is >= 0. None if none is found."""
-    parts, size = len(start), len(start[0])
-    if _assignments(len(members), parts) <= _BRUTE_FORCE:
-        found = [
-            a for a in _every_assignment(list(range(len(members))), parts, size)
-            if _slack(vals, members, a, rule) >= 0
-        ]
-        return min(found, key=lambda a: max(sum(sums[g] for g in part) for part in a), default=None)
-    current = [list(p) for p in start]
-    shapes = [_shape(vals, members, part, rule) for part in current]
-
-    def score(shapes: list[tuple[int, int]]) -> tuple[int, int]:
-        return _score(shapes, rule)
-
-    best_score = score(shapes)
-    for _ in range(2 * len(members)):
-        low, high = min(n for n, _ in shapes), max(need for _, need in shapes)
-        tight = [r for r, (n, need) in enumerate(shapes) if n == low or need == high]
-        best = None
-        for a in tight:
-            for b in range(parts):
-                if b == a:
-                    continue
-                for i, j in itertools.product(range(size), range(size)):
-                    pa, pb = list(current[a]), list(current[b])
-                    pa[i], pb[j] = current[b][j], current[a][i]
-                    trial = list(shapes)
-                    trial[a], trial[b] = _shape(vals, members, pa, rule), _shape(vals, members, pb, rule)
-                    if score(trial) > best_score:
-                        best_score, best = score(trial), (a, b, pa, pb, trial)
-        if best is None:
-            return None
-        a, b, current[a], current[b], shapes = best
-        if best_score[0] >= 0:
-            return current
-    return None
-
-
-def _assignments(groups: int, parts: int) -> int:
-    """Ways to deal ``groups`` into ``parts`` unordered parts of equal size."""
-    size = groups // parts
-    return math.factorial(groups) // (math.factorial(size) ** parts * math.factorial(parts))
-
-
-def _every_assignment(items: list[int], parts: int, size: int) -> Iterator[list[list[int]]]:
-    """Each division of ``items`` into ``parts`` unordered lists of ``size``, once."""
-    if parts == 1:
-        yield [items]
-        return
-    first, rest = items[0], items[1:]
-    for others in itertools.combinations(rest, size - 1):
-        chosen = [first, *others]
-        left = [x for x in rest if x not in others]
-        for tail in _every_assignment(left, parts - 1, size):
-            yield [chosen, *tail]
-
-
-def _no_plan(
-    vals: list[int], members: list[list[int]], dp_size: int, rule: MicroRule, names: Sequence[str] | None
-) -> str:
-    label = list(names) if names is not None else [f"at positions {g}" for g in members]
-    fixed = rule.micro_batch_size is not None
-    described = ", ".join(
-        f"group {label[i]} ({len(g)} samples{'' if fixed else f', {_shape(vals, [g], [0], rule)[1]} micro-batches'})"
-        for i, g in enumerate(members)
-    )
-    if fixed:
-        why = (f"gives every rank the same number of samples, a multiple of micro_batch_size="
-               f"{rule.micro_batch_size} whose count the rule allows")
-        fix = "change micro_batch_size, or let the groups be whole (no masked members)"
-    else:
-        why = ("gives every rank at least as many samples as the micro-batches the round is cut into "
-               "(every rank must have the same count, none empty)")
-        fix = "raise max_tokens_per_micro_batch or lower min_num_microbatches / num_microbatches_multiple_of"
-    return (
-        f"cannot plan a round of {len(members)} whole groups over {dp_size} ranks with "
-        f"{rule.describe()}: no assignment found {why}; groups: {described}; {fix}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 from ...errors import InvalidArgumentError
 from ...wire import BatchMeta, GetMeta
 from . import _balance
+from ._balance import Deal
 
 KEEP_ROUNDS = 256  # formed rounds remembered per (partition, task), for late peers
 # the standard rollout fields (tqueue.bridges._fields): one sequence, stored in two parts
@@ -146,26 +147,16 @@ class RoundBook:
                 f"samples (every micro-batch holds one)"
             )
 
-    def form(
-        self,
-        indexes: np.ndarray,
-        lengths: np.ndarray,
-        leases: list[int],
-        groups: list[np.ndarray] | None = None,
-        names: list[str] | None = None,
-    ) -> Round:
+    def form(self, indexes: np.ndarray, lengths: np.ndarray, leases: list[int], deal: Deal | None = None) -> Round:
         """Split this round's samples among the ranks; it becomes round ``next``.
 
-        With ``groups`` (positions into ``indexes``, one array per whole group; ``names`` their
-        ids, for errors), every rank gets whole groups, the same number of them, balanced by
-        their token sums. Raises InvalidArgumentError where the groups cannot be dealt so that
-        every rank has the same number of micro-batches under the cap."""
-        if groups is None:
+        ``deal`` (a policy's: whole groups per rank) plans it; by default token balance
+        (``_balance.plan_round``). Raises InvalidArgumentError where the plan cannot give every
+        rank the same number of micro-batches under the cap."""
+        if deal is None:
             plan = _balance.plan_round(lengths, self.dp_size, rule=self.rule)
         else:
-            if names is None:  # name a group by its samples' partition indexes
-                names = [f"with samples {indexes[g].tolist()}" for g in groups]
-            plan = _balance.plan_groups(lengths, [g.tolist() for g in groups], self.dp_size, names=names, rule=self.rule)
+            plan = deal(lengths, self.dp_size, self.rule)
         shares, rank_micro = [], []
         for rank_positions, mbs in zip(plan.ranks, plan.micro_batches):
             where = {p: i for i, p in enumerate(rank_positions)}
