@@ -1,4 +1,4 @@
-"""A unit's payload in a checkpoint (storage/_checkpoint.py): a snapshot of its columns, the
+"""A unit's payload in a checkpoint (storage/_checkpoint.py, its files storage/_payload_files.py): a snapshot of its columns, the
 Arrow files written from it and loaded into another store give back every sample's bytes,
 integers narrowed for the trip kept narrow (the file says their type), pieces overwritten
 after the snapshot as they were before."""
@@ -16,8 +16,9 @@ import pytest
 
 from tqueue.client._integrity import crcs_widened
 from tqueue.errors import DataCorruptionError, InvalidArgumentError
-from tqueue.storage import _checkpoint
-from tqueue.storage._checkpoint import FORMAT_VERSION, UnitCheckpoints, _read_all, _write_all
+from tqueue.storage import _payload_files
+from tqueue.storage._checkpoint import UnitCheckpoints
+from tqueue.storage._payload_files import FORMAT_VERSION, read_all, write_all
 from tqueue.storage._store import PayloadStore
 from tqueue.wire import FieldBlock, FieldSpec, UnitFile
 from tqueue.wire._crc import crc
@@ -49,13 +50,13 @@ def test_the_payload_comes_back_from_its_files(tmp_path: pathlib.Path) -> None:
     columns = UnitCheckpoints(store, None, lambda r: None).snapshot([9, 404])
     # overwritten after the snapshot: the snapshot keeps the piece it saw
     store.write(9, "p", np.array([1]), [FieldBlock(name="o", spec=obj, counts=[1], sizes=[1])], [b"z"]).commit()
-    files = _write_all(_place(tmp_path), "unit-3", columns)
+    files = write_all(_place(tmp_path), "unit-3", columns)
     assert sorted((f.field, f.rows) for f in files) == [("ids", 3), ("o", 3)]
     assert all((tmp_path / f.path).stat().st_size == f.nbytes for f in files)
     assert all(f.crc32c == crc((tmp_path / f.path).read_bytes()) for f in files)
 
     fresh = PayloadStore()
-    for uid, name, indexes, block, frames in _read_all(Place(str(tmp_path)), files, MAX_INDEX):
+    for uid, name, indexes, block, frames in read_all(Place(str(tmp_path)), files, MAX_INDEX):
         fresh.write(uid, name, indexes, [block], frames).commit()
     block, data = _read(fresh, 9, "p", "ids", [0, 1, 2])
     assert block.shapes == [2, 1, 3] and block.packed == ["int8"]  # held narrow again, as before the save
@@ -80,9 +81,9 @@ def test_a_write_the_controller_had_not_committed_is_left_out(tmp_path: pathlib.
     checkpoints = UnitCheckpoints(store, None, lambda r: None)
     for exclude, want in (([2, 3], b"aabbccnn"), ([], b"XXbbZZnn")):
         folder = tmp_path / f"e{len(exclude)}"
-        files = _write_all(_place(folder), "unit-0", checkpoints.snapshot([4], exclude))
+        files = write_all(_place(folder), "unit-0", checkpoints.snapshot([4], exclude))
         fresh = PayloadStore()
-        for uid, name, indexes, block, frames in _read_all(Place(str(folder)), files, MAX_INDEX):
+        for uid, name, indexes, block, frames in read_all(Place(str(folder)), files, MAX_INDEX):
             fresh.write(uid, name, indexes, [block], frames).commit()
         held = fresh.partitions[4].columns["x"]
         n = int((held.piece_of[: held.top] > 0).sum())
@@ -107,12 +108,12 @@ def _shared_store() -> tuple[PayloadStore, list[bytes]]:
 
 
 def _save(store: PayloadStore, folder: pathlib.Path) -> list[UnitFile]:
-    return _write_all(_place(folder), "unit-3", UnitCheckpoints(store, None, lambda r: None).snapshot([9]))
+    return write_all(_place(folder), "unit-3", UnitCheckpoints(store, None, lambda r: None).snapshot([9]))
 
 
 def _load(folder: pathlib.Path, files: list[UnitFile]) -> PayloadStore:
     fresh = PayloadStore()
-    for uid, name, indexes, block, frames in _read_all(Place(str(folder)), files, MAX_INDEX):
+    for uid, name, indexes, block, frames in read_all(Place(str(folder)), files, MAX_INDEX):
         fresh.write(uid, name, indexes, [block], frames).commit()
     return fresh
 
@@ -137,7 +138,7 @@ def test_a_shared_value_is_in_the_file_once_and_comes_back_stored_once(tmp_path:
 
 
 def test_a_value_s_holders_are_never_split_between_batches(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checkpoint, "BATCH_BYTES", 100)  # a batch per value
+    monkeypatch.setattr(_payload_files, "BATCH_BYTES", 100)  # a batch per value
     store, want = _shared_store()
     [entry] = _save(store, tmp_path)
     reader = pa.ipc.open_file(tmp_path / entry.path)
@@ -202,7 +203,7 @@ def test_a_reference_to_a_value_that_is_not_there_is_refused(tmp_path: pathlib.P
     assert pa.ipc.open_file(tmp_path / entry.path).get_batch(0).column("index").to_pylist() == [0, 2, 5, 1, 4, 3]
     bad = _rewritten(tmp_path, entry, change)
     with pytest.raises(DataCorruptionError, match=r"unit-3/p9-f0.arrow \(field 'image' of partition 'p', unit 3\): " + match):
-        _read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
 
 
 def test_a_bit_flipped_in_a_shared_values_file_is_caught(tmp_path: pathlib.Path) -> None:
@@ -214,7 +215,7 @@ def test_a_bit_flipped_in_a_shared_values_file_is_caught(tmp_path: pathlib.Path)
     data[at] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(DataCorruptionError, match=r"unit-3/p9-f0.arrow \(field 'image' of partition 'p', unit 3\) fails its CRC-32C"):
-        _read_all(Place(str(tmp_path)), [entry], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [entry], MAX_INDEX)
 
 
 def test_a_payload_file_of_version_1_with_shared_values_loads(tmp_path: pathlib.Path) -> None:
@@ -394,7 +395,7 @@ def test_a_bit_flipped_in_a_narrow_value_is_caught(tmp_path: pathlib.Path) -> No
     data[at] ^= 0x04
     path.write_bytes(bytes(data))
     with pytest.raises(DataCorruptionError, match=r"p9-f0.arrow \(field 'routed_experts' of partition 'p', unit 3\) fails its CRC-32C"):
-        _read_all(Place(str(tmp_path)), [entry], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [entry], MAX_INDEX)
     crafted = msgspec.structs.replace(entry, crc32c=crc(bytes(data)))
     fresh = _load(tmp_path, [crafted])
     block, frames, wide = _wide(fresh, "routed_experts", list(range(8)))
@@ -461,7 +462,7 @@ def test_a_narrow_value_the_file_misdescribes_is_refused(tmp_path: pathlib.Path,
     bad = _rewrite(tmp_path, entry, change)
     where = rf"unit-3/{entry.path.split('/')[1]} \(field '{field}' of partition 'p', unit 3\): "
     with pytest.raises(DataCorruptionError, match=where + match + ": the checkpoint is damaged"):
-        _read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
 
 
 def test_a_packed_column_where_none_can_be_is_refused(tmp_path: pathlib.Path) -> None:
@@ -481,7 +482,7 @@ def test_a_packed_column_where_none_can_be_is_refused(tmp_path: pathlib.Path) ->
         (tmp_path / entry.path).write_bytes(raw)
         bad = _rewrite(tmp_path, entry, change, fields=fields, header=header)
         with raises as caught:
-            _read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
+            read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
         assert isinstance(caught.value, InvalidArgumentError | DataCorruptionError)
         assert "field 'positions' of partition 'p', unit 3" in str(caught.value)
 
@@ -497,7 +498,7 @@ def test_a_batch_that_names_its_piece_wrongly_is_refused(tmp_path: pathlib.Path)
     path.write_bytes(data)
     bad = msgspec.structs.replace(entry, nbytes=len(data), crc32c=crc(data))
     with pytest.raises(InvalidArgumentError, match=r"a record batch's metadata is not \{\"piece\": <int>\}"):
-        _read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
 
 
 def test_a_referring_row_packed_otherwise_than_its_value_is_refused(tmp_path: pathlib.Path) -> None:
@@ -511,7 +512,7 @@ def test_a_referring_row_packed_otherwise_than_its_value_is_refused(tmp_path: pa
     assert pa.ipc.open_file(tmp_path / entry.path).read_all().column("ref").to_pylist() == [-1, 0, 0]
     bad = _rewritten(tmp_path, entry, _set_packed(2, "int16"))
     with pytest.raises(DataCorruptionError, match=r"sample 2 is packed as 'int16', the value it refers to as 'int8'"):
-        _read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
+        read_all(Place(str(tmp_path)), [bad], MAX_INDEX)
     good = _rewritten(tmp_path, bad, _set_packed(2, "int8"))
     fresh = _load(tmp_path, [good])
     block, _, wide = _wide(fresh, "ids", [2, 1])
