@@ -14,7 +14,7 @@ import torch
 import zmq
 
 import tqueue
-from tqueue.transport import _zmq
+from tqueue.transport import _queues, _zmq_server
 from tqueue.wire import _messages as _wire
 
 from ._proc import peak_rss, reset_peak, rss, until
@@ -85,8 +85,8 @@ def test_a_peer_that_stops_reading_is_bounded_and_told(small_queue, partition):
 
 
 def test_a_reply_to_a_vanished_peer_is_counted_and_logged_once(caplog):
-    async def main() -> _zmq.SendQueues:
-        server = _zmq.Server("tcp://127.0.0.1:0", name="test server", max_header=1 << 20)
+    async def main() -> _queues.SendQueues:
+        server = _zmq_server.Server("tcp://127.0.0.1:0", name="test server", max_header=1 << 20)
         parked: list[tuple[bytes, int]] = []
         both = asyncio.Event()
 
@@ -115,7 +115,7 @@ def test_a_reply_to_a_vanished_peer_is_counted_and_logged_once(caplog):
         await server.close()
         return server.queues
 
-    with caplog.at_level(logging.WARNING, logger="tqueue.transport._zmq"):
+    with caplog.at_level(logging.WARNING, logger="tqueue.transport._zmq_server"):
         queues = asyncio.run(main())
     assert queues.unreachable == 2
     gone = [r for r in caplog.records if "is gone" in r.getMessage()]

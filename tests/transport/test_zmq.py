@@ -16,7 +16,7 @@ import zmq
 
 import tqueue
 from tqueue.errors import ControllerUnavailableError, ProtocolError, StorageUnitUnavailableError
-from tqueue.transport import _liveness, _sockets, _zmq
+from tqueue.transport import _liveness, _sockets, _zmq, _zmq_server
 from tqueue.wire import Kind
 from tqueue.wire import _messages as _wire
 
@@ -292,7 +292,7 @@ def test_replies_made_in_a_drain_leave_at_its_end_in_order_and_a_failed_one_is_r
     events: list[str] = []
 
     async def main():
-        server = _zmq.Server("tcp://127.0.0.1:0", name="stand-in", max_header=1 << 20)
+        server = _zmq_server.Server("tcp://127.0.0.1:0", name="stand-in", max_header=1 << 20)
         undelivered: list[tuple[bytes, str]] = []
 
         def undelivered_to(ident, msg):
@@ -343,7 +343,7 @@ def test_a_ping_is_answered_as_it_arrives_before_the_requests_taken_in_with_it_a
     seen: list[str] = []
 
     async def main():
-        server = _zmq.Server("inproc://tqueue-test-pong", name="stand-in", max_header=1 << 20)
+        server = _zmq_server.Server("inproc://tqueue-test-pong", name="stand-in", max_header=1 << 20)
         dealer = _sockets.context().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect("inproc://tqueue-test-pong")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ..config import StorageConfig
 from ..errors import ControllerUnavailableError, TQueueError
-from ..transport import _bulk, _zmq
+from ..transport import _bulk, _zmq, _zmq_server
 from ..transport._liveness import UNIT_LIVENESS, window
 from ..wire import Heartbeat, HeartbeatReply, Registered, RegisterUnit
 
@@ -25,7 +25,7 @@ class Membership:
     def __init__(
         self,
         config: StorageConfig,
-        server: _zmq.Server,
+        server: _zmq_server.Server,
         bulk: _bulk.BulkServer | None,
         *,
         describe: Callable[[], RegisterUnit],

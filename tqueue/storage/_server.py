@@ -27,7 +27,7 @@ from ..errors import (
     ProtocolVersionError,
     UnavailableError,
 )
-from ..transport import _auth, _bulk, _nixl, _zmq
+from ..transport import _auth, _bulk, _nixl, _zmq_server
 from ..transport._arena import Arena, Region
 from ..transport._liveness import session_of
 from ..transport._metrics import MetricsEndpoint, latency_family
@@ -79,7 +79,7 @@ class StorageUnit:
         self.config = config
         self.host = config.host or _env.host()
         per_peer, total = config.queued_bounds()
-        self._server = _zmq.Server(
+        self._server = _zmq_server.Server(
             config.bind,
             name="storage unit",
             max_header=config.max_header_bytes,

@@ -29,7 +29,7 @@ from typing import Any, Final
 from ..._tasks import Tasks
 from ...config import ControllerConfig
 from ...errors import InvalidArgumentError, PartitionClearedError, UnavailableError
-from ...transport import _zmq
+from ...transport import _zmq, _zmq_server
 from ...wire import Grant, Message, UnitInfo
 from ._parked import Parked
 from ._partition import GrantRecord, Options, Partition, step_in
@@ -231,7 +231,7 @@ class Requests:
     for budget, in order); together they count toward ``max_parked``. A parked request is
     answered here too (:meth:`answer`)."""
 
-    def __init__(self, config: ControllerConfig, server: _zmq.Server, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: ControllerConfig, server: _zmq_server.Server, loop: asyncio.AbstractEventLoop) -> None:
         self._config = config
         self._server = server
         self.reads: Parked[Waiter] = Parked(loop, _partition_of)
@@ -282,7 +282,7 @@ class Requests:
 class ControllerState:
     """What several parts share, in ten attributes. Create inside the running loop."""
 
-    def __init__(self, config: ControllerConfig, server: _zmq.Server) -> None:
+    def __init__(self, config: ControllerConfig, server: _zmq_server.Server) -> None:
         self.config = config
         self.server = server
         self.loop = asyncio.get_running_loop()

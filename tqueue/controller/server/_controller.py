@@ -25,7 +25,7 @@ import numpy as np
 
 from ...config import ControllerConfig
 from ...errors import InvalidArgumentError, ProtocolVersionError
-from ...transport import _auth, _zmq
+from ...transport import _auth, _zmq_server
 from ...transport._metrics import MetricsEndpoint
 from ...wire import (
     PROTOCOL_VERSION,
@@ -102,7 +102,7 @@ class Controller:
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.config = config or ControllerConfig()
-        self._server = _zmq.Server(
+        self._server = _zmq_server.Server(
             self.config.bind,
             name="controller",
             max_header=self.config.max_header_bytes,
