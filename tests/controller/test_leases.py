@@ -108,3 +108,18 @@ def test_an_ack_that_names_a_sample_twice_counts_it_once_and_acks_the_rest_of_it
     client.ack(meta)  # the rest of the lease, then nothing is left held
     status = {p.name: p for p in client.status().partitions}[partition].tasks["t"]
     assert (status.consumed, status.leased) == (3, 0)
+
+
+def test_an_ack_of_an_unknown_task_or_sample_is_refused_and_changes_nothing(client, partition):
+    """An ack that names a task with no state on the partition, or a sample the partition does
+    not have, is refused with the partition and what is wrong; the right ack afterwards
+    consumes the samples."""
+    client.put(partition, {"x": torch.arange(4)})
+    meta = client.get_meta(partition, ["x"], 4, task="t", timeout=5)
+    with pytest.raises(InvalidArgumentError, match=rf"task 'nobody' has no samples of partition '{partition}' to acknowledge"):
+        client.ack(msgspec.structs.replace(meta, task="nobody"))
+    with pytest.raises(InvalidArgumentError, match=rf"partition '{partition}' has no sample \[0, 1, 2, 99\]"):
+        client.ack(msgspec.structs.replace(meta, indexes=[0, 1, 2, 99]))
+    client.ack(meta)
+    with pytest.raises(WaitTimeoutError):  # consumed by "t": nothing left for it
+        client.get_meta(partition, ["x"], 1, task="t", timeout=0)
