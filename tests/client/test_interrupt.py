@@ -113,7 +113,8 @@ def test_an_interrupted_put_that_waits_for_memory_leaves_no_parked_write_and_no_
         assert [w.cause for w in client.status().waiting] == ["memory"]
         producer.send_signal(signal.SIGINT)
         assert line_of(producer, 30) == "interrupted"
-        assert client.status().waiting == []
+        # withdrawn: waited for, as the coalesced case was once seen still parked at an at-once check
+        until(lambda: client.status().waiting == [], 10, "the interrupted put's parked write withdrawn")
         client.clear("filler")  # were the put still parked, it would be granted 2 MiB now
         meta = client.put("after", {"x": torch.zeros(12, 1 << 16)}, timeout=0)  # 3 MiB: room at once
         assert len(meta) == 12
