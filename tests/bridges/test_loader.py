@@ -11,6 +11,7 @@ samples of a dead holder come back within seconds."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -93,6 +94,7 @@ def test_a_trainer_killed_leaves_exactly_its_unacked_samples_to_the_next(cluster
     mine, theirs = ctx.Pipe()
     trainer = ctx.Process(target=_train_three_then_hang, args=(cluster.address, partition, theirs))
     trainer.start()
+    workers: list[int] = []
     try:
         first = []
         for _ in range(3):
@@ -104,6 +106,7 @@ def test_a_trainer_killed_leaves_exactly_its_unacked_samples_to_the_next(cluster
             # trains, not those its workers prefetched
             assert task.consumed == len(first[0]) + len(first[1]) == 8
             assert task.leased >= 4
+        workers += _children(trainer.pid)  # its loader's workers: orphaned by the kill
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.join(30)
         # the next trainer gets every sample the dead one did not ack, once: its
@@ -118,9 +121,21 @@ def test_a_trainer_killed_leaves_exactly_its_unacked_samples_to_the_next(cluster
         if trainer.is_alive():
             trainer.kill()
             trainer.join()
+        for pid in workers:  # a worker blocked in a wait outlives its
+            with contextlib.suppress(ProcessLookupError):  # killed parent: stopped here, by pid
+                os.kill(pid, signal.SIGKILL)
     done = set(first[0] + first[1])
     assert sorted(second) == sorted(set(values) - done)  # each once, and none of the acked
     assert set(first[2]) <= set(second)  # the batch it was training when killed comes again
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux: /proc)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
 
 
 class HoldWorkers:
