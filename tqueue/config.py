@@ -408,7 +408,7 @@ class ClientConfig:
     bulk_lane_min_bytes: int = _setting(
         4 * MiB, "a put or fetch is split over parallel bulk streams only where each stream gets at least this much")
     coalesce_puts: bool = _setting(
-        False, "concurrent puts of this client to one partition, with the same fields and options, that are "
+        True, "concurrent puts of this client to one partition, with the same fields and options, that are "
         "waiting in one turn of its event loop go as one put (one grant, one store, one commit); each caller "
         "still gets its own samples' meta once they are stored. Cancelling one of them then withdraws its "
         "samples only until the put has gone out")
@@ -449,6 +449,6 @@ class ClientConfig:
             arena_checksums=bool(_env.number("TQUEUE_ARENA_CHECKSUMS", 0)),
             pack_ints=bool(_env.number("TQUEUE_PACK_INTS", 1)),
             pin_memory=bool(_env.number("TQUEUE_PIN_MEMORY", 0)),
-            coalesce_puts=bool(_env.number("TQUEUE_COALESCE_PUTS", 0)),
+            coalesce_puts=bool(_env.number("TQUEUE_COALESCE_PUTS", 1)),
             auth_dir=os.environ.get("TQUEUE_AUTH_DIR", ""),
         )

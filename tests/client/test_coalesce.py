@@ -102,6 +102,38 @@ def test_a_put_that_crosses_the_target_trims_the_callers_past_it(cluster, partit
     assert all(m.sealed for m in metas)
 
 
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "alone"])
+def test_callers_past_the_target_are_recycled_as_puts_of_their_own(cluster, partition, coalesce):
+    """A target of 10 with ``recycle_to``: of four puts of 4, the third is trimmed and the
+    fourth, wholly past the target, is recycled into the next partition as partial samples,
+    coalesced or not, with the same counts in ``status().reasons`` (before, the coalesced
+    fourth caller was stored past the target and aborted: its rollout was lost to the next step)."""
+    late = f"{partition}-next"
+
+    async def main():
+        config = dataclasses.replace(_config(False), coalesce_puts=coalesce)
+        async with tqueue.AsyncClient(cluster.address, config=config) as c:
+            await c.create_partition(partition, target=10, recycle_to=late)
+            puts = [c.put(partition, {"x": torch.full((4,), i)}, if_sealed="discard") for i in range(4)]
+            metas = await (asyncio.gather(*puts) if coalesce else _one_by_one(puts))
+            st = {p.name: p for p in (await c.status()).partitions}
+            recycled = await c.get_data(metas[3])
+            return metas, st, recycled, c.stats.puts
+
+    metas, st, recycled, stores = asyncio.run(main())
+    assert [m.status for m in metas] == ["ok", "ok", "trimmed", "recycled"]
+    assert metas[2].fates == ["ok", "ok", "aborted", "aborted"]
+    assert (metas[3].partition, metas[3].recycled_to, metas[3].indexes) == (late, late, [0, 1, 2, 3])
+    assert recycled["x"].tolist() == [3] * 4
+    assert st[partition].reasons == {"over target": 2, "recycled after seal": 4}  # sealed once the third committed
+    assert (st[late].samples, st[late].reasons) == (4, {})
+    assert stores == (2 if coalesce else 4)  # the three callers up to the target as one put, the fourth apart
+
+
+async def _one_by_one(puts):
+    return [await p for p in puts]
+
+
 def test_a_put_to_a_sealed_partition_is_aborted_for_every_caller(cluster, partition):
     """Three coalesced puts to a sealed partition: each caller that chose ``if_sealed="discard"``
     gets its own "aborted" meta, and the one that did not gets PartitionSealedError."""
@@ -175,14 +207,20 @@ def test_puts_that_every_caller_gave_up_on_are_withdrawn(cluster, partition):
     assert held in ([], [0]) and stores == 2  # none of theirs was stored: the filler, twice
 
 
-def test_off_by_default_each_put_goes_alone(cluster, partition):
-    async def main():
-        async with tqueue.AsyncClient(cluster.address) as c:
-            metas = await asyncio.gather(*(c.put(partition, _sample(i)) for i in range(4)))
-            return metas, c.stats.puts
+def test_on_by_default_and_off_each_put_goes_alone(cluster, partition, monkeypatch):
+    """Coalescing is the default (ClientConfig and the environment's); TQUEUE_COALESCE_PUTS=0
+    or ``coalesce_puts=False`` sends each put alone."""
+    assert tqueue.ClientConfig().coalesce_puts and tqueue.ClientConfig.from_env().coalesce_puts
+    monkeypatch.setenv("TQUEUE_COALESCE_PUTS", "0")
+    assert not tqueue.ClientConfig.from_env().coalesce_puts
 
-    metas, stores = asyncio.run(main())
-    assert stores == 4 and sorted(i for m in metas for i in m.indexes) == list(range(12))
+    async def main(config):
+        async with tqueue.AsyncClient(cluster.address, config=config) as c:
+            metas = await asyncio.gather(*(c.put(partition, _sample(i)) for i in range(4)))
+            return sorted(i for m in metas for i in m.indexes), c.stats.puts
+
+    assert asyncio.run(main(tqueue.ClientConfig.from_env())) == (list(range(12)), 4)
+    assert asyncio.run(main(tqueue.ClientConfig()))[1] == 1  # four waiting in one turn: one put
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -108,7 +108,7 @@ def test_concurrent_puts_share_a_lease_and_each_lands_whole(unit, sent, partitio
     the lease in force when it starts; those that find it full take the next."""
 
     async def main() -> None:
-        async with tqueue.AsyncClient(unit.address, config=CONFIG) as c:
+        async with tqueue.AsyncClient(unit.address, config=dataclasses.replace(CONFIG, coalesce_puts=False)) as c:
             metas = await asyncio.gather(*(c.put(partition, group(i)) for i in range(32)))
             assert sent["Store"] == 32 and sent["Alloc"] <= 8
             for i, meta in enumerate(metas):

@@ -309,6 +309,31 @@ def test_a_cancel_that_crosses_its_reply_releases_the_lease(cluster, client, par
     assert client.get_meta(partition, ["x"], 2, task="t", timeout=0).indexes == [0, 1]
 
 
+def test_a_put_of_several_callers_is_cut_after_the_caller_that_crosses_the_target(cluster, client, partition, raw):
+    """``Grant.callers`` (coalesced puts): with 6 places of a target of 10 left (4 held by an
+    uncommitted grant), a put of callers [2, 2, 2, 2] is answered ``take=6`` and nothing is
+    granted; [4, 4], whose last caller crosses, is granted as one put, its first 6 kept."""
+    from tqueue.client._encode import encode
+
+    client.create_partition(partition, target=10)
+    peer = raw(cluster.address)
+
+    def grant(rid, count, callers=None):
+        enc = encode({"x": torch.arange(count)}, partition=partition, chunk_bytes=1 << 20)
+        msg = Grant(rid=rid, partition=partition, count=count, blocks=enc.grant_blocks(), nbytes=enc.nbytes, callers=callers)
+        return peer.ask(wire.encode(msg))
+
+    assert grant(1, 4).kept == -1  # 4 places held
+    cut = grant(2, 8, [2, 2, 2, 2])
+    assert (cut.take, cut.grant_id, cut.unit) == (6, 0, None)
+    held = {p.name: p for p in client.status().partitions}[partition]
+    assert (held.in_flight, held.reasons) == (1, {})  # nothing granted or counted for the cut put
+    whole = grant(3, 8, [4, 4])
+    assert (whole.take, whole.kept) == (0, 6)
+    late = grant(4, 4, [2, 2])  # every place is held: late as a whole (aborted: no recycle_to)
+    assert (late.take, late.status) == (0, "aborted")
+
+
 def test_a_cancelled_put_whose_grant_was_sent_frees_its_target_places(cluster, client, partition, raw):
     from tqueue.client._encode import encode
 

@@ -364,6 +364,8 @@ HOSTILE = [
     pytest.param(Grant(partition="p", count=1, blocks=[x_block(1)], timeout=math.nan), r"timeout must be >= 0 seconds", id="grant-nan"),
     pytest.param(Grant(partition="p", count=2, blocks=[x_block(2)], versions=[0]), r"versions lists 1 entries for count=2", id="grant-versions"),
     pytest.param(Grant(partition="p", count=1, blocks=[x_block(1)], indexes=[BIG]), rf"indexes holds sample {BIG}", id="grant-index"),
+    pytest.param(Grant(partition="p", count=4, blocks=[x_block(4)], callers=[2, 1]), r"partition 'p': callers must be positive counts that sum to count=4 \(got 2 summing to 3\)", id="grant-callers-sum"),
+    pytest.param(Grant(partition="p", count=2, blocks=[x_block(2)], callers=[3, -1]), r"callers must be positive counts", id="grant-callers-negative"),
     pytest.param(
         Grant(partition="p", count=1, blocks=[FieldBlock(name="x", spec=FieldSpec(kind="tensor", dtype="int64", shape=(1,) * 40), counts=[1])]),
         r"spec.shape lists 40 entries; at most 32", id="grant-dims",

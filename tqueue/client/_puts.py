@@ -43,7 +43,7 @@ class _Waiting:
     groups: list[Any] | None
     versions: list[int] | None
     done: asyncio.Future[BatchMeta]
-    put: asyncio.Future[BatchMeta] | None = None  # the put it went out in, with
+    put: asyncio.Future[list[BatchMeta]] | None = None  # the put it went out in, with
     batch: list[_Waiting] = dataclasses.field(default_factory=list)  # the callers it went with
 
 
@@ -97,7 +97,9 @@ class Puts:
         if self.config.coalesce_puts and not enc.on_device and not enc.cuda_devices:
             meta = await self._coalesced(ask, enc, group_ids, versions, wait)
         else:
-            meta = await self._put(partition, enc, group_ids, versions, wait, ask.partial)
+            alone = await self._put(partition, enc, group_ids, versions, wait, ask.partial)
+            assert not isinstance(alone, int)  # only a put of several callers is answered ``take``
+            meta = alone
         if meta.status == "aborted" and ask.if_sealed == "raise":
             raise PartitionSealedError(
                 f"put of {enc.count} sample(s) (fields {[b.name for b in enc.blocks]}) to partition {partition!r} "
@@ -188,17 +190,7 @@ class Puts:
                 went[0] = True
                 self._went(len(batch))
 
-        try:
-            if len(batch) == 1:
-                enc, group_ids, versions = batch[0].enc, batch[0].groups, batch[0].versions
-            else:
-                enc = join(partition, [w.enc for w in batch])
-                group_ids = None if batch[0].groups is None else [g for w in batch for g in w.groups or ()]
-                versions = None if batch[0].versions is None else [v for w in batch for v in w.versions or ()]
-        except BaseException:
-            gone()
-            raise
-        put = asyncio.ensure_future(self._put(partition, enc, group_ids, versions, wait, partial, gone))
+        put = asyncio.ensure_future(self._put_callers(partition, batch, wait, partial, gone))
         put.add_done_callback(lambda _: gone())
 
         def withdraw(_: Any) -> None:  # every caller gave up: the put is withdrawn as one alone is
@@ -209,7 +201,7 @@ class Puts:
             w.put, w.batch = put, batch
             w.done.add_done_callback(withdraw)
         try:
-            meta = await put
+            metas = await put
         except BaseException as exc:  # every caller gets the put's failure
             for w in batch:
                 if not w.done.done():
@@ -217,23 +209,54 @@ class Puts:
             if not isinstance(exc, Exception):
                 raise
             return
-        at = 0
-        for w in batch:
+        for w, meta in zip(batch, metas):
             if not w.done.done():
-                w.done.set_result(meta if len(batch) == 1 else _part(meta, at, w.enc.count))
-            at += w.enc.count
+                w.done.set_result(meta)
+
+    async def _put_callers(
+        self, partition: str, batch: list[_Waiting], wait: float, partial: bool, going: Callable[[], None] | None,
+    ) -> list[BatchMeta]:
+        """One put of the callers' samples joined; each caller's meta. Where the controller
+        answers that the put would cross the partition's target before its last caller
+        (``Granted.take``), the callers up to the one that crosses go as one put and the
+        others after them as another, so each caller meets the target (kept, trimmed,
+        recycled or aborted) as a put of its own would."""
+        try:
+            if len(batch) == 1:
+                enc, group_ids, versions = batch[0].enc, batch[0].groups, batch[0].versions
+            else:
+                enc = join(partition, [w.enc for w in batch])
+                group_ids = None if batch[0].groups is None else [g for w in batch for g in w.groups or ()]
+                versions = None if batch[0].versions is None else [v for w in batch for v in w.versions or ()]
+        except BaseException:
+            if going is not None:
+                going()
+            raise
+        callers = [w.enc.count for w in batch] if len(batch) > 1 else None
+        meta = await self._put(partition, enc, group_ids, versions, wait, partial, going, callers)
+        if isinstance(meta, int):  # the callers up to the one that crosses, then the others
+            cut = [int(n) for n in np.cumsum(callers or ())].index(meta) + 1
+            first = await self._put_callers(partition, batch[:cut], wait, partial, None)
+            return first + await self._put_callers(partition, batch[cut:], wait, partial, None)
+        if len(batch) == 1:
+            return [meta]
+        ats = np.cumsum([0] + [w.enc.count for w in batch]).tolist()
+        return [_part(meta, at, w.enc.count) for w, at in zip(batch, ats)]
 
     async def _put(
         self, partition: str, enc: Encoded, group_ids: list[Any] | None, versions: list[int] | None,
-        wait: float, partial: bool, going: Callable[[], None] | None = None,
-    ) -> BatchMeta:
+        wait: float, partial: bool, going: Callable[[], None] | None = None, callers: list[int] | None = None,
+    ) -> BatchMeta | int:
         """One put of ``enc``: grant, store (placed again where its unit failed), its meta.
-        ``going``: called as its first grant request goes (the controller's connection)."""
+        ``going``: called as its first grant request goes (the controller's connection).
+        ``callers``: the samples of each caller of a coalesced put; where the controller
+        answers ``Granted.take``, nothing is stored and that is returned."""
         reserved = min(self.reserved, enc.count)
         share(enc, self.shared.get(partition, ()))  # values shared by content go once
         grant = Grant(
             partition=partition, count=enc.count, blocks=enc.grant_blocks(), host=self._conns.host,
             groups=group_ids, nbytes=enc.nbytes, versions=versions, reserved=reserved, partial=partial,
+            callers=callers,
         )
         deadline = time.monotonic() + wait  # math.inf: none
         first: Granted | None = None  # a grant replaced after its unit failed was already stored
@@ -250,6 +273,9 @@ class Puts:
             if reply.stored and first is not None:
                 reply, stored = first, Stored(nbytes=enc.nbytes)
                 break
+            if reply.take:
+                self.reserved += reserved  # the reservation stays with the callers' puts
+                return reply.take
             if reply.status == "aborted":
                 return BatchMeta(
                     partition=partition, partition_uid=reply.partition_uid, indexes=[], units=[],

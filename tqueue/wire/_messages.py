@@ -382,13 +382,18 @@ class Grant(Message):
     failed_unit: int = -1  # the unit that failed it (suspected dead from now on)
     append: list[str] | None = None  # (update) fields whose new rows go after the stored ones, along dim 0
     splice: dict[str, list[int]] | None = None  # (update) per spliced field, per sample: the first row it computes
+    callers: list[int] | None = None  # a put of several callers' samples joined (coalesce_puts): each one's count, in order
 
 
 class Granted(Message):
     """Where to write; ``status`` "aborted": the partition is sealed (or its target is
     promised to earlier puts), nothing is to be sent; "recycled": the samples go to
     ``partition`` (the recycle partition) as partial; ``kept`` >= 0: the put crosses the
-    target, only its first ``kept`` samples are kept, the others are stored and never served.
+    target, only its first ``kept`` samples are kept, the others are stored and never served;
+    ``take`` > 0 (a put of several callers, ``Grant.callers``, that crosses the target before
+    its last caller): nothing is granted, the writer puts its first ``take`` samples (the
+    callers up to the one that crosses) and the other callers' again, so each caller's
+    samples meet the target as a put of their own would.
     An update of a partition of two copies: ``unit`` and ``second_units`` are where its samples' copies
     are now, the units to write; "moved": they are no longer on one pair of units (locate
     them again)."""
@@ -406,6 +411,7 @@ class Granted(Message):
     stored: bool = False  # the grant named by ``replaces`` was committed after all: nothing to send
     second_units: list[UnitInfo] = []  # units to store the same bytes on too (the partition's second copy)
     dedup: list[str] = []  # the partition's fields shared by content: the writer sends each value once
+    take: int = 0  # > 0: nothing granted; put the first ``take`` samples, then the rest, apart
 
 
 class Alloc(Message):

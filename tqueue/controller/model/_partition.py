@@ -197,6 +197,20 @@ class Partition:
         added = self.check_put(msg)
         return None if added is None else self.admit_put(msg, added)
 
+    def callers_within(self, msg: Grant) -> int:
+        """A put of several callers (``Grant.callers``) that would cross the target before
+        its last caller: the samples of the callers up to the one that crosses (the writer
+        puts them, then the others apart, which come late). 0: grant it as it is."""
+        target = self.options.target
+        if msg.callers is None or msg.partial or not target or self.sealed:
+            return 0
+        room = target - self.complete - self.promised
+        if room <= 0:
+            return 0  # late as a whole
+        upto = np.cumsum(msg.callers)
+        take = int(upto[np.searchsorted(upto, room)]) if room < msg.count else msg.count
+        return take if take < msg.count else 0
+
     def check_room(self, count: int) -> None:
         """Refuse ``count`` more samples past ``max_samples`` (nothing is changed)."""
         if count < 0 or self.n + count > self.max_samples:

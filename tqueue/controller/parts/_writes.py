@@ -139,6 +139,9 @@ class Writes:
             # the partition is asked once, to check and record the put, once there is room
             # for it; a put that must wait for room is checked first (a bad one fails now, a
             # late one is answered now)
+            take = part.callers_within(msg) if msg.callers is not None else 0
+            if take:
+                return Granted(grant_id=0, partition_uid=part.uid, start=0, partition=part.name, take=take)
             twice = self._twice(part)
             try:
                 unit, admitted = self._room(msg)
@@ -183,7 +186,7 @@ class Writes:
         when = "after seal" if part.sealed else "over target"
         recycle = part.options.recycle_to
         if recycle and recycle != part.name and recycle not in via:
-            redirected = msgspec.structs.replace(msg, partition=recycle, partial=True)
+            redirected = msgspec.structs.replace(msg, partition=recycle, partial=True, callers=None)
             granted = self._grant_put(redirected, via | {part.name})
             if granted.status != "aborted":  # the recycle partition may refuse them too
                 part.reasons[f"recycled {when}"] += msg.count

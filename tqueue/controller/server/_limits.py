@@ -158,6 +158,11 @@ def _grant(msg: Grant, config: ControllerConfig) -> None:
             raise InvalidArgumentError(
                 f"partition {msg.partition!r}: {field} lists {len(values)} entries for count={msg.count}"
             )
+    if msg.callers is not None and (sum(msg.callers) != msg.count or min(msg.callers, default=0) < 1):
+        raise InvalidArgumentError(
+            f"partition {msg.partition!r}: callers must be positive counts that sum to count={msg.count} "
+            f"(got {len(msg.callers)} summing to {sum(msg.callers)})"
+        )
     indexes("indexes", msg.indexes, config)
     _blocks(msg.blocks, config)
     names("append", msg.append, MAX_FIELDS)
